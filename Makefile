@@ -1,0 +1,23 @@
+# The README's commands. `.venv` is created with python3.12 on first use.
+PY := .venv/bin/python
+VENV_STAMP := .venv/.installed-stamp
+
+.PHONY: demo test bench lint clean-venv
+
+$(VENV_STAMP): pyproject.toml
+	test -x $(PY) || python3.12 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test,wandb]"
+	touch $(VENV_STAMP)
+
+demo: $(VENV_STAMP)
+	$(PY) scripts/quickstart.py --workdir=runs/quickstart
+
+test: $(VENV_STAMP)
+	$(PY) -m pytest tests
+
+bench: $(VENV_STAMP)
+	$(PY) scripts/bench_kernels.py
+
+clean-venv:
+	rm -rf .venv

@@ -1,0 +1,1 @@
+"""Shared machinery for fixed-state attention language models: backbone, data, training, evaluation."""

@@ -1,0 +1,69 @@
+"""The mixer interface every sequence mixer implements (ARCHITECTURE.md, "The central interface").
+
+A mixer is an NNX module built as::
+
+    mixer = SomeMixer(SomeMixer.Config(...), d_model=D, init=InitSpec(...), dtype=jnp.bfloat16, rngs=rngs)
+
+and called, for training, prefill and one-token decode alike, as::
+
+    y_BxTxD, new_state = mixer(x_BxTxD, state=None, positions_BxT=None, segment_ids_BxT=None)
+
+* ``x_BxTxD`` arrives in the compute dtype (bf16 in training, fp32 in tests); ``y`` has the same dtype.
+  Parameters are fp32; recurrent state, normalisers and gates are accumulated in fp32.
+* ``state=None`` means "start of a sequence". Fixed-state mixers then still return the final state
+  (XLA drops it when unused). Mixers whose state grows (softmax KV cache) return ``None`` when called
+  with ``state=None``; to decode, call ``init_state(batch_size, max_len)`` first and prefill with it.
+* ``positions_BxT`` are the 0-based positions inside the document (the backbone always passes them;
+  a mixer used alone defaults to ``arange(T)`` offset by the state's own counter).
+* ``segment_ids_BxT`` (optional) marks packed documents; a mixer that supports it lets no token see
+  another segment and resets its state at a boundary. A mixer or implementation that cannot honour it
+  raises ``NotImplementedError`` naming the supported alternative.
+* ``init_state(batch_size, max_len)`` returns the zero state pytree; ``state_bytes(batch_size, max_len)``
+  the bytes that state occupies (SPEC accounting, used by model cards and the MQAR plot).
+* Every mixer class has a nested frozen dataclass ``Config`` whose fields all have defaults; the
+  config files set its fields by name and unknown names are rejected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class InitSpec:
+  """Initialisation scales: every projection N(0, std); output projections N(0, out_std).
+
+  BASED (SPEC §2.4) uses std 0.02 and out_std = 0.02 / sqrt(2 L).
+  """
+
+  std: float = 0.02
+  out_std: float = 0.02
+
+  @classmethod
+  def scaled(cls, std: float, n_layers: int) -> "InitSpec":
+    return cls(std=std, out_std=std / math.sqrt(2 * n_layers))
+
+
+def dense(in_features: int, out_features: int, *, std: float, rngs: nnx.Rngs, dtype=jnp.float32,
+          use_bias: bool = False) -> nnx.Linear:
+  """A Linear layer with N(0, std) kernel, zero bias, fp32 parameters and ``dtype`` compute."""
+  return nnx.Linear(in_features, out_features, use_bias=use_bias, dtype=dtype,
+                    param_dtype=jnp.float32, kernel_init=nnx.initializers.normal(std), rngs=rngs)
+
+
+def default_positions(batch_size: int, length: int, start_B: jax.Array | None = None) -> jax.Array:
+  """Positions ``start + 0..T-1`` as int32 [B, T]."""
+  pos_BxT = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch_size, length))
+  if start_B is not None:
+    pos_BxT = pos_BxT + start_B.astype(jnp.int32)[:, None]
+  return pos_BxT
+
+
+def float_bytes(*shapes: tuple[int, ...], itemsize: int = 4) -> int:
+  """Bytes of fp32 (by default) arrays of the given shapes."""
+  return sum(math.prod(s) for s in shapes) * itemsize
