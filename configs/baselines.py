@@ -1,0 +1,72 @@
+"""Baseline mixers in the shared backbone (SPEC §3, §4).
+
+Presets: ``tiny`` (softmax) and ``<mixer>_tiny`` for every baseline (embedded corpus, 2 CPU cores);
+``gla_182m`` (the SANATAN paper's GLA reference, 182,216,448 params tied at vocab 126,349);
+``cyfa_equal_state`` / ``gdn_equal_state`` (CyFA vs Gated DeltaNet at equal recurrent state, seed 002);
+``hybrid_cyfa_gdn`` (CyFA in the lower layers, Gated DeltaNet in the upper ones).
+
+    python train.py --config=configs/baselines.py:gla_tiny --workdir=runs/gla_tiny
+"""
+
+from configs import common
+from configs.sanatan import paper_data, paper_heldout, paper_tokenizer, paper_train
+
+
+def _tiny(kind: str, **mixer_fields):
+  return lambda: common.experiment(
+      model=dict(common.TINY_MODEL, pattern=f"{kind}*4"), mixers={kind: mixer_fields},
+      train=common.TINY_TRAIN, data=common.TINY_DATA, heldout=common.TINY_HELDOUT)
+
+
+def gla_182m():
+  """FLA GLA layer defaults at hidden 768 (4 heads, expand_k 0.5, expand_v 1, gate rank 16)."""
+  return common.experiment(
+      model=dict(vocab_size=126_349, d_model=768, n_layers=12, pattern="gla*12", mlp_hidden=2048,
+                 norm_eps=1e-6, tie_embeddings=True, dtype="bfloat16"),
+      mixers={"gla": {}}, train=paper_train(), data=paper_data(), sources=None,
+      tokenizer=paper_tokenizer(), heldout=paper_heldout())
+
+
+# Equal recurrent state (seed 002's rule): CyFA with dk = dv = 128 per head and GDN with the same
+# S ∈ R^{dk×dv} per head; both 4 heads at D = 512. The model card prints state bytes and FLOPs/token.
+_EQUAL_STATE = dict(vocab_size=8192, d_model=512, n_layers=8, mlp_hidden=1536, dtype="bfloat16")
+
+
+def cyfa_equal_state():
+  return common.experiment(model=dict(_EQUAL_STATE, pattern="cyfa*8"),
+                           mixers={"cyfa": dict(n_heads=4, head_dim=128, v_head_dim=128)},
+                           train=dict(steps=20_000, batch_size=64, learning_rate=1e-3), data=dict(seq_len=1024))
+
+
+def gdn_equal_state():
+  return common.experiment(model=dict(_EQUAL_STATE, pattern="gdn*8"),
+                           mixers={"gdn": dict(n_heads=4, head_dim=128, v_head_dim=128)},
+                           train=dict(steps=20_000, batch_size=64, learning_rate=1e-3), data=dict(seq_len=1024))
+
+
+def hybrid_cyfa_gdn():
+  """Seed 002's hybrid: gated accumulation in the lower layers, the delta rule in the upper ones."""
+  return common.experiment(model=dict(_EQUAL_STATE, pattern="cyfa*6,gdn*2"),
+                           mixers={"cyfa": dict(n_heads=4, head_dim=128, v_head_dim=128),
+                                   "gdn": dict(n_heads=4, head_dim=128, v_head_dim=128)},
+                           train=dict(steps=20_000, batch_size=64, learning_rate=1e-3), data=dict(seq_len=1024))
+
+
+PRESETS = {
+    "tiny": _tiny("softmax"),
+    "softmax_tiny": _tiny("softmax"),
+    "gla_tiny": _tiny("gla"),
+    "gdn_tiny": _tiny("gdn"),
+    "cyfa_tiny": _tiny("cyfa"),
+    "linear_transformer_tiny": _tiny("linear_transformer"),
+    "performer_tiny": _tiny("performer"),
+    "cosformer_tiny": _tiny("cosformer"),
+    "gla_182m": gla_182m,
+    "cyfa_equal_state": cyfa_equal_state,
+    "gdn_equal_state": gdn_equal_state,
+    "hybrid_cyfa_gdn": hybrid_cyfa_gdn,
+}
+
+
+def get_config(arg: str | None = None):
+  return common.select(PRESETS, arg)

@@ -1,0 +1,143 @@
+"""Orbax checkpoints of {params, non-trainable model state, optimizer state, step, data iterator, meta}.
+
+Saves are asynchronous and atomic (Orbax writes into a temporary folder and renames it when complete),
+so a crash never leaves a half-written step that looks finished, and older steps are only removed by
+the keep-last-N / keep-every-K policy after a newer save has been committed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+
+from lmcore.config import TrainConfig
+
+META_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint that cannot be used; the message says which, why and what to do. Nothing is deleted."""
+
+
+def param_signature(params) -> dict[str, list[int]]:
+  """{"path/to/param": shape} — what decides whether a checkpoint fits a model."""
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  return {"/".join(str(getattr(k, "key", k)) for k in path): list(leaf.shape) for path, leaf in flat}
+
+
+def resolve_checkpoint_dir(path: str) -> str:
+  """Accepts a run's workdir or its ``checkpoints`` folder."""
+  candidate = os.path.join(path, "checkpoints")
+  return candidate if os.path.isdir(candidate) else path
+
+
+class Checkpointer:
+  """Thin wrapper around ``ocp.CheckpointManager`` with this project's items and policies."""
+
+  def __init__(self, directory: str, train: TrainConfig | None = None, *, read_only: bool = False):
+    self.directory = os.path.abspath(directory)
+    policies = [ocp.checkpoint_managers.LatestN(train.keep_last if train else 2)]
+    if train and train.keep_every:
+      policies.append(ocp.checkpoint_managers.EveryNSteps(train.keep_every))
+    options = ocp.CheckpointManagerOptions(
+        create=not read_only, read_only=read_only, enable_async_checkpointing=not read_only,
+        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies))
+    self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self.manager.all_steps())
+
+  def save(self, step: int, state: dict[str, Any], data_iterator, meta: dict[str, Any]) -> None:
+    """Starts an async save of ``state`` (pytree), the data iterator position and ``meta`` (JSON)."""
+    items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
+    if data_iterator is not None:
+      items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
+    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+  def read_meta(self, step: int) -> dict[str, Any]:
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    except Exception as e:  # Orbax raises several types for missing/corrupted items.
+      raise CheckpointError(
+          f"checkpoint step {step} in {self.directory} has no readable metadata ({type(e).__name__}: "
+          f"{e}). It was not written by this codebase or it is corrupted. Nothing was deleted: move that "
+          f"step folder aside to resume from an earlier step, or use a new --workdir.") from e
+    return restored["meta"]
+
+  def check_compatible(self, step: int, expected_signature: dict[str, list[int]]) -> dict[str, Any]:
+    """Raises ``CheckpointError`` when the stored parameters do not fit the current model."""
+    meta = self.read_meta(step)
+    stored = meta.get("param_signature", {})
+    if stored != expected_signature:
+      missing = sorted(set(expected_signature) - set(stored))[:5]
+      extra = sorted(set(stored) - set(expected_signature))[:5]
+      shape = sorted(k for k in set(stored) & set(expected_signature)
+                     if stored[k] != expected_signature[k])[:5]
+      raise CheckpointError(
+          f"checkpoint step {step} in {self.directory} was written by a different model "
+          f"(stored model: {json.dumps(meta.get('model_summary', {}))}). Parameters missing from it: "
+          f"{missing}; unexpected in it: {extra}; with other shapes: {shape}. Use the config that wrote "
+          f"it, or a new --workdir. Nothing was deleted.")
+    return meta
+
+  def restore(self, step: int, abstract_state: dict[str, Any], data_iterator) -> dict[str, Any]:
+    """Restores the pytree ``state`` (shapes/dtypes/shardings from ``abstract_state``) and the iterator."""
+    items = {"state": ocp.args.StandardRestore(abstract_state)}
+    if data_iterator is not None:
+      items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+    except Exception as e:
+      raise CheckpointError(
+          f"checkpoint step {step} in {self.directory} could not be read ({type(e).__name__}: {e}). "
+          f"It may be corrupted or incomplete. Nothing was deleted: move that step folder aside to "
+          f"resume from an earlier step, or use a new --workdir.") from e
+    return restored["state"]
+
+  def restore_data(self, step: int, data_iterator) -> None:
+    """Sets ``data_iterator`` to the position saved at ``step`` (continuing another run's stream)."""
+    try:
+      self.manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(data_iterator)))
+    except Exception as e:
+      raise CheckpointError(f"the data-iterator state of step {step} in {self.directory} could not be "
+                            f"restored ({type(e).__name__}: {e}); the data config must match that run's.") from e
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def load_params(path: str, abstract_params, abstract_rest, *, step: int | None = None):
+  """Parameters and non-trainable model state only, from a run's workdir or checkpoint folder
+  (staged training, evaluation). Returns ``(params, rest, step, meta)``."""
+  directory = resolve_checkpoint_dir(path)
+  if not os.path.isdir(directory):
+    raise CheckpointError(f"no checkpoint directory at {path!r}; pass a run's workdir or its "
+                          f"'checkpoints' folder (train.init_from / --workdir).")
+  checkpointer = Checkpointer(directory, read_only=True)
+  step = checkpointer.latest_step() if step is None else step
+  if step is None or step not in checkpointer.all_steps():
+    raise CheckpointError(f"{directory} holds no finished checkpoint"
+                          f"{'' if step is None else f' at step {step}'} (steps: {checkpointer.all_steps()}).")
+  meta = checkpointer.check_compatible(step, param_signature(abstract_params))
+  target = {"params": abstract_params, "rest": abstract_rest}
+  try:
+    restored = checkpointer.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                     partial_restore=True)))
+  except Exception as e:
+    raise CheckpointError(f"parameters of step {step} in {directory} could not be read "
+                          f"({type(e).__name__}: {e}). Nothing was deleted.") from e
+  state = restored["state"]
+  return state["params"], state["rest"], step, meta

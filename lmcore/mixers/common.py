@@ -1,0 +1,54 @@
+"""Small pieces shared by the linear-attention mixers (GLA, CyFA, Linear Transformer, Performer, cosFormer)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lmcore.mixers.base import float_bytes
+
+
+class HeadRMSNorm(nnx.Module):
+  """y = x / sqrt(mean(x²) + eps) ⊙ w over one head's channels (last axis), w shared by all heads.
+
+  This is FLA's group RMSNorm of GLA / Gated DeltaNet (weight of size head_dim). With ``gate``,
+  y ⊙ swish(gate) (FLA's FusedRMSNormGated). Computed in fp32, returned in the input dtype.
+  """
+
+  def __init__(self, dim: int, *, eps: float):
+    self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+    self.eps = eps
+
+  def __call__(self, x_BxTxHxd: jax.Array, gate_BxTxHxd: jax.Array | None = None) -> jax.Array:
+    x = x_BxTxHxd.astype(jnp.float32)
+    y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps) * self.weight[...]
+    if gate_BxTxHxd is not None:
+      y = y * jax.nn.silu(gate_BxTxHxd.astype(jnp.float32))
+    return y.astype(x_BxTxHxd.dtype)
+
+
+def split_heads(x_BxTxF: jax.Array, n_heads: int) -> jax.Array:
+  """[B, T, H * d] -> [B, T, H, d]."""
+  B, T, F = x_BxTxF.shape
+  return x_BxTxF.reshape(B, T, n_heads, F // n_heads)
+
+
+def merge_heads(x_BxTxHxd: jax.Array) -> jax.Array:
+  """[B, T, H, d] -> [B, T, H * d]."""
+  B, T = x_BxTxHxd.shape[:2]
+  return x_BxTxHxd.reshape(B, T, -1)
+
+
+def implementation_for(configured: str, length: int) -> str:
+  """One-token calls (decode) use the token-by-token ``reference`` scan; the rest what is configured.
+
+  Both compute the same function; the chunked form would pad a single token to a whole chunk.
+  """
+  return "reference" if length == 1 else configured
+
+
+def linear_state_bytes(batch_size: int, n_heads: int, key_dim: int, value_dim: int) -> int:
+  """Bytes of a ``LinearAttentionState`` (S and z, fp32)."""
+  return float_bytes((batch_size, n_heads, key_dim, value_dim), (batch_size, n_heads, key_dim))
+

@@ -1,0 +1,99 @@
+"""Softmax attention (Transformer++ style, SPEC §4): causal MHA, RoPE or none, KV-cache decoding."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lmcore.mixers.base import InitSpec, default_positions, dense, float_bytes
+from lmcore.mixers.rotary import rotary
+
+
+class KVCache(NamedTuple):
+  """Decode state: keys/values of every position so far; ``length`` tokens are filled (scalar int32)."""
+
+  k: jax.Array  # [B, S, H, d]
+  v: jax.Array  # [B, S, H, d]
+  length: jax.Array  # []
+
+
+class SoftmaxAttention(nnx.Module):
+  """y = Wo · softmax(q kᵀ / √d + causal mask) v, heads concatenated; no biases."""
+
+  @dataclasses.dataclass(frozen=True)
+  class Config:
+    n_heads: int = 4
+    head_dim: int = 0  # 0: d_model // n_heads
+    rope: bool = True  # False: no positional signal here (use the backbone's absolute table)
+    rope_base: float = 10000.0
+    implementation: str = ""  # "" picks cuDNN on GPU and XLA elsewhere; or "xla" / "cudnn"
+
+  def __init__(self, config: Config, *, d_model: int, init: InitSpec, dtype=jnp.float32,
+               rngs: nnx.Rngs):
+    self.config = config
+    self.n_heads = config.n_heads
+    self.head_dim = config.head_dim or d_model // config.n_heads
+    inner = self.n_heads * self.head_dim
+    self.wq = dense(d_model, inner, std=init.std, dtype=dtype, rngs=rngs)
+    self.wk = dense(d_model, inner, std=init.std, dtype=dtype, rngs=rngs)
+    self.wv = dense(d_model, inner, std=init.std, dtype=dtype, rngs=rngs)
+    self.wo = dense(inner, d_model, std=init.out_std, dtype=dtype, rngs=rngs)
+
+  def init_state(self, batch_size: int, max_len: int) -> KVCache:
+    shape = (batch_size, max_len, self.n_heads, self.head_dim)
+    return KVCache(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
+                   jnp.zeros((), jnp.int32))
+
+  def state_bytes(self, batch_size: int, max_len: int) -> int:
+    return float_bytes((2, batch_size, max_len, self.n_heads, self.head_dim))
+
+  def __call__(self, x_BxTxD, state: KVCache | None = None, positions_BxT=None, segment_ids_BxT=None):
+    B, T, _ = x_BxTxD.shape
+    if positions_BxT is None:
+      start = None if state is None else jnp.broadcast_to(state.length, (B,))
+      positions_BxT = default_positions(B, T, start)
+    q_BxTxHxd, k_BxTxHxd, v_BxTxHxd = (
+        w(x_BxTxD).reshape(B, T, self.n_heads, self.head_dim) for w in (self.wq, self.wk, self.wv))
+    if self.config.rope:
+      q_BxTxHxd = rotary(q_BxTxHxd, positions_BxT, self.config.rope_base)
+      k_BxTxHxd = rotary(k_BxTxHxd, positions_BxT, self.config.rope_base)
+    if state is None:
+      o_BxTxHxd, new_state = self._attend_full(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, segment_ids_BxT), None
+    else:
+      if segment_ids_BxT is not None:
+        raise NotImplementedError("softmax decoding with segment_ids is not supported; decode one "
+                                  "document per row (segment_ids=None).")
+      o_BxTxHxd, new_state = self._attend_cache(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, state)
+    y_BxTxD = self.wo(o_BxTxHxd.reshape(B, T, -1).astype(x_BxTxD.dtype))
+    return y_BxTxD, new_state
+
+  def _implementation(self) -> str | None:
+    if self.config.implementation:
+      return self.config.implementation
+    return "cudnn" if jax.default_backend() == "gpu" else "xla"
+
+  def _attend_full(self, q, k, v, segment_ids_BxT):
+    if segment_ids_BxT is None:
+      return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self._implementation())
+    T = q.shape[1]
+    same_BxTxT = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
+    mask_Bx1xTxT = (same_BxTxT & jnp.tril(jnp.ones((T, T), bool)))[:, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask_Bx1xTxT, implementation="xla")
+
+  def _attend_cache(self, q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, state: KVCache):
+    """Writes the new keys/values at ``length`` and attends causally over the filled cache (fp32)."""
+    T, S = q_BxTxHxd.shape[1], state.k.shape[1]
+    start = state.length
+    k_cache = jax.lax.dynamic_update_slice_in_dim(state.k, k_BxTxHxd.astype(jnp.float32), start, axis=1)
+    v_cache = jax.lax.dynamic_update_slice_in_dim(state.v, v_BxTxHxd.astype(jnp.float32), start, axis=1)
+    scores_BxHxTxS = jnp.einsum("bthd,bshd->bhts", q_BxTxHxd.astype(jnp.float32), k_cache,
+                                precision=jax.lax.Precision.HIGHEST) / jnp.sqrt(self.head_dim)
+    visible_TxS = jnp.arange(S)[None, :] <= (start + jnp.arange(T))[:, None]
+    scores_BxHxTxS = jnp.where(visible_TxS, scores_BxHxTxS, -jnp.inf)
+    probs_BxHxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1)
+    o_BxTxHxd = jnp.einsum("bhts,bshd->bthd", probs_BxHxTxS, v_cache, precision=jax.lax.Precision.HIGHEST)
+    return o_BxTxHxd, KVCache(k_cache, v_cache, start + T)

@@ -1,0 +1,145 @@
+"""The backbone shared by every model family (SPEC §5).
+
+tokens -> embedding (+ learned absolute positions) -> L pre-norm blocks (mixer, then MLP; the residual
+stream is fp32) -> final norm -> tied or untied head -> fp32 logits. The mixer of each layer comes
+from ``ModelConfig.pattern``; every mixer follows ``lmcore.mixers.base``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.core import FrozenDict
+
+from lmcore.config import ModelConfig
+from lmcore.mixers import mixer_class
+from lmcore.mixers.base import InitSpec, default_positions, dense
+
+ModelState = dict[str, Any]  # {"position": int32 [B], "layers": tuple of per-layer mixer states}
+
+
+def _norm(config: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+  if config.norm == "layernorm":
+    return nnx.LayerNorm(config.d_model, epsilon=config.norm_eps, dtype=jnp.float32, rngs=rngs)
+  return nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, dtype=jnp.float32, rngs=rngs)
+
+
+class SwiGLU(nnx.Module):
+  """y = W_down (SiLU(x W_gate) ⊙ x W_up), no biases."""
+
+  def __init__(self, d_model: int, hidden: int, *, init: InitSpec, dtype, rngs: nnx.Rngs):
+    self.w_gate = dense(d_model, hidden, std=init.std, dtype=dtype, rngs=rngs)
+    self.w_up = dense(d_model, hidden, std=init.std, dtype=dtype, rngs=rngs)
+    self.w_down = dense(hidden, d_model, std=init.out_std, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x_BxTxD):
+    return self.w_down(jax.nn.silu(self.w_gate(x_BxTxD)) * self.w_up(x_BxTxD))
+
+
+class Block(nnx.Module):
+  """h + mixer(norm(h)), then h + mlp(norm(h)); h is the fp32 residual stream."""
+
+  def __init__(self, config: ModelConfig, kind: str, *, init: InitSpec, rngs: nnx.Rngs):
+    dtype = jnp.dtype(config.dtype)
+    self.dtype = dtype
+    self.mixer_norm = _norm(config, rngs)
+    self.mixer = mixer_class(kind)(config.mixers[kind], d_model=config.d_model, init=init, dtype=dtype,
+                                   rngs=rngs)
+    self.mlp_norm = _norm(config, rngs) if config.mlp == "swiglu" else None
+    self.mlp = (SwiGLU(config.d_model, config.mlp_hidden, init=init, dtype=dtype, rngs=rngs)
+                if config.mlp == "swiglu" else None)
+
+  def __call__(self, h_BxTxD, state, positions_BxT, segment_ids_BxT):
+    y_BxTxD, new_state = self.mixer(self.mixer_norm(h_BxTxD).astype(self.dtype), state=state,
+                                    positions_BxT=positions_BxT, segment_ids_BxT=segment_ids_BxT)
+    h_BxTxD = h_BxTxD + y_BxTxD.astype(jnp.float32)
+    if self.mlp is not None:
+      h_BxTxD = h_BxTxD + self.mlp(self.mlp_norm(h_BxTxD).astype(self.dtype)).astype(jnp.float32)
+    return h_BxTxD, new_state
+
+
+class LanguageModel(nnx.Module):
+  """``logits_BxTxV, new_state = model(tokens_BxT, state=None, positions_BxT=None, segment_ids_BxT=None)``.
+
+  ``state=None`` starts every row at position 0 (training). To decode, ``state = model.init_state(B,
+  max_len)``, prefill with the prompt, then feed one token at a time with the returned state.
+  """
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    init = (InitSpec.scaled(config.init_std, config.n_layers) if config.scale_out_init
+            else InitSpec(config.init_std, config.init_std))
+    embed_init = nnx.initializers.normal(config.init_std)
+    self.embed = nnx.Embed(config.vocab_size, config.d_model, embedding_init=embed_init, rngs=rngs)
+    self.pos_embed = (nnx.Embed(config.max_positions, config.d_model, embedding_init=embed_init, rngs=rngs)
+                      if config.max_positions else None)
+    self.blocks = nnx.List([Block(config, kind, init=init, rngs=rngs) for kind in config.layer_kinds()])
+    self.final_norm = _norm(config, rngs)
+    self.head = (None if config.tie_embeddings else
+                 dense(config.d_model, config.vocab_size, std=config.init_std, rngs=rngs))
+
+  def init_state(self, batch_size: int, max_len: int) -> ModelState:
+    return {"position": jnp.zeros((batch_size,), jnp.int32),
+            "layers": tuple(b.mixer.init_state(batch_size, max_len) for b in self.blocks)}
+
+  def state_bytes(self, batch_size: int, max_len: int) -> int:
+    """Bytes of the decode state of all mixers for ``batch_size`` sequences of ``max_len`` tokens."""
+    return sum(b.mixer.state_bytes(batch_size, max_len) for b in self.blocks)
+
+  def __call__(self, tokens_BxT, state: ModelState | None = None, positions_BxT=None, segment_ids_BxT=None):
+    B, T = tokens_BxT.shape
+    if positions_BxT is None:
+      positions_BxT = default_positions(B, T, None if state is None else state["position"])
+    h_BxTxD = self.embed(tokens_BxT).astype(jnp.float32)
+    if self.pos_embed is not None:
+      h_BxTxD = h_BxTxD + self.pos_embed(positions_BxT).astype(jnp.float32)
+    layer_states = (None,) * len(self.blocks) if state is None else state["layers"]
+    new_layer_states = []
+    for block, layer_state in zip(self.blocks, layer_states):
+      h_BxTxD, new_layer_state = block(h_BxTxD, layer_state, positions_BxT, segment_ids_BxT)
+      new_layer_states.append(new_layer_state)
+    logits_BxTxV = self._logits(self.final_norm(h_BxTxD))
+    new_state = {"position": positions_BxT[:, -1] + 1, "layers": tuple(new_layer_states)}
+    return logits_BxTxV, new_state
+
+  def mixer_inputs(self, tokens_BxT) -> list[jax.Array]:
+    """The normalised input of every layer's mixer for a fresh sequence (diagnostics, gate statistics)."""
+    B, T = tokens_BxT.shape
+    positions_BxT = default_positions(B, T)
+    h_BxTxD = self.embed(tokens_BxT).astype(jnp.float32)
+    if self.pos_embed is not None:
+      h_BxTxD = h_BxTxD + self.pos_embed(positions_BxT).astype(jnp.float32)
+    inputs = []
+    for block in self.blocks:
+      inputs.append(block.mixer_norm(h_BxTxD).astype(block.dtype))
+      h_BxTxD, _ = block(h_BxTxD, None, positions_BxT, None)
+    return inputs
+
+  def _logits(self, h_BxTxD):
+    dtype = jnp.dtype(self.config.dtype)
+    kernel_DxV = self.embed.embedding[...].T if self.head is None else self.head.kernel[...]
+    return jnp.einsum("btd,dv->btv", h_BxTxD.astype(dtype), kernel_DxV.astype(dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def with_mixer_overrides(config: ModelConfig, kinds=None, **overrides) -> ModelConfig:
+  """The same model with the named fields replaced in every mixer config (of ``kinds``) that has them."""
+  mixers = {}
+  for kind, mixer_cfg in config.mixers.items():
+    names = {f.name for f in dataclasses.fields(mixer_cfg)} if kinds is None or kind in kinds else set()
+    mixers[kind] = dataclasses.replace(mixer_cfg, **{k: v for k, v in overrides.items() if k in names})
+  return dataclasses.replace(config, mixers=FrozenDict(mixers))
+
+
+def count_params(model: nnx.Module) -> int:
+  return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def abstract_param_count(config: ModelConfig) -> int:
+  """Parameter count without allocating the model (``nnx.eval_shape``)."""
+  abstract = nnx.eval_shape(lambda: LanguageModel(config, rngs=nnx.Rngs(0)))
+  return count_params(abstract)

@@ -1,0 +1,280 @@
+"""``train_and_evaluate(config, workdir)``: the training loop.
+
+batch (Grain, per-process shard) -> global array on the mesh -> jitted step (bf16 activations, fp32
+params / optimizer state / logits / loss, gradient accumulation by ``lax.scan``) -> AdamW -> metrics
+fetched one step late (no host sync on the hot path) -> JSONL + progress line + wandb -> Orbax save of
+{params, model state, optimizer state, step, data iterator}. A workdir with checkpoints resumes;
+SIGTERM/SIGINT save and return; ``train.init_from`` loads parameters only (staged training).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from lmcore import checkpoint as ckpt_lib
+from lmcore import data as data_lib
+from lmcore import evaluate, metrics, sharding
+from lmcore.config import ExperimentConfig, to_jsonable
+from lmcore.model import LanguageModel, count_params
+from lmcore.optim import learning_rate_schedule, make_optimizer
+
+FAULT_ENV = "LMCORE_FAULT_SIGKILL_AFTER_STEP"  # test hook: SIGKILL self once this step's save is committed
+
+
+class StopRequested:
+  """Set by SIGTERM/SIGINT; the loop polls it at every step and saves before returning."""
+
+  def __init__(self):
+    self.signal_name: str | None = None
+
+  def install(self):
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    for s in previous:
+      signal.signal(s, self._handle)
+    return previous
+
+  def _handle(self, signum, _frame):
+    self.signal_name = signal.Signals(signum).name
+
+  @staticmethod
+  def restore(previous):
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything the loop needs, built once from the config."""
+
+  config: ExperimentConfig
+  workdir: str
+  graphdef: Any
+  params: Any
+  rest: Any
+  tx: optax.GradientTransformation
+  opt_state: Any
+  tokenizer: Any
+  data_iterator: Any
+  checkpointer: ckpt_lib.Checkpointer
+  meta: dict[str, Any]
+  step: int = 0
+
+
+def loss_fn(graphdef, params, rest, batch, use_segments: bool):
+  inputs, targets, positions, segments = evaluate.split_batch(batch, use_segments)
+  logits_BxTxV = evaluate.forward(graphdef, params, rest, inputs, positions, segments)
+  return evaluate.token_nll(logits_BxTxV, targets).mean()
+
+
+def make_train_step(graphdef, tx, config: ExperimentConfig):
+  """(params, opt_state, rest, batch) -> (params, opt_state, metrics); micro-batches via lax.scan."""
+  accum = config.train.grad_accum
+  use_segments = config.data.segment_ids
+  schedule = learning_rate_schedule(config.train)
+
+  def grads_of(params, rest, batch):
+    return jax.value_and_grad(lambda p: loss_fn(graphdef, p, rest, batch, use_segments))(params)
+
+  def train_step(params, opt_state, rest, batch, step):
+    if accum == 1:
+      loss, grads = grads_of(params, rest, batch)
+    else:
+      micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+
+      def body(carry, micro_batch):
+        loss, grads = grads_of(params, rest, micro_batch)
+        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+      zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+      (loss, grads), _ = jax.lax.scan(body, zeros, micro)
+      loss, grads = jax.tree.map(lambda x: x / accum, (loss, grads))
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads),
+                               "learning_rate": schedule(step)}
+
+  return jax.jit(train_step, donate_argnums=(0, 1))
+
+
+def _run_meta(config: ExperimentConfig, params, tokenizer, fingerprint) -> dict[str, Any]:
+  model = config.model
+  return {"version": ckpt_lib.META_VERSION, "param_signature": ckpt_lib.param_signature(params),
+          "model_summary": {"pattern": model.pattern, "d_model": model.d_model, "n_layers": model.n_layers,
+                            "vocab_size": model.vocab_size},
+          "model": to_jsonable(model), "tokenizer": tokenizer.name, "data_fingerprint": fingerprint}
+
+
+def build_run(config: ExperimentConfig, workdir: str) -> Run:
+  """Model, optimizer, data and checkpoints; restores the workdir's latest checkpoint if any."""
+  os.makedirs(workdir, exist_ok=True)
+  cache_dir = data_lib.cache_dir(config.data)
+  tokenizer = data_lib.load_tokenizer(config.data.tokenizer, cache_dir)
+  data_lib.check_vocab(tokenizer, config.model.vocab_size)
+  model = LanguageModel(config.model, rngs=nnx.Rngs(config.train.seed))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  params, rest = sharding.replicate(params.to_pure_dict()), sharding.replicate(rest.to_pure_dict())
+  tx = make_optimizer(config.train)
+  data_iterator = data_lib.make_train_iterator(
+      config.data, tokenizer, batch_size=config.train.batch_size, seed=config.train.seed,
+      process_index=jax.process_index(), process_count=jax.process_count())
+  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), config.train)
+  meta = _run_meta(config, params, tokenizer, data_lib.fingerprint(config.data))
+  run = Run(config, workdir, graphdef, params, rest, tx, tx.init(params), tokenizer, data_iterator,
+            checkpointer, meta)
+  latest = checkpointer.latest_step()
+  if latest is not None:
+    _resume(run, latest)
+  elif config.train.init_from:
+    _init_from(run)
+  return run
+
+
+def _train_state(run: Run) -> dict[str, Any]:
+  return {"params": run.params, "rest": run.rest, "opt_state": run.opt_state,
+          "step": jnp.asarray(run.step, jnp.int32)}
+
+
+def _resume(run: Run, step: int) -> None:
+  run.checkpointer.check_compatible(step, run.meta["param_signature"])
+  abstract = jax.tree.map(ocp_abstract, _train_state(run))
+  state = run.checkpointer.restore(step, abstract, run.data_iterator)
+  run.params, run.rest, run.opt_state = state["params"], state["rest"], state["opt_state"]
+  run.step = int(state["step"])
+  print(f"Resumed from step {run.step} in {run.checkpointer.directory}", flush=True)
+
+
+def ocp_abstract(x):
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
+def _init_from(run: Run) -> None:
+  """Stage chaining: parameters from another run (fresh optimizer), optionally its data position."""
+  train = run.config.train
+  params, rest, step, _ = ckpt_lib.load_params(train.init_from, jax.tree.map(ocp_abstract, run.params),
+                                               jax.tree.map(ocp_abstract, run.rest))
+  run.params, run.rest = sharding.replicate(params), sharding.replicate(rest)
+  run.opt_state = run.tx.init(run.params)
+  print(f"Initialised parameters from step {step} of {train.init_from}", flush=True)
+  if train.init_data_from:
+    source = ckpt_lib.Checkpointer(ckpt_lib.resolve_checkpoint_dir(train.init_data_from), read_only=True)
+    data_step = source.latest_step()
+    source.restore_data(data_step, run.data_iterator)
+    print(f"Continuing the data stream of {train.init_data_from} (step {data_step})", flush=True)
+
+
+def _save(run: Run, last_loss: float | None) -> None:
+  if last_loss is not None and not math.isfinite(last_loss):
+    raise FloatingPointError(
+        f"loss is {last_loss} at step {run.step}; not saving. The last good checkpoint "
+        f"(step {run.checkpointer.latest_step()}) is kept. Lower train.learning_rate or check the data.")
+  run.checkpointer.save(run.step, _train_state(run), run.data_iterator, run.meta)
+
+
+def _maybe_inject_fault(step: int, checkpointer: ckpt_lib.Checkpointer) -> None:
+  if os.environ.get(FAULT_ENV) == str(step):
+    checkpointer.wait()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def write_run_info(run: Run, writer: metrics.MetricWriter) -> None:
+  """The first log lines: what is being trained and on what (with the corpus fingerprint)."""
+  from lmcore import model_card  # Imported here: the card builds abstract models of its own.
+
+  card = model_card.card(run.config.model, run.config.data.seq_len)
+  info = {"config": to_jsonable(run.config), "model_card": card, "tokenizer": run.tokenizer.name,
+          "data_fingerprint": run.meta["data_fingerprint"], "devices": [str(d) for d in jax.devices()]}
+  if writer.enabled:
+    with open(os.path.join(run.workdir, "run_info.json"), "w") as f:
+      json.dump(info, f, indent=1)
+  writer.console(model_card.format_card(card))
+
+
+def train_and_evaluate(config: ExperimentConfig, workdir: str) -> dict[str, Any]:
+  """Trains to ``train.steps`` (resuming if possible), evaluates, returns the final eval record."""
+  stop = StopRequested()
+  previous_handlers = stop.install()
+  run = build_run(config, workdir)
+  writer = metrics.MetricWriter(workdir, config.wandb, to_jsonable(config))
+  try:
+    write_run_info(run, writer)
+    heldout = data_lib.load_or_build_heldout(config.data, run.tokenizer, heldout_path(config, workdir))
+    _loop(run, writer, stop, heldout)
+    if stop.signal_name:
+      writer.console(f"{stop.signal_name} received: saved step {run.step} and stopped.")
+      return {"stopped_by": stop.signal_name, "step": run.step}
+    return evaluate_run(run, heldout, writer)
+  finally:
+    run.checkpointer.close()
+    writer.close()
+    StopRequested.restore(previous_handlers)
+
+
+def heldout_path(config: ExperimentConfig, workdir: str) -> str:
+  return config.data.heldout.path or os.path.join(workdir, "heldout.npz")
+
+
+def _loop(run: Run, writer: metrics.MetricWriter, stop: StopRequested, heldout) -> None:
+  config = run.config
+  train = config.train
+  train_step = make_train_step(run.graphdef, run.tx, config)
+  tokens_per_step = train.batch_size * config.data.seq_len
+  throughput = metrics.Throughput(run.step)
+  pending = None  # (step, device metrics) of the previous step, fetched after the next dispatch
+  last_loss = None
+  while run.step < train.steps and not stop.signal_name:
+    batch = sharding.global_batch(next(run.data_iterator))
+    run.params, run.opt_state, step_metrics = train_step(run.params, run.opt_state, run.rest, batch,
+                                                         run.step)
+    run.step += 1
+    if pending is not None:
+      last_loss = _log(pending, writer, throughput, tokens_per_step, train)
+    pending = (run.step, step_metrics)
+    if run.step % train.checkpoint_every == 0 or run.step == train.steps or stop.signal_name:
+      last_loss = _log(pending, writer, throughput, tokens_per_step, train)
+      pending = None
+      _save(run, last_loss)
+      _maybe_inject_fault(run.step, run.checkpointer)
+    if train.eval_every and run.step % train.eval_every == 0 and run.step < train.steps:
+      _periodic_eval(run, heldout, writer)
+  if pending is not None:
+    _log(pending, writer, throughput, tokens_per_step, train)
+
+
+def _log(pending, writer, throughput, tokens_per_step, train) -> float:
+  step, device_metrics = pending
+  values = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+  if not math.isfinite(values["loss"]):
+    raise FloatingPointError(f"loss is {values['loss']} at step {step}. Checkpoints already written are "
+                             f"kept; lower train.learning_rate or check the data.")
+  if step % train.log_every == 0 or step == train.steps or step == 1:
+    tokens_per_s, step_s = throughput.update(step, tokens_per_step)
+    values.update(tokens_per_s=tokens_per_s, step_s=step_s)
+    writer.console(metrics.progress_line(step, train.steps, values["loss"], tokens_per_s, step_s))
+  writer.write(step, values)
+  return values["loss"]
+
+
+def _periodic_eval(run: Run, heldout, writer) -> None:
+  result = evaluate.heldout_loss(run.graphdef, run.params, run.rest, heldout,
+                                 batch_size=run.config.eval.batch_size, use_segments=run.config.data.segment_ids,
+                                 max_batches=run.config.train.eval_batches)
+  writer.write(run.step, {f"eval/{k}": v for k, v in result.items()})
+  writer.console(f"eval step {run.step}: held-out loss {result['loss']:.4f} nats "
+                 f"(ppl {result['perplexity']:.2f}, {result['tokens']:,} tokens)")
+
+
+def evaluate_run(run: Run, heldout, writer: metrics.MetricWriter | None = None) -> dict[str, Any]:
+  """Held-out loss (+ paired implementations for fixed-state models); writes ``eval_<step>.json``."""
+  return evaluate.evaluate_params(run.config, run.workdir, run.graphdef, run.params, run.rest, heldout,
+                                  run.step, run.tokenizer, writer)

@@ -1,0 +1,103 @@
+"""Backbone tests: shapes, causality by gradients, decode == full forward, config errors."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lmcore import config as cfg_lib
+from lmcore.model import LanguageModel, abstract_param_count, count_params
+
+
+def tiny_model_config(pattern="softmax*2", n_layers=2, **model_fields):
+  values = dict(vocab_size=97, d_model=32, n_layers=n_layers, pattern=pattern, mlp_hidden=48,
+                dtype="float32", **model_fields)
+  return cfg_lib.model_config({**values, "mixers": {"softmax": {"n_heads": 4}}})
+
+
+def make_model(config, seed=0):
+  return LanguageModel(config, rngs=nnx.Rngs(seed))
+
+
+def test_forward_shapes_and_dtypes():
+  model = make_model(tiny_model_config())
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, (3, 11)), jnp.int32)
+  logits, state = model(tokens)
+  assert logits.shape == (3, 11, 97) and logits.dtype == jnp.float32
+  assert np.all(np.isfinite(np.asarray(logits)))
+  np.testing.assert_array_equal(np.asarray(state["position"]), [11, 11, 11])
+
+
+def test_future_tokens_get_zero_gradient():
+  """Causality (nanodo's test): d logits_t / d position-embedding row s is exactly 0 for s > t."""
+  model = make_model(tiny_model_config(max_positions=9))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 97, (1, 9)), jnp.int32)
+  t = 4
+
+  def logit_at_t(params):
+    return nnx.merge(graphdef, params, rest)(tokens)[0][0, t].sum()
+
+  grad_PxD = np.asarray(jax.grad(logit_at_t)(params)["pos_embed"]["embedding"][...])
+  assert np.abs(grad_PxD[t + 1:]).max() == 0.0
+  assert np.abs(grad_PxD[:t + 1]).min(axis=1).max() > 0.0
+
+
+def test_changing_future_tokens_leaves_past_logits_unchanged():
+  model = make_model(tiny_model_config())
+  tokens = np.random.default_rng(3).integers(0, 97, (2, 12))
+  changed = tokens.copy()
+  changed[:, 7:] = (changed[:, 7:] + 1) % 97
+  a, _ = model(jnp.asarray(tokens, jnp.int32))
+  b, _ = model(jnp.asarray(changed, jnp.int32))
+  np.testing.assert_array_equal(np.asarray(a[:, :7]), np.asarray(b[:, :7]))
+  assert np.abs(np.asarray(a[:, 7:] - b[:, 7:])).max() > 0
+
+
+def test_decode_token_by_token_equals_full_forward():
+  model = make_model(tiny_model_config(max_positions=32))
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 97, (2, 10)), jnp.int32)
+  full, _ = model(tokens)
+  state = model.init_state(2, 16)
+  logits, state = model(tokens[:, :3], state=state)  # prefill
+  steps = [logits]
+  for i in range(3, 10):
+    logits, state = model(tokens[:, i:i + 1], state=state)
+    steps.append(logits)
+  np.testing.assert_allclose(np.concatenate(steps, axis=1), np.asarray(full), atol=1e-4, rtol=1e-4)
+
+
+def test_untied_head_and_layernorm_and_no_mlp():
+  config = tiny_model_config(tie_embeddings=False, norm="layernorm", mlp="none")
+  model = make_model(config)
+  logits, _ = model(jnp.zeros((1, 5), jnp.int32))
+  assert logits.shape == (1, 5, 97)
+  assert count_params(model) == abstract_param_count(config)
+
+
+def test_pattern_parsing():
+  assert cfg_lib.parse_pattern("a*2,b*1", 3) == ("a", "a", "b")
+  assert cfg_lib.parse_pattern("c*5;t@1,3;s@2", 5) == ("c", "t", "s", "t", "c")
+  assert cfg_lib.parse_pattern("x", 3) == ("x",) * 3
+  with pytest.raises(cfg_lib.ConfigError, match="n_layers"):
+    cfg_lib.parse_pattern("a*2", 3)
+
+
+def test_unknown_keys_name_the_key_and_the_valid_ones():
+  with pytest.raises(cfg_lib.ConfigError, match=r"model\.mixers\.softmax\.n_head'.*Did you mean"):
+    cfg_lib.model_config({"pattern": "softmax*2", "mixers": {"softmax": {"n_head": 4}}})
+  with pytest.raises(cfg_lib.ConfigError, match="Valid keys under 'train'"):
+    cfg_lib.experiment_config({"train": {"stepz": 3}})
+  with pytest.raises(ValueError, match="unknown mixer kind 'sanatn'"):
+    cfg_lib.model_config({"pattern": "sanatn*2"})
+
+
+def test_with_mixer_overrides_changes_only_matching_fields():
+  from lmcore.model import with_mixer_overrides
+  config = tiny_model_config()
+  changed = with_mixer_overrides(config, rope=False, not_a_field=3)
+  assert changed.mixers["softmax"].rope is False
+  assert dataclasses.replace(changed.mixers["softmax"], rope=True) == config.mixers["softmax"]

@@ -1,0 +1,26 @@
+"""Train a model: ``python train.py --config=configs/<file>.py:<preset> [--config.a.b=v ...] --workdir=DIR``.
+
+A workdir that already holds checkpoints resumes from the latest one.
+"""
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from lmcore import config as cfg_lib
+from lmcore import sharding, train_lib
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file and preset, e.g. configs/sanatan.py:tiny.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, eval_<step>.json.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  sharding.initialize_distributed()
+  config = cfg_lib.experiment_config(_CONFIG.value)
+  train_lib.train_and_evaluate(config, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)
