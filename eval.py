@@ -6,7 +6,7 @@ A p = 2 SANATAN run read out at p = 1 (the paper's unadapted control):
 ``--config.model.mixers.sanatan.p=1``.
 """
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from lmcore import config as cfg_lib
@@ -23,6 +23,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO.
   sharding.initialize_distributed()
   config = cfg_lib.experiment_config(_CONFIG.value)
   evaluate.evaluate_checkpoint(config, _WORKDIR.value, _STEP.value, _PROMPT.value, _MAX_NEW_TOKENS.value)

@@ -3,7 +3,7 @@
 A workdir that already holds checkpoints resumes from the latest one.
 """
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from lmcore import config as cfg_lib
@@ -17,6 +17,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO.
   sharding.initialize_distributed()
   config = cfg_lib.experiment_config(_CONFIG.value)
   train_lib.train_and_evaluate(config, _WORKDIR.value)

@@ -37,7 +37,7 @@ class ModelConfig:
   n_layers: int = 2
   pattern: str = "softmax*2"
   mixers: Mapping[str, Any] = dataclasses.field(default_factory=FrozenDict)
-  mlp: str = "swiglu"  # "swiglu" | "none"
+  mlp: str = "swiglu"  # "swiglu" | "none" | "zoology_identity" (residual += norm(residual); MQAR)
   mlp_hidden: int = 512
   norm: str = "rmsnorm"  # "rmsnorm" | "layernorm"
   norm_eps: float = 1e-5
@@ -217,8 +217,8 @@ def validate(config: ExperimentConfig) -> None:
   if config.model.max_positions and config.data.seq_len > config.model.max_positions:
     raise ConfigError(f"data.seq_len={config.data.seq_len} exceeds model.max_positions="
                       f"{config.model.max_positions}; raise model.max_positions or shorten data.seq_len.")
-  if config.model.mlp not in ("swiglu", "none"):
-    raise ConfigError(f"model.mlp={config.model.mlp!r}; valid: 'swiglu', 'none'.")
+  if config.model.mlp not in ("swiglu", "none", "zoology_identity"):
+    raise ConfigError(f"model.mlp={config.model.mlp!r}; valid: 'swiglu', 'none', 'zoology_identity'.")
   if config.model.norm not in ("rmsnorm", "layernorm"):
     raise ConfigError(f"model.norm={config.model.norm!r}; valid: 'rmsnorm', 'layernorm'.")
   if config.wandb.mode not in ("online", "offline", "disabled"):

@@ -41,7 +41,10 @@ class SwiGLU(nnx.Module):
 
 
 class Block(nnx.Module):
-  """h + mixer(norm(h)), then h + mlp(norm(h)); h is the fp32 residual stream."""
+  """h + mixer(norm(h)), then h + mlp(norm(h)); h is the fp32 residual stream.
+
+  ``mlp="none"`` skips the second half; ``"zoology_identity"`` adds norm(h) instead (zoology's quirk).
+  """
 
   def __init__(self, config: ModelConfig, kind: str, *, init: InitSpec, rngs: nnx.Rngs):
     dtype = jnp.dtype(config.dtype)
@@ -49,7 +52,8 @@ class Block(nnx.Module):
     self.mixer_norm = _norm(config, rngs)
     self.mixer = mixer_class(kind)(config.mixers[kind], d_model=config.d_model, init=init, dtype=dtype,
                                    rngs=rngs)
-    self.mlp_norm = _norm(config, rngs) if config.mlp == "swiglu" else None
+    self.mlp_kind = config.mlp
+    self.mlp_norm = _norm(config, rngs) if config.mlp != "none" else None
     self.mlp = (SwiGLU(config.d_model, config.mlp_hidden, init=init, dtype=dtype, rngs=rngs)
                 if config.mlp == "swiglu" else None)
 
@@ -57,8 +61,12 @@ class Block(nnx.Module):
     y_BxTxD, new_state = self.mixer(self.mixer_norm(h_BxTxD).astype(self.dtype), state=state,
                                     positions_BxT=positions_BxT, segment_ids_BxT=segment_ids_BxT)
     h_BxTxD = h_BxTxD + y_BxTxD.astype(jnp.float32)
-    if self.mlp is not None:
+    if self.mlp_kind == "swiglu":
       h_BxTxD = h_BxTxD + self.mlp(self.mlp_norm(h_BxTxD).astype(self.dtype)).astype(jnp.float32)
+    elif self.mlp_kind == "zoology_identity":
+      # zoology with an Identity state mixer returns LN2(residual), which the next step adds to the
+      # residual again (based_zoology.md §7.3): reproduced for faithful MQAR numbers.
+      h_BxTxD = h_BxTxD + self.mlp_norm(h_BxTxD)
     return h_BxTxD, new_state
 
 

@@ -1,0 +1,160 @@
+"""The embedded default corpus (SPEC §6.2): the running interpreter's Python standard library source.
+
+Every Python installation carries it, so a fresh machine trains on real text without a download.
+Documents are whole ``.py`` files under ``sysconfig.get_paths()["stdlib"]``, excluding test folders
+(``test``, ``tests``, ``idle_test``) and ``site-packages`` (CPython 3.12: 686 files, 11.6 MB).
+
+A file is held out when the first 32 bits of ``sha256(relative path)``, mod 1000, are below 30 (~3 % of
+files; 20 files, 0.30 MB on CPython 3.12.1). The rule depends on the path alone, so the split is stable
+across machines and versions. The fingerprint (file list, sizes) does change with the interpreter
+version, and with it the cached tokenizer; runs record it (``lmcore.data.fingerprint``) and held-out sets
+refuse a different one.
+
+The tokenizer is a SentencePiece BPE model (byte fallback, so any text encodes; identity
+normalisation, so whitespace and indentation round-trip) trained on the train split's lines on first
+use and cached under ``<cache_dir>/embedded/`` keyed by the corpus fingerprint and the vocabulary size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import sysconfig
+import time
+
+import sentencepiece as spm
+
+EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages"})
+HELDOUT_PER_MILLE = 30
+SPLITS = ("train", "heldout")
+# Fixed ids so that a model card can name them; "\n" is a piece of its own because code is line-shaped.
+UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
+# SentencePiece's BPE trainer gives different models for different thread counts; one thread keeps the
+# cached model identical on every machine (about 4 s for the 8k vocabulary).
+_TRAIN_THREADS = 1
+_MAX_LINE_BYTES = 4096
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusFingerprint:
+  """Identity of the embedded corpus: recorded with every run and in held-out metadata."""
+
+  python: str
+  num_files: int
+  num_bytes: int
+  sha256: str
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def stdlib_root() -> pathlib.Path:
+  return pathlib.Path(sysconfig.get_paths()["stdlib"])
+
+
+def split_of(relative_path: str) -> str:
+  """"heldout" for ~3 % of files chosen by a hash of the relative path, else "train"."""
+  digest = hashlib.sha256(relative_path.encode("utf-8")).hexdigest()
+  return "heldout" if int(digest[:8], 16) % 1000 < HELDOUT_PER_MILLE else "train"
+
+
+@functools.cache
+def _all_files(root: pathlib.Path) -> tuple[tuple[str, int], ...]:
+  """Sorted (relative posix path, size in bytes) of every corpus file under ``root``."""
+  files = []
+  for path in root.rglob("*.py"):
+    relative = path.relative_to(root)
+    if EXCLUDED_DIRS.isdisjoint(relative.parts[:-1]) and path.is_file():
+      files.append((relative.as_posix(), path.stat().st_size))
+  if not files:
+    raise FileNotFoundError(f"No .py files under the standard library folder {root}; the embedded corpus "
+                            "needs a CPython installation with its sources.")
+  return tuple(sorted(files))
+
+
+def corpus_files(split: str) -> list[pathlib.Path]:
+  """Absolute paths of the files of one split, sorted."""
+  if split not in SPLITS:
+    raise ValueError(f"The embedded corpus has splits {SPLITS}, not {split!r}.")
+  root = stdlib_root()
+  return [root / rel for rel, _ in _all_files(root) if split_of(rel) == split]
+
+
+def fingerprint() -> CorpusFingerprint:
+  """sha256 over the sorted ``path\\tsize`` list of all corpus files."""
+  root = stdlib_root()
+  files = _all_files(root)
+  listing = "\n".join(f"{rel}\t{size}" for rel, size in files)
+  return CorpusFingerprint(python=sysconfig.get_python_version(), num_files=len(files),
+                           num_bytes=sum(size for _, size in files),
+                           sha256=hashlib.sha256(listing.encode("utf-8")).hexdigest())
+
+
+def read_document(path: pathlib.Path) -> str:
+  # A few stdlib files declare other encodings; replacement keeps reads total and deterministic.
+  return path.read_bytes().decode("utf-8", errors="replace")
+
+
+def resolve_cache_dir(cache_dir: str = "") -> pathlib.Path:
+  """``cache_dir``, else $FSLM_CACHE, else ~/.cache/fixed_state_lm."""
+  chosen = cache_dir or os.environ.get("FSLM_CACHE") or "~/.cache/fixed_state_lm"
+  return pathlib.Path(chosen).expanduser()
+
+
+def _training_lines():
+  """Non-empty lines of the train split, without their newline (it is a user-defined piece)."""
+  for path in corpus_files("train"):
+    for line in read_document(path).splitlines():
+      if line.strip() and len(line.encode("utf-8")) <= _MAX_LINE_BYTES:
+        yield line
+
+
+def _train_model(vocab_size: int, output: pathlib.Path) -> None:
+  start = time.perf_counter()
+  with open(output, "wb") as writer:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=_training_lines(), model_writer=writer, model_type="bpe", vocab_size=vocab_size,
+        byte_fallback=True, character_coverage=0.9999, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, add_dummy_prefix=False, allow_whitespace_only_pieces=True,
+        split_digits=True, user_defined_symbols=["\n"], unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+        pad_id=PAD_ID, max_sentence_length=_MAX_LINE_BYTES, input_sentence_size=0,
+        num_threads=_TRAIN_THREADS, minloglevel=2)
+  logger.info("Trained the embedded SentencePiece model (vocab %d) in %.1f s: %s", vocab_size,
+              time.perf_counter() - start, output)
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path):
+  with open(path, "w") as handle:
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def tokenizer_model_path(vocab_size: int, cache_dir: str = "") -> pathlib.Path:
+  """The cached SentencePiece model for this corpus and vocabulary, trained on first use.
+
+  Training writes a temporary file and renames it; a lock makes a concurrent second process wait
+  and then find the cached model instead of training its own.
+  """
+  folder = resolve_cache_dir(cache_dir) / "embedded"
+  folder.mkdir(parents=True, exist_ok=True)
+  target = folder / f"stdlib_bpe{vocab_size}_{fingerprint().sha256[:16]}.model"
+  if target.exists():
+    return target
+  with _file_lock(folder / f"{target.name}.lock"):
+    if not target.exists():
+      temporary = folder / f".{target.name}.{os.getpid()}.tmp"
+      _train_model(vocab_size, temporary)
+      os.replace(temporary, target)
+  return target

@@ -1,0 +1,125 @@
+"""The fixed held-out set (SPEC §1.4, §6.3) and the unigram-entropy reference.
+
+Per source: the documents ``[heldout_skip, end)`` of its held-out split, shuffled once with the
+held-out seed, mixed by the source weights and packed exactly like training data. The first
+``num_sequences`` full windows are written once (atomically, npz + JSON metadata) and reused by every
+later run. The held-out data is never repeated: when it has fewer windows, the set is smaller and a
+warning says so (the embedded corpus holds ~0.3 MB of held-out text, about 95k tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import warnings
+
+import numpy as np
+
+from lmcore.data import pipeline
+from lmcore.data.config import DataConfig
+from lmcore.data.tokenizers import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_SOURCE_KEYS = ("name", "kind", "path", "text_key", "weight", "heldout_skip", "data_dir")
+
+
+def metadata(cfg: DataConfig, tokenizer: Tokenizer) -> dict:
+  """What identifies a held-out set: a stored set is reused only if this matches exactly."""
+  sources = [{**{k: getattr(s, k) for k in _SOURCE_KEYS}, "heldout_split": pipeline.heldout_split(s)}
+             for s in cfg.sources]
+  return {
+      "seed": cfg.heldout.seed, "num_sequences": cfg.heldout.num_sequences, "seq_len": cfg.seq_len,
+      "sources": sources, "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
+      "eos_id": tokenizer.eos_id, "embedded_corpus": pipeline.fingerprint(cfg)["embedded_corpus"],
+  }
+
+
+def _warn_if_overlapping(cfg: DataConfig) -> None:
+  for s in cfg.sources:
+    if pipeline.heldout_split(s) == s.split and s.heldout_skip == 0:
+      logger.warning("Held-out documents of data.sources.%s come from its training split %r without "
+                     "data.sources.%s.heldout_skip, so training also reads them.", s.name, s.split, s.name)
+
+
+def build_heldout(cfg: DataConfig, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
+  """Packs up to ``num_sequences`` windows: tokens, segment_ids, document positions, int32 [N, T + 1]."""
+  _warn_if_overlapping(cfg)
+  per_source = [pipeline.source_documents(cfg, i, heldout=True).shuffle(
+      seed=pipeline.derive_seed(cfg.heldout.seed, i)) for i in range(len(cfg.sources))]
+  documents = pipeline.mix(per_source, cfg).map(pipeline.TokenizeDocument(tokenizer))
+  windows = []
+  for window in pipeline.pack(documents.to_iter_dataset(pipeline.READ_OPTIONS), cfg.seq_len):
+    if (window["tokens_segment_ids"] == 0).any():  # the padded tail of the stream
+      break
+    windows.append(window)
+    if len(windows) == cfg.heldout.num_sequences:
+      break
+  if not windows:
+    raise ValueError(f"The held-out documents hold fewer than seq_len + 1 = {cfg.seq_len + 1} tokens; "
+                     "lower data.seq_len or heldout_skip.")
+  if len(windows) < cfg.heldout.num_sequences:
+    warnings.warn(f"The held-out split has only {len(windows)} windows of {cfg.seq_len + 1} tokens "
+                  f"(data.heldout.num_sequences={cfg.heldout.num_sequences}); evaluating on those. "
+                  "Held-out data is never repeated.", stacklevel=2)
+  return {"tokens": np.stack([w["tokens"] for w in windows]).astype(np.int32),
+          "segment_ids": np.stack([w["tokens_segment_ids"] for w in windows]).astype(np.int32),
+          "document_positions": np.stack([w["tokens_positions"] for w in windows]).astype(np.int32)}
+
+
+def _write_atomically(path: pathlib.Path, arrays: dict[str, np.ndarray], meta: dict) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+  with open(temporary, "wb") as handle:
+    np.savez(handle, metadata=np.asarray(json.dumps(meta, sort_keys=True)), **arrays)
+  os.replace(temporary, path)
+
+
+def _read(path: pathlib.Path, expected: dict) -> dict[str, np.ndarray]:
+  with np.load(path, allow_pickle=False) as stored:
+    meta = json.loads(str(stored["metadata"]))
+    arrays = {k: stored[k] for k in stored.files if k != "metadata"}
+  expected = json.loads(json.dumps(expected))  # tuples -> lists, as stored
+  if meta != expected:
+    differing = sorted(k for k in set(meta) | set(expected) if meta.get(k) != expected.get(k))
+    details = "; ".join(f"{k}: stored {meta.get(k)!r}, config {expected.get(k)!r}" for k in differing)
+    raise ValueError(f"The held-out set {path} was built for another configuration ({details}). Delete it to "
+                     "rebuild, or point data.heldout.path elsewhere.")
+  return arrays
+
+
+def load_or_build_heldout(cfg: DataConfig, tokenizer: Tokenizer,
+                          path: str | os.PathLike) -> dict[str, np.ndarray]:
+  """The held-out set at ``cfg.heldout.path`` (or ``path`` when that is ""), built on first use.
+
+  Returns ``tokens``, ``segment_ids`` and ``positions`` (int32 [N, T + 1]); positions follow documents
+  when ``cfg.segment_ids`` is on and count 0..T otherwise, as in training batches.
+  """
+  path = pathlib.Path(cfg.heldout.path or path).expanduser()
+  expected = metadata(cfg, tokenizer)
+  if path.exists():
+    arrays = _read(path, expected)
+  else:
+    arrays = build_heldout(cfg, tokenizer)
+    _write_atomically(path, arrays, expected)
+    logger.info("Wrote the held-out set (%d x %d tokens) to %s", *arrays["tokens"].shape, path)
+  return pipeline.FinishWindows(cfg.segment_ids)({"tokens": arrays["tokens"],
+                                                  "tokens_segment_ids": arrays["segment_ids"],
+                                                  "tokens_positions": arrays["document_positions"]})
+
+
+def unigram_entropy(tokens: np.ndarray, vocab_size: int | None = None) -> float:
+  """Entropy in nats of the token frequencies in ``tokens``: -sum_v p_v log p_v.
+
+  The loss of a model that ignores context and predicts the unigram distribution of these tokens;
+  a trained LM's held-out loss should be well below it. ``vocab_size``, when given, checks the ids.
+  """
+  tokens = np.asarray(tokens).reshape(-1)
+  if vocab_size is not None and tokens.size and not 0 <= tokens.min() <= tokens.max() < vocab_size:
+    raise ValueError(f"Token ids span [{tokens.min()}, {tokens.max()}], outside a vocabulary of "
+                     f"{vocab_size}.")
+  counts = np.bincount(tokens)
+  p = counts[counts > 0] / counts.sum()
+  return float(-(p * np.log(p)).sum())

@@ -1,0 +1,195 @@
+"""The training input pipeline (SPEC §1.4, §6.1, §6.4) as one checkpointable Grain iterator.
+
+Per source: documents ``[skip, stop)`` -> seeded shuffle (a new permutation every epoch) -> repeat
+forever. Sources are mixed by Grain's weighted interleave (deterministic and evenly spread, so the
+weights hold over any stretch of documents, not only in expectation); process ``p`` of ``n`` takes
+documents ``p::n`` of the mixed stream, tokenizes them with EOS appended, packs and batches. The seed
+of source ``i`` is derived from (run seed, ``data.shuffle_seed``, ``i``).
+
+Packing is Grain's ``ConcatThenSplitIterDataset``: documents are concatenated into one stream and cut
+into consecutive windows of T + 1 tokens, as in the papers, so no token is padding and a long document
+continues in the next window. Its state is the parent's position plus a slice into the current
+document, so ``get_state`` stays tiny and a restore re-tokenizes one document at most.
+
+``stop`` is ``heldout_skip`` when the held-out set is drawn from the training split, so training never
+sees the held-out region (see ``heldout.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import grain
+import numpy as np
+
+from lmcore.data import embedded
+from lmcore.data.config import DataConfig, SourceConfig
+from lmcore.data.sources import make_source
+from lmcore.data.tokenizers import Tokenizer
+
+# Documents are read and tokenized ahead of the packer in threads of this process; worker processes
+# (data.worker_count) scale further.
+READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=64)
+
+
+def derive_seed(*parts: int) -> int:
+  """A 32-bit seed from several integers (Grain's shuffle takes seeds in [0, 2**32))."""
+  return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
+
+
+def heldout_split(cfg: SourceConfig) -> str:
+  """The split the held-out set reads from this source."""
+  if cfg.heldout_split:
+    return cfg.heldout_split
+  return "heldout" if cfg.kind == "embedded" else cfg.split
+
+
+def document_range(cfg: SourceConfig, num_documents: int, *, heldout: bool) -> tuple[int, int]:
+  """[start, stop) of the documents that training (or the held-out set) may read from this source."""
+  if heldout:
+    start, stop = cfg.heldout_skip, num_documents
+  else:
+    shares_split = heldout_split(cfg) == cfg.split
+    start = cfg.skip
+    stop = min(cfg.heldout_skip, num_documents) if shares_split and cfg.heldout_skip > 0 else num_documents
+  if start >= stop:
+    role = "held-out set" if heldout else "training"
+    raise ValueError(f"Data source {cfg.name!r}: the {role} range [{start}, {stop}) of its {num_documents} "
+                     "documents is empty; lower skip / heldout_skip.")
+  return start, stop
+
+
+def source_documents(cfg: DataConfig, index: int, *, heldout: bool) -> grain.MapDataset:
+  """The documents (str) of ``cfg.sources[index]`` that training or the held-out set reads, in order."""
+  source_cfg = cfg.sources[index]
+  split = heldout_split(source_cfg) if heldout else source_cfg.split
+  documents = grain.MapDataset.source(make_source(source_cfg, split))
+  start, stop = document_range(source_cfg, len(documents), heldout=heldout)
+  return documents[start:stop]
+
+
+def mix(datasets: list[grain.MapDataset], cfg: DataConfig) -> grain.MapDataset:
+  """Interleaves the per-source datasets in proportion to ``data.sources[*].weight``."""
+  if len(datasets) == 1:
+    return datasets[0]
+  return grain.MapDataset.mix(datasets, [s.weight for s in cfg.sources])
+
+
+def training_documents(cfg: DataConfig, *, seed: int, process_index: int = 0,
+                       process_count: int = 1) -> grain.MapDataset:
+  """The endless mixed document stream (str) of one process."""
+  per_source = [
+      source_documents(cfg, i, heldout=False).shuffle(seed=derive_seed(seed, cfg.shuffle_seed, i)).repeat()
+      for i in range(len(cfg.sources))]
+  return mix(per_source, cfg)[process_index::process_count]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizeDocument:
+  """str -> {"tokens": int32 [n + 1]}: the document's ids followed by EOS."""
+
+  tokenizer: Tokenizer
+
+  def __call__(self, text: str) -> dict[str, np.ndarray]:
+    return {"tokens": np.asarray([*self.tokenizer.encode(text), self.tokenizer.eos_id], dtype=np.int32)}
+
+
+def pack(documents: grain.IterDataset, seq_len: int) -> grain.IterDataset:
+  """Concatenate-then-split into windows of ``seq_len + 1`` tokens, with ``tokens_segment_ids`` (1-based
+  document index within the window) and ``tokens_positions`` (0-based position within the document's
+  piece in this window; a document continued from the previous window restarts at 0)."""
+  return grain.experimental.ConcatThenSplitIterDataset(documents, length_struct={"tokens": seq_len + 1})
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishWindows:
+  """Packed windows (or batches of them) -> {tokens, segment_ids, positions}, all int32.
+
+  ``positions`` follow documents when ``segment_ids`` is on (SPEC §6.4), else count 0..T along the
+  window (one stream, as in the papers). ``segment_ids`` always mark the documents.
+  """
+
+  segment_ids: bool
+
+  def __call__(self, packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    tokens = packed["tokens"].astype(np.int32)
+    positions = packed["tokens_positions"]
+    if not self.segment_ids:
+      positions = np.broadcast_to(np.arange(tokens.shape[-1], dtype=np.int32), tokens.shape)
+    return {"tokens": tokens, "segment_ids": packed["tokens_segment_ids"].astype(np.int32),
+            "positions": np.ascontiguousarray(positions, dtype=np.int32)}
+
+
+def _slices_as_tuples(state: Any) -> Any:
+  """Undoes JSON's tuple -> list conversion inside ConcatThenSplit states."""
+  if isinstance(state, dict):
+    return {k: ({f: tuple(v) for f, v in value.items()} if k == "remainder_slices"
+                else _slices_as_tuples(value)) for k, value in state.items()}
+  if isinstance(state, list):
+    return [_slices_as_tuples(v) for v in state]
+  return state
+
+
+class JsonSafeIterator(grain.DatasetIterator):
+  """Passes a Grain iterator through, restoring states that went through JSON (Orbax's Grain handler).
+
+  Grain 0.2.18's packer marks "no partial document" with the tuple (-1, -1) and compares by
+  equality, so the list [-1, -1] that JSON gives back would drop a document on restore.
+  """
+
+  def __init__(self, parent: grain.DatasetIterator):
+    super().__init__(parent)
+
+  def __next__(self):
+    return next(self._parent)
+
+  def get_state(self) -> dict[str, Any]:
+    return self._parent.get_state()
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._parent.set_state(_slices_as_tuples(state))
+
+
+def local_batch_size(batch_size: int, process_count: int) -> int:
+  if batch_size % process_count:
+    raise ValueError(f"The global batch size {batch_size} is not divisible by the process count "
+                     f"{process_count}; change train.batch_size.")
+  return batch_size // process_count
+
+
+def make_train_iterator(cfg: DataConfig, tokenizer: Tokenizer, *, batch_size: int, seed: int,
+                        process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
+  """Endless batches ``{tokens, segment_ids, positions}``: int32 [batch_size / process_count, T + 1].
+
+  The iterator is checkpointable (``get_state`` / ``set_state``, or ``grain.checkpoint.CheckpointSave``
+  inside an Orbax composite); a state restores into an identically configured iterator in any process,
+  which is how a later stage continues the data stream where an earlier one stopped.
+  """
+  local = local_batch_size(batch_size, process_count)
+  documents = training_documents(cfg, seed=seed, process_index=process_index, process_count=process_count)
+  tokens = documents.map(TokenizeDocument(tokenizer)).to_iter_dataset(READ_OPTIONS)
+  batches = pack(tokens, cfg.seq_len).batch(local, drop_remainder=True).map(FinishWindows(cfg.segment_ids))
+  if cfg.worker_count:
+    batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
+  return JsonSafeIterator(iter(batches))
+
+
+def take_batches(iterator, n: int) -> list[dict[str, np.ndarray]]:
+  """The next ``n`` batches of ``iterator``."""
+  return [next(iterator) for _ in range(n)]
+
+
+def fingerprint(cfg: DataConfig) -> dict[str, Any]:
+  """JSON-ready identity of the data for run records: sources, packing, and the embedded corpus's
+  fingerprint (file list, sizes, interpreter version) when a source uses it. The tokenizer is
+  identified by its own ``name``."""
+  uses_embedded = any(s.kind == "embedded" for s in cfg.sources)
+  return {"sources": [dataclasses.asdict(s) for s in cfg.sources], "seq_len": cfg.seq_len,
+          "segment_ids": cfg.segment_ids,
+          "embedded_corpus": embedded.fingerprint().as_dict() if uses_embedded else None}
+
+
+def cache_dir(cfg: DataConfig) -> str:
+  """Where tokenizers are cached: ``data.cache_dir``, else $FSLM_CACHE, else ~/.cache/fixed_state_lm."""
+  return str(embedded.resolve_cache_dir(cfg.cache_dir))

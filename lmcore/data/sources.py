@@ -1,0 +1,222 @@
+"""Random-access document sources (SPEC §6.1): ``len(source)`` documents, ``source[i]`` -> str.
+
+Each satisfies Grain's ``RandomAccessDataSource`` protocol, pickles cheaply (open handles and caches
+are rebuilt in each process) and reads documents on demand. For corpora beyond a few GB prefer
+ArrayRecord (``scripts/prepare_data.py`` converts text / jsonl / parquet): its reads are O(1) per
+document, jsonl needs a line-offset scan at start-up and parquet decodes a whole row group per miss.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import pathlib
+
+import grain
+import numpy as np
+import pyarrow.parquet as pq
+
+from lmcore.data import embedded
+from lmcore.data.config import SourceConfig
+
+
+def resolve_files(pattern: str, *, source: str, key: str, hint: str = "") -> list[str]:
+  """Sorted files matching ``pattern``; an error naming ``source`` and the config ``key`` when none do."""
+  if not pattern:
+    raise FileNotFoundError(f"{source} has no path: set {key} to a glob of local files.")
+  expanded = os.path.expanduser(pattern)
+  files = sorted(f for f in glob.glob(expanded, recursive=True) if os.path.isfile(f))
+  if not files:
+    raise FileNotFoundError(f"{source}: no files match {key}={pattern!r}. Fix the glob{hint}.")
+  return files
+
+
+class EmbeddedSource:
+  """One split of the embedded standard-library corpus; a document is a whole file."""
+
+  def __init__(self, split: str):
+    self._paths = embedded.corpus_files(split)
+
+  def __len__(self) -> int:
+    return len(self._paths)
+
+  def __getitem__(self, index: int) -> str:
+    return embedded.read_document(self._paths[index])
+
+  def __repr__(self) -> str:
+    return f"EmbeddedSource({len(self)} files)"
+
+
+class TextFilesSource:
+  """One document per file (utf-8; undecodable bytes replaced)."""
+
+  def __init__(self, files: list[str]):
+    self._files = list(files)
+
+  def __len__(self) -> int:
+    return len(self._files)
+
+  def __getitem__(self, index: int) -> str:
+    return pathlib.Path(self._files[index]).read_bytes().decode("utf-8", errors="replace")
+
+  def __repr__(self) -> str:
+    return f"TextFilesSource({len(self)} files)"
+
+
+def _line_offsets(path: str) -> np.ndarray:
+  """Byte offsets of the non-blank lines of a file."""
+  offsets, position = [], 0
+  with open(path, "rb") as handle:
+    for line in handle:
+      if line.strip():
+        offsets.append(position)
+      position += len(line)
+  return np.asarray(offsets, dtype=np.int64)
+
+
+class JsonlSource:
+  """One document per non-blank line: ``json.loads(line)[text_key]``."""
+
+  def __init__(self, files: list[str], text_key: str, key: str):
+    self._files = list(files)
+    self._text_key = text_key
+    self._key = key
+    offsets = [_line_offsets(f) for f in self._files]
+    self._offsets = np.concatenate(offsets)
+    self._file_of = np.repeat(np.arange(len(offsets)), [len(o) for o in offsets])
+
+  def __len__(self) -> int:
+    return len(self._offsets)
+
+  def __getitem__(self, index: int) -> str:
+    path = self._files[self._file_of[index]]
+    with open(path, "rb") as handle:
+      handle.seek(int(self._offsets[index]))
+      record = json.loads(handle.readline())
+    if self._text_key not in record:
+      raise KeyError(f"{path} at byte {self._offsets[index]}: no key {self._text_key!r} "
+                     f"(keys: {sorted(record)}); set {self._key}.text_key.")
+    return record[self._text_key]
+
+  def __repr__(self) -> str:
+    return f"JsonlSource({len(self._files)} files, {len(self)} documents)"
+
+
+class ParquetSource:
+  """One document per row of column ``text_key``; the last few decoded row groups are kept."""
+
+  _CACHED_ROW_GROUPS = 4
+
+  def __init__(self, files: list[str], text_key: str, key: str):
+    self._files = list(files)
+    self._text_key = text_key
+    groups, starts, total = [], [], 0
+    for file_index, path in enumerate(self._files):
+      metadata = pq.ParquetFile(path).metadata
+      if text_key not in metadata.schema.names:
+        raise KeyError(f"{path}: no column {text_key!r} (columns: {metadata.schema.names}); "
+                       f"set {key}.text_key.")
+      for group in range(metadata.num_row_groups):
+        groups.append((file_index, group))
+        starts.append(total)
+        total += metadata.row_group(group).num_rows
+    self._groups = groups
+    self._starts = np.asarray(starts + [total], dtype=np.int64)
+    self._cache = collections.OrderedDict()
+
+  def __getstate__(self):
+    return {**self.__dict__, "_cache": collections.OrderedDict()}
+
+  def __len__(self) -> int:
+    return int(self._starts[-1])
+
+  def _row_group(self, group_index: int) -> list[str]:
+    if group_index not in self._cache:
+      file_index, group = self._groups[group_index]
+      table = pq.ParquetFile(self._files[file_index]).read_row_group(group, columns=[self._text_key])
+      self._cache[group_index] = table.column(0).to_pylist()
+      if len(self._cache) > self._CACHED_ROW_GROUPS:
+        self._cache.popitem(last=False)
+    return self._cache[group_index]
+
+  def __getitem__(self, index: int) -> str:
+    group_index = int(np.searchsorted(self._starts, index, side="right")) - 1
+    return self._row_group(group_index)[index - int(self._starts[group_index])]
+
+  def __repr__(self) -> str:
+    return f"ParquetSource({len(self._files)} files, {len(self)} documents)"
+
+
+class ArrayRecordSource:
+  """ArrayRecord shards whose records are utf-8 documents (``scripts/prepare_data.py`` writes them)."""
+
+  def __init__(self, files: list[str]):
+    self._files = list(files)
+    self._source = grain.sources.ArrayRecordDataSource(self._files)
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, index: int) -> str:
+    return self._source[index].decode("utf-8", errors="replace")
+
+  def __repr__(self) -> str:
+    return f"ArrayRecordSource({len(self._files)} files, {len(self)} documents)"
+
+
+class TfdsSource:
+  """A prepared TFDS dataset read through ``tfds.data_source`` (ArrayRecord; TensorFlow not needed)."""
+
+  def __init__(self, source, text_key: str, key: str):
+    self._source = source
+    self._text_key = text_key
+    self._key = key
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __getitem__(self, index: int) -> str:
+    record = self._source[index]
+    if self._text_key not in record:
+      raise KeyError(f"TFDS record has no feature {self._text_key!r} (features: {sorted(record)}); "
+                     f"set {self._key}.text_key.")
+    text = record[self._text_key]
+    return text.decode("utf-8", errors="replace") if isinstance(text, bytes) else str(text)
+
+  def __repr__(self) -> str:
+    return f"TfdsSource({self._source!r})"
+
+
+def _open_tfds(cfg: SourceConfig, split: str, key: str):
+  # Imported here: tensorflow_datasets is slow to import and only this source kind needs it.
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  if not cfg.path:
+    raise ValueError(f"Data source {cfg.name!r} (kind 'tfds'): set {key}.path to the TFDS dataset name.")
+  try:
+    return tfds.data_source(cfg.path, split=split, data_dir=cfg.data_dir or None, download=False)
+  except Exception as error:  # TFDS raises several types for "not prepared here".
+    raise FileNotFoundError(f"Data source {cfg.name!r}: TFDS dataset {cfg.path!r} split {split!r} is not "
+                            f"available under {key}.data_dir={cfg.data_dir!r} ({error}). Prepare it with "
+                            "`tfds build --file_format=array_record` first; nothing is downloaded at run "
+                            "time.") from error
+
+
+def make_source(cfg: SourceConfig, split: str):
+  """The documents of source ``cfg`` in ``split``."""
+  key = f"data.sources.{cfg.name}"
+  if cfg.kind == "embedded":
+    return EmbeddedSource(split)
+  if cfg.kind == "tfds":
+    return TfdsSource(_open_tfds(cfg, split, key), cfg.text_key, key)
+  files = resolve_files(cfg.path.replace("{split}", split), key=f"{key}.path",
+                        source=f"Data source {cfg.name!r} (kind {cfg.kind!r}, split {split!r})",
+                        hint=", or run scripts/prepare_data.py to produce ArrayRecord shards")
+  if cfg.kind == "text":
+    return TextFilesSource(files)
+  if cfg.kind == "jsonl":
+    return JsonlSource(files, cfg.text_key, key)
+  if cfg.kind == "parquet":
+    return ParquetSource(files, cfg.text_key, key)
+  return ArrayRecordSource(files)

@@ -1,0 +1,143 @@
+"""The training loop end to end: falling loss, exact resume after SIGKILL, SIGTERM saves, bad inputs.
+
+Runs go through ``train.py`` in subprocesses, as a user would launch them.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--config.model.d_model=32", "--config.model.n_layers=2", "--config.model.pattern=softmax*2",
+         "--config.model.mlp_hidden=64", "--config.model.mixers.softmax.n_heads=2", "--config.data.seq_len=32",
+         "--config.train.batch_size=4", "--config.train.warmup_steps=2", "--config.train.log_every=1",
+         "--config.data.heldout.num_sequences=8", "--config.eval.batch_size=8", "--config.wandb.mode=disabled"]
+
+
+def train_cmd(workdir, *overrides, preset="configs/baselines.py:tiny"):
+  return [sys.executable, os.path.join(REPO, "train.py"), f"--config={os.path.join(REPO, preset)}",
+          f"--workdir={workdir}", *SMALL, *overrides]
+
+
+def run(cmd, env=None, check=True):
+  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})},
+                        timeout=600)
+  if check and proc.returncode != 0:
+    raise AssertionError(f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-5000:]}")
+  return proc
+
+
+def losses(workdir):
+  """step -> loss, the last row written for each step (a killed run may have logged a step twice)."""
+  rows = {}
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    for line in f:
+      row = json.loads(line)
+      if "loss" in row:
+        rows[row["step"]] = row["loss"]
+  return rows
+
+
+def final_params(workdir):
+  from flax import nnx  # noqa: F401  (import jax lazily in the test process only)
+  import orbax.checkpoint as ocp
+  manager = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"))
+  step = manager.latest_step()
+  state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+  import jax
+  return step, {"/".join(map(str, p)): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(state["params"])[0]}
+
+
+@pytest.mark.slow
+def test_loss_falls_and_eval_json_is_written(tmp_path):
+  workdir = tmp_path / "run"
+  proc = run(train_cmd(workdir, "--config.train.steps=40", "--config.train.learning_rate=1e-2",
+                       "--config.train.checkpoint_every=20", "--config.train.log_every=10"))
+  assert "tok/s" in proc.stdout and "ETA" in proc.stdout
+  rows = losses(workdir)
+  assert np.mean([rows[s] for s in range(36, 41)]) < rows[1] - 1.0
+  record = json.load(open(workdir / "eval_40.json"))
+  assert record["loss"] < np.log(8192) - 0.3 and record["tokens"] == 8 * 32
+  assert record["perplexity"] == pytest.approx(np.exp(record["loss"]), rel=1e-6)
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["20", "40"]
+
+
+@pytest.mark.slow
+def test_exact_resume_after_sigkill(tmp_path):
+  """2N steps in one run == N steps, SIGKILL, resume for N more: same losses, bitwise-equal params."""
+  n = 4
+  common = ["--config.train.steps=8", f"--config.train.checkpoint_every={n}"]
+  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  run(train_cmd(straight, *common))
+  killed = run(train_cmd(resumed, *common), env={"LMCORE_FAULT_SIGKILL_AFTER_STEP": str(n)}, check=False)
+  assert killed.returncode == -signal.SIGKILL
+  assert sorted(os.listdir(resumed / "checkpoints")) == [str(n)]
+  second = run(train_cmd(resumed, *common))
+  assert f"Resumed from step {n}" in second.stdout
+  assert losses(straight) == losses(resumed)
+  step_a, params_a = final_params(straight)
+  step_b, params_b = final_params(resumed)
+  assert step_a == step_b == 2 * n
+  for name, value in params_a.items():
+    np.testing.assert_array_equal(value, params_b[name], err_msg=name)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+  workdir = tmp_path / "run"
+  proc = subprocess.Popen(train_cmd(workdir, "--config.train.steps=100000", "--config.train.checkpoint_every=100000"),
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  deadline = time.time() + 300
+  while not (workdir / "metrics.jsonl").exists() and time.time() < deadline:
+    time.sleep(0.5)
+  time.sleep(1.0)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=300)
+  assert proc.returncode == 0, out[-3000:]
+  assert "SIGTERM received" in out
+  steps = [int(s) for s in os.listdir(workdir / "checkpoints") if s.isdigit()]
+  assert len(steps) == 1 and 0 < steps[0] < 100000
+
+
+@pytest.mark.slow
+def test_unknown_override_key_fails_with_valid_keys(tmp_path):
+  proc = run(train_cmd(tmp_path / "run", "--config.train.stepz=3"), check=False)
+  assert proc.returncode != 0
+  assert "stepz" in proc.stderr and "steps" in proc.stderr
+
+
+@pytest.mark.slow
+def test_bad_inputs_fail_clearly_and_keep_checkpoints(tmp_path):
+  workdir = tmp_path / "run"
+  run(train_cmd(workdir, "--config.train.steps=2", "--config.train.checkpoint_every=2"))
+  before = sorted(os.listdir(workdir / "checkpoints"))
+
+  foreign = run(train_cmd(workdir, "--config.train.steps=4", "--config.model.d_model=48"), check=False)
+  assert foreign.returncode != 0 and "different model" in foreign.stderr
+
+  vocab = run(train_cmd(workdir, "--config.train.steps=4", "--config.model.vocab_size=100"), check=False)
+  assert vocab.returncode != 0 and "model.vocab_size" in vocab.stderr
+
+  missing = run(train_cmd(tmp_path / "other", "--config.data.sources.embedded.kind=jsonl",
+                          f"--config.data.sources.embedded.path={tmp_path}/nothing/*.jsonl"), check=False)
+  assert missing.returncode != 0 and "data.sources" in missing.stderr
+
+  step_dir = workdir / "checkpoints" / before[-1]
+  corrupted = tmp_path / "corrupted"
+  shutil.copytree(workdir, corrupted)
+  for root, _, files in os.walk(corrupted / "checkpoints" / before[-1]):
+    for name in files:
+      if name != "_CHECKPOINT_METADATA":
+        with open(os.path.join(root, name), "wb") as f:
+          f.write(b"garbage")
+  broken = run(train_cmd(corrupted, "--config.train.steps=4"), check=False)
+  assert broken.returncode != 0 and "Nothing was deleted" in broken.stderr
+  assert sorted(os.listdir(corrupted / "checkpoints")) == before
+  assert sorted(os.listdir(workdir / "checkpoints")) == before and step_dir.exists()
