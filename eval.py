@@ -18,6 +18,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "The run's directory.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
 _PROMPT = flags.DEFINE_string("prompt", "", "If set, sample a continuation of this text.")
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to sample after --prompt.")
+_OUT_DIR = flags.DEFINE_string("out_dir", "", "Where eval_<step>.json goes (default: --workdir).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -26,7 +27,8 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO.
   sharding.initialize_distributed()
   config = cfg_lib.experiment_config(_CONFIG.value)
-  evaluate.evaluate_checkpoint(config, _WORKDIR.value, _STEP.value, _PROMPT.value, _MAX_NEW_TOKENS.value)
+  evaluate.evaluate_checkpoint(config, _WORKDIR.value, _STEP.value, _PROMPT.value, _MAX_NEW_TOKENS.value,
+                               _OUT_DIR.value)
 
 
 if __name__ == "__main__":

@@ -166,9 +166,9 @@ def gate_statistics(config: ExperimentConfig, graphdef, params, rest, heldout) -
   return records
 
 
-def evaluate_params(config: ExperimentConfig, workdir: str, graphdef, params, rest, heldout, step: int,
+def evaluate_params(config: ExperimentConfig, out_dir: str, graphdef, params, rest, heldout, step: int,
                     tokenizer, writer=None) -> dict[str, Any]:
-  """The full held-out evaluation of one set of parameters; writes ``<workdir>/eval_<step>.json``."""
+  """The full held-out evaluation of one set of parameters; writes ``<out_dir>/eval_<step>.json``."""
   from lmcore import data as data_lib
 
   record: dict[str, Any] = {"step": step, "name": config.name}
@@ -179,10 +179,11 @@ def evaluate_params(config: ExperimentConfig, workdir: str, graphdef, params, re
     record.update(paired_evaluation(config, params, rest, heldout))
   if config.eval.gate_stats and "sanatan" in config.model.layer_kinds():
     layers = gate_statistics(config, graphdef, params, rest, heldout)
-    with open(os.path.join(workdir, f"gate_stats_{step}.jsonl"), "w") as f:
+    with open(os.path.join(out_dir, f"gate_stats_{step}.jsonl"), "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in layers)
     record["gate_stats_file"] = f"gate_stats_{step}.jsonl"
-  path = os.path.join(workdir, f"eval_{step}.json")
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, f"eval_{step}.json")
   with open(path + ".tmp", "w") as f:
     json.dump(record, f, indent=1)
   os.replace(path + ".tmp", path)
@@ -202,8 +203,9 @@ def evaluate_params(config: ExperimentConfig, workdir: str, graphdef, params, re
 
 
 def evaluate_checkpoint(config: ExperimentConfig, workdir: str, step: int | None = None,
-                        prompt: str = "", max_new_tokens: int = 64) -> dict[str, Any]:
-  """eval.py: held-out evaluation of a run's checkpoint (latest unless ``step``), optional sample."""
+                        prompt: str = "", max_new_tokens: int = 64, out_dir: str = "") -> dict[str, Any]:
+  """eval.py: held-out evaluation of a run's checkpoint (latest unless ``step``), optional sample.
+  Results go to ``out_dir`` (default: the workdir)."""
   from lmcore import checkpoint as ckpt_lib
   from lmcore import data as data_lib
   from lmcore import sharding
@@ -218,7 +220,7 @@ def evaluate_checkpoint(config: ExperimentConfig, workdir: str, step: int | None
       jax.tree.map(to_struct, abstract_rest.to_pure_dict()), step=step)
   heldout_path = config.data.heldout.path or os.path.join(workdir, "heldout.npz")
   heldout = data_lib.load_or_build_heldout(config.data, tokenizer, heldout_path)
-  record = evaluate_params(config, workdir, graphdef, params, rest, heldout, step, tokenizer)
+  record = evaluate_params(config, out_dir or workdir, graphdef, params, rest, heldout, step, tokenizer)
   if prompt:
     model = nnx.merge(graphdef, params, rest)
     ids = generate(model, tokenizer.encode(prompt), max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_id)

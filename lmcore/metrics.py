@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import sys
 import time
 from typing import Any
@@ -68,6 +69,7 @@ def _to_python(value: Any) -> Any:
 
 
 def _init_wandb(workdir: str, config: WandbConfig, run_config: dict[str, Any]):
+  os.environ.setdefault("WANDB_SILENT", "true")
   import wandb  # Lazy: only runs that log to wandb pay for the import.
 
   id_path = os.path.join(workdir, "wandb_run_id")
@@ -75,7 +77,7 @@ def _init_wandb(workdir: str, config: WandbConfig, run_config: dict[str, Any]):
     with open(id_path) as f:
       run_id = f.read().strip()
   else:
-    run_id = wandb.util.generate_id()
+    run_id = secrets.token_hex(4)
     with open(id_path, "w") as f:
       f.write(run_id)
   return wandb.init(project=config.project, name=config.name or os.path.basename(os.path.abspath(workdir)),

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,12 +41,7 @@ def unadapted_readout(stage1: cfg_lib.ExperimentConfig, stage1_dir: str) -> dict
   """The stage-1 parameters evaluated at p = 1 (SPEC §1.4's unadapted control)."""
   readout = dataclasses.replace(stage1, model=evaluate.with_mixer_overrides(stage1.model, p=1),
                                 eval=dataclasses.replace(stage1.eval, paired=False, gate_stats=False))
-  readout_dir = os.path.join(stage1_dir, "readout_p1")
-  os.makedirs(readout_dir, exist_ok=True)
-  record = evaluate.evaluate_checkpoint(readout, stage1_dir)
-  os.replace(os.path.join(stage1_dir, f"eval_{record['step']}.json"),
-             os.path.join(readout_dir, f"eval_{record['step']}.json"))
-  return record
+  return evaluate.evaluate_checkpoint(readout, stage1_dir, out_dir=os.path.join(stage1_dir, "readout_p1"))
 
 
 def results_table(stage1: dict, readout: dict, stage2: dict) -> str:
@@ -65,14 +60,19 @@ def results_table(stage1: dict, readout: dict, stage2: dict) -> str:
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO.
   start = time.time()
   stage1, stage2, stage1_dir, stage2_dir = stage_configs(_WORKDIR.value, _STEPS.value)
   print("== stage 1: SANATAN p = 2 ==", flush=True)
   record1 = train_lib.train_and_evaluate(stage1, stage1_dir)
+  if "stopped_by" in record1:
+    return  # SIGTERM/SIGINT: stage 1 saved its checkpoint; rerun to continue.
   print("== stage 1 read out at p = 1 (unadapted control) ==", flush=True)
   readout = unadapted_readout(stage1, stage1_dir)
   print("== stage 2: SANATAN p = 1, initialised from stage 1 ==", flush=True)
   record2 = train_lib.train_and_evaluate(stage2, stage2_dir)
+  if "stopped_by" in record2:
+    return
   table = results_table(record1, readout, record2)
   print(f"\n{table}\n\n(total {time.time() - start:.0f} s; runs in {_WORKDIR.value})", flush=True)
   with open(os.path.join(_WORKDIR.value, "results.md"), "w") as f:

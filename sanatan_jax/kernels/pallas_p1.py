@@ -1,0 +1,398 @@
+"""Pallas (Triton lowering) kernels for SANATAN p = 1, six channels (SPEC §1.2), with custom VJP.
+
+Per head, with Phi the six-channel feature map of SPEC §1.1 computed *inside* the kernels from the
+raw q, k chunk (features.py's functions), the write-then-read recurrence of attention.py::
+
+    S_t = S_{t-1} + Phi(k_t) v_tᵀ,   z_t = z_{t-1} + Phi(k_t),   o_t = Phi(q_t)ᵀ S_t / (Phi(q_t)ᵀ z_t + c eps)
+
+is computed in chunks (intra-chunk causal block + fp32 state), one program per (batch, head, value
+tile) walking all chunks with ``lax.fori_loop`` (GPU programs run in parallel, so the recurrence
+lives inside one program). The 6d-wide features never reach HBM: inside a kernel they are six
+[C, d] channel arrays ``1, cos th, sin th, r, r cos th, r sin th`` and the state six [d, BV] tiles.
+Outside the kernels the state has SanatanState's layout, feature index ``6 a + channel``.
+
+Backward (``jax.custom_vjp``). The forward stores its inputs, the output o (in v's dtype) and the
+fp32 denominator D_t = Phi(q_t)ᵀ z_t per token; no features and no chunk states. With
+dN = do / (D + c eps) and dD = -(do · o) / (D + c eps) (computed outside the kernel), the backward
+kernel recomputes the chunk states in a forward sweep for d Phi(q), then walks the chunks in reverse
+carrying (dS, dz) for d Phi(k) and dv, and chains d Phi through the feature map inside the kernel
+(``jax.vjp`` of the same feature functions) into dq, dk, d omega, d lam_raw. The denominator does not
+depend on the value tile, so its gradient terms are taken from tile 0 only; dq, dk, d omega and
+d lam_raw of several value tiles are partial sums added outside.
+
+Packed documents follow attention.py: ``runs`` (non-decreasing per row) mark maximal runs of equal
+segment ids; a token reads the carried state only in the state's run and a chunk hands on only its
+last run's writes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from lmcore.kernels import pallas_utils as pu
+from lmcore.mixers.base import default_positions
+from sanatan_jax import attention, features
+
+CHANNELS = 6
+_F32 = jnp.float32
+
+
+class KernelConfig(NamedTuple):
+  """Static kernel parameters: chunk C, value tile BV, real head dim and length, c * eps."""
+
+  chunk: int
+  block_v: int
+  head_dim: int
+  length: int
+  c_eps: float
+  interpret: bool
+  num_warps: int = 4
+  num_stages: int = 2
+
+
+class _Chunk(NamedTuple):
+  """One chunk inside a kernel: features (input dtype), values and run ids."""
+
+  phi_q: tuple  # 6 x [C, dp]
+  phi_k: tuple  # 6 x [C, dp]
+  v: jax.Array  # [C, BV]
+  run: jax.Array  # [C] int32
+
+
+def _feature_channels(u, omega, lam_raw, pos, valid):
+  """The six channels of Phi for a chunk of raw q or k [C, dp] (fp32), zero where not ``valid``.
+
+  Roots come from the pre-rotation angles (SPEC §1.1 step 3); the channel order is feature_map's.
+  """
+  theta = features.angles(u)
+  r = features.soft_roots(theta, omega)
+  # features.rotate on a [C, d] chunk, written out: its [B, T, H, d] broadcasting would put 4-D
+  # arrays (and 4-D reductions in the VJP) into the kernel, which the Triton lowering handles badly.
+  rot = theta + pos[:, None].astype(_F32) * (features.LAMBDA_SCALE * jnp.tanh(lam_raw))
+  cos, sin = jnp.cos(rot), jnp.sin(rot)
+  channels = (jnp.ones_like(rot), cos, sin, r, r * cos, r * sin)
+  return tuple(jnp.where(valid, x, 0.0) for x in channels)
+
+
+def _valid(n, cfg: KernelConfig, dp: int):
+  """[C, dp] bool: a real token (not time padding) and a real head dimension (not dim padding)."""
+  C = cfg.chunk
+  token = n * C + jax.lax.broadcasted_iota(jnp.int32, (C, dp), 0)
+  dim = jax.lax.broadcasted_iota(jnp.int32, (C, dp), 1)
+  return (token < cfg.length) & (dim < cfg.head_dim)
+
+
+def _phi(u_ref, params, n, cfg):
+  """Features of chunk n of a raw q or k ref, and (for the backward) their VJP."""
+  omega_ref, lam_ref, pos_ref = params
+  u = pu.rows(u_ref, n * cfg.chunk, cfg.chunk).astype(_F32)
+  pos = pu.rows(pos_ref, n * cfg.chunk, cfg.chunk)
+  valid = _valid(n, cfg, u.shape[1])
+  fn = lambda u, omega, lam_raw: _feature_channels(u, omega, lam_raw, pos, valid)
+  phi, vjp = jax.vjp(fn, u, omega_ref[...], lam_ref[...])
+  return tuple(x.astype(u_ref.dtype) for x in phi), vjp
+
+
+def _load(n, refs, params, cfg):
+  q_ref, k_ref, v_ref, run_ref = refs
+  (phi_q, q_vjp), (phi_k, k_vjp) = _phi(q_ref, params, n, cfg), _phi(k_ref, params, n, cfg)
+  chunk = _Chunk(phi_q, phi_k, pu.rows(v_ref, n * cfg.chunk, cfg.chunk),
+                 pu.rows(run_ref, n * cfg.chunk, cfg.chunk))
+  return chunk, q_vjp, k_vjp
+
+
+def _causal_same_run(run):
+  C = run.shape[0]
+  iota = functools.partial(jax.lax.broadcasted_iota, jnp.int32, (C, C))
+  return (run[:, None] == run[None, :]) & (iota(0) >= iota(1))
+
+
+def _scores(x: _Chunk):
+  """s_ij = Phi(q_i) · Phi(k_j) on visible pairs (j <= i, same run), else 0: fp32 [C, C]."""
+  s = sum(pu.dot(a, b, trans_b=True) for a, b in zip(x.phi_q, x.phi_k))
+  return jnp.where(_causal_same_run(x.run), s, 0.0)
+
+
+def _masked(phi, mask):
+  return tuple(jnp.where(mask[:, None], a, 0) for a in phi)
+
+
+def _advance(S, z, x: _Chunk, state_run, last_run):
+  """(S, z) after the chunk: kept (or reset at a new run), plus the last run's writes."""
+  keep = last_run == state_run
+  phi_k = _masked(x.phi_k, x.run == last_run)
+  S = tuple(jnp.where(keep, s, 0.0) + pu.dot(a, x.v, trans_a=True) for s, a in zip(S, phi_k))
+  z = tuple(jnp.where(keep, w, 0.0) + jnp.sum(a.astype(_F32), axis=0, keepdims=True)
+            for w, a in zip(z, phi_k))
+  return S, z
+
+
+def _load_state(S_ref, z_ref):
+  S = tuple(S_ref[c] for c in range(CHANNELS))
+  z = tuple(z_ref[c].reshape(1, -1) for c in range(CHANNELS))
+  return S, z
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, S0_ref, z0_ref,
+                    o_ref, den_ref, S_ref, z_ref, *, cfg):
+  refs, params = (q_ref, k_ref, v_ref, run_ref), (omega_ref, lam_ref, pos_ref)
+  C = cfg.chunk
+
+  def chunk(n, carry):
+    S, z, state_run = carry
+    x, _, _ = _load(n, refs, params, cfg)
+    reads = _masked(x.phi_q, x.run == state_run)
+    s = _scores(x)
+    num = pu.dot(s.astype(x.v.dtype), x.v)
+    den = jnp.sum(s, axis=1)
+    for a, S_c, z_c in zip(reads, S, z):
+      num += pu.dot(a, S_c.astype(a.dtype))
+      den += jnp.sum(a.astype(_F32) * z_c, axis=1)
+    pu.store_rows(o_ref, n * C, (num / (den[:, None] + cfg.c_eps)).astype(o_ref.dtype))
+    pu.store_rows(den_ref, n * C, den)
+    last_run = jnp.max(x.run)
+    return (*_advance(S, z, x, state_run, last_run), last_run)
+
+  first_run = jnp.min(pu.rows(run_ref, 0, C))
+  S, z, _ = jax.lax.fori_loop(0, q_ref.shape[0] // C, chunk, (*_load_state(S0_ref, z0_ref), first_run))
+  for c in range(CHANNELS):
+    S_ref[c] = S[c]
+    z_ref[c] = z[c].reshape(-1)
+
+
+def _dphi_q(x: _Chunk, dN, dD, S, z, state_run, tile0):
+  """d Phi(q) of one chunk [6 x [C, dp] fp32] from the state at its start and the intra scores."""
+  dt = x.v.dtype
+  A = jnp.where(_causal_same_run(x.run), pu.dot(dN, x.v, trans_b=True) + tile0 * dD[:, None], 0.0)
+  reads = (x.run == state_run)[:, None]
+  return tuple(
+      pu.dot(A.astype(dt), b)
+      + jnp.where(reads, pu.dot(dN, S_c.astype(dt), trans_b=True) + tile0 * dD[:, None] * z_c, 0.0)
+      for b, S_c, z_c in zip(x.phi_k, S, z))
+
+
+def _dphi_k_dv(x: _Chunk, dN, dD, dS, dz, last_run, tile0):
+  """d Phi(k) [6 x [C, dp]] and dv [C, BV] of one chunk from (dS, dz) after it and later queries."""
+  dt = x.v.dtype
+  visible = _causal_same_run(x.run)
+  A = jnp.where(visible, pu.dot(dN, x.v, trans_b=True) + tile0 * dD[:, None], 0.0)
+  writes = (x.run == last_run)[:, None]
+  dphi_k = tuple(
+      pu.dot(A.astype(dt), a, trans_a=True)
+      + jnp.where(writes, pu.dot(x.v, dS_c.astype(dt), trans_b=True) + tile0 * dz_c, 0.0)
+      for a, dS_c, dz_c in zip(x.phi_q, dS, dz))
+  dv = pu.dot(_scores(x).astype(dt), dN, trans_a=True)
+  for b, dS_c in zip(_masked(x.phi_k, x.run == last_run), dS):
+    dv += pu.dot(b, dS_c.astype(dt))
+  return dphi_k, dv
+
+
+def _backward_kernel(q_ref, k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, S0_ref, z0_ref,
+                     dN_ref, dD_ref, dST_ref, dzT_ref,
+                     dq_ref, dk_ref, dv_ref, domega_ref, dlam_ref, dS0_ref, dz0_ref, *, cfg):
+  refs, params = (q_ref, k_ref, v_ref, run_ref), (omega_ref, lam_ref, pos_ref)
+  C = cfg.chunk
+  n_chunks = q_ref.shape[0] // C
+  dt = v_ref.dtype
+  tile0 = (pl.program_id(2) == 0).astype(_F32)
+  first_run = jnp.min(pu.rows(run_ref, 0, C))
+  grads_of = lambda dN_ref, dD_ref, n: (pu.rows(dN_ref, n * C, C).astype(dt),
+                                        pu.rows(dD_ref, n * C, C))
+
+  def forward_sweep(n, carry):
+    S, z, state_run, d_omega, d_lam = carry
+    x, q_vjp, _ = _load(n, refs, params, cfg)
+    dN, dD = grads_of(dN_ref, dD_ref, n)
+    dq, do_, dl = q_vjp(_dphi_q(x, dN, dD, S, z, state_run, tile0))
+    pu.store_rows(dq_ref, n * C, dq)
+    last_run = jnp.max(x.run)
+    return (*_advance(S, z, x, state_run, last_run), last_run, d_omega + do_, d_lam + dl)
+
+  zeros = jnp.zeros(omega_ref.shape, _F32)
+  *_, d_omega, d_lam = jax.lax.fori_loop(
+      0, n_chunks, forward_sweep, (*_load_state(S0_ref, z0_ref), first_run, zeros, zeros))
+
+  def reverse_sweep(m, carry):
+    dS, dz, d_omega, d_lam = carry
+    n = n_chunks - 1 - m
+    x, _, k_vjp = _load(n, refs, params, cfg)
+    dN, dD = grads_of(dN_ref, dD_ref, n)
+    last_run = jnp.max(x.run)
+    state_run = jnp.where(n > 0, jnp.max(pu.rows(run_ref, jnp.maximum(n - 1, 0) * C, C)), first_run)
+    dphi_k, dv = _dphi_k_dv(x, dN, dD, dS, dz, last_run, tile0)
+    dk, do_, dl = k_vjp(dphi_k)
+    pu.store_rows(dk_ref, n * C, dk)
+    pu.store_rows(dv_ref, n * C, dv)
+    keep = last_run == state_run
+    reads = _masked(x.phi_q, x.run == state_run)
+    dS = tuple(jnp.where(keep, g, 0.0) + pu.dot(a, dN, trans_a=True) for g, a in zip(dS, reads))
+    dz = tuple(jnp.where(keep, g, 0.0) + jnp.sum(a.astype(_F32) * dD[:, None], axis=0, keepdims=True)
+               for g, a in zip(dz, reads))
+    return dS, dz, d_omega + do_, d_lam + dl
+
+  dS, dz, d_omega, d_lam = jax.lax.fori_loop(
+      0, n_chunks, reverse_sweep, (*_load_state(dST_ref, dzT_ref), d_omega, d_lam))
+  for c in range(CHANNELS):
+    dS0_ref[c] = dS[c]
+    dz0_ref[c] = dz[c].reshape(-1)
+  domega_ref[...] = d_omega
+  dlam_ref[...] = d_lam
+
+
+def _specs(Tp, dp, cfg):
+  """BlockSpecs over the grid (batch, head, value tile)."""
+  BV = cfg.block_v
+  return dict(
+      qk=pl.BlockSpec((None, Tp, None, dp), lambda b, h, j: (b, 0, h, 0)),
+      v=pl.BlockSpec((None, Tp, None, BV), lambda b, h, j: (b, 0, h, j)),
+      row=pl.BlockSpec((None, Tp), lambda b, h, j: (b, 0)),
+      param=pl.BlockSpec((None, 1, dp), lambda b, h, j: (h, 0, 0)),
+      S=pl.BlockSpec((None, None, CHANNELS, dp, BV), lambda b, h, j: (b, h, 0, 0, j)),
+      z=pl.BlockSpec((None, None, CHANNELS, dp), lambda b, h, j: (b, h, 0, 0)),
+      token=pl.BlockSpec((None, Tp, None), lambda b, h, j: (b, 0, h)),
+      # Per value tile: partial sums (or copies, for the denominator) combined outside.
+      tile_den=pl.BlockSpec((None, None, Tp, None), lambda b, h, j: (j, b, 0, h)),
+      tile_z=pl.BlockSpec((None, None, None, CHANNELS, dp), lambda b, h, j: (j, b, h, 0, 0)),
+      tile_qk=pl.BlockSpec((None, None, Tp, None, dp), lambda b, h, j: (j, b, 0, h, 0)),
+      tile_param=pl.BlockSpec((None, None, None, 1, dp), lambda b, h, j: (j, b, h, 0, 0)))
+
+
+def _call(kernel, cfg, grid, in_specs, out_specs, out_shape, *args):
+  return pl.pallas_call(
+      functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs, out_specs=out_specs,
+      out_shape=out_shape, interpret=cfg.interpret,
+      compiler_params=pu.compiler_params(cfg.interpret, cfg.num_warps, cfg.num_stages))(*args)
+
+
+def _forward(q, k, v, pos, run, omega, lam_raw, S0, z0, cfg):
+  """(o, den [B, Tp, H], S, z) in kernel layout."""
+  B, Tp, H, dp = q.shape
+  Vp = v.shape[-1]
+  n_tiles = Vp // cfg.block_v
+  s = _specs(Tp, dp, cfg)
+  out_shape = (jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((n_tiles, B, Tp, H), _F32),
+               jax.ShapeDtypeStruct(S0.shape, _F32), jax.ShapeDtypeStruct((n_tiles, *z0.shape), _F32))
+  o, den, S, z = _call(
+      _forward_kernel, cfg, (B, H, n_tiles),
+      [s["qk"], s["qk"], s["v"], s["row"], s["row"], s["param"], s["param"], s["S"], s["z"]],
+      [s["v"], s["tile_den"], s["S"], s["tile_z"]], out_shape,
+      q, k, v, pos, run, omega, lam_raw, S0, z0)
+  return o, den[0], S, z[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _fused(q, k, v, pos, run, omega, lam_raw, S0, z0, cfg):
+  o, _, S, z = _forward(q, k, v, pos, run, omega, lam_raw, S0, z0, cfg)
+  return o, S, z
+
+
+def _fused_fwd(q, k, v, pos, run, omega, lam_raw, S0, z0, cfg):
+  o, den, S, z = _forward(q, k, v, pos, run, omega, lam_raw, S0, z0, cfg)
+  return (o, S, z), (q, k, v, pos, run, omega, lam_raw, S0, z0, o, den)
+
+
+def _fused_bwd(cfg, residuals, cotangents):
+  q, k, v, pos, run, omega, lam_raw, S0, z0, o, den = residuals
+  do, dS_end, dz_end = (x.astype(_F32) for x in cotangents)
+  B, Tp, H, dp = q.shape
+  n_tiles = v.shape[-1] // cfg.block_v
+  inv_BxTxH = 1.0 / (den + cfg.c_eps)
+  dN = do * inv_BxTxH[..., None]
+  dD = -jnp.sum(do * o.astype(_F32), axis=-1) * inv_BxTxH
+  s = _specs(Tp, dp, cfg)
+  partial_qk = jax.ShapeDtypeStruct((n_tiles, B, Tp, H, dp), _F32)
+  partial_param = jax.ShapeDtypeStruct((n_tiles, B, H, 1, dp), _F32)
+  out_shape = (partial_qk, partial_qk, jax.ShapeDtypeStruct(v.shape, _F32), partial_param,
+               partial_param, jax.ShapeDtypeStruct(S0.shape, _F32),
+               jax.ShapeDtypeStruct((n_tiles, *z0.shape), _F32))
+  dq, dk, dv, d_omega, d_lam, dS0, dz0 = _call(
+      _backward_kernel, cfg, (B, H, n_tiles),
+      [s["qk"], s["qk"], s["v"], s["row"], s["row"], s["param"], s["param"], s["S"], s["z"],
+       s["v"], s["token"], s["S"], s["z"]],
+      [s["tile_qk"], s["tile_qk"], s["v"], s["tile_param"], s["tile_param"], s["S"], s["tile_z"]],
+      out_shape, q, k, v, pos, run, omega, lam_raw, S0, z0, dN, dD, dS_end, dz_end)
+  return (dq.sum(0).astype(q.dtype), dk.sum(0).astype(k.dtype), dv.astype(v.dtype), None, None,
+          d_omega.sum((0, 1)), d_lam.sum((0, 1)), dS0, dz0[0])
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def _to_kernel_state(state, B, H, d, dp, V, Vp):
+  """SanatanState (S [B, H, 6d, V], z [B, H, 6d], index 6a + c) -> padded [B, H, 6, dp, Vp], [B, H, 6, dp]."""
+  if state is None:
+    return jnp.zeros((B, H, CHANNELS, dp, Vp), _F32), jnp.zeros((B, H, CHANNELS, dp), _F32)
+  S = state.S.astype(_F32).reshape(B, H, d, CHANNELS, V).swapaxes(2, 3)
+  z = state.z.astype(_F32).reshape(B, H, d, CHANNELS).swapaxes(2, 3)
+  return pu.pad_axis(pu.pad_axis(S, 3, dp), 4, Vp), pu.pad_axis(z, 3, dp)
+
+
+def _from_kernel_state(S, z, d, V):
+  """The inverse of ``_to_kernel_state``: drops the padding and interleaves the channels."""
+  B, H = S.shape[:2]
+  S = S[:, :, :, :d, :V].swapaxes(2, 3).reshape(B, H, CHANNELS * d, V)
+  return S, z[:, :, :, :d].swapaxes(2, 3).reshape(B, H, CHANNELS * d)
+
+
+def _check(q, v, state):
+  B, T, H, d = q.shape
+  expected = (B, H, CHANNELS * d, v.shape[-1])
+  if state is not None and tuple(state.S.shape) != expected:
+    raise ValueError(f"sanatan_p1_pallas: state.S has shape {tuple(state.S.shape)}, expected "
+                     f"[B, H, 6d, dv] = {expected}")
+
+
+def sanatan_p1_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array,
+                      lam_raw: jax.Array, *, positions: jax.Array | None = None,
+                      segment_ids: jax.Array | None = None,
+                      state: attention.SanatanState | None = None, chunk_size: int = 64,
+                      rotate: bool = True, interpret: bool | None = None, block_v: int = 64,
+                      num_warps: int = 4, num_stages: int = 2
+                      ) -> tuple[jax.Array, attention.SanatanState]:
+  """SANATAN p = 1, 6 channels (SPEC §1.2) by the Pallas kernels; same function as
+  ``sanatan_attention(..., p=1, channels=6)``.
+
+  Args:
+    q, k: raw [B, T, H, d] (already divided by sqrt(d)); v: [B, T, H, dv]; bf16 or fp32.
+    omega, lam_raw: [H, d] root anchors and raw rotation rates.
+    positions: int [B, T] document positions; default 0..T-1 offset by ``state.position``.
+    segment_ids: optional [B, T] packed-document ids (attention.py's convention).
+    state: a SanatanState to continue from; None means zeros.
+    chunk_size: tokens per chunk, a power of two (>= 16 when compiled).
+    rotate: False drops the temporal rotation (the "no lambda" ablation).
+    interpret: run the kernels interpreted; None means "unless on a GPU".
+    block_v, num_warps, num_stages: GPU tuning knobs (value tile width, Triton warps and stages).
+
+  Returns:
+    o [B, T, H, dv] in v's dtype and the SanatanState after the last token (fp32 S, z).
+  """
+  interpret = pu.resolve_interpret(interpret)
+  pu.check_backend(interpret, "sanatan_p1_pallas", "sanatan_attention(implementation='chunked')")
+  if chunk_size < 1 or chunk_size & (chunk_size - 1):
+    raise ValueError(f"sanatan_p1_pallas: chunk_size must be a power of two, got {chunk_size}")
+  _check(q, v, state)
+  B, T, H, d = q.shape
+  V = v.shape[-1]
+  if positions is None:
+    positions = default_positions(B, T, None if state is None else state.position)
+  C = max(chunk_size, 1 if interpret else pu.MIN_DOT)
+  dp, BV = pu.block_size(d, interpret), min(pu.block_size(V, interpret), block_v)
+  Tp, Vp = pu.round_up(T, C), pu.round_up(V, BV)
+  cfg = KernelConfig(chunk=C, block_v=BV, head_dim=d, length=T,
+                     c_eps=features.score_scale(CHANNELS, "clean", d) * attention.EPS,
+                     interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+  pad_qk = lambda x: pu.pad_axis(pu.pad_axis(x, 1, Tp), 3, dp)
+  pos = positions.astype(jnp.int32) if rotate else jnp.zeros((B, T), jnp.int32)
+  run = attention.segment_runs(segment_ids, B, T)
+  param = lambda p: pu.pad_axis(p.astype(_F32), 1, dp).reshape(H, 1, dp)
+  S0, z0 = _to_kernel_state(state, B, H, d, dp, V, Vp)
+  o, S, z = _fused(pad_qk(q), pad_qk(k), pu.pad_axis(pu.pad_axis(v, 1, Tp), 3, Vp),
+                   pu.pad_axis(pos, 1, Tp), pu.pad_axis(run, 1, Tp, mode="edge"),
+                   param(omega), param(lam_raw), S0, z0, cfg)
+  S, z = _from_kernel_state(S, z, d, V)
+  return o[:, :T, :, :V], attention.SanatanState(S, z, positions[:, -1].astype(jnp.int32) + 1)

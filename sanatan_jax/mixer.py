@@ -1,0 +1,133 @@
+"""The SANATAN attention layer as an lmcore mixer (SPEC §1.1 data flow, §1.2 state, §1.4 size)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lmcore.mixers.base import InitSpec, dense, float_bytes
+from sanatan_jax import features
+from sanatan_jax.attention import (IMPLEMENTATIONS, SanatanState, has_constant_state,
+                                   sanatan_attention, validate_options)
+
+OMEGA_INIT = math.pi / 4
+
+
+def kv_cache_bytes(n: int, n_layers: int, d_model: int, itemsize: int = 4) -> int:
+  """Bytes of a softmax KV cache of n tokens, same layout: 2 n L D * itemsize (SPEC §1.2)."""
+  return 2 * n * n_layers * d_model * itemsize
+
+
+class SanatanMixer(nnx.Module):
+  """Root-parity gated angular attention (SPEC §1.1): q, k, v projections, SANATAN, then Wo.
+
+  ``y, new_state = mixer(x_BxTxD, state, positions_BxT, segment_ids_BxT)``; a T = 1 call with a
+  state uses ``decode_implementation``. Parameters (no biases): Wq, Wk [D, H d], Wv [D, H dv],
+  Wo [H dv, D], omega [H, d] (init pi/4) and lam_raw [H, d] (init N(0, 1), our choice).
+  """
+
+  @dataclasses.dataclass(frozen=True)
+  class Config:
+    """SANATAN layer options; ``learn_omega=False``, ``rotate=False`` are SPEC §1.4's ablations."""
+
+    n_heads: int = 4
+    head_dim: int = 16
+    v_head_dim: int | None = None
+    p: int = 1
+    channels: int = 6
+    three_channel: str = "clean"
+    implementation: str = "parallel"
+    chunk_size: int = 64
+    block_size: int = 128
+    learn_omega: bool = True
+    rotate: bool = True
+    decode_implementation: str = "recurrent"
+
+    def __post_init__(self):
+      validate_options(p=self.p, channels=self.channels, three_channel=self.three_channel,
+                       implementation=self.implementation)
+      if self.decode_implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown decode_implementation {self.decode_implementation!r}; "
+                         f"valid: {', '.join(IMPLEMENTATIONS)}")
+
+    @property
+    def dv(self) -> int:
+      return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+  def __init__(self, config: Config, *, d_model: int, init: InitSpec = InitSpec(),
+               dtype=jnp.float32, rngs: nnx.Rngs):
+    self.config = config
+    self.d_model = d_model
+    H, d, dv = config.n_heads, config.head_dim, config.dv
+    self.wq = dense(d_model, H * d, std=init.std, rngs=rngs, dtype=dtype)
+    self.wk = dense(d_model, H * d, std=init.std, rngs=rngs, dtype=dtype)
+    self.wv = dense(d_model, H * dv, std=init.std, rngs=rngs, dtype=dtype)
+    self.wo = dense(H * dv, d_model, std=init.out_std, rngs=rngs, dtype=dtype)
+    self.omega = nnx.Param(jnp.full((H, d), OMEGA_INIT, jnp.float32))
+    self.lam_raw = nnx.Param(jax.random.normal(rngs.params(), (H, d), jnp.float32))
+
+  def _project(self, x_BxTxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q = x Wq / sqrt(d), k = x Wk / sqrt(d), v = x Wv, split into heads (SPEC §1.1 step 1)."""
+    B, T, _ = x_BxTxD.shape
+    H, d = self.config.n_heads, self.config.head_dim
+    scale = 1.0 / math.sqrt(d)
+    q_BxTxHxd = (self.wq(x_BxTxD) * scale).reshape(B, T, H, d)
+    k_BxTxHxd = (self.wk(x_BxTxD) * scale).reshape(B, T, H, d)
+    return q_BxTxHxd, k_BxTxHxd, self.wv(x_BxTxD).reshape(B, T, H, self.config.dv)
+
+  def _omega(self) -> jax.Array:
+    # "No omega" ablation: the parameter exists (same count, same checkpoint layout) but gets no
+    # gradient, so it stays at its pi/4 init.
+    omega_Hxd = self.omega[...]
+    return omega_Hxd if self.config.learn_omega else jax.lax.stop_gradient(omega_Hxd)
+
+  def __call__(self, x_BxTxD: jax.Array, state: SanatanState | None = None,
+               positions_BxT: jax.Array | None = None,
+               segment_ids_BxT: jax.Array | None = None) -> tuple[jax.Array, SanatanState | None]:
+    cfg = self.config
+    B, T, _ = x_BxTxD.shape
+    q_BxTxHxd, k_BxTxHxd, v_BxTxHxV = self._project(x_BxTxD)
+    decoding = state is not None and T == 1
+    o_BxTxHxV, new_state = sanatan_attention(
+        q_BxTxHxd, k_BxTxHxd, v_BxTxHxV, self._omega(), self.lam_raw[...],
+        positions=positions_BxT, segment_ids=segment_ids_BxT, p=cfg.p, channels=cfg.channels,
+        three_channel=cfg.three_channel,
+        implementation=cfg.decode_implementation if decoding else cfg.implementation,
+        state=state, chunk_size=cfg.chunk_size, block_size=cfg.block_size, rotate=cfg.rotate)
+    return self.wo(o_BxTxHxV.reshape(B, T, cfg.n_heads * cfg.dv)), new_state
+
+  def _check_has_state(self) -> None:
+    if not has_constant_state(self.config.p, self.config.channels):
+      raise ValueError(
+          f"SANATAN with p={self.config.p}, channels={self.config.channels} has no constant-size "
+          "state: only p=1 with 6 channels has the exact recurrence (SPEC §1.2); p>=2 needs the "
+          "(6d)^p-wide tensor-power state. Decode such a model by re-running the whole sequence.")
+
+  def init_state(self, batch_size: int, max_len: int = 0) -> SanatanState:
+    """The zero state (``max_len`` is unused: the state does not grow)."""
+    del max_len
+    self._check_has_state()
+    cfg = self.config
+    F = cfg.channels * cfg.head_dim
+    return SanatanState(S=jnp.zeros((batch_size, cfg.n_heads, F, cfg.dv), jnp.float32),
+                        z=jnp.zeros((batch_size, cfg.n_heads, F), jnp.float32),
+                        position=jnp.zeros((batch_size,), jnp.int32))
+
+  def state_bytes(self, batch_size: int, max_len: int = 0) -> int:
+    """B H (F dv + F) * 4 bytes of fp32 state (SPEC §1.2), the position counter not counted."""
+    del max_len
+    self._check_has_state()
+    cfg = self.config
+    F = cfg.channels * cfg.head_dim
+    return float_bytes((batch_size, cfg.n_heads, F, cfg.dv), (batch_size, cfg.n_heads, F))
+
+  def roots(self, x_BxTxD: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Soft roots r_q, r_k [B, T, H, d] (float32) of this layer, for gate_stats (SPEC §1.3)."""
+    q_BxTxHxd, k_BxTxHxd, _ = self._project(x_BxTxD)
+    omega_Hxd = self.omega[...]
+    return tuple(features.soft_roots(features.angles(u.astype(jnp.float32)), omega_Hxd)
+                 for u in (q_BxTxHxd, k_BxTxHxd))

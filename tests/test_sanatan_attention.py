@@ -1,0 +1,261 @@
+"""SANATAN attention (SPEC §1.1 step 6, §1.2): every implementation computes the same function.
+
+Errors are relative L2 ``||a - b|| / ||b||`` at fp32. Outputs and states agree to 1e-5 (the forms
+differ only in summation order); gradients to 1e-4 (they pass through the saturating tanh roots
+and the power, which amplify the fp32 differences of summation order).
+
+Compile time dominates on CPU, so tests reuse shapes: the T = 7 and T = 33 stateless programs of
+the odd-length test serve the causality, two-piece and packed-document tests too.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sanatan_jax import SanatanState, sanatan_attention
+from sanatan_jax.attention import sanatan_features
+
+OUT_TOL, GRAD_TOL = 1e-5, 1e-4
+CHUNK = BLOCK = 16
+P1_IMPLEMENTATIONS = ("parallel", "blocked", "chunked", "recurrent")
+# The tests check the math, not code generation: skipping LLVM's expensive passes halves the
+# compile time of these small programs on a shared CPU.
+_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+_STATIC = ("p", "channels", "three_channel", "implementation", "chunk_size", "block_size", "rotate")
+
+
+@pytest.fixture(autouse=True)
+def _no_implicit_rank_promotion():
+  with jax.numpy_rank_promotion("raise"):
+    yield
+
+
+def _jit(fn, **kw):
+  return jax.jit(fn, compiler_options=_FAST_COMPILE, **kw)
+
+
+def _options(implementation="parallel", p=1, channels=6, three_channel="clean", **kw):
+  """Every static option spelled out with the test tile sizes, so equal calls share a program."""
+  return dict(implementation=implementation, p=p, channels=channels, three_channel=three_channel,
+              chunk_size=CHUNK, block_size=BLOCK, **kw)
+
+
+_attend_jit = _jit(sanatan_attention, static_argnames=_STATIC)
+
+
+def _attend(*args, **kw):
+  return _attend_jit(*args, **_options(**kw))
+
+
+def _rel(a, b):
+  err, ref = jnp.linalg.norm(jnp.ravel(a - b)), jnp.linalg.norm(jnp.ravel(b))
+  return float(err / ref) if ref > 0 else float(err)
+
+
+def _inputs(seed, T, B=2, H=2, d=4, dv=5):
+  """q, k, v, omega, lam_raw with |u| spread across both edges of the saturation band."""
+  rng = np.random.default_rng(seed)
+
+  def spread(*shape):
+    return rng.normal(size=shape) * np.exp(rng.uniform(np.log(0.01), np.log(50.0), size=shape))
+
+  arrays = (spread(B, T, H, d), spread(B, T, H, d), rng.normal(size=(B, T, H, dv)),
+            np.pi / 4 + 0.3 * rng.normal(size=(H, d)), 2.0 * rng.normal(size=(H, d)))
+  return tuple(jnp.asarray(x, jnp.float32) for x in arrays)
+
+
+def _prefix_state(seed, T=5):
+  """A reachable state: the one a random 5-token prefix leaves."""
+  return _attend(*_inputs(seed, T))[1]
+
+
+def _assert_states_close(a: SanatanState, b: SanatanState):
+  assert _rel(a.S, b.S) <= OUT_TOL and _rel(a.z, b.z) <= OUT_TOL
+  np.testing.assert_array_equal(a.position, b.position)
+
+
+@pytest.mark.parametrize("T,with_state", [(1, True), (7, False), (33, False)])
+def test_p1_implementations_equal_parallel_for_odd_lengths(T, with_state):
+  q, k, v, omega, lam_raw = _inputs(T, T)
+  state = _prefix_state(100 + T) if with_state else None
+  o_ref, state_ref = _attend(q, k, v, omega, lam_raw, state=state)
+  for implementation in P1_IMPLEMENTATIONS[1:]:
+    o, new_state = _attend(q, k, v, omega, lam_raw, state=state, implementation=implementation)
+    assert _rel(o, o_ref) <= OUT_TOL, implementation
+    _assert_states_close(new_state, state_ref)
+
+
+def _outputs_and_grads(inputs, do, **kw):
+  """o and the gradients of <o, do> w.r.t. q, k, v, omega, lam_raw, from one compiled program."""
+
+  def run(*args):
+    o, vjp = jax.vjp(lambda *a: sanatan_attention(*a, **_options(**kw))[0], *args)
+    return o, vjp(do)
+
+  return _jit(run)(*inputs)
+
+
+# All 12 (p, variant) pairs. Gradients on two of them (p = 1 six-channel ones are in the p = 1
+# test below): the tiling, remat and block skipping they check do not depend on the variant.
+_GRAD_CASES = {(2, 6, "clean"), (4, 4, "clean")}
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+@pytest.mark.parametrize("channels,three_channel", [(6, "clean"), (4, "clean"), (3, "legacy"),
+                                                    (3, "clean")])
+def test_blocked_equals_parallel_for_all_powers_and_channels(p, channels, three_channel):
+  inputs = _inputs(7 * p + channels, 33)
+  kw = dict(p=p, channels=channels, three_channel=three_channel)
+  if (p, channels, three_channel) not in _GRAD_CASES:
+    o_ref, o = (_attend(*inputs, implementation=impl, **kw)[0] for impl in ("parallel", "blocked"))
+    assert _rel(o, o_ref) <= OUT_TOL
+    return
+  do = jnp.asarray(np.random.default_rng(p).normal(size=inputs[2].shape), jnp.float32)
+  o_ref, g_ref = _outputs_and_grads(inputs, do, implementation="parallel", **kw)
+  o, g = _outputs_and_grads(inputs, do, implementation="blocked", **kw)
+  assert _rel(o, o_ref) <= OUT_TOL
+  for name, a, b in zip(("q", "k", "v", "omega", "lam_raw"), g, g_ref):
+    assert _rel(a, b) <= GRAD_TOL, name
+
+
+def _p1_grads(implementation, inputs, state, segment_ids, seed):
+  """Gradients of <o, do> + <S, dS> + <z, dz> w.r.t. q, k, v, omega, lam_raw, S0, z0."""
+  rng = np.random.default_rng(seed)
+  do, dS, dz = (jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+                for x in (inputs[2], state.S, state.z))
+
+  def loss(q, k, v, omega, lam_raw, S0, z0):
+    o, new = sanatan_attention(q, k, v, omega, lam_raw, **_options(
+        state=SanatanState(S0, z0, state.position), segment_ids=segment_ids,
+        implementation=implementation))
+    return jnp.sum(o * do) + jnp.sum(new.S * dS) + jnp.sum(new.z * dz)
+
+  return _jit(jax.grad(loss, tuple(range(7))))(*inputs, state.S, state.z)
+
+
+def test_gradients_of_all_p1_implementations_agree_with_state_and_segments():
+  inputs = _inputs(3, 33)
+  state = _prefix_state(4)
+  # Row 0 keeps the incoming state for 20 tokens; row 1 resets it twice, once inside a chunk.
+  segment_ids = jnp.asarray([[0] * 20 + [1] * 13, [0] * 5 + [1] * 20 + [2] * 8])
+  g_ref = _p1_grads("parallel", inputs, state, segment_ids, 5)
+  for implementation in P1_IMPLEMENTATIONS[1:]:
+    g = _p1_grads(implementation, inputs, state, segment_ids, 5)
+    for name, a, b in zip(("q", "k", "v", "omega", "lam_raw", "S0", "z0"), g, g_ref):
+      assert _rel(a, b) <= GRAD_TOL, (implementation, name)
+
+
+@pytest.mark.parametrize("implementation", P1_IMPLEMENTATIONS)
+def test_two_pieces_with_state_equal_whole(implementation):
+  q, k, v, omega, lam_raw = _inputs(8, 33)
+  run = functools.partial(_attend, omega=omega, lam_raw=lam_raw, implementation=implementation)
+  o_whole, state_whole = run(q, k, v)
+  o_head, state_head = run(q[:, :7], k[:, :7], v[:, :7])
+  # Default positions continue from state_head.position.
+  o_tail, state_tail = run(q[:, 7:], k[:, 7:], v[:, 7:], state=state_head)
+  assert _rel(jnp.concatenate([o_head, o_tail], axis=1), o_whole) <= OUT_TOL
+  _assert_states_close(state_tail, state_whole)
+
+
+def test_six_channel_scores_are_nonnegative_and_at_most_4d():
+  q, k, _, omega, lam_raw = _inputs(9, 67, d=8)
+  positions = jnp.broadcast_to(jnp.arange(67), (2, 67))
+
+  def scores(*args):
+    phi_q, phi_k = sanatan_features(*args)
+    return jnp.einsum("bthf,bshf->bhts", phi_q, phi_k, precision=jax.lax.Precision.HIGHEST)
+
+  s = _jit(scores)(q, k, omega, lam_raw, positions)
+  assert float(s.min()) >= -1e-4 and float(s.max()) <= 4 * 8 + 1e-4
+
+
+@pytest.mark.parametrize("implementation,p,channels,three_channel", [
+    ("parallel", 1, 6, "clean"), ("blocked", 1, 6, "clean"), ("chunked", 1, 6, "clean"),
+    ("recurrent", 1, 6, "clean"), ("parallel", 4, 6, "clean"), ("blocked", 2, 4, "clean")])
+def test_outputs_do_not_depend_on_future_tokens(implementation, p, channels, three_channel):
+  q, k, v, omega, lam_raw = _inputs(10, 33)
+  q2, k2, v2, _, _ = _inputs(11, 33)
+  cut = 19  # tokens >= cut are replaced; outputs before cut must not move at all.
+  kw = dict(p=p, channels=channels, three_channel=three_channel, implementation=implementation)
+  swap = lambda a, b: jnp.concatenate([a[:, :cut], b[:, cut:]], axis=1)
+  o = _attend(q, k, v, omega, lam_raw, **kw)[0]
+  o2 = _attend(swap(q, q2), swap(k, k2), swap(v, v2), omega, lam_raw, **kw)[0]
+  np.testing.assert_array_equal(o[:, :cut], o2[:, :cut])
+  assert not np.allclose(o[:, cut:], o2[:, cut:])
+
+
+_DOCS = (7, 33)  # packed rows of two documents whose lengths reuse the odd-length programs
+
+
+def _packed(seed):
+  """40-token rows packing documents of 7 and 33 tokens, positions restarted per document."""
+  segment_ids = jnp.asarray([[4] * _DOCS[0] + [9] * _DOCS[1]] * 2)
+  positions = jnp.asarray([list(range(_DOCS[0])) + list(range(_DOCS[1]))] * 2)
+  return _inputs(seed, sum(_DOCS)), segment_ids, positions
+
+
+@pytest.mark.parametrize("implementation,p", [
+    ("parallel", 1), ("blocked", 1), ("chunked", 1), ("recurrent", 1), ("parallel", 4),
+    ("blocked", 4)])
+def test_packed_documents_equal_separate_documents(implementation, p):
+  (q, k, v, omega, lam_raw), segment_ids, positions = _packed(12)
+  kw = dict(p=p, implementation=implementation)
+  o, state = _attend(q, k, v, omega, lam_raw, positions=positions, segment_ids=segment_ids, **kw)
+  for doc in (slice(0, _DOCS[0]), slice(_DOCS[0], None)):
+    o_doc, state_doc = _attend(q[:, doc], k[:, doc], v[:, doc], omega, lam_raw, **kw)
+    assert _rel(o[:, doc], o_doc) <= OUT_TOL
+  if p == 1:
+    _assert_states_close(state, state_doc)
+
+
+@pytest.mark.parametrize("implementation", P1_IMPLEMENTATIONS)
+def test_changing_one_segment_leaves_the_next_segment_unchanged(implementation):
+  (q, k, v, omega, lam_raw), segment_ids, positions = _packed(13)
+  q2, k2, v2, _, _ = _inputs(14, sum(_DOCS))
+  first = (segment_ids == 4)[:, :, None, None]
+  kw = dict(positions=positions, segment_ids=segment_ids, implementation=implementation)
+  o = _attend(q, k, v, omega, lam_raw, **kw)[0]
+  o2 = _attend(jnp.where(first, q2, q), jnp.where(first, k2, k), jnp.where(first, v2, v), omega,
+               lam_raw, **kw)[0]
+  np.testing.assert_array_equal(jnp.where(first, 0, o), jnp.where(first, 0, o2))
+
+
+def test_bfloat16_inputs_give_bfloat16_outputs_and_float32_state():
+  inputs = _inputs(16, 33)
+  o32 = _attend(*inputs, implementation="chunked")[0]
+  bf16 = [x.astype(jnp.bfloat16) for x in inputs[:3]]
+  o16, state16 = _attend(*bf16, *inputs[3:], implementation="chunked")
+  assert o16.dtype == jnp.bfloat16 and state16.S.dtype == jnp.float32
+  # bf16 rounds q, k, v and the features by up to 2^-9 relative.
+  assert _rel(o16.astype(jnp.float32), o32) <= 3e-2
+
+
+def test_blocked_gradient_never_holds_a_t_by_t_array():
+  T = 8192
+  shapes = [jax.ShapeDtypeStruct(s, jnp.float32)
+            for s in ((1, T, 1, 4), (1, T, 1, 4), (1, T, 1, 4), (1, 4), (1, 4))]
+  loss = lambda *a: jnp.sum(sanatan_attention(*a, p=2, implementation="blocked", block_size=64)[0])
+  compiled = _jit(jax.grad(loss, tuple(range(5)))).lower(*shapes).compile()
+  # O(T * block) scratch: ~0.04 of one T x T fp32 matrix at this T (it halves when T doubles).
+  assert compiled.memory_analysis().temp_size_in_bytes <= 0.1 * 4 * T * T
+
+
+def test_state_and_recurrent_forms_reject_p_above_one_and_ablation_channels():
+  q, k, v, omega, lam_raw = _inputs(17, 7)
+  state = _prefix_state(18)
+  with pytest.raises(ValueError, match="no constant-size state"):
+    sanatan_attention(q, k, v, omega, lam_raw, p=2, state=state)
+  with pytest.raises(ValueError, match="no constant-size state"):
+    sanatan_attention(q, k, v, omega, lam_raw, channels=4, state=state)
+  for implementation in ("chunked", "recurrent"):
+    with pytest.raises(ValueError, match="use 'parallel' or 'blocked'"):
+      sanatan_attention(q, k, v, omega, lam_raw, p=2, implementation=implementation)
+    with pytest.raises(ValueError, match="use 'parallel' or 'blocked'"):
+      sanatan_attention(q, k, v, omega, lam_raw, channels=3, implementation=implementation)
+  with pytest.raises(ValueError, match="unknown implementation"):
+    sanatan_attention(q, k, v, omega, lam_raw, implementation="flash")
+  shapes = jax.eval_shape(functools.partial(sanatan_attention, p=2), q, k, v, omega, lam_raw)
+  assert shapes[1] is None
