@@ -46,10 +46,10 @@ def paper_heldout():
 
 
 def paper_train(steps: int = 152_588, learning_rate: float = 6e-4, warmup_steps: int = 500, **extra):
-  return dict(steps=steps, batch_size=32, learning_rate=learning_rate, warmup_steps=warmup_steps,
-              min_lr_ratio=0.1, b1=0.9, b2=0.95, weight_decay=0.1, grad_clip=1.0, log_every=50,
-              checkpoint_every=2000, keep_last=2, keep_every=20_000, eval_every=10_000, eval_batches=0,
-              **extra)
+  train = dict(steps=steps, batch_size=32, learning_rate=learning_rate, warmup_steps=warmup_steps,
+               min_lr_ratio=0.1, b1=0.9, b2=0.95, weight_decay=0.1, grad_clip=1.0, log_every=50,
+               checkpoint_every=2000, keep_last=2, keep_every=20_000, eval_every=10_000, eval_batches=0)
+  return {**train, **extra}
 
 
 MODEL_184M = dict(vocab_size=126_349, d_model=768, n_layers=12, pattern="sanatan*12", mlp_hidden=2048,

@@ -171,6 +171,7 @@ def evaluate_params(config: ExperimentConfig, out_dir: str, graphdef, params, re
   """The full held-out evaluation of one set of parameters; writes ``<out_dir>/eval_<step>.json``."""
   from lmcore import data as data_lib
 
+  os.makedirs(out_dir, exist_ok=True)
   record: dict[str, Any] = {"step": step, "name": config.name}
   record.update(heldout_loss(graphdef, params, rest, heldout, batch_size=config.eval.batch_size,
                              use_segments=config.data.segment_ids, max_batches=config.train.eval_batches))
@@ -182,7 +183,6 @@ def evaluate_params(config: ExperimentConfig, out_dir: str, graphdef, params, re
     with open(os.path.join(out_dir, f"gate_stats_{step}.jsonl"), "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in layers)
     record["gate_stats_file"] = f"gate_stats_{step}.jsonl"
-  os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, f"eval_{step}.json")
   with open(path + ".tmp", "w") as f:
     json.dump(record, f, indent=1)

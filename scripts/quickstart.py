@@ -23,17 +23,20 @@ from lmcore import config as cfg_lib  # noqa: E402
 from lmcore import evaluate, train_lib  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/quickstart", "Where both stages write.")
-_STEPS = flags.DEFINE_integer("stage1_steps", None, "Override stage-1 steps (default: the tiny preset's).")
+_STAGE1_STEPS = flags.DEFINE_integer("stage1_steps", None, "Override stage-1 steps (default: the preset's).")
+_STAGE2_STEPS = flags.DEFINE_integer("stage2_steps", None, "Override stage-2 steps (default: the preset's).")
 
 
-def stage_configs(workdir: str, stage1_steps: int | None):
-  stage1 = cfg_lib.experiment_config(sanatan.get_config("tiny"))
-  if stage1_steps:
-    stage1 = dataclasses.replace(stage1, train=dataclasses.replace(stage1.train, steps=stage1_steps))
-  stage2 = cfg_lib.experiment_config(sanatan.get_config("tiny_p1_adapt"))
+def _with_steps(config: cfg_lib.ExperimentConfig, steps: int | None, **train_fields):
+  fields = dict(train_fields, **({"steps": steps} if steps else {}))
+  return dataclasses.replace(config, train=dataclasses.replace(config.train, **fields))
+
+
+def stage_configs(workdir: str, stage1_steps: int | None, stage2_steps: int | None):
   stage1_dir = os.path.join(workdir, "stage1_p2")
-  stage2 = dataclasses.replace(stage2, train=dataclasses.replace(
-      stage2.train, init_from=stage1_dir, init_data_from=stage1_dir))
+  stage1 = _with_steps(cfg_lib.experiment_config(sanatan.get_config("tiny")), stage1_steps)
+  stage2 = _with_steps(cfg_lib.experiment_config(sanatan.get_config("tiny_p1_adapt")), stage2_steps,
+                       init_from=stage1_dir, init_data_from=stage1_dir)
   return stage1, stage2, stage1_dir, os.path.join(workdir, "stage2_p1")
 
 
@@ -62,7 +65,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO.
   start = time.time()
-  stage1, stage2, stage1_dir, stage2_dir = stage_configs(_WORKDIR.value, _STEPS.value)
+  stage1, stage2, stage1_dir, stage2_dir = stage_configs(_WORKDIR.value, _STAGE1_STEPS.value, _STAGE2_STEPS.value)
   print("== stage 1: SANATAN p = 2 ==", flush=True)
   record1 = train_lib.train_and_evaluate(stage1, stage1_dir)
   if "stopped_by" in record1:

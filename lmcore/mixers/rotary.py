@@ -7,6 +7,8 @@ import jax.numpy as jnp
 def rotary(x_BxTxHxd: jax.Array, positions_BxT: jax.Array, base: float = 10000.0) -> jax.Array:
   """Rotates pairs (x_i, x_{i+d/2}) by angle pos · base^(-2i/d); computed in fp32, returned in x's dtype."""
   d = x_BxTxHxd.shape[-1]
+  if d % 2:
+    raise ValueError(f"rotary needs an even head dim, got {d}")
   half = d // 2
   inv_freq_h = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / d)
   angle_BxTx1xh = positions_BxT.astype(jnp.float32)[:, :, None, None] * inv_freq_h[None, None, None, :]

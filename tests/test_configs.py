@@ -1,0 +1,74 @@
+"""Every preset of every config file loads into typed configs; paper models have the SPEC's sizes."""
+
+import importlib
+
+import pytest
+
+from lmcore import config as cfg_lib
+from lmcore.model import abstract_param_count
+
+CONFIG_FILES = ["sanatan", "based", "baselines"]
+REQUIRED_OVERRIDES = ["train.steps", "train.batch_size", "data.seq_len", "train.learning_rate"]
+
+
+def presets(name):
+  return list(importlib.import_module(f"configs.{name}").PRESETS)
+
+
+@pytest.mark.parametrize("name", CONFIG_FILES)
+def test_every_preset_converts_and_has_the_common_override_keys(name):
+  module = importlib.import_module(f"configs.{name}")
+  assert "tiny" in module.PRESETS
+  for preset in module.PRESETS:
+    cd = module.get_config(preset)
+    for key in REQUIRED_OVERRIDES:
+      section, field = key.split(".")
+      assert field in cd[section], f"{name}:{preset} lacks {key}"
+    config = cfg_lib.experiment_config(cd)
+    assert len(config.model.layer_kinds()) == config.model.n_layers
+
+
+def test_unknown_preset_lists_the_valid_ones():
+  module = importlib.import_module("configs.sanatan")
+  with pytest.raises(cfg_lib.ConfigError, match="184m_p2"):
+    module.get_config("184m_p3")
+
+
+def count(name, preset):
+  return abstract_param_count(cfg_lib.experiment_config(importlib.import_module(f"configs.{name}").get_config(preset)).model)
+
+
+def test_sanatan_184m_has_183_581_184_parameters():
+  """SPEC §1.4: embeddings 97,036,032 + positions 1,572,864 + 12 × 7,080,960 + final norm 768."""
+  assert count("sanatan", "184m_p2") == 183_581_184
+  assert count("sanatan", "184m_p1_adapt") == 183_581_184
+
+
+def test_based_models_have_the_released_parameter_counts():
+  assert count("based", "360m") == 362_620_928
+  assert count("based", "1p3b") == 1_349_453_056
+
+
+def test_gla_reference_has_182_216_448_parameters():
+  assert count("baselines", "gla_182m") == 182_216_448
+
+
+def test_sanatan_stage2_reads_stage1_and_continues_its_data():
+  config = cfg_lib.experiment_config(importlib.import_module("configs.sanatan").get_config("184m_p1_adapt"))
+  assert config.train.init_from and config.train.init_data_from == config.train.init_from
+  assert config.model.mixers["sanatan"].p == 1 and config.train.learning_rate == 6e-5
+  assert config.train.steps * config.train.batch_size * config.data.seq_len == pytest.approx(0.63e9, rel=0.001)
+
+
+def test_ablation_presets_match_their_overrides():
+  sanatan = importlib.import_module("configs.sanatan")
+  for name, fields in sanatan.ABLATIONS.items():
+    mixer = cfg_lib.experiment_config(sanatan.get_config(f"ablate_{name}")).model.mixers["sanatan"]
+    for field, value in fields.items():
+      assert getattr(mixer, field) == value, (name, field)
+
+
+def test_based_windows_follow_the_paper_with_the_released_value_as_a_preset():
+  based = importlib.import_module("configs.based")
+  window = lambda p: cfg_lib.experiment_config(based.get_config(p)).model.mixers["swa"].window
+  assert (window("360m"), window("1p3b"), window("1p3b_released_window")) == (64, 16, 128)

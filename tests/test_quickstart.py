@@ -1,0 +1,42 @@
+"""The README's main command, shortened: both stages, the unadapted readout, the paired table; then
+``eval.py`` on the result (sample from a prompt, p = 2 readout) and a rerun that resumes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHORT = ["--stage1_steps=12", "--stage2_steps=6"]
+
+
+def run(cmd):
+  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
+                        env={**os.environ, "WANDB_MODE": "disabled"})
+  assert proc.returncode == 0, f"STDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-5000:]}"
+  return proc.stdout
+
+
+@pytest.mark.slow
+def test_two_stage_quickstart_prints_the_table_and_resumes(tmp_path):
+  workdir = tmp_path / "qs"
+  out = run([sys.executable, "scripts/quickstart.py", f"--workdir={workdir}", *SHORT])
+  assert "| stage 1 read out at p = 1, no adaptation |" in out
+  results = json.load(open(workdir / "results.json"))
+  stage2 = results["stage2"]
+  assert abs(stage2["paired_diff"]) <= 1e-4 and stage2["max_abs_dlogit"] <= 1e-4
+  assert stage2["loss_parallel"] == pytest.approx(stage2["loss"], abs=1e-6)
+  assert os.path.exists(workdir / "stage1_p2" / "eval_12.json")
+  assert os.path.exists(workdir / "stage1_p2" / "readout_p1" / "eval_12.json")
+  gate_layers = [json.loads(l) for l in open(workdir / "stage2_p1" / "gate_stats_6.jsonl")]
+  assert len(gate_layers) == 4 and all(0 <= g["mismatch_fraction"] <= 1 for g in gate_layers)
+
+  again = run([sys.executable, "scripts/quickstart.py", f"--workdir={workdir}", *SHORT])
+  assert "Resumed from step 12" in again and "Resumed from step 6" in again
+
+  sample = run([sys.executable, "eval.py", "--config=configs/sanatan.py:tiny_p1_adapt",
+                f"--workdir={workdir / 'stage2_p1'}", "--prompt=def ", "--max_new_tokens=8",
+                f"--out_dir={tmp_path / 'eval_out'}"])
+  assert "--- sample ---" in sample and os.path.exists(tmp_path / "eval_out" / "eval_6.json")
