@@ -229,6 +229,7 @@ def _loop(run: Run, writer: metrics.MetricWriter, stop: StopRequested, heldout) 
   train = config.train
   train_step = make_train_step(run.graphdef, run.tx, config)
   tokens_per_step = train.batch_size * config.data.seq_len
+  monitor_fn = make_monitor_fn(run.graphdef) if train.monitor_every else None
   throughput = metrics.Throughput(run.step)
   pending = None  # (step, device metrics) of the previous step, fetched after the next dispatch
   last_loss = None
@@ -247,8 +248,25 @@ def _loop(run: Run, writer: metrics.MetricWriter, stop: StopRequested, heldout) 
       _maybe_inject_fault(run.step, run.checkpointer)
     if train.eval_every and run.step % train.eval_every == 0 and run.step < train.steps:
       _periodic_eval(run, heldout, writer)
+    if train.monitor_every and run.step % train.monitor_every == 0:
+      monitors = monitor_fn(run.params, run.rest, batch["tokens"][:, :-1])
+      writer.write(run.step, {f"monitor/layer{i}/{k}": v for i, m in monitors.items() for k, v in m.items()})
   if pending is not None:
     _log(pending, writer, throughput, tokens_per_step, train)
+
+
+def make_monitor_fn(graphdef):
+  """Per-layer mixer monitors (SPEC §3: CyFA's state norm, gate and write-strength statistics) for
+  every layer whose mixer has a ``monitors(x)`` method, on the current batch."""
+
+  @jax.jit
+  def monitor_fn(params, rest, tokens_BxT):
+    model = nnx.merge(graphdef, params, rest)
+    inputs = model.mixer_inputs(tokens_BxT)
+    return {i: block.mixer.monitors(x) for i, (block, x) in enumerate(zip(model.blocks, inputs))
+            if hasattr(block.mixer, "monitors")}
+
+  return monitor_fn
 
 
 def _log(pending, writer, throughput, tokens_per_step, train) -> float:

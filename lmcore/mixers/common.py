@@ -1,4 +1,4 @@
-"""Small pieces shared by the linear-attention mixers (GLA, CyFA, Linear Transformer, Performer, cosFormer)."""
+"""Small pieces shared by the linear-attention mixers (GLA, CyFA and the normalised baselines)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from lmcore.mixers.base import float_bytes
 
 
 class HeadRMSNorm(nnx.Module):
-  """y = x / sqrt(mean(x²) + eps) ⊙ w over one head's channels (last axis), w shared by all heads.
+  """y = x / sqrt(mean(x²) + eps) ⊙ w over one head's channels (the last axis), w shared by heads.
 
-  This is FLA's group RMSNorm of GLA / Gated DeltaNet (weight of size head_dim). With ``gate``,
-  y ⊙ swish(gate) (FLA's FusedRMSNormGated). Computed in fp32, returned in the input dtype.
+  FLA's group RMSNorm of GLA and Gated DeltaNet (a weight of size head_dim). With ``gate``, the
+  result is multiplied by swish(gate) (FLA's FusedRMSNormGated). fp32 inside, input dtype out.
   """
 
   def __init__(self, dim: int, *, eps: float):
@@ -41,7 +41,7 @@ def merge_heads(x_BxTxHxd: jax.Array) -> jax.Array:
 
 
 def implementation_for(configured: str, length: int) -> str:
-  """One-token calls (decode) use the token-by-token ``reference`` scan; the rest what is configured.
+  """One-token calls (decode) run the token-by-token ``reference`` scan, others the configured one.
 
   Both compute the same function; the chunked form would pad a single token to a whole chunk.
   """
@@ -51,4 +51,3 @@ def implementation_for(configured: str, length: int) -> str:
 def linear_state_bytes(batch_size: int, n_heads: int, key_dim: int, value_dim: int) -> int:
   """Bytes of a ``LinearAttentionState`` (S and z, fp32)."""
   return float_bytes((batch_size, n_heads, key_dim, value_dim), (batch_size, n_heads, key_dim))
-

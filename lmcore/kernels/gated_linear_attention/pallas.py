@@ -1,0 +1,392 @@
+"""Pallas (Triton lowering) kernels for chunked gated linear attention (SPEC §3, §4), with custom VJP.
+
+The function is xla.py's, per head, with b the chunk-local cumulative log gate (fp32)::
+
+    o_i     = scale * [(q_i ⊙ exp(b_i)) S_n  +  sum_{j<=i in chunk} (sum_k q_ik k_jk exp(b_ik - b_jk)) v_j]
+    S_{n+1} = diag(exp(b_C)) S_n + sum_j (k_j ⊙ exp(b_C - b_j)) v_jᵀ
+
+One program per (batch, head, value tile) walks all chunks with ``lax.fori_loop`` and keeps the
+fp32 state tile [K, BV] in registers (FLA's "fused chunk" form): GPU programs run in parallel, so
+the chunk-to-chunk recurrence must live inside one program, and no per-chunk state ever reaches
+HBM. A scalar gate per head makes the intra-chunk scores one matmul times a decay matrix; a
+per-key-channel gate uses secondary chunking (sub-chunks of ``SUB_CHUNK`` tokens): blocks below the
+diagonal are a matmul of q ⊙ exp(b - r) and k ⊙ exp(r - b) around the query sub-chunk's reference
+r = b just before it (both exponents <= 0), diagonal blocks are exact elementwise sums in fp32.
+Every exponent is <= 0 for gates <= 0, and masked entries are set to -inf *before* ``exp``.
+
+Packed documents (``doc_BxT``, non-decreasing per row, as ``api.document_index`` makes them) are
+honoured by masks inside the kernels: a token reads the carried state only while in the document
+the state belongs to, and a chunk hands on only its last document's writes.
+
+Backward (``jax.custom_vjp``): the forward saves its inputs and the final state only. One kernel
+recomputes the chunk states in a forward sweep to get dq, then walks the chunks in reverse carrying
+dS to get dk, dv and dS_0. The gate gradient needs no kernel: with B the cumulative log gate, the
+output depends on B only through q ⊙ exp(B), k ⊙ exp(-B) and the final state's exp(B_T), so
+dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ S_T ⊙ dS_T summed over values at t = T) and dg is the reverse
+cumulative sum of dB. With several value tiles each program returns partial dq, dk (they sum over
+values) that are added outside.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from lmcore.kernels import pallas_utils as pu
+from lmcore.kernels.gated_linear_attention import api
+
+SUB_CHUNK = 16
+_F32 = jnp.float32
+
+
+class KernelConfig(NamedTuple):
+  """Static kernel parameters (hashable: they key the compiled kernels).
+
+  chunk: tokens per chunk C (a power of two); sub_chunk: tokens per diagonal block (C for a scalar
+  gate); block_v: value columns per program BV; per_channel: the gate has one value per key channel.
+  """
+
+  chunk: int
+  sub_chunk: int
+  block_v: int
+  scale: float
+  per_channel: bool
+  interpret: bool
+  num_warps: int = 4
+  num_stages: int = 2
+
+
+class _Sub(NamedTuple):
+  """One sub-chunk as loaded in a kernel: inputs, cumulative gate ``b`` and its reference."""
+
+  q: jax.Array  # [c, K] input dtype
+  k: jax.Array  # [c, K]
+  v: jax.Array  # [c, BV]
+  b: jax.Array  # [c, G] fp32, chunk-local cumulative log gate
+  ref: jax.Array  # [1, G] fp32, b just before the sub-chunk
+  doc: jax.Array  # [c] int32
+  do: jax.Array | None  # [c, BV] scale * dL/do (backward only)
+
+
+def _load_chunk(n, refs, cfg: KernelConfig, do_ref=None):
+  """Sub-chunks of chunk ``n``, the chunk's total log gate [1, G] and its last document."""
+  q_ref, k_ref, v_ref, g_ref, doc_ref = refs
+  C, c = cfg.chunk, cfg.sub_chunk
+  ref = jnp.zeros((1, g_ref.shape[-1]), _F32)
+  subs = []
+  for i in range(C // c):
+    start = n * C + i * c
+    g = pu.rows(g_ref, start, c).astype(_F32)
+    do = None
+    if do_ref is not None:
+      do = (cfg.scale * pu.rows(do_ref, start, c)).astype(v_ref.dtype)
+    subs.append(_Sub(pu.rows(q_ref, start, c), pu.rows(k_ref, start, c), pu.rows(v_ref, start, c),
+                     ref + jnp.cumsum(g, axis=0), ref, pu.rows(doc_ref, start, c), do))
+    ref = ref + jnp.sum(g, axis=0, keepdims=True)
+  last_doc = functools.reduce(jnp.maximum, [jnp.max(s.doc) for s in subs])
+  return subs, ref, last_doc
+
+
+def _visible(doc_i, doc_j, causal: bool):
+  """[c, c] bool: key j is in query i's document (and j <= i on a diagonal block)."""
+  same = doc_i[:, None] == doc_j[None, :]
+  if not causal:
+    return same
+  c = doc_i.shape[0]
+  iota = functools.partial(jax.lax.broadcasted_iota, jnp.int32, (c, c))
+  return same & (iota(0) >= iota(1))
+
+
+def _col(x_1xG):
+  """[1, G] -> [G, 1], to scale the rows of a [K, BV] state (G = 1 broadcasts)."""
+  return x_1xG.reshape(x_1xG.shape[1], 1)
+
+
+def _off_factors(x: _Sub, y: _Sub):
+  """q_x ⊙ exp(b_x - r_x) and k_y ⊙ exp(r_x - b_y) for key sub-chunk y before query sub-chunk x."""
+  dt = x.q.dtype
+  q_t = (x.q.astype(_F32) * jnp.exp(x.b - x.ref)).astype(dt)
+  k_t = (y.k.astype(_F32) * jnp.exp(x.ref - y.b)).astype(dt)
+  return q_t, k_t
+
+
+def _diag_decay(x: _Sub, visible):
+  """exp(b_i - b_j) on visible pairs, else 0: [c, c] (scalar gate) or [c, c, K] (per channel)."""
+  if x.b.shape[-1] == 1:
+    return jnp.exp(jnp.where(visible, x.b - x.b.reshape(1, -1), -jnp.inf))
+  diff = x.b[:, None, :] - x.b[None, :, :]
+  return jnp.exp(jnp.where(visible[:, :, None], diff, -jnp.inf))
+
+
+def _diag_scores(x: _Sub, decay):
+  """A_ij = sum_k q_ik k_jk exp(b_ik - b_jk) inside one sub-chunk, fp32 [c, c]."""
+  if decay.ndim == 2:
+    return pu.dot(x.q, x.k, trans_b=True) * decay
+  return jnp.sum(x.q.astype(_F32)[:, None, :] * x.k.astype(_F32)[None, :, :] * decay, axis=2)
+
+
+def _off_scores(x: _Sub, y: _Sub):
+  q_t, k_t = _off_factors(x, y)
+  return jnp.where(_visible(x.doc, y.doc, False), pu.dot(q_t, k_t, trans_b=True), 0.0)
+
+
+def _q_from_state(x: _Sub, state_doc):
+  """q ⊙ exp(b) for tokens still in the state's document, else 0 (input dtype)."""
+  reads = (x.doc == state_doc)[:, None]
+  return jnp.where(reads, x.q.astype(_F32) * jnp.exp(x.b), 0.0).astype(x.q.dtype)
+
+
+def _k_to_end(x: _Sub, b_end, last_doc):
+  """k ⊙ exp(b_C - b) for tokens of the chunk's last document, else 0 (input dtype)."""
+  writes = (x.doc == last_doc)[:, None]
+  return jnp.where(writes, x.k.astype(_F32) * jnp.exp(b_end - x.b), 0.0).astype(x.k.dtype)
+
+
+def _advance(S, subs, b_end, state_doc, last_doc):
+  """The state after the chunk: decay (or reset at a new document), then add its last writes."""
+  S = jnp.where(last_doc == state_doc, _col(jnp.exp(b_end)) * S, 0.0)
+  for x in subs:
+    S = S + pu.dot(_k_to_end(x, b_end, last_doc), x.v, trans_a=True)
+  return S
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, S0_ref, o_ref, S_ref, *, cfg):
+  refs = (q_ref, k_ref, v_ref, g_ref, doc_ref)
+  dt = v_ref.dtype
+
+  def chunk(n, carry):
+    S, state_doc = carry
+    subs, b_end, last_doc = _load_chunk(n, refs, cfg)
+    for i, x in enumerate(subs):
+      o = pu.dot(_q_from_state(x, state_doc), S.astype(dt))
+      for y in subs[:i]:
+        o += pu.dot(_off_scores(x, y).astype(dt), y.v)
+      decay = _diag_decay(x, _visible(x.doc, x.doc, True))
+      o += pu.dot(_diag_scores(x, decay).astype(dt), x.v)
+      pu.store_rows(o_ref, n * cfg.chunk + i * cfg.sub_chunk, cfg.scale * o)
+    return _advance(S, subs, b_end, state_doc, last_doc), last_doc
+
+  first_doc = jnp.min(pu.rows(doc_ref, 0, cfg.chunk))
+  S, _ = jax.lax.fori_loop(0, q_ref.shape[0] // cfg.chunk, chunk, (S0_ref[...], first_doc))
+  S_ref[...] = S
+
+
+def _dq_chunk(subs, S, state_doc):
+  """dq of one chunk from scale * do, the state at the chunk start and the intra-chunk scores."""
+  dt = subs[0].q.dtype
+  out = []
+  for i, x in enumerate(subs):
+    reads = (x.doc == state_doc)[:, None]
+    dq = jnp.where(reads, pu.dot(x.do, S.astype(dt), trans_b=True) * jnp.exp(x.b), 0.0)
+    for y in subs[:i]:
+      dA = jnp.where(_visible(x.doc, y.doc, False), pu.dot(x.do, y.v, trans_b=True), 0.0)
+      _, k_t = _off_factors(x, y)
+      dq += pu.dot(dA.astype(dt), k_t) * jnp.exp(x.b - x.ref)
+    visible = _visible(x.doc, x.doc, True)
+    dA = jnp.where(visible, pu.dot(x.do, x.v, trans_b=True), 0.0)
+    decay = _diag_decay(x, visible)
+    if decay.ndim == 2:
+      dq += pu.dot((dA * decay).astype(dt), x.k)
+    else:
+      dq += jnp.sum(dA[:, :, None] * x.k.astype(_F32)[None, :, :] * decay, axis=1)
+    out.append(dq)
+  return out
+
+
+def _dkv_chunk(subs, dS, b_end, last_doc):
+  """dk, dv of one chunk from dS (the gradient of the state after it) and the later queries."""
+  dt = subs[0].q.dtype
+  out = []
+  for j, y in enumerate(subs):
+    writes = (y.doc == last_doc)[:, None]
+    dv = pu.dot(_k_to_end(y, b_end, last_doc), dS.astype(dt))
+    dk = jnp.where(writes, pu.dot(y.v, dS.astype(dt), trans_b=True) * jnp.exp(b_end - y.b), 0.0)
+    for x in subs[j + 1:]:
+      q_t, k_t = _off_factors(x, y)
+      visible = _visible(x.doc, y.doc, False)
+      A = jnp.where(visible, pu.dot(q_t, k_t, trans_b=True), 0.0)
+      dA = jnp.where(visible, pu.dot(x.do, y.v, trans_b=True), 0.0)
+      dv += pu.dot(A.astype(dt), x.do, trans_a=True)
+      dk += pu.dot(dA.astype(dt), q_t, trans_a=True) * jnp.exp(x.ref - y.b)
+    visible = _visible(y.doc, y.doc, True)
+    decay = _diag_decay(y, visible)
+    dv += pu.dot(_diag_scores(y, decay).astype(dt), y.do, trans_a=True)
+    dA = jnp.where(visible, pu.dot(y.do, y.v, trans_b=True), 0.0)
+    if decay.ndim == 2:
+      dk += pu.dot((dA * decay).astype(dt), y.q, trans_a=True)
+    else:
+      dk += jnp.sum(dA[:, :, None] * y.q.astype(_F32)[:, None, :] * decay, axis=0)
+    out.append((dk, dv))
+  return out
+
+
+def _backward_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, S0_ref, do_ref, dST_ref,
+                     dq_ref, dk_ref, dv_ref, dS0_ref, *, cfg):
+  refs = (q_ref, k_ref, v_ref, g_ref, doc_ref)
+  C, c = cfg.chunk, cfg.sub_chunk
+  n_chunks = q_ref.shape[0] // C
+  first_doc = jnp.min(pu.rows(doc_ref, 0, C))
+
+  def forward_sweep(n, carry):
+    S, state_doc = carry
+    subs, b_end, last_doc = _load_chunk(n, refs, cfg, do_ref)
+    for i, dq in enumerate(_dq_chunk(subs, S, state_doc)):
+      pu.store_rows(dq_ref, n * C + i * c, dq)
+    return _advance(S, subs, b_end, state_doc, last_doc), last_doc
+
+  jax.lax.fori_loop(0, n_chunks, forward_sweep, (S0_ref[...], first_doc))
+
+  def reverse_sweep(m, dS):
+    n = n_chunks - 1 - m
+    subs, b_end, last_doc = _load_chunk(n, refs, cfg, do_ref)
+    previous_last = jnp.max(pu.rows(doc_ref, jnp.maximum(n - 1, 0) * C, C))
+    state_doc = jnp.where(n > 0, previous_last, first_doc)
+    for j, (dk, dv) in enumerate(_dkv_chunk(subs, dS, b_end, last_doc)):
+      pu.store_rows(dk_ref, n * C + j * c, dk)
+      pu.store_rows(dv_ref, n * C + j * c, dv)
+    dS = jnp.where(last_doc == state_doc, _col(jnp.exp(b_end)) * dS, 0.0)
+    for x in subs:
+      dS += pu.dot(_q_from_state(x, state_doc), x.do, trans_a=True)
+    return dS
+
+  dS0_ref[...] = jax.lax.fori_loop(0, n_chunks, reverse_sweep, dST_ref[...])
+
+
+def _specs(B, H, Tp, K, G, cfg):
+  """BlockSpecs over the grid (batch, head, value tile): whole rows in time, one value tile."""
+  seq = lambda width: pl.BlockSpec((None, Tp, None, width), lambda b, h, j: (b, 0, h, 0))
+  vals = pl.BlockSpec((None, Tp, None, cfg.block_v), lambda b, h, j: (b, 0, h, j))
+  doc = pl.BlockSpec((None, Tp), lambda b, h, j: (b, 0))
+  state = pl.BlockSpec((None, None, K, cfg.block_v), lambda b, h, j: (b, h, 0, j))
+  partial = pl.BlockSpec((None, None, Tp, None, K), lambda b, h, j: (j, b, 0, h, 0))
+  return dict(q=seq(K), g=seq(G), v=vals, doc=doc, state=state, partial=partial)
+
+
+def _call(kernel, cfg, grid, in_specs, out_specs, out_shape, *args):
+  return pl.pallas_call(
+      functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs, out_specs=out_specs,
+      out_shape=out_shape, interpret=cfg.interpret,
+      compiler_params=pu.compiler_params(cfg.interpret, cfg.num_warps, cfg.num_stages))(*args)
+
+
+def _forward(q, k, v, g, doc, S0, cfg):
+  B, Tp, H, K = q.shape
+  V = v.shape[-1]
+  s = _specs(B, H, Tp, K, g.shape[-1], cfg)
+  out_shape = (jax.ShapeDtypeStruct((B, Tp, H, V), _F32), jax.ShapeDtypeStruct((B, H, K, V), _F32))
+  return _call(_forward_kernel, cfg, (B, H, V // cfg.block_v),
+               [s["q"], s["q"], s["v"], s["g"], s["doc"], s["state"]], [s["v"], s["state"]],
+               out_shape, q, k, v, g, doc, S0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _fused(q, k, v, g, doc, S0, cfg):
+  return _forward(q, k, v, g, doc, S0, cfg)
+
+
+def _fused_fwd(q, k, v, g, doc, S0, cfg):
+  o, S_end = _forward(q, k, v, g, doc, S0, cfg)
+  return (o, S_end), (q, k, v, g, doc, S0, S_end)
+
+
+def _fused_bwd(cfg, residuals, cotangents):
+  q, k, v, g, doc, S0, S_end = residuals
+  do, dS_end = cotangents
+  B, Tp, H, K = q.shape
+  V = v.shape[-1]
+  n_tiles = V // cfg.block_v
+  s = _specs(B, H, Tp, K, g.shape[-1], cfg)
+  partial = jax.ShapeDtypeStruct((n_tiles, B, Tp, H, K), _F32)
+  out_shape = (partial, partial, jax.ShapeDtypeStruct((B, Tp, H, V), _F32),
+               jax.ShapeDtypeStruct((B, H, K, V), _F32))
+  dq, dk, dv, dS0 = _call(
+      _backward_kernel, cfg, (B, H, n_tiles),
+      [s["q"], s["q"], s["v"], s["g"], s["doc"], s["state"], s["v"], s["state"]],
+      [s["partial"], s["partial"], s["v"], s["state"]], out_shape,
+      q, k, v, g, doc, S0, do.astype(_F32), dS_end.astype(_F32))
+  dq, dk = dq.sum(0), dk.sum(0)
+  dg = _gate_grad(q, k, dq, dk, S_end, dS_end, g.shape[-1])
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg, None, dS0)
+
+
+def _gate_grad(q, k, dq, dk, S_end, dS_end, G):
+  """dg = reverse cumsum over time of dB, dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ the final state term)."""
+  dB_BxTxHxK = q.astype(_F32) * dq - k.astype(_F32) * dk
+  final_BxHxK = jnp.sum(S_end * dS_end.astype(_F32), axis=-1)
+  dB_BxTxHxK = dB_BxTxHxK.at[:, -1].add(final_BxHxK)
+  if G == 1:
+    dB_BxTxHxK = jnp.sum(dB_BxTxHxK, axis=-1, keepdims=True)
+  return jnp.flip(jnp.cumsum(jnp.flip(dB_BxTxHxK, 1), axis=1), 1)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: float, doc_BxT,
+            chunk_size: int = 64, interpret: bool | None = None, block_v: int = 64,
+            sub_chunk: int = SUB_CHUNK, num_warps: int = 4, num_stages: int = 2):
+  """The Pallas backend with xla.chunked's contract: (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32).
+
+  Pads T to whole chunks and K, V to power-of-two blocks (zeros: they leave state and outputs
+  unchanged), runs the kernels and slices the padding off; G = 1 (scalar gate) or K (per channel).
+  ``block_v``, ``sub_chunk`` (per-channel gates only), ``num_warps`` and ``num_stages`` are GPU
+  tuning knobs; compiled kernels need chunk, sub-chunk and blocks of at least 16.
+  """
+  interpret = pu.resolve_interpret(interpret)
+  pu.check_backend(interpret, "gated_linear_attention", "implementation='chunked' (XLA)")
+  if chunk_size < 1 or chunk_size & (chunk_size - 1):
+    raise ValueError(f"gated_linear_attention: chunk_size must be a power of two, got {chunk_size}")
+  B, T, H, K = q_BxTxHxK.shape
+  V, G = v_BxTxHxV.shape[-1], g_BxTxHxG.shape[-1]
+  C = max(chunk_size, 1 if interpret else pu.MIN_DOT)
+  Kp, BV = pu.block_size(K, interpret), min(pu.block_size(V, interpret), block_v)
+  Tp, Vp = pu.round_up(T, C), pu.round_up(V, BV)
+  per_channel = G > 1
+  cfg = KernelConfig(chunk=C, sub_chunk=min(sub_chunk, C) if per_channel else C, block_v=BV,
+                     scale=float(scale), per_channel=per_channel, interpret=interpret,
+                     num_warps=num_warps, num_stages=num_stages)
+  pad = lambda x, sizes: functools.reduce(lambda y, a: pu.pad_axis(y, a, sizes[a]), sizes, x)
+  q = pad(q_BxTxHxK, {1: Tp, 3: Kp})
+  k = pad(k_BxTxHxK, {1: Tp, 3: Kp})
+  v = pad(v_BxTxHxV, {1: Tp, 3: Vp})
+  g = pad(g_BxTxHxG.astype(_F32), {1: Tp, 3: Kp if per_channel else 1})
+  doc = pu.pad_axis(doc_BxT.astype(jnp.int32), 1, Tp, mode="edge")
+  S0 = pad(S0_BxHxKxV.astype(_F32), {2: Kp, 3: Vp})
+  o, S = _fused(q, k, v, g, doc, S0, cfg)
+  return o[:, :T, :, :V], S[:, :, :K, :V]
+
+
+def gated_linear_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array,
+                                  log_forget: jax.Array | None = None, *,
+                                  state: api.LinearAttentionState | None = None,
+                                  chunk_size: int = 64, normalize: bool = False, eps: float = 1e-6,
+                                  scale: float = 1.0, segment_ids: jax.Array | None = None,
+                                  interpret: bool | None = None, **tuning
+                                  ) -> tuple[jax.Array, api.LinearAttentionState]:
+  """``api.gated_linear_attention`` computed by the Pallas kernels; same arguments and results.
+
+  ``tuning`` passes ``block_v``, ``sub_chunk``, ``num_warps``, ``num_stages`` to ``chunked``.
+  Normalisation appends a ones column to v, as api.py does (the state's last column is then z).
+  """
+  api._check_shapes(q, k, v, log_forget, state, segment_ids)
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  if state is None:
+    state = api.LinearAttentionState.zeros(B, H, K, V)
+  g = jnp.zeros((B, T, H, 1), _F32) if log_forget is None else log_forget.astype(_F32)
+  g = g[..., None] if g.ndim == 3 else g
+  doc = jnp.zeros((B, T), jnp.int32) if segment_ids is None else api.document_index(segment_ids)
+  S0 = state.S.astype(_F32)
+  if normalize:
+    v = jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)
+    S0 = jnp.concatenate([S0, state.z.astype(_F32)[..., None]], axis=-1)
+  o, S = chunked(q, k, v, g, S0, scale=scale, doc_BxT=doc, chunk_size=chunk_size,
+                 interpret=interpret, **tuning)
+  if not normalize:
+    return o.astype(q.dtype), api.LinearAttentionState(S, jnp.zeros_like(state.z, _F32))
+  o = o[..., :V] / (o[..., V:] + eps)
+  return o.astype(q.dtype), api.LinearAttentionState(S[..., :V], S[..., V])

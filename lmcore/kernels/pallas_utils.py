@@ -1,0 +1,93 @@
+"""Helpers shared by the Pallas kernels: backend choice, interpret mode, padding, in-kernel dots.
+
+The GPU kernels are written for the Pallas Triton lowering, whose every load, store and dot works on
+blocks whose sizes are powers of two (``tl.dot`` further wants every side >= 16), so callers pad
+the time axis to whole chunks and the feature axes to ``block_size`` below; padded tokens and
+channels are zeros that the kernels mask or that contribute nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+MIN_DOT = 16  # the smallest side of a Triton tensor-core dot
+
+
+def backend() -> str:
+  """"gpu", "tpu" or "cpu": the abstract mesh's device when one is set (ahead-of-time lowering for
+  another machine), else the default JAX backend."""
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  return jax.default_backend() if device is None else device.platform
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+  """``None`` means interpret mode exactly where there is no GPU (CPU tests, TPU hosts).
+
+  The kernels are Triton-Pallas kernels; on TPU they run only interpreted (see ``check_backend``).
+  """
+  return backend() != "gpu" if interpret is None else interpret
+
+
+def check_backend(interpret: bool, op: str, fallback: str) -> None:
+  """Raises NotImplementedError when compiling for a backend these kernels do not target."""
+  if not interpret and backend() != "gpu":
+    raise NotImplementedError(
+        f"{op}: the Pallas kernels target GPUs (Triton lowering); on {backend()!r} use "
+        f"{fallback} or pass interpret=True")
+
+
+def compiler_params(interpret: bool, num_warps: int, num_stages: int):
+  """Triton compiler parameters; passing them is what selects the Triton lowering on JAX >= 0.9."""
+  if interpret:
+    return None
+  return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def block_size(n: int, interpret: bool) -> int:
+  """The power of two >= n that a kernel block of n channels is padded to (>= 16 when compiled)."""
+  return max(pl.next_power_of_2(n), 1 if interpret else MIN_DOT)
+
+
+def pad_axis(x: jax.Array, axis: int, size: int, mode: str = "constant") -> jax.Array:
+  """Pads ``axis`` of ``x`` at the end up to ``size`` (zeros unless ``mode`` says otherwise)."""
+  extra = size - x.shape[axis]
+  if extra == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths, mode=mode)
+
+
+def round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
+  """``a @ b`` (optionally transposing a 2-D operand) accumulated in fp32 inside a kernel.
+
+  fp32 operands use IEEE precision: Triton's default for fp32 dots is TF32, whose 10-bit mantissa
+  would make the kernels disagree with the XLA references far beyond the tests' tolerances.
+  """
+  contract = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+  precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  return jax.lax.dot_general(a, b, contract, precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
+def _aligned(start, size: int):
+  """Tells the compiler a traced row offset is a multiple of the block size (aligned loads)."""
+  return start if isinstance(start, int) else pl.multiple_of(start, size)
+
+
+def rows(ref, start, size: int):
+  """Rows ``start : start + size`` of a kernel ref; ``start`` is a multiple of ``size``."""
+  return ref[pl.ds(_aligned(start, size), size)]
+
+
+def store_rows(ref, start, value: jax.Array) -> None:
+  """Writes ``value`` into the rows of ``ref`` from ``start`` on (a multiple of its row count)."""
+  size = value.shape[0]
+  ref[pl.ds(_aligned(start, size), size)] = value

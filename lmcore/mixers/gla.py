@@ -1,0 +1,82 @@
+"""GLA — Gated Linear Attention (SPEC §4), parameter for parameter FLA's GatedLinearAttention layer.
+
+Per head, with d_k = expand_k·D / H and d_v = expand_v·D / H (no biases except b_up)::
+
+    q, k = x W_q, x W_k    (D -> expand_k·D)        v, g = x W_v, x W_g    (D -> expand_v·D)
+    log α_t = logsigmoid(x W_down W_up + b_up) / gate_logit_normalizer    (per key channel)
+    S_t = Diag(α_t) S_{t-1} + k_t v_tᵀ,    o_t = d_k^-1/2 S_tᵀ q_t
+    y = W_o [RMSNorm(o_t) ⊙ swish(g_t)]    (RMSNorm over d_v, its weight shared by the heads)
+
+Parameters per layer (r = gate rank): 2·D·expand_k·D + 3·D·expand_v·D + D·r + r·expand_k·D
++ expand_k·D + d_v; FLA's defaults at D = 768 (4 heads) give 2,378,304. FLA initialises every
+Linear N(0, 0.02) with zero bias; here the output projection uses ``init.out_std``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lmcore.kernels import LinearAttentionState, gated_linear_attention
+from lmcore.mixers.base import InitSpec, dense
+from lmcore.mixers.common import (HeadRMSNorm, implementation_for, linear_state_bytes,
+                                  merge_heads, split_heads)
+
+
+class GLA(nnx.Module):
+  """Gated Linear Attention mixer; state ``LinearAttentionState`` (S [B, H, d_k, d_v], z unused)."""
+
+  @dataclasses.dataclass(frozen=True)
+  class Config:
+    n_heads: int = 4
+    expand_k: float = 0.5
+    expand_v: float = 1.0
+    gate_low_rank: int = 16
+    gate_logit_normalizer: float = 16.0
+    implementation: str = "chunked"
+    chunk_size: int = 64
+    norm_eps: float = 1e-5
+
+  def __init__(self, config: Config, *, d_model: int, init: InitSpec, dtype=jnp.float32,
+               rngs: nnx.Rngs):
+    self.config = config
+    key_dim, value_dim = int(d_model * config.expand_k), int(d_model * config.expand_v)
+    if key_dim % config.n_heads or value_dim % config.n_heads:
+      raise ValueError(f"GLA: key dim {key_dim} and value dim {value_dim} must be divisible by "
+                       f"n_heads={config.n_heads}")
+    self.head_k_dim, self.head_v_dim = key_dim // config.n_heads, value_dim // config.n_heads
+    linear = functools.partial(dense, std=init.std, dtype=dtype, rngs=rngs)
+    self.wq, self.wk = linear(d_model, key_dim), linear(d_model, key_dim)
+    self.wv, self.wg = linear(d_model, value_dim), linear(d_model, value_dim)
+    self.gate_down = linear(d_model, config.gate_low_rank)
+    self.gate_up = linear(config.gate_low_rank, key_dim, use_bias=True)
+    self.norm = HeadRMSNorm(self.head_v_dim, eps=config.norm_eps)
+    self.wo = dense(value_dim, d_model, std=init.out_std, dtype=dtype, rngs=rngs)
+
+  def init_state(self, batch_size: int, max_len: int | None = None) -> LinearAttentionState:
+    H = self.config.n_heads
+    return LinearAttentionState.zeros(batch_size, H, self.head_k_dim, self.head_v_dim)
+
+  def state_bytes(self, batch_size: int, max_len: int | None = None) -> int:
+    return linear_state_bytes(batch_size, self.config.n_heads, self.head_k_dim, self.head_v_dim)
+
+  def log_forget(self, x_BxTxD: jax.Array) -> jax.Array:
+    """log α [B, T, H, d_k], fp32: logsigmoid of the low-rank gate over the normaliser."""
+    logits = self.gate_up(self.gate_down(x_BxTxD)).astype(jnp.float32)
+    log_alpha = jax.nn.log_sigmoid(logits) / self.config.gate_logit_normalizer
+    return split_heads(log_alpha, self.config.n_heads)
+
+  def __call__(self, x_BxTxD, state: LinearAttentionState | None = None, positions_BxT=None,
+               segment_ids_BxT=None):
+    H, T = self.config.n_heads, x_BxTxD.shape[1]
+    q, k, v, g = (split_heads(w(x_BxTxD), H) for w in (self.wq, self.wk, self.wv, self.wg))
+    o_BxTxHxV, new_state = gated_linear_attention(
+        q, k, v, self.log_forget(x_BxTxD), state=state, scale=self.head_k_dim**-0.5,
+        implementation=implementation_for(self.config.implementation, T),
+        chunk_size=self.config.chunk_size, segment_ids=segment_ids_BxT)
+    y_BxTxD = self.wo(merge_heads(self.norm(o_BxTxHxV, g)))
+    return y_BxTxD.astype(x_BxTxD.dtype), new_state
