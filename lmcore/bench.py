@@ -1,0 +1,253 @@
+"""Timing library behind ``scripts/bench_kernels.py``: ops, counted FLOPs, timers, table, markdown.
+
+Counted FLOPs per head (forward; forward+backward is counted as 3× forward):
+  * chunked linear attention, feature width F, value width V, chunk C:
+    T·(2·C·(F + V) + 4·F·V)  (intra-chunk scores and mixing, state read and write);
+  * materialised parallel form: 2·T²·(F + V) / 2 (causal half);
+  * softmax attention: 2·T²·(d + V) / 2 (causal half).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HEADS, HEAD_DIM = 12, 64  # the SANATAN / GLA-reference shape of issue 7
+TAYLOR_HEADS, TAYLOR_DIM = 16, 16
+CHUNK = 64
+PARALLEL_MAX_SCORES = 2 ** 33  # skip the materialised form beyond ~8.6e9 score entries
+
+
+@dataclasses.dataclass
+class Row:
+  op: str
+  impl: str
+  length: int
+  batch: int
+  fwd_ms: float | None
+  fwdbwd_ms: float | None
+  flops_fwd: float
+  reference: str = ""
+  note: str = ""
+  ratio_fwdbwd: float | None = None
+  vs_softmax: float | None = None
+
+
+def device_name() -> str:
+  device = jax.devices()[0]
+  return f"{device.platform}: {getattr(device, 'device_kind', str(device))}"
+
+
+def time_fn(fn: Callable, *args, repeats: int = 10) -> float:
+  """Median wall time in ms of ``fn(*args)`` after compilation and 3 warm-up calls."""
+  jax.block_until_ready(fn(*args))
+  for _ in range(3):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - start) * 1e3)
+  return statistics.median(times)
+
+
+def _fwd_and_fwdbwd(op: Callable, args: tuple, repeats: int) -> tuple[float, float]:
+  """Times ``op(*args) -> o`` and the gradient of sum(o · do) w.r.t. every array argument."""
+  forward = jax.jit(op)
+  do = jax.random.normal(jax.random.key(1), jax.eval_shape(op, *args).shape, args[0].dtype)
+
+  def loss(do, *a):  # do is an argument, not a closure constant, so XLA does not fold it
+    return jnp.sum(op(*a).astype(jnp.float32) * do.astype(jnp.float32))
+
+  backward = jax.jit(jax.grad(loss, argnums=tuple(range(1, len(args) + 1))))
+  return time_fn(forward, *args, repeats=repeats), time_fn(backward, do, *args, repeats=repeats)
+
+
+def _randn(key, shape, dtype, scale=1.0):
+  return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def chunked_flops(batch, length, heads, features, values, chunk=CHUNK):
+  return batch * heads * length * (2 * chunk * (features + values) + 4 * features * values)
+
+
+def parallel_flops(batch, length, heads, features, values):
+  return batch * heads * length * length * (features + values)
+
+
+def sanatan_cases(batch, length, dtype):
+  from sanatan_jax import sanatan_attention
+
+  keys = jax.random.split(jax.random.key(0), 5)
+  shape = (batch, length, HEADS, HEAD_DIM)
+  args = (_randn(keys[0], shape, dtype, 0.125), _randn(keys[1], shape, dtype, 0.125),
+          _randn(keys[2], shape, dtype), jnp.full((HEADS, HEAD_DIM), jnp.pi / 4),
+          jax.random.normal(keys[3], (HEADS, HEAD_DIM)))
+
+  def op(impl):
+    return lambda q, k, v, w, l: sanatan_attention(q, k, v, w, l, implementation=impl, chunk_size=CHUNK)[0]
+
+  cases = {"pallas": _sanatan_pallas(), "chunked (xla)": op("chunked")}
+  if batch * HEADS * length * length <= PARALLEL_MAX_SCORES:
+    cases["parallel (reference)"] = op("parallel")
+  F = 6 * HEAD_DIM
+  flops = {"pallas": chunked_flops(batch, length, HEADS, F, HEAD_DIM),
+           "chunked (xla)": chunked_flops(batch, length, HEADS, F, HEAD_DIM),
+           "parallel (reference)": parallel_flops(batch, length, HEADS, F, HEAD_DIM)}
+  return args, cases, flops
+
+
+def _sanatan_pallas():
+  try:
+    from sanatan_jax.kernels import sanatan_p1_pallas
+  except ImportError as e:  # The benchmark still runs without the kernel package.
+    return f"unavailable: {e}"
+  return lambda q, k, v, w, l: sanatan_p1_pallas(q, k, v, w, l, positions=None, state=None,
+                                                 chunk_size=CHUNK)[0]
+
+
+def gated_cases(batch, length, dtype):
+  from lmcore.kernels import gated_linear_attention
+
+  keys = jax.random.split(jax.random.key(0), 4)
+  shape = (batch, length, HEADS, HEAD_DIM)
+  log_forget = jax.nn.log_sigmoid(_randn(keys[3], shape, jnp.float32) + 4.0) / 16
+  args = (_randn(keys[0], shape, dtype, 0.125), _randn(keys[1], shape, dtype, 0.125),
+          _randn(keys[2], shape, dtype), log_forget)
+
+  def op(impl):
+    return lambda q, k, v, g: gated_linear_attention(q, k, v, g, implementation=impl, chunk_size=CHUNK)[0]
+
+  cases = {"pallas": _gated_pallas(), "chunked (xla)": op("chunked")}
+  if batch * HEADS * length * length <= PARALLEL_MAX_SCORES // 4:  # per-channel gates: K-wide scores
+    cases["parallel (reference)"] = op("parallel")
+  flops = {"pallas": chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM),
+           "chunked (xla)": chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM),
+           "parallel (reference)": parallel_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM)}
+  return args, cases, flops
+
+
+def _gated_pallas():
+  try:
+    from lmcore.kernels.gated_linear_attention.pallas import gated_linear_attention_pallas
+  except ImportError as e:
+    return f"unavailable: {e}"
+  return lambda q, k, v, g: gated_linear_attention_pallas(q, k, v, g, state=None, chunk_size=CHUNK,
+                                                          normalize=False)[0]
+
+
+def taylor_cases(batch, length, dtype):
+  from based_jax import taylor_linear_attention
+
+  keys = jax.random.split(jax.random.key(0), 3)
+  qk_shape = (batch, length, TAYLOR_HEADS, TAYLOR_DIM)
+  args = (_randn(keys[0], qk_shape, dtype, 0.5), _randn(keys[1], qk_shape, dtype, 0.5),
+          _randn(keys[2], (batch, length, TAYLOR_HEADS, HEAD_DIM), dtype))
+
+  def op(impl):
+    return lambda q, k, v: taylor_linear_attention(q, k, v, implementation=impl, chunk_size=CHUNK)[0]
+
+  cases = {"chunked (xla)": op("chunked")}
+  if batch * TAYLOR_HEADS * length * length <= PARALLEL_MAX_SCORES:
+    cases["parallel (reference)"] = op("parallel")
+  F = 1 + TAYLOR_DIM + TAYLOR_DIM * (TAYLOR_DIM + 1) // 2
+  flops = {"chunked (xla)": chunked_flops(batch, length, TAYLOR_HEADS, F, HEAD_DIM),
+           "parallel (reference)": parallel_flops(batch, length, TAYLOR_HEADS, TAYLOR_DIM + 2, HEAD_DIM)}
+  return args, cases, flops
+
+
+def softmax_cases(batch, length, dtype):
+  keys = jax.random.split(jax.random.key(0), 3)
+  shape = (batch, length, HEADS, HEAD_DIM)
+  args = tuple(_randn(k, shape, dtype) for k in keys)
+  implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
+  cases = {f"softmax ({implementation})": lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, implementation=implementation)}
+  return args, cases, {name: parallel_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM) for name in cases}
+
+
+OPS = {"sanatan_p1": sanatan_cases, "gated": gated_cases, "taylor": taylor_cases, "softmax": softmax_cases}
+REFERENCE = {"sanatan_p1": "chunked (xla)", "gated": "chunked (xla)", "taylor": "chunked (xla)"}
+
+
+def run_op(op_name: str, length: int, tokens: int, dtype: str, repeats: int) -> list[Row]:
+  batch = max(1, tokens // length)
+  args, cases, flops = OPS[op_name](batch, length, jnp.dtype(dtype))
+  rows = []
+  for impl, fn in cases.items():
+    if isinstance(fn, str):
+      rows.append(Row(op_name, impl, length, batch, None, None, 0.0, note=fn))
+      continue
+    try:
+      fwd, fwdbwd = _fwd_and_fwdbwd(fn, args, repeats)
+      rows.append(Row(op_name, impl, length, batch, fwd, fwdbwd, flops[impl]))
+    except Exception as e:  # An OOM or a backend without the kernel: report it, keep going.
+      rows.append(Row(op_name, impl, length, batch, None, None, 0.0, note=f"{type(e).__name__}: {str(e)[:80]}"))
+    print(f"  {op_name} {impl} T={length}: {rows[-1].fwd_ms} / {rows[-1].fwdbwd_ms} ms {rows[-1].note}", flush=True)
+  return rows
+
+
+def fla_rows(length: int, tokens: int, repeats: int) -> list[Row]:
+  """flash-linear-attention on the same shapes (torch + fla importable, CUDA only)."""
+  from lmcore import bench_fla  # torch-side code kept apart from the JAX ops
+
+  return bench_fla.rows(length, tokens, repeats, Row, chunked_flops, parallel_flops)
+
+
+def with_ratios(rows: list[Row]) -> list[Row]:
+  """Ratio of each row's fwd+bwd time to the reference implementation of its op and length, and of
+  every op to cuDNN softmax at the same length."""
+  by_key = {(r.op, r.impl, r.length): r for r in rows}
+  softmax = {r.length: r for r in rows if r.op == "softmax"}
+  for r in rows:
+    ref = by_key.get((r.op, REFERENCE.get(r.op, ""), r.length)) or softmax.get(r.length)
+    if ref is not None and ref is not r and r.fwdbwd_ms and ref.fwdbwd_ms:
+      r.reference = f"{ref.op}/{ref.impl}"
+      r.ratio_fwdbwd = ref.fwdbwd_ms / r.fwdbwd_ms
+    sm = softmax.get(r.length)
+    if sm is not None and r.op != "softmax" and r.fwdbwd_ms and sm.fwdbwd_ms:
+      r.vs_softmax = sm.fwdbwd_ms / r.fwdbwd_ms
+  return rows
+
+
+def run_all(*, ops: list[str], lengths: list[int], tokens: int, dtype: str, repeats: int,
+            with_fla: bool) -> list[Row]:
+  rows = []
+  for length in lengths:
+    for op_name in ops:
+      rows += run_op(op_name, length, tokens, dtype, repeats)
+    if with_fla:
+      try:
+        rows += fla_rows(length, tokens, repeats)
+      except Exception as e:
+        print(f"  FLA skipped at T={length}: {type(e).__name__}: {e}", flush=True)
+  return with_ratios(rows)
+
+
+def format_table(rows: list[Row]) -> str:
+  def ms(x):
+    return "—" if x is None else f"{x:.3f}"
+
+  lines = ["| op | implementation | T | B | fwd ms | fwd+bwd ms | tok/s (fwd+bwd) | TFLOP/s (fwd+bwd) | speed-up vs | vs softmax | note |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    tokens_per_s = "—" if not r.fwdbwd_ms else f"{r.batch * r.length / r.fwdbwd_ms * 1e3:,.0f}"
+    tflops = "—" if not r.fwdbwd_ms or not r.flops_fwd else f"{3 * r.flops_fwd / r.fwdbwd_ms / 1e9:.1f}"
+    ratio = "" if r.ratio_fwdbwd is None else f"{r.ratio_fwdbwd:.2f}× {r.reference}"
+    vs_softmax = "" if r.vs_softmax is None else f"{r.vs_softmax:.2f}×"
+    lines.append(f"| {r.op} | {r.impl} | {r.length} | {r.batch} | {ms(r.fwd_ms)} | {ms(r.fwdbwd_ms)} | "
+                 f"{tokens_per_s} | {tflops} | {ratio} | {vs_softmax} | {r.note} |")
+  return "\n".join(lines)
+
+
+def append_markdown(path: str, table: str, date: str, device: str, command: str) -> None:
+  header = "" if os.path.exists(path) else "# Benchmarks\n\nDated measurements; each block names its device and command.\n"
+  with open(path, "a") as f:
+    f.write(f"{header}\n## {date} — kernels on {device}\n\n`{command}`\n\n{table}\n")

@@ -1,0 +1,87 @@
+"""flash-linear-attention (PyTorch/Triton) on the benchmark's shapes, for side-by-side timing.
+
+Imported only by ``lmcore.bench`` when torch and fla are installed (the GPU machine, wheels carried).
+Inputs are random bf16 tensors in FLA's [B, T, H, D] layout; times are medians of CUDA-event timings
+after warm-up (FLA autotunes on first calls).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+HEADS, HEAD_DIM, SANATAN_FEATURES = 12, 64, 384
+TAYLOR_HEADS, TAYLOR_DIM = 16, 16
+
+
+def _time(torch, fn, repeats: int) -> float:
+  for _ in range(5):
+    fn()
+  torch.cuda.synchronize()
+  times = []
+  for _ in range(repeats):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    times.append(start.elapsed_time(end))
+  return statistics.median(times)
+
+
+def _fwd_bwd(torch, op, tensors, repeats):
+  def forward():
+    with torch.no_grad():
+      op(*tensors)
+
+  grads = [t.requires_grad_(True) for t in tensors]
+
+  def forward_backward():
+    out = op(*grads)
+    out.float().sum().backward()
+    for g in grads:
+      g.grad = None
+
+  return _time(torch, forward, repeats), _time(torch, forward_backward, repeats)
+
+
+def rows(length, tokens, repeats, Row, chunked_flops, parallel_flops):
+  import torch
+  from fla.ops.based import fused_chunk_based, parallel_based
+  from fla.ops.gla import chunk_gla
+  from fla.ops.linear_attn import chunk_linear_attn
+
+  batch = max(1, tokens // length)
+  dev, bf16 = "cuda", torch.bfloat16
+
+  def randn(*shape, scale=1.0):
+    return (scale * torch.randn(*shape, device=dev, dtype=torch.float32)).to(bf16)
+
+  out = []
+
+  def add(op_name, impl, op, tensors, flops):
+    try:
+      fwd, fwdbwd = _fwd_bwd(torch, op, tensors, repeats)
+      out.append(Row(op_name, impl, length, batch, fwd, fwdbwd, flops))
+    except Exception as e:
+      out.append(Row(op_name, impl, length, batch, None, None, 0.0, note=f"{type(e).__name__}: {str(e)[:80]}"))
+    print(f"  {op_name} {impl} T={length}: {out[-1].fwd_ms} / {out[-1].fwdbwd_ms} ms {out[-1].note}", flush=True)
+
+  # SANATAN p = 1 on precomputed 6d features (K = 384): FLA cannot fuse the feature map.
+  phi_shape = (batch, length, HEADS, SANATAN_FEATURES)
+  add("sanatan_p1", "FLA chunk_linear_attn (features precomputed)",
+      lambda q, k, v: chunk_linear_attn(q, k, v, scale=1.0, normalize=True)[0],
+      [randn(*phi_shape).abs() * 0.1, randn(*phi_shape).abs() * 0.1, randn(batch, length, HEADS, HEAD_DIM)],
+      chunked_flops(batch, length, HEADS, SANATAN_FEATURES, HEAD_DIM))
+  gla_shape = (batch, length, HEADS, HEAD_DIM)
+  add("gated", "FLA chunk_gla",
+      lambda q, k, v, g: chunk_gla(q, k, v, g)[0],
+      [randn(*gla_shape, scale=0.125), randn(*gla_shape, scale=0.125), randn(*gla_shape),
+       torch.nn.functional.logsigmoid(torch.randn(*gla_shape, device=dev) + 4.0) / 16],
+      chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM))
+  taylor_qk = (batch, length, TAYLOR_HEADS, TAYLOR_DIM)
+  taylor_v = (batch, length, TAYLOR_HEADS, HEAD_DIM)
+  for name, fn in (("FLA parallel_based", parallel_based), ("FLA fused_chunk_based", fused_chunk_based)):
+    add("taylor", name, lambda q, k, v, fn=fn: fn(q, k, v, use_norm=True),
+        [randn(*taylor_qk, scale=0.5), randn(*taylor_qk, scale=0.5), randn(*taylor_v)],
+        chunked_flops(batch, length, TAYLOR_HEADS, 153, HEAD_DIM))
+  return out

@@ -1,0 +1,44 @@
+"""Kernel benchmark (issue 7): forward and forward+backward time of each op, in one process.
+
+For every op and T ∈ {2048, 8192, 32768} at a fixed number of tokens per batch (B = tokens // T):
+our Pallas kernel, our XLA chunked path, the materialised parallel reference (skipped where its T×T
+scores would not fit), cuDNN softmax attention (`jax.nn.dot_product_attention`) and, when torch and
+flash-linear-attention are importable, FLA's kernels on the same inputs. Prints a table with ms,
+tokens/s, achieved TFLOP/s (from counted FLOPs) and the ratio to the reference named in each row,
+and appends the rows to docs/BENCHMARKS.md with the date, device and command.
+
+    python scripts/bench_kernels.py [--lengths=2048,8192,32768] [--tokens=16384] [--dtype=bfloat16]
+"""
+
+import datetime
+import os
+import sys
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lmcore import bench  # noqa: E402
+
+_LENGTHS = flags.DEFINE_list("lengths", ["2048", "8192", "32768"], "Sequence lengths.")
+_TOKENS = flags.DEFINE_integer("tokens", 16384, "Tokens per batch (B = tokens // T, at least 1).")
+_OPS = flags.DEFINE_list("ops", ["sanatan_p1", "gated", "taylor", "softmax"], "Ops to time.")
+_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Input dtype.")
+_REPEATS = flags.DEFINE_integer("repeats", 10, "Timed repetitions (median reported).")
+_OUT = flags.DEFINE_string("out", "docs/BENCHMARKS.md", "Markdown file the rows are appended to ('' = none).")
+_FLA = flags.DEFINE_bool("fla", True, "Also time flash-linear-attention's kernels when importable.")
+
+
+def main(argv):
+  del argv
+  rows = bench.run_all(ops=_OPS.value, lengths=[int(x) for x in _LENGTHS.value], tokens=_TOKENS.value,
+                       dtype=_DTYPE.value, repeats=_REPEATS.value, with_fla=_FLA.value)
+  table = bench.format_table(rows)
+  print(table, flush=True)
+  if _OUT.value:
+    command = "python " + " ".join(sys.argv)
+    bench.append_markdown(_OUT.value, table, datetime.date.today().isoformat(), bench.device_name(), command)
+
+
+if __name__ == "__main__":
+  app.run(main)
