@@ -6,11 +6,15 @@ Presets (``--config=configs/mqar.py:<preset>``):
   sweep    the default grid on one H200 in ≈ 10 minutes (the budget below)
   paper    zoology's full recipe (32 epochs, 180k examples) over the full grid (hours on one GPU)
 
-``sweep`` budget, measured on one H200 (fp32, TF32 matmuls): 11 points (``lmcore.mqar.sweep.
-default_grid``), each training its four learning rates side by side for 8 epochs on a quarter of the
-train mixture (45k examples, 177 steps per epoch), early stop at 0.99. A point takes ≈ 15–30 s of
-compilation (3 train + 5 test shapes) plus ≈ 2–4 s per epoch, ≈ 45 s in all: 11 × 45 s ≈ 8–9 min.
-The sweep resumes from its JSONL, so a run cut short by the time limit continues on the next call.
+``sweep`` budget (one H200, one command of at most 10 minutes): 11 points (``lmcore.mqar.sweep.
+default_grid``), each training zoology's four learning rates side by side (one vmapped model), for
+8 epochs (cosine T_max 8) on a quarter of every train segment (45k examples, 178 steps of 256 per
+epoch), early stop at 0.99, TF32 matmuls (``matmul_precision="default"``). Estimated, not measured
+(no GPU time was left to time it): ≈ 15–35 s of compilation per point (3 train + 5 test shapes) and
+≈ 2 s per epoch (≈ 10–20 ms per step at L = 256, the head scored at the labelled positions only),
+so ≈ 30–50 s per point and 6–9 minutes for the grid. ``time_budget_s = 480`` stops starting points
+before the 10-minute limit; whatever is left runs on the next call, which resumes from the JSONL.
+Drop to ``--epochs=4`` or ``--train_examples_scale=0.1`` if the first points run slower than this.
 
     python scripts/mqar_sweep.py --config=configs/mqar.py:sweep --out=runs/mqar/sweep.jsonl
 """
@@ -19,7 +23,7 @@ import ml_collections
 
 from lmcore import config as cfg_lib
 from lmcore.mixers import mixer_class
-from lmcore.mqar.config import LEARNING_RATES, MQARConfig, SweepConfig, segments_as_lists
+from lmcore.mqar.config import LEARNING_RATES, MQARConfig, SweepConfig, segments_as_tuples
 
 
 def _mixer_fields(kind: str, fields: dict) -> dict:
@@ -42,8 +46,10 @@ def _config(*, mixer: str, label: str, d_model: int, mixer_fields: dict, sweep: 
   values.update(recipe, mixer=mixer, label=label, d_model=d_model,
                 mixer_fields=_mixer_fields(mixer, mixer_fields))
   for key in ("train_segments", "test_segments"):
-    values[key] = segments_as_lists(getattr(MQARConfig(), key)) if key not in recipe else recipe[key]
+    values[key] = segments_as_tuples(getattr(MQARConfig(), key)) if key not in recipe else recipe[key]
+  values["learning_rates"] = tuple(values["learning_rates"])
   values["sweep"] = {**cfg_lib.to_jsonable(SweepConfig()), **(sweep or {})}
+  values["sweep"].update(mixers=tuple(values["sweep"]["mixers"]), widths=tuple(values["sweep"]["widths"]))
   return ml_collections.ConfigDict(values)
 
 
@@ -55,23 +61,24 @@ def tiny():
   """A softmax model that learns (64, 4) recall in ~130 steps on 2 CPU cores (chance 1/128)."""
   return _config(mixer="softmax", label="softmax", d_model=64,
                  mixer_fields=dict(n_heads=1, rope=False, implementation="xla"),
-                 learning_rates=[1e-2], epochs=2, train_batch_size=64, vocab_size=256,
-                 train_segments=[[64, 4, 4096]], test_segments=[[64, 4, 256], [128, 8, 256]],
+                 learning_rates=(1e-2,), epochs=2, train_batch_size=64, vocab_size=256,
+                 train_segments=((64, 4, 4096),), test_segments=((64, 4, 256), (128, 8, 256)),
                  matmul_precision="default",
-                 sweep=dict(mixers=["softmax"], widths=[64], out="runs/mqar/tiny.jsonl"))
+                 sweep=dict(mixers=("softmax",), widths=(64,), out="runs/mqar/tiny.jsonl"))
 
 
 def based():
-  return _config(**_BASED, learning_rates=list(LEARNING_RATES))
+  return _config(**_BASED, learning_rates=LEARNING_RATES)
 
 
 def sweep():
-  return _config(**_BASED, learning_rates=list(LEARNING_RATES), epochs=8, train_examples_scale=0.25,
-                 matmul_precision="default", sweep=dict(grid="default"))
+  return _config(**_BASED, learning_rates=LEARNING_RATES, epochs=8, train_examples_scale=0.25,
+                 matmul_precision="default", sweep=dict(grid="default", time_budget_s=480.0))
 
 
 def paper():
-  return _config(**_BASED, learning_rates=list(LEARNING_RATES), sweep=dict(grid="full", out="runs/mqar/paper.jsonl"))
+  return _config(**_BASED, learning_rates=LEARNING_RATES,
+                 sweep=dict(grid="full", out="runs/mqar/paper.jsonl"))
 
 
 PRESETS = {"tiny": tiny, "based": based, "sweep": sweep, "paper": paper}

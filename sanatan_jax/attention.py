@@ -9,6 +9,8 @@ with ``s_tj = Phi(q_t).Phi(k_j)`` (features.py; 4ch clips ``s`` at 0, 3ch legacy
   forward or (through rematerialisation of each query block) the backward pass. Scores lie in
   [0, 1] after division by c, so no running maximum is needed.
 * ``chunked`` (p = 1, 6ch): chunked linear attention, intra-chunk causal block + fp32 state.
+* ``pallas`` (p = 1, 6ch): the fused Triton-Pallas kernel (kernels/pallas_p1.py): features computed
+  inside the kernel, custom VJP; its tuned chunk (16) is used, not ``chunk_size``.
 * ``recurrent`` (p = 1, 6ch): write-then-read ``S_t = S_{t-1} + Phi(k_t) v_t^T``,
   ``z_t = z_{t-1} + Phi(k_t)``, ``o_t = Phi(q_t)^T S_t / (Phi(q_t)^T z_t + c eps)``.
 
@@ -25,11 +27,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from lmcore.kernels import pallas_utils
 from lmcore.mixers.base import default_positions
 from sanatan_jax import features
+from sanatan_jax.kernels import pallas_p1
 
 EPS = 1e-6
-IMPLEMENTATIONS = ("parallel", "blocked", "chunked", "recurrent")
+IMPLEMENTATIONS = ("parallel", "blocked", "chunked", "recurrent", "pallas")
 _F32 = jnp.float32
 
 
@@ -60,7 +64,7 @@ def validate_options(*, p: int, channels: int, three_channel: str, implementatio
   if not isinstance(p, int) or p < 1:
     raise ValueError(f"p must be a positive integer (SPEC uses 1, 2, 4), got {p!r}")
   features.check_channels(channels, three_channel)
-  if implementation in ("chunked", "recurrent") and not has_constant_state(p, channels):
+  if implementation in ("chunked", "recurrent", "pallas") and not has_constant_state(p, channels):
     raise ValueError(
         f"implementation={implementation!r} exists only for p=1 with 6 channels (the exact "
         f"recurrence of SPEC §1.2), got p={p}, channels={channels}; use 'parallel' or 'blocked'")
@@ -269,7 +273,7 @@ def _check_state(state, p, channels, shape):
 def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array,
                       lam_raw: jax.Array, *, positions: jax.Array | None = None,
                       segment_ids: jax.Array | None = None, p: int = 1, channels: int = 6,
-                      three_channel: str = "clean", implementation: str = "parallel",
+                      three_channel: str = "clean", implementation: str | None = "parallel",
                       state: SanatanState | None = None, chunk_size: int = 64,
                       block_size: int = 128, rotate: bool = True
                       ) -> tuple[jax.Array, SanatanState | None]:
@@ -281,7 +285,8 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
     positions: int [B, T] document positions; default 0..T-1 offset by ``state.position``.
     segment_ids: optional [B, T] packed-document ids (see the module docstring).
     p, channels, three_channel: the kernel (SPEC §1.1 steps 5-6).
-    implementation: "parallel" | "blocked" | "chunked" | "recurrent" (same function).
+    implementation: "parallel" | "blocked" | "chunked" | "recurrent" | "pallas" (same function);
+      None picks "pallas" on GPU and "chunked" elsewhere for p = 1 with 6 channels, else "blocked".
     state: a SanatanState to continue from (p = 1, 6ch only).
     chunk_size, block_size: tile lengths of "chunked" and "blocked".
     rotate: False drops the temporal rotation (the "no lambda" ablation).
@@ -292,10 +297,16 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
   """
   B, T, H, d = q.shape
   width, dv = channels * d, v.shape[-1]
+  if implementation is None:
+    implementation = (("pallas" if pallas_utils.backend() == "gpu" else "chunked")
+                      if has_constant_state(p, channels) else "blocked")
   # The state check goes first: for a p >= 2 decode call it is the error that explains.
   _check_state(state, p, channels, (B, H, width, dv))
   validate_options(p=p, channels=channels, three_channel=three_channel,
                    implementation=implementation)
+  if implementation == "pallas":
+    return pallas_p1.sanatan_p1_pallas(q, k, v, omega, lam_raw, positions=positions,
+                                       segment_ids=segment_ids, state=state, rotate=rotate)
   if positions is None:
     positions = default_positions(B, T, None if state is None else state.position)
   run_BxT = segment_runs(segment_ids, B, T)

@@ -186,7 +186,7 @@ def test_none_implementation_means_chunked_and_unknown_names_list_valid_ones():
   assert api._backend("recurrent", CHUNK) is api._backend("reference", CHUNK) is reference.recurrent
   q, k, v, _, _ = _inputs(51, 9, None, False)
   with pytest.raises(ValueError, match="valid: reference, recurrent, chunked, xla, parallel"):
-    gated_linear_attention(q, k, v, implementation="pallas")
+    gated_linear_attention(q, k, v, implementation="cuda_magic")
 
 
 def test_invalid_shapes_and_chunk_sizes_raise_clear_errors():

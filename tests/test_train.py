@@ -141,3 +141,12 @@ def test_bad_inputs_fail_clearly_and_keep_checkpoints(tmp_path):
   assert broken.returncode != 0 and "Nothing was deleted" in broken.stderr
   assert sorted(os.listdir(corrupted / "checkpoints")) == before
   assert sorted(os.listdir(workdir / "checkpoints")) == before and step_dir.exists()
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_with_a_clear_message_and_saves_nothing(tmp_path):
+  workdir = tmp_path / "run"
+  proc = run(train_cmd(workdir, "--config.train.steps=4", "--config.model.init_std=1e30"), check=False)
+  assert proc.returncode != 0 and "loss is nan" in proc.stderr.lower()
+  assert "train.learning_rate" in proc.stderr
+  assert not [s for s in os.listdir(workdir / "checkpoints") if s.isdigit()]

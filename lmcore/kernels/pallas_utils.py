@@ -17,8 +17,10 @@ MIN_DOT = 16  # the smallest side of a Triton tensor-core dot
 
 
 def backend() -> str:
-  """"gpu", "tpu" or "cpu": the abstract mesh's device when one is set (ahead-of-time lowering for
-  another machine), else the default JAX backend."""
+  """The platform kernels compile for ("gpu", "tpu", "cpu").
+
+  An abstract mesh's device wins when one is set (lowering on one host for another machine).
+  """
   device = jax.sharding.get_abstract_mesh().abstract_device
   return jax.default_backend() if device is None else device.platform
 
@@ -62,6 +64,7 @@ def pad_axis(x: jax.Array, axis: int, size: int, mode: str = "constant") -> jax.
 
 
 def round_up(n: int, multiple: int) -> int:
+  """The smallest multiple of ``multiple`` that is >= n."""
   return -(-n // multiple) * multiple
 
 
@@ -91,3 +94,15 @@ def store_rows(ref, start, value: jax.Array) -> None:
   """Writes ``value`` into the rows of ``ref`` from ``start`` on (a multiple of its row count)."""
   size = value.shape[0]
   ref[pl.ds(_aligned(start, size), size)] = value
+
+
+def lower_for_gpu(fn, *args, device_kind: str = "NVIDIA H200"):
+  """Lowers ``jax.jit(fn)(*args)`` for a CUDA GPU from any host (args may be ShapeDtypeStructs).
+
+  Runs the Pallas Triton lowering (block sizes, supported primitives) without a GPU, through an
+  abstract mesh whose device the kernels' backend check also sees.
+  """
+  device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))

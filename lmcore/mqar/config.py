@@ -53,9 +53,12 @@ class SweepConfig:
   ("default": the ten-minute one-GPU grid, "full": every point), filtered by labels and widths."""
 
   grid: str = "default"
-  mixers: tuple[str, ...] = ()  # series labels; () = every label of the default grid
-  widths: tuple[int, ...] = ()  # d_model values; () = every width of the default grid
+  mixers: tuple[str, ...] = ()  # series labels; () = every label of the grid
+  widths: tuple[int, ...] = ()  # d_model values; () = every width of the grid
   out: str = "runs/mqar/sweep.jsonl"
+  # > 0: start no new point once the elapsed time plus the slowest point so far would pass it
+  # (the rest runs on the next call: the sweep resumes from its JSONL).
+  time_budget_s: float = 0.0
 
 
 def _plain(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -72,7 +75,8 @@ def _segments(values: Sequence[Any], path: str) -> tuple[SegmentSpec, ...]:
     elif len(value) == 3:
       specs.append(SegmentSpec(*(int(v) for v in value)))
     else:
-      raise cfg_lib.ConfigError(f"{path}: each segment is (seq_len, num_kv_pairs, num_examples); got {value!r}")
+      raise cfg_lib.ConfigError(
+          f"{path}: each segment is (seq_len, num_kv_pairs, num_examples); got {value!r}")
   return tuple(specs)
 
 
@@ -84,7 +88,8 @@ def mqar_config(values: Mapping[str, Any]) -> MQARConfig:
       values[key] = _segments(values[key], key)
   fields = FrozenDict(dict(values.pop("mixer_fields", {}) or {}))
   config = cfg_lib.to_dataclass(MQARConfig, values, "config")
-  return dataclasses.replace(config, mixer_fields=fields, learning_rates=tuple(map(float, config.learning_rates)))
+  return dataclasses.replace(config, mixer_fields=fields,
+                             learning_rates=tuple(map(float, config.learning_rates)))
 
 
 def parse(cd: Mapping[str, Any]) -> tuple[MQARConfig, SweepConfig]:
@@ -95,6 +100,7 @@ def parse(cd: Mapping[str, Any]) -> tuple[MQARConfig, SweepConfig]:
   return mqar_config(values), sweep
 
 
-def segments_as_lists(specs: Sequence[SegmentSpec]) -> list[list[int]]:
-  """SegmentSpecs -> [[seq_len, num_kv_pairs, num_examples], …] for ConfigDicts and JSON."""
-  return [[s.seq_len, s.num_kv_pairs, s.num_examples] for s in specs]
+def segments_as_tuples(specs: Sequence[SegmentSpec]) -> tuple[tuple[int, int, int], ...]:
+  """SegmentSpecs -> ((seq_len, num_kv_pairs, num_examples), …): a ConfigDict tuple can be overridden
+  from the command line, ``--config.train_segments='((64, 4, 1024),)'``."""
+  return tuple((s.seq_len, s.num_kv_pairs, s.num_examples) for s in specs)

@@ -61,7 +61,8 @@ def markdown_table(rows: Sequence[dict[str, Any]], title: str = "") -> str:
     cells = [row["mixer"], str(row["d_model"]), _fields(row), f"{row['state_bytes']:,}",
              f"{math.log2(row['state_bytes']):.1f}", f"{row['params']:,}", f"{row['lr']:.3g}",
              f"{row['epochs_run']}/{row['epochs']}", f"{row['accuracy']:.3f}"]
-    cells += [f"{row['slice_accuracy'][name]:.3f}" if name in row["slice_accuracy"] else "" for name in slices]
+    cells += [f"{row['slice_accuracy'][name]:.3f}" if name in row["slice_accuracy"] else ""
+              for name in slices]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 

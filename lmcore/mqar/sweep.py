@@ -21,7 +21,7 @@ from typing import Any
 
 from lmcore.mqar import report
 from lmcore.mqar.config import MQARConfig, SweepConfig
-from lmcore.mqar.train import RunResult, train
+from lmcore.mqar.train import RunResult, build_data, train
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,7 @@ def swa(window: int, d_model: int = 128) -> SweepPoint:
 
 
 def full_grid() -> tuple[SweepPoint, ...]:
-  """Every point worth running: 2^13–2^20 state bytes per mixer (≈ 50 points × 4 lrs)."""
+  """32 points spanning 2^13.1–2^20.1 decode-state bytes (BASED 2^13.2–2^17.4, softmax 2^19–2^20)."""
   return (tuple(based(d, f) for d in (48, 64, 128) for f in (8, 16, 24))
           + tuple(sanatan(p, d) for p in (1, 2) for d in (64, 128, 256))
           + tuple(gated(m, d) for m in ("gla", "gdn", "cyfa") for d in (64, 128, 256))
@@ -85,8 +85,9 @@ def full_grid() -> tuple[SweepPoint, ...]:
 
 
 def default_grid() -> tuple[SweepPoint, ...]:
-  """The one-GPU, ten-minute grid: each mixer at the width nearest BASED's 2^15–2^16 sweet spot,
-  BASED at three state sizes, one softmax reference (see ``configs/mqar.py:sweep`` for the budget)."""
+  """The one-GPU, ten-minute grid (``configs/mqar.py:sweep`` has the budget): 11 points, 2^13.6–2^19
+  bytes. BASED at three state sizes; every other mixer once, near BASED's 2^15–2^16 sweet spot
+  (SANATAN p = 2 and softmax land at 2^18.3 and 2^19: their caches grow with the sequence)."""
   return ((based(64, 8), based(64, 16), based(128, 16), sanatan(1, 64), sanatan(2, 64))
           + tuple(gated(m, 128) for m in ("gla", "gdn", "cyfa"))
           + (linear_transformer(64), softmax(64), swa(64)))
@@ -99,7 +100,8 @@ def grid(name: str) -> tuple[SweepPoint, ...]:
   return grids[name]()
 
 
-def select(points: Iterable[SweepPoint], mixers: Sequence[str] = (), widths: Sequence[int] = ()) -> list[SweepPoint]:
+def select(points: Iterable[SweepPoint], mixers: Sequence[str] = (),
+           widths: Sequence[int] = ()) -> list[SweepPoint]:
   """The points whose label is in ``mixers`` and width in ``widths`` (empty = no filter)."""
   known = {p.label for p in full_grid()}
   unknown = set(mixers) - known
@@ -111,13 +113,15 @@ def select(points: Iterable[SweepPoint], mixers: Sequence[str] = (), widths: Seq
 def with_overrides(base: MQARConfig, selection: SweepConfig, *, mixers: Sequence[str] | None = None,
                    widths: Sequence[int] | None = None, lrs: Sequence[float] | None = None,
                    epochs: int | None = None, train_examples_scale: float | None = None,
-                   out: str | None = None) -> tuple[MQARConfig, SweepConfig]:
+                   out: str | None = None,
+                   time_budget_s: float | None = None) -> tuple[MQARConfig, SweepConfig]:
   """The command line's overrides (None = keep the config's value)."""
   recipe = {"learning_rates": tuple(map(float, lrs)) if lrs else None, "epochs": epochs,
             "train_examples_scale": train_examples_scale}
   base = dataclasses.replace(base, **{k: v for k, v in recipe.items() if v is not None})
-  choice = {"mixers": tuple(mixers) if mixers else None, "widths": tuple(map(int, widths)) if widths else None,
-            "out": out}
+  choice = {"mixers": tuple(mixers) if mixers else None,
+            "widths": tuple(map(int, widths)) if widths else None, "out": out,
+            "time_budget_s": time_budget_s}
   return base, dataclasses.replace(selection, **{k: v for k, v in choice.items() if v is not None})
 
 
@@ -148,27 +152,35 @@ def result_rows(result: RunResult) -> list[dict[str, Any]]:
           for m in result.members]
 
 
-def run_sweep(base: MQARConfig, points: Sequence[SweepPoint], out_path: str, *,
+def run_sweep(base: MQARConfig, points: Sequence[SweepPoint], out_path: str, *, time_budget_s: float = 0.0,
               log: Callable[[str], Any] = print) -> list[dict[str, Any]]:
   """Runs every (point, lr) of the grid not yet in ``out_path``, appending rows as points finish.
 
-  Returns all rows of the grid (old and new) so the caller can print the table.
+  With ``time_budget_s`` > 0, no point is started once the elapsed time plus the slowest point so far
+  would exceed it. Returns all rows of the grid found in ``out_path`` (old and new), for the table.
   """
   os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
   done = {row_key(row) for row in report.read_rows(out_path)}
   examples = num_train_examples(base)
-  start = time.time()
+  start, slowest, data = time.time(), 0.0, None
   for i, p in enumerate(points):
     todo = [lr for lr in base.learning_rates
             if run_key(p.label, p.d_model, dict(p.fields), lr, base.epochs, examples) not in done]
     if not todo:
       log(f"[{i + 1}/{len(points)}] {p.label} d={p.d_model}: all learning rates already in {out_path}")
       continue
+    elapsed = time.time() - start
+    if time_budget_s and elapsed + slowest > time_budget_s:
+      log(f"time budget {time_budget_s:.0f}s reached after {elapsed:.0f}s: {len(points) - i} point(s) left "
+          f"for the next call (it resumes from {out_path})")
+      break
     log(f"[{i + 1}/{len(points)}] {p.label} d={p.d_model} {dict(p.fields)} lrs={todo} "
-        f"({time.time() - start:.0f}s into the sweep)")
-    rows = result_rows(train(p.config(base, todo), log=log))
+        f"({elapsed:.0f}s into the sweep)")
+    data = data or build_data(base)  # every point sees the same examples: generate them once
+    result = train(p.config(base, todo), data=data, log=log)
+    slowest = max(slowest, result.wall_time_s)
     with open(out_path, "a") as f:
-      f.writelines(json.dumps(row) + "\n" for row in rows)
+      f.writelines(json.dumps(row) + "\n" for row in result_rows(result))
   wanted = {run_key(p.label, p.d_model, dict(p.fields), lr, base.epochs, examples)
             for p in points for lr in base.learning_rates}
   return [row for row in report.read_rows(out_path) if row_key(row) in wanted]

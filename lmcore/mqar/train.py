@@ -228,8 +228,9 @@ def _stack(tree, n: int):
 def _progress(epoch: int, config: MQARConfig, members: list[MemberResult], losses: np.ndarray,
               accuracy: np.ndarray, examples_per_s: float, epoch_s: float, eta_s: float) -> str:
   """Per learning rate: train loss and test accuracy ('*' once stopped early); train speed; ETA."""
-  per_lr = "  ".join(f"lr {m.learning_rate:.3g}: loss {loss:.3f} acc {acc:.3f}{'*' if m.stopped_early else ''}"
-                     for m, loss, acc in zip(members, losses, accuracy))
+  per_lr = "  ".join(
+      f"lr {m.learning_rate:.3g}: loss {loss:.3f} acc {acc:.3f}{'*' if m.stopped_early else ''}"
+      for m, loss, acc in zip(members, losses, accuracy))
   return (f"[{config.label} d={config.d_model}] epoch {epoch}/{config.epochs}  {per_lr}  "
           f"{examples_per_s:,.0f} ex/s  {epoch_s:.1f}s/epoch  ETA {eta_s:.0f}s")
 

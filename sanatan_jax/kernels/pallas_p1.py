@@ -3,7 +3,8 @@
 Per head, with Phi the six-channel feature map of SPEC §1.1 computed *inside* the kernels from the
 raw q, k chunk (features.py's functions), the write-then-read recurrence of attention.py::
 
-    S_t = S_{t-1} + Phi(k_t) v_tᵀ,   z_t = z_{t-1} + Phi(k_t),   o_t = Phi(q_t)ᵀ S_t / (Phi(q_t)ᵀ z_t + c eps)
+    S_t = S_{t-1} + Phi(k_t) v_tᵀ,   z_t = z_{t-1} + Phi(k_t),
+    o_t = Phi(q_t)ᵀ S_t / (Phi(q_t)ᵀ z_t + c eps)
 
 is computed in chunks (intra-chunk causal block + fp32 state), one program per (batch, head, value
 tile) walking all chunks with ``lax.fori_loop`` (GPU programs run in parallel, so the recurrence
@@ -16,9 +17,9 @@ fp32 denominator D_t = Phi(q_t)ᵀ z_t per token; no features and no chunk state
 dN = do / (D + c eps) and dD = -(do · o) / (D + c eps) (computed outside the kernel), the backward
 kernel recomputes the chunk states in a forward sweep for d Phi(q), then walks the chunks in reverse
 carrying (dS, dz) for d Phi(k) and dv, and chains d Phi through the feature map inside the kernel
-(``jax.vjp`` of the same feature functions) into dq, dk, d omega, d lam_raw. The denominator does not
-depend on the value tile, so its gradient terms are taken from tile 0 only; dq, dk, d omega and
-d lam_raw of several value tiles are partial sums added outside.
+(``jax.vjp`` of the same feature functions) into dq, dk, d omega, d lam_raw. The denominator does
+not depend on the value tile, so its gradient terms are taken from tile 0 only; dq, dk, d omega
+and d lam_raw of several value tiles are partial sums added outside.
 
 Packed documents follow attention.py: ``runs`` (non-decreasing per row) mark maximal runs of equal
 segment ids; a token reads the carried state only in the state's run and a chunk hands on only its
@@ -51,8 +52,8 @@ class KernelConfig(NamedTuple):
   length: int
   c_eps: float
   interpret: bool
-  num_warps: int = 4
-  num_stages: int = 2
+  num_warps: int
+  num_stages: int
 
 
 class _Chunk(NamedTuple):
@@ -159,7 +160,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, S
     return (*_advance(S, z, x, state_run, last_run), last_run)
 
   first_run = jnp.min(pu.rows(run_ref, 0, C))
-  S, z, _ = jax.lax.fori_loop(0, q_ref.shape[0] // C, chunk, (*_load_state(S0_ref, z0_ref), first_run))
+  init = (*_load_state(S0_ref, z0_ref), first_run)
+  S, z, _ = jax.lax.fori_loop(0, q_ref.shape[0] // C, chunk, init)
   for c in range(CHANNELS):
     S_ref[c] = S[c]
     z_ref[c] = z[c].reshape(-1)
@@ -231,7 +233,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, 
     keep = last_run == state_run
     reads = _masked(x.phi_q, x.run == state_run)
     dS = tuple(jnp.where(keep, g, 0.0) + pu.dot(a, dN, trans_a=True) for g, a in zip(dS, reads))
-    dz = tuple(jnp.where(keep, g, 0.0) + jnp.sum(a.astype(_F32) * dD[:, None], axis=0, keepdims=True)
+    dz = tuple(jnp.where(keep, g, 0.0)
+               + jnp.sum(a.astype(_F32) * dD[:, None], axis=0, keepdims=True)
                for g, a in zip(dz, reads))
     return dS, dz, d_omega + do_, d_lam + dl
 
@@ -275,8 +278,10 @@ def _forward(q, k, v, pos, run, omega, lam_raw, S0, z0, cfg):
   Vp = v.shape[-1]
   n_tiles = Vp // cfg.block_v
   s = _specs(Tp, dp, cfg)
-  out_shape = (jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((n_tiles, B, Tp, H), _F32),
-               jax.ShapeDtypeStruct(S0.shape, _F32), jax.ShapeDtypeStruct((n_tiles, *z0.shape), _F32))
+  out_shape = (jax.ShapeDtypeStruct(v.shape, v.dtype),
+               jax.ShapeDtypeStruct((n_tiles, B, Tp, H), _F32),
+               jax.ShapeDtypeStruct(S0.shape, _F32),
+               jax.ShapeDtypeStruct((n_tiles, *z0.shape), _F32))
   o, den, S, z = _call(
       _forward_kernel, cfg, (B, H, n_tiles),
       [s["qk"], s["qk"], s["v"], s["row"], s["row"], s["param"], s["param"], s["S"], s["z"]],
@@ -324,7 +329,8 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def _to_kernel_state(state, B, H, d, dp, V, Vp):
-  """SanatanState (S [B, H, 6d, V], z [B, H, 6d], index 6a + c) -> padded [B, H, 6, dp, Vp], [B, H, 6, dp]."""
+  """SanatanState's S [B, H, 6d, V], z [B, H, 6d] (index 6a + c) -> padded channel-major
+  [B, H, 6, dp, Vp], [B, H, 6, dp]; zeros for no state."""
   if state is None:
     return jnp.zeros((B, H, CHANNELS, dp, Vp), _F32), jnp.zeros((B, H, CHANNELS, dp), _F32)
   S = state.S.astype(_F32).reshape(B, H, d, CHANNELS, V).swapaxes(2, 3)
@@ -350,9 +356,9 @@ def _check(q, v, state):
 def sanatan_p1_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array,
                       lam_raw: jax.Array, *, positions: jax.Array | None = None,
                       segment_ids: jax.Array | None = None,
-                      state: attention.SanatanState | None = None, chunk_size: int = 64,
+                      state: attention.SanatanState | None = None, chunk_size: int = 16,
                       rotate: bool = True, interpret: bool | None = None, block_v: int = 64,
-                      num_warps: int = 4, num_stages: int = 2
+                      num_warps: int = 8, num_stages: int = 2
                       ) -> tuple[jax.Array, attention.SanatanState]:
   """SANATAN p = 1, 6 channels (SPEC §1.2) by the Pallas kernels; same function as
   ``sanatan_attention(..., p=1, channels=6)``.

@@ -16,7 +16,8 @@ the last output column is the normaliser, so every implementation covers both fo
 Implementations (all compute the same function; tests/test_gated_linear_attention.py proves it):
   * ``reference`` / ``recurrent``: ``lax.scan`` over tokens in fp32 (reference.py); the decode path;
   * ``chunked`` / ``xla``: chunks of ``chunk_size`` tokens, ``lax.scan`` over chunks (xla.py);
-  * ``parallel``: the materialised T x T form (reference.py), for tests.
+  * ``parallel``: the materialised T x T form (reference.py), for tests;
+  * ``pallas``: the Triton-Pallas kernel (pallas.py; interpret mode off GPU).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lmcore.kernels.gated_linear_attention import reference, xla
+from lmcore.kernels import pallas_utils
+from lmcore.kernels.gated_linear_attention import pallas, reference, xla
 
 
 class LinearAttentionState(NamedTuple):
@@ -44,7 +46,7 @@ class LinearAttentionState(NamedTuple):
                jnp.zeros((batch_size, n_heads, key_dim), jnp.float32))
 
 
-IMPLEMENTATIONS = ("reference", "recurrent", "chunked", "xla", "parallel")
+IMPLEMENTATIONS = ("reference", "recurrent", "chunked", "xla", "parallel", "pallas")
 
 
 def _check_shapes(q, k, v, log_forget, state, segment_ids) -> None:
@@ -68,18 +70,23 @@ def _check_shapes(q, k, v, log_forget, state, segment_ids) -> None:
 
 
 def _backend(implementation: str | None, chunk_size: int):
-  """The implementation function; unknown names list the valid ones."""
+  """The implementation function; unknown names list the valid ones. None picks the Pallas kernel
+  on GPU and the XLA chunked form elsewhere."""
+  if implementation is None:
+    implementation = "pallas" if pallas_utils.backend() == "gpu" else "chunked"
+  if implementation == "pallas":
+    return functools.partial(pallas.chunked, chunk_size=chunk_size)
   if implementation in ("reference", "recurrent"):
     return reference.recurrent
   if implementation == "parallel":
     return reference.parallel
-  if implementation in (None, "chunked", "xla"):
+  if implementation in ("chunked", "xla"):
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
       raise ValueError(f"gated_linear_attention: chunk_size must be a power of two, got "
                        f"{chunk_size}")
     return functools.partial(xla.chunked, chunk_size=chunk_size)
   raise ValueError(f"gated_linear_attention: unknown implementation {implementation!r}; "
-                   f"valid: {', '.join(IMPLEMENTATIONS)} (None means 'chunked')")
+                   f"valid: {', '.join(IMPLEMENTATIONS)} (None: 'pallas' on GPU, else 'chunked')")
 
 
 def document_index(segment_ids_BxT: jax.Array) -> jax.Array:
@@ -103,7 +110,7 @@ def gated_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     v: [B, T, H, V].
     log_forget: [B, T, H] (scalar per head) or [B, T, H, K] (per key channel) log forget gate,
       values <= 0 (not checked; the chunked form relies on it), accumulated in fp32; None: no decay.
-    implementation: one of ``IMPLEMENTATIONS``; None picks ``chunked``.
+    implementation: one of ``IMPLEMENTATIONS``; None picks ``pallas`` on GPU, ``chunked`` elsewhere.
     state: the state before the first token; None means zeros (start of a sequence).
     chunk_size: tokens per chunk of the chunked form, a power of two.
     normalize: divide by the decayed key sum (see the module docstring); the state then carries z.

@@ -1,17 +1,17 @@
-"""Pallas (Triton lowering) kernels for chunked gated linear attention (SPEC §3, §4), with custom VJP.
+"""Pallas (Triton lowering) kernels for chunked gated linear attention (SPEC §3, §4), custom VJP.
 
 The function is xla.py's, per head, with b the chunk-local cumulative log gate (fp32)::
 
-    o_i     = scale * [(q_i ⊙ exp(b_i)) S_n  +  sum_{j<=i in chunk} (sum_k q_ik k_jk exp(b_ik - b_jk)) v_j]
+    o_i     = scale * [(q_i ⊙ exp(b_i)) S_n  +  sum_{j<=i} (sum_k q_ik k_jk exp(b_ik - b_jk)) v_j]
     S_{n+1} = diag(exp(b_C)) S_n + sum_j (k_j ⊙ exp(b_C - b_j)) v_jᵀ
 
 One program per (batch, head, value tile) walks all chunks with ``lax.fori_loop`` and keeps the
 fp32 state tile [K, BV] in registers (FLA's "fused chunk" form): GPU programs run in parallel, so
 the chunk-to-chunk recurrence must live inside one program, and no per-chunk state ever reaches
 HBM. A scalar gate per head makes the intra-chunk scores one matmul times a decay matrix; a
-per-key-channel gate uses secondary chunking (sub-chunks of ``SUB_CHUNK`` tokens): blocks below the
-diagonal are a matmul of q ⊙ exp(b - r) and k ⊙ exp(r - b) around the query sub-chunk's reference
-r = b just before it (both exponents <= 0), diagonal blocks are exact elementwise sums in fp32.
+per-key-channel gate uses secondary chunking (sub-chunks of ``SUB_CHUNK`` tokens): blocks below
+the diagonal are a matmul of q ⊙ exp(b - r) and k ⊙ exp(r - b) around the query sub-chunk's
+anchor r = b just before it (both exponents <= 0), diagonal blocks exact elementwise fp32 sums.
 Every exponent is <= 0 for gates <= 0, and masked entries are set to -inf *before* ``exp``.
 
 Packed documents (``doc_BxT``, non-decreasing per row, as ``api.document_index`` makes them) are
@@ -22,9 +22,9 @@ Backward (``jax.custom_vjp``): the forward saves its inputs and the final state 
 recomputes the chunk states in a forward sweep to get dq, then walks the chunks in reverse carrying
 dS to get dk, dv and dS_0. The gate gradient needs no kernel: with B the cumulative log gate, the
 output depends on B only through q ⊙ exp(B), k ⊙ exp(-B) and the final state's exp(B_T), so
-dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ S_T ⊙ dS_T summed over values at t = T) and dg is the reverse
-cumulative sum of dB. With several value tiles each program returns partial dq, dk (they sum over
-values) that are added outside.
+dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ S_T ⊙ dS_T summed over values at t = T) and dg is the
+reverse cumulative sum of dB. With several value tiles each program returns partial dq, dk (sums
+over values) that are added outside.
 """
 
 from __future__ import annotations
@@ -47,27 +47,26 @@ class KernelConfig(NamedTuple):
   """Static kernel parameters (hashable: they key the compiled kernels).
 
   chunk: tokens per chunk C (a power of two); sub_chunk: tokens per diagonal block (C for a scalar
-  gate); block_v: value columns per program BV; per_channel: the gate has one value per key channel.
+  gate); block_v: value columns per program BV; scale: multiplies the scores.
   """
 
   chunk: int
   sub_chunk: int
   block_v: int
   scale: float
-  per_channel: bool
   interpret: bool
-  num_warps: int = 4
-  num_stages: int = 2
+  num_warps: int
+  num_stages: int
 
 
 class _Sub(NamedTuple):
-  """One sub-chunk as loaded in a kernel: inputs, cumulative gate ``b`` and its reference."""
+  """One sub-chunk as loaded in a kernel: inputs, cumulative gate ``b`` and its anchor."""
 
   q: jax.Array  # [c, K] input dtype
   k: jax.Array  # [c, K]
   v: jax.Array  # [c, BV]
   b: jax.Array  # [c, G] fp32, chunk-local cumulative log gate
-  ref: jax.Array  # [1, G] fp32, b just before the sub-chunk
+  anchor: jax.Array  # [1, G] fp32, b just before the sub-chunk (its off-diagonal reference)
   doc: jax.Array  # [c] int32
   do: jax.Array | None  # [c, BV] scale * dL/do (backward only)
 
@@ -76,7 +75,7 @@ def _load_chunk(n, refs, cfg: KernelConfig, do_ref=None):
   """Sub-chunks of chunk ``n``, the chunk's total log gate [1, G] and its last document."""
   q_ref, k_ref, v_ref, g_ref, doc_ref = refs
   C, c = cfg.chunk, cfg.sub_chunk
-  ref = jnp.zeros((1, g_ref.shape[-1]), _F32)
+  anchor = jnp.zeros((1, g_ref.shape[-1]), _F32)
   subs = []
   for i in range(C // c):
     start = n * C + i * c
@@ -85,10 +84,10 @@ def _load_chunk(n, refs, cfg: KernelConfig, do_ref=None):
     if do_ref is not None:
       do = (cfg.scale * pu.rows(do_ref, start, c)).astype(v_ref.dtype)
     subs.append(_Sub(pu.rows(q_ref, start, c), pu.rows(k_ref, start, c), pu.rows(v_ref, start, c),
-                     ref + jnp.cumsum(g, axis=0), ref, pu.rows(doc_ref, start, c), do))
-    ref = ref + jnp.sum(g, axis=0, keepdims=True)
+                     anchor + jnp.cumsum(g, axis=0), anchor, pu.rows(doc_ref, start, c), do))
+    anchor = anchor + jnp.sum(g, axis=0, keepdims=True)
   last_doc = functools.reduce(jnp.maximum, [jnp.max(s.doc) for s in subs])
-  return subs, ref, last_doc
+  return subs, anchor, last_doc
 
 
 def _visible(doc_i, doc_j, causal: bool):
@@ -107,10 +106,10 @@ def _col(x_1xG):
 
 
 def _off_factors(x: _Sub, y: _Sub):
-  """q_x ⊙ exp(b_x - r_x) and k_y ⊙ exp(r_x - b_y) for key sub-chunk y before query sub-chunk x."""
+  """q_x ⊙ exp(b_x - r_x) and k_y ⊙ exp(r_x - b_y) (r_x: x's anchor), key sub-chunk y before x."""
   dt = x.q.dtype
-  q_t = (x.q.astype(_F32) * jnp.exp(x.b - x.ref)).astype(dt)
-  k_t = (y.k.astype(_F32) * jnp.exp(x.ref - y.b)).astype(dt)
+  q_t = (x.q.astype(_F32) * jnp.exp(x.b - x.anchor)).astype(dt)
+  k_t = (y.k.astype(_F32) * jnp.exp(x.anchor - y.b)).astype(dt)
   return q_t, k_t
 
 
@@ -185,7 +184,7 @@ def _dq_chunk(subs, S, state_doc):
     for y in subs[:i]:
       dA = jnp.where(_visible(x.doc, y.doc, False), pu.dot(x.do, y.v, trans_b=True), 0.0)
       _, k_t = _off_factors(x, y)
-      dq += pu.dot(dA.astype(dt), k_t) * jnp.exp(x.b - x.ref)
+      dq += pu.dot(dA.astype(dt), k_t) * jnp.exp(x.b - x.anchor)
     visible = _visible(x.doc, x.doc, True)
     dA = jnp.where(visible, pu.dot(x.do, x.v, trans_b=True), 0.0)
     decay = _diag_decay(x, visible)
@@ -211,7 +210,7 @@ def _dkv_chunk(subs, dS, b_end, last_doc):
       A = jnp.where(visible, pu.dot(q_t, k_t, trans_b=True), 0.0)
       dA = jnp.where(visible, pu.dot(x.do, y.v, trans_b=True), 0.0)
       dv += pu.dot(A.astype(dt), x.do, trans_a=True)
-      dk += pu.dot(dA.astype(dt), q_t, trans_a=True) * jnp.exp(x.ref - y.b)
+      dk += pu.dot(dA.astype(dt), q_t, trans_a=True) * jnp.exp(x.anchor - y.b)
     visible = _visible(y.doc, y.doc, True)
     decay = _diag_decay(y, visible)
     dv += pu.dot(_diag_scores(y, decay).astype(dt), y.do, trans_a=True)
@@ -256,7 +255,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, S0_ref, do_ref, dST_re
   dS0_ref[...] = jax.lax.fori_loop(0, n_chunks, reverse_sweep, dST_ref[...])
 
 
-def _specs(B, H, Tp, K, G, cfg):
+def _specs(Tp, K, G, cfg):
   """BlockSpecs over the grid (batch, head, value tile): whole rows in time, one value tile."""
   seq = lambda width: pl.BlockSpec((None, Tp, None, width), lambda b, h, j: (b, 0, h, 0))
   vals = pl.BlockSpec((None, Tp, None, cfg.block_v), lambda b, h, j: (b, 0, h, j))
@@ -276,7 +275,7 @@ def _call(kernel, cfg, grid, in_specs, out_specs, out_shape, *args):
 def _forward(q, k, v, g, doc, S0, cfg):
   B, Tp, H, K = q.shape
   V = v.shape[-1]
-  s = _specs(B, H, Tp, K, g.shape[-1], cfg)
+  s = _specs(Tp, K, g.shape[-1], cfg)
   out_shape = (jax.ShapeDtypeStruct((B, Tp, H, V), _F32), jax.ShapeDtypeStruct((B, H, K, V), _F32))
   return _call(_forward_kernel, cfg, (B, H, V // cfg.block_v),
                [s["q"], s["q"], s["v"], s["g"], s["doc"], s["state"]], [s["v"], s["state"]],
@@ -299,7 +298,7 @@ def _fused_bwd(cfg, residuals, cotangents):
   B, Tp, H, K = q.shape
   V = v.shape[-1]
   n_tiles = V // cfg.block_v
-  s = _specs(B, H, Tp, K, g.shape[-1], cfg)
+  s = _specs(Tp, K, g.shape[-1], cfg)
   partial = jax.ShapeDtypeStruct((n_tiles, B, Tp, H, K), _F32)
   out_shape = (partial, partial, jax.ShapeDtypeStruct((B, Tp, H, V), _F32),
                jax.ShapeDtypeStruct((B, H, K, V), _F32))
@@ -314,7 +313,7 @@ def _fused_bwd(cfg, residuals, cotangents):
 
 
 def _gate_grad(q, k, dq, dk, S_end, dS_end, G):
-  """dg = reverse cumsum over time of dB, dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ the final state term)."""
+  """dg: reverse cumsum over time of dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ the final state term)."""
   dB_BxTxHxK = q.astype(_F32) * dq - k.astype(_F32) * dk
   final_BxHxK = jnp.sum(S_end * dS_end.astype(_F32), axis=-1)
   dB_BxTxHxK = dB_BxTxHxK.at[:, -1].add(final_BxHxK)
@@ -347,7 +346,7 @@ def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: fl
   Tp, Vp = pu.round_up(T, C), pu.round_up(V, BV)
   per_channel = G > 1
   cfg = KernelConfig(chunk=C, sub_chunk=min(sub_chunk, C) if per_channel else C, block_v=BV,
-                     scale=float(scale), per_channel=per_channel, interpret=interpret,
+                     scale=float(scale), interpret=interpret,
                      num_warps=num_warps, num_stages=num_stages)
   pad = lambda x, sizes: functools.reduce(lambda y, a: pu.pad_axis(y, a, sizes[a]), sizes, x)
   q = pad(q_BxTxHxK, {1: Tp, 3: Kp})
