@@ -102,7 +102,7 @@ def _ablation(name: str):
                        **fields)
 
 
-TINY_MIXER = dict(n_heads=4, head_dim=32)
+TINY_MIXER = dict(n_heads=8, head_dim=16)
 
 
 def tiny(p: int = 2, **train):
@@ -115,8 +115,8 @@ def tiny(p: int = 2, **train):
 
 
 PRESETS = {
-    "tiny": tiny,
-    "tiny_p1_adapt": lambda: tiny(1, steps=100, learning_rate=3e-4, warmup_steps=10, init_from=""),
+    "tiny": lambda: tiny(2, steps=600, batch_size=8),
+    "tiny_p1_adapt": lambda: tiny(1, steps=150, batch_size=8, learning_rate=3e-4, warmup_steps=15),
     "tiny_p1_scratch": lambda: tiny(1),
     "184m_p2": sanatan_184m_p2,
     "184m_p1_adapt": sanatan_184m_p1_adapt,

@@ -99,39 +99,46 @@ class LanguageModel(nnx.Module):
     return sum(b.mixer.state_bytes(batch_size, max_len) for b in self.blocks)
 
   def __call__(self, tokens_BxT, state: ModelState | None = None, positions_BxT=None, segment_ids_BxT=None):
+    h_BxTxD, new_state = self.hidden_states(tokens_BxT, state, positions_BxT, segment_ids_BxT)
+    return self.logits(h_BxTxD), new_state
+
+  def hidden_states(self, tokens_BxT, state: ModelState | None = None, positions_BxT=None,
+                    segment_ids_BxT=None):
+    """The final-normed hidden states [B, T, D] (fp32) and the new state; ``logits`` maps them to V."""
     B, T = tokens_BxT.shape
     if positions_BxT is None:
       positions_BxT = default_positions(B, T, None if state is None else state["position"])
-    h_BxTxD = self.embed(tokens_BxT).astype(jnp.float32)
-    if self.pos_embed is not None:
-      h_BxTxD = h_BxTxD + self.pos_embed(positions_BxT).astype(jnp.float32)
+    h_BxTxD = self._embed(tokens_BxT, positions_BxT)
     layer_states = (None,) * len(self.blocks) if state is None else state["layers"]
     new_layer_states = []
     for block, layer_state in zip(self.blocks, layer_states):
       h_BxTxD, new_layer_state = block(h_BxTxD, layer_state, positions_BxT, segment_ids_BxT)
       new_layer_states.append(new_layer_state)
-    logits_BxTxV = self._logits(self.final_norm(h_BxTxD))
     new_state = {"position": positions_BxT[:, -1] + 1, "layers": tuple(new_layer_states)}
-    return logits_BxTxV, new_state
+    return self.final_norm(h_BxTxD), new_state
 
   def mixer_inputs(self, tokens_BxT) -> list[jax.Array]:
     """The normalised input of every layer's mixer for a fresh sequence (diagnostics, gate statistics)."""
-    B, T = tokens_BxT.shape
-    positions_BxT = default_positions(B, T)
-    h_BxTxD = self.embed(tokens_BxT).astype(jnp.float32)
-    if self.pos_embed is not None:
-      h_BxTxD = h_BxTxD + self.pos_embed(positions_BxT).astype(jnp.float32)
+    positions_BxT = default_positions(*tokens_BxT.shape)
+    h_BxTxD = self._embed(tokens_BxT, positions_BxT)
     inputs = []
     for block in self.blocks:
       inputs.append(block.mixer_norm(h_BxTxD).astype(block.dtype))
       h_BxTxD, _ = block(h_BxTxD, None, positions_BxT, None)
     return inputs
 
-  def _logits(self, h_BxTxD):
+  def logits(self, h_BxTxD):
+    """fp32 logits of final-normed hidden states (any leading shape), tied or untied head."""
     dtype = jnp.dtype(self.config.dtype)
     kernel_DxV = self.embed.embedding[...].T if self.head is None else self.head.kernel[...]
-    return jnp.einsum("btd,dv->btv", h_BxTxD.astype(dtype), kernel_DxV.astype(dtype),
+    return jnp.einsum("...d,dv->...v", h_BxTxD.astype(dtype), kernel_DxV.astype(dtype),
                       preferred_element_type=jnp.float32)
+
+  def _embed(self, tokens_BxT, positions_BxT):
+    h_BxTxD = self.embed(tokens_BxT).astype(jnp.float32)
+    if self.pos_embed is not None:
+      h_BxTxD = h_BxTxD + self.pos_embed(positions_BxT).astype(jnp.float32)
+    return h_BxTxD
 
 
 def with_mixer_overrides(config: ModelConfig, kinds=None, **overrides) -> ModelConfig:
