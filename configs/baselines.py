@@ -27,8 +27,10 @@ def gla_182m():
       tokenizer=paper_tokenizer(), heldout=paper_heldout())
 
 
-# Equal recurrent state (seed 002's rule): CyFA with dk = dv = 128 per head and GDN with the same
-# S ∈ R^{dk×dv} per head; both 4 heads at D = 512. The model card prints state bytes and FLOPs/token.
+# Equal recurrent state (seed 002's rule): CyFA and GDN both carry S ∈ R^{128×128} per head, 4 heads at
+# D = 512 (262,144 B per layer). Totals per layer differ slightly: CyFA also stores the op's key-sum
+# slot z (264,192 B), GDN its short-conv windows (280,576 B); parameters 33.61M vs 33.65M. The model
+# card printed at the start of every run (and scripts/model_card.py) shows all three numbers.
 _EQUAL_STATE = dict(vocab_size=8192, d_model=512, n_layers=8, mlp_hidden=1536, dtype="bfloat16")
 
 

@@ -175,7 +175,7 @@ def evaluate_params(config: ExperimentConfig, out_dir: str, graphdef, params, re
   record: dict[str, Any] = {"step": step, "name": config.name}
   record.update(heldout_loss(graphdef, params, rest, heldout, batch_size=config.eval.batch_size,
                              use_segments=config.data.segment_ids, max_batches=config.train.eval_batches))
-  record["unigram_entropy"] = data_lib.unigram_entropy(heldout["tokens"], tokenizer.vocab_size)
+  record.update(data_lib.unigram_baseline(config.data, tokenizer, heldout["tokens"]))
   if config.eval.paired:
     record.update(paired_evaluation(config, params, rest, heldout))
   if config.eval.gate_stats and "sanatan" in config.model.layer_kinds():
@@ -188,7 +188,9 @@ def evaluate_params(config: ExperimentConfig, out_dir: str, graphdef, params, re
     json.dump(record, f, indent=1)
   os.replace(path + ".tmp", path)
   lines = [f"held-out loss {record['loss']:.4f} nats (ppl {record['perplexity']:.2f}) over "
-           f"{record['tokens']:,} tokens; unigram entropy of the held-out tokens {record['unigram_entropy']:.4f} nats"]
+           f"{record['tokens']:,} tokens; unigram entropy of the training corpus "
+           f"{record['unigram_entropy']:.4f} nats (a unigram model's held-out loss: "
+           f"{record['unigram_heldout_xent']:.4f})"]
   if "paired_diff" in record:
     lines.append(f"paired {config.eval.paired_a or 'as trained'} vs {config.eval.paired_b}: "
                  f"diff {record['paired_diff']:.2e} nats, max |Δlogit| {record['max_abs_dlogit']:.2e}")

@@ -54,7 +54,8 @@ def results_table(stage1: dict, readout: dict, stage2: dict) -> str:
           ("stage 2, p = 1 (recurrent)", stage2.get("loss_recurrent", float("nan")))]
   lines = ["| model | held-out loss (nats) |", "|---|---|"]
   lines += [f"| {name} | {loss:.4f} |" for name, loss in rows]
-  lines.append(f"| unigram entropy of the held-out tokens | {stage1['unigram_entropy']:.4f} |")
+  lines.append(f"| unigram entropy of the training corpus | {stage1['unigram_entropy']:.4f} |")
+  lines.append(f"| a unigram model's held-out loss | {stage1['unigram_heldout_xent']:.4f} |")
   if "paired_diff" in stage2:
     lines.append(f"\nstage 2 paired parallel vs recurrent: loss difference {stage2['paired_diff']:.2e} nats, "
                  f"max |Δlogit| {stage2['max_abs_dlogit']:.2e}")

@@ -66,6 +66,10 @@ def test_loss_falls_and_eval_json_is_written(tmp_path):
   record = json.load(open(workdir / "eval_40.json"))
   assert record["loss"] < np.log(8192) - 0.3 and record["tokens"] == 8 * 32
   assert record["perplexity"] == pytest.approx(np.exp(record["loss"]), rel=1e-6)
+  # The yardstick printed next to the loss: the training corpus's unigram entropy, and the held-out
+  # loss of that unigram model (which cannot be lower than the corpus entropy by much).
+  assert 4.0 < record["unigram_entropy"] < np.log(8192)
+  assert record["unigram_heldout_xent"] > record["unigram_entropy"] - 0.5
   assert sorted(os.listdir(workdir / "checkpoints")) == ["20", "40"]
 
 

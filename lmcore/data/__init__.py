@@ -11,7 +11,7 @@ Typical use::
 """
 
 from lmcore.data.config import DataConfig, HeldoutConfig, SourceConfig, TokenizerConfig
-from lmcore.data.heldout import load_or_build_heldout, unigram_entropy
+from lmcore.data.heldout import load_or_build_heldout, unigram_baseline, unigram_entropy
 from lmcore.data.pipeline import cache_dir, fingerprint, make_train_iterator, take_batches
 from lmcore.data.sources import make_source
 from lmcore.data.tokenizers import Tokenizer, check_vocab, load_tokenizer
@@ -19,5 +19,5 @@ from lmcore.data.tokenizers import Tokenizer, check_vocab, load_tokenizer
 __all__ = [
     "DataConfig", "HeldoutConfig", "SourceConfig", "TokenizerConfig", "Tokenizer", "cache_dir", "check_vocab",
     "fingerprint", "load_or_build_heldout", "load_tokenizer", "make_source", "make_train_iterator",
-    "take_batches", "unigram_entropy",
+    "take_batches", "unigram_baseline", "unigram_entropy",
 ]

@@ -123,3 +123,25 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int | None = None) -> float:
   counts = np.bincount(tokens)
   p = counts[counts > 0] / counts.sum()
   return float(-(p * np.log(p)).sum())
+
+
+def unigram_baseline(cfg: DataConfig, tokenizer: Tokenizer, heldout_tokens: np.ndarray,
+                     num_tokens: int = 500_000) -> dict[str, float]:
+  """What a context-free model achieves, as the yardstick for a trained LM's held-out loss.
+
+  ``unigram_entropy``: entropy (nats) of the training stream's token distribution, estimated from its
+  first ``num_tokens`` tokens (a fresh iterator: the run's own stream is not touched);
+  ``unigram_heldout_xent``: the held-out cross-entropy of that unigram model (add-½ smoothing).
+  """
+  iterator = pipeline.make_train_iterator(cfg, tokenizer, batch_size=16, seed=0)
+  windows, count = [], 0
+  while count < num_tokens:
+    window = next(iterator)["tokens"][:, 1:].reshape(-1)
+    windows.append(window)
+    count += window.size
+  train_tokens = np.concatenate(windows)
+  counts = np.bincount(train_tokens, minlength=tokenizer.vocab_size) + 0.5
+  log_p = np.log(counts / counts.sum())
+  heldout = np.asarray(heldout_tokens)[:, 1:].reshape(-1)
+  return {"unigram_entropy": unigram_entropy(train_tokens, tokenizer.vocab_size),
+          "unigram_heldout_xent": float(-log_p[heldout].mean())}
