@@ -102,7 +102,7 @@ def _ablation(name: str):
                        **fields)
 
 
-TINY_MIXER = dict(n_heads=16, head_dim=8)
+TINY_MIXER = dict(n_heads=8, head_dim=16)
 
 
 def tiny(p: int = 2, **train):
