@@ -218,8 +218,8 @@ def evaluate_checkpoint(config: ExperimentConfig, workdir: str, step: int | None
   graphdef, abstract_params, abstract_rest = nnx.split(abstract, nnx.Param, ...)
   to_struct = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.replicated())
   params, rest, step, _ = ckpt_lib.load_params(
-      workdir, jax.tree.map(to_struct, abstract_params.to_pure_dict()),
-      jax.tree.map(to_struct, abstract_rest.to_pure_dict()), step=step)
+      workdir, jax.tree.map(to_struct, nnx.to_pure_dict(abstract_params)),
+      jax.tree.map(to_struct, nnx.to_pure_dict(abstract_rest)), step=step)
   heldout_path = config.data.heldout.path or os.path.join(workdir, "heldout.npz")
   heldout = data_lib.load_or_build_heldout(config.data, tokenizer, heldout_path)
   record = evaluate_params(config, out_dir or workdir, graphdef, params, rest, heldout, step, tokenizer)

@@ -101,7 +101,7 @@ def make_train_step(graphdef, tx, config: ExperimentConfig):
       loss, grads = jax.tree.map(lambda x: x / accum, (loss, grads))
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads),
+    return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads),
                                "learning_rate": schedule(step)}
 
   return jax.jit(train_step, donate_argnums=(0, 1))
@@ -123,7 +123,7 @@ def build_run(config: ExperimentConfig, workdir: str) -> Run:
   data_lib.check_vocab(tokenizer, config.model.vocab_size)
   model = LanguageModel(config.model, rngs=nnx.Rngs(config.train.seed))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  params, rest = sharding.replicate(params.to_pure_dict()), sharding.replicate(rest.to_pure_dict())
+  params, rest = sharding.replicate(nnx.to_pure_dict(params)), sharding.replicate(nnx.to_pure_dict(rest))
   tx = make_optimizer(config.train)
   data_iterator = data_lib.make_train_iterator(
       config.data, tokenizer, batch_size=config.train.batch_size, seed=config.train.seed,
