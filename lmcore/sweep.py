@@ -31,7 +31,7 @@ def grid(specs: list[str]) -> list[dict[str, str]]:
 
 def point_name(overrides: dict[str, str]) -> str:
   parts = [f"{key.split('.')[-1]}={value}" for key, value in overrides.items()]
-  return re.sub(r"[^A-Za-z0-9_.=-]", "_", ",".join(parts)) or "base"
+  return re.sub(r"[^A-Za-z0-9_.=-]", "_", "_".join(parts)) or "base"
 
 
 def latest_eval(workdir: str) -> dict[str, Any] | None:
