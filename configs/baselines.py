@@ -1,7 +1,8 @@
 """Baseline mixers in the shared backbone (SPEC §3, §4).
 
 Presets: ``tiny`` (softmax) and ``<mixer>_tiny`` for every baseline (embedded corpus, 2 CPU cores);
-``gla_182m`` (the SANATAN paper's GLA reference, 182,216,448 params tied at vocab 126,349);
+``gla_182m`` (the SANATAN paper's GLA reference: FLA's layer, 4 heads, 182,217,984 params tied at
+vocab 126,349) and ``gla_182m_12heads`` (SPEC §4's exact 182,216,448);
 ``cyfa_equal_state`` / ``gdn_equal_state`` (CyFA vs Gated DeltaNet at equal recurrent state, seed 002);
 ``hybrid_cyfa_gdn`` (CyFA in the lower layers, Gated DeltaNet in the upper ones).
 
@@ -9,7 +10,7 @@ Presets: ``tiny`` (softmax) and ``<mixer>_tiny`` for every baseline (embedded co
 """
 
 from configs import common
-from configs.sanatan import paper_data, paper_heldout, paper_tokenizer, paper_train
+from configs.sanatan import paper_data, paper_heldout, paper_sources, paper_tokenizer, paper_train
 
 
 def _tiny(kind: str, **mixer_fields):
@@ -18,13 +19,16 @@ def _tiny(kind: str, **mixer_fields):
       train=common.TINY_TRAIN, data=common.TINY_DATA, heldout=common.TINY_HELDOUT)
 
 
-def gla_182m():
-  """FLA GLA layer defaults at hidden 768 (4 heads, expand_k 0.5, expand_v 1, gate rank 16)."""
+def gla_182m(n_heads: int = 4):
+  """FLA GLA layer defaults at hidden 768 (4 heads, expand_k 0.5, expand_v 1, gate rank 16):
+  182,217,984 parameters tied. SPEC §4's 182,216,448 is the same model with 12 heads (its output
+  group-norm weight has 64 entries instead of 192): preset ``gla_182m_12heads`` (docs/DECISIONS.md)."""
   return common.experiment(
       model=dict(vocab_size=126_349, d_model=768, n_layers=12, pattern="gla*12", mlp_hidden=2048,
                  norm_eps=1e-6, tie_embeddings=True, dtype="bfloat16"),
-      mixers={"gla": {}}, train=paper_train(), data=paper_data(), sources=None,
-      tokenizer=paper_tokenizer(), heldout=paper_heldout())
+      mixers={"gla": {"n_heads": n_heads}}, train=paper_train(), data=paper_data(),
+      sources=paper_sources(), tokenizer=paper_tokenizer(), heldout=paper_heldout(),
+      name=f"gla_182m_{n_heads}heads")
 
 
 # Equal recurrent state (seed 002's rule): CyFA and GDN both carry S ∈ R^{128×128} per head, 4 heads at
@@ -64,6 +68,7 @@ PRESETS = {
     "performer_tiny": _tiny("performer"),
     "cosformer_tiny": _tiny("cosformer"),
     "gla_182m": gla_182m,
+    "gla_182m_12heads": lambda: gla_182m(12),
     "cyfa_equal_state": cyfa_equal_state,
     "gdn_equal_state": gdn_equal_state,
     "hybrid_cyfa_gdn": hybrid_cyfa_gdn,

@@ -54,6 +54,7 @@ def test_gla_reference_has_fla_layer_parameter_count():
   1,536 fewer = 12 layers × 128: the output group-norm weight has head_v_dim = 192 entries at 4 heads
   and would need 64 (12 heads) to match. We keep the layer the paper names (docs/DECISIONS.md)."""
   assert count("baselines", "gla_182m") == 182_217_984
+  assert count("baselines", "gla_182m_12heads") == 182_216_448
 
 
 def test_sanatan_stage2_reads_stage1_and_continues_its_data():
