@@ -3,18 +3,16 @@
 Presets (``--config=configs/mqar.py:<preset>``):
   tiny     CPU smoke run: softmax, vocab 256, 4,096 examples of (64, 4), 2 epochs, lr 1e-2
   based    one zoology run: BASED d = 64, d' = 16, the full recipe, all four learning rates
-  sweep    the default grid on one H200 in ≈ 10 minutes (the budget below)
+  sweep    the default grid on one H200 in ≈ 13 minutes (the budget below)
   paper    zoology's full recipe (32 epochs, 180k examples) over the full grid (hours on one GPU)
 
-``sweep`` budget (one H200, one command of at most 10 minutes): 11 points (``lmcore.mqar.sweep.
-default_grid``), each training zoology's four learning rates side by side (one vmapped model), for
-8 epochs (cosine T_max 8) on a quarter of every train segment (45k examples, 178 steps of 256 per
-epoch), early stop at 0.99, TF32 matmuls (``matmul_precision="default"``). Estimated, not measured
-(no GPU time was left to time it): ≈ 15–35 s of compilation per point (3 train + 5 test shapes) and
-≈ 2 s per epoch (≈ 10–20 ms per step at L = 256, the head scored at the labelled positions only),
-so ≈ 30–50 s per point and 6–9 minutes for the grid. ``time_budget_s = 480`` stops starting points
-before the 10-minute limit; whatever is left runs on the next call, which resumes from the JSONL.
-Drop to ``--epochs=4`` or ``--train_examples_scale=0.1`` if the first points run slower than this.
+``sweep`` budget (one H200): 11 points (``lmcore.mqar.sweep.default_grid``), each training zoology's
+four learning rates side by side (one vmapped model), for 8 epochs (cosine T_max 8) on a quarter of
+every train segment (45k examples, 178 steps of 256 per epoch), early stop at 0.99, TF32 matmuls
+(``matmul_precision="default"``). Measured 2026-11-29 (docs/mqar/README.md): 770 s for the grid,
+dominated by compilation (the first epoch of a point 40–90 s, every later epoch ≈ 1 s).
+``time_budget_s = 480`` stops starting points before a 10-minute command limit; the next call
+resumes from the JSONL (two calls cover the grid).
 
     python scripts/mqar_sweep.py --config=configs/mqar.py:sweep --out=runs/mqar/sweep.jsonl
 """
