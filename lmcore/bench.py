@@ -10,6 +10,7 @@ Counted FLOPs per head (forward; forward+backward is counted as 3× forward):
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import statistics
 import time
@@ -177,28 +178,58 @@ OPS = {"sanatan_p1": sanatan_cases, "gated": gated_cases, "taylor": taylor_cases
 REFERENCE = {"sanatan_p1": "chunked (xla)", "gated": "chunked (xla)", "taylor": "chunked (xla)"}
 
 
-def run_op(op_name: str, length: int, tokens: int, dtype: str, repeats: int) -> list[Row]:
+class RowLog:
+  """Rows measured so far, appended to a JSONL file (when given) the moment each is measured.
+
+  Rows already in the file are loaded and not measured again, so a benchmark stopped by a time limit
+  continues where it stopped when run again with the same file.
+  """
+
+  def __init__(self, path: str = ""):
+    self.path, self.rows = path, []
+    if path and os.path.exists(path):
+      with open(path) as f:
+        self.rows = [Row(**json.loads(line)) for line in f if line.strip()]
+
+  def has(self, op: str, impl: str, length: int) -> bool:
+    return any((r.op, r.impl, r.length) == (op, impl, length) for r in self.rows)
+
+  def add(self, row: Row) -> None:
+    self.rows.append(row)
+    print(f"  {row.op} {row.impl} T={row.length}: {row.fwd_ms} / {row.fwdbwd_ms} ms {row.note}", flush=True)
+    if self.path:
+      os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+      with open(self.path, "a") as f:
+        f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+
+
+def measure(log: RowLog, op_name: str, impl: str, length: int, batch: int, fn: Callable | str,
+            time_fwd_and_fwdbwd: Callable[[Callable], tuple[float, float]], flops: float) -> None:
+  """Times ``fn`` (a string is a reason it cannot run) unless ``log`` has the row; errors become notes."""
+  if log.has(op_name, impl, length):
+    return
+  if isinstance(fn, str):
+    log.add(Row(op_name, impl, length, batch, None, None, 0.0, note=fn))
+    return
+  try:
+    fwd, fwdbwd = time_fwd_and_fwdbwd(fn)
+    log.add(Row(op_name, impl, length, batch, fwd, fwdbwd, flops))
+  except Exception as e:  # An OOM or a backend without the kernel: report it, keep going.
+    log.add(Row(op_name, impl, length, batch, None, None, 0.0, note=f"{type(e).__name__}: {str(e)[:80]}"))
+
+
+def run_op(log: RowLog, op_name: str, length: int, tokens: int, dtype: str, repeats: int) -> None:
   batch = max(1, tokens // length)
   args, cases, flops = OPS[op_name](batch, length, jnp.dtype(dtype))
-  rows = []
   for impl, fn in cases.items():
-    if isinstance(fn, str):
-      rows.append(Row(op_name, impl, length, batch, None, None, 0.0, note=fn))
-      continue
-    try:
-      fwd, fwdbwd = _fwd_and_fwdbwd(fn, args, repeats)
-      rows.append(Row(op_name, impl, length, batch, fwd, fwdbwd, flops[impl]))
-    except Exception as e:  # An OOM or a backend without the kernel: report it, keep going.
-      rows.append(Row(op_name, impl, length, batch, None, None, 0.0, note=f"{type(e).__name__}: {str(e)[:80]}"))
-    print(f"  {op_name} {impl} T={length}: {rows[-1].fwd_ms} / {rows[-1].fwdbwd_ms} ms {rows[-1].note}", flush=True)
-  return rows
+    measure(log, op_name, impl, length, batch, fn, lambda fn: _fwd_and_fwdbwd(fn, args, repeats), flops[impl])
 
 
-def fla_rows(length: int, tokens: int, repeats: int) -> list[Row]:
-  """flash-linear-attention on the same shapes (torch + fla importable, CUDA only)."""
+def fla_rows(log: RowLog, ops: list[str], length: int, tokens: int, repeats: int) -> None:
+  """flash-linear-attention on the same shapes, for ``ops`` (torch + fla importable, CUDA only)."""
   from lmcore import bench_fla  # torch-side code kept apart from the JAX ops
 
-  return bench_fla.rows(length, tokens, repeats, Row, chunked_flops, parallel_flops)
+  bench_fla.run(log, ops, length, tokens, repeats)
 
 
 def with_ratios(rows: list[Row]) -> list[Row]:
@@ -218,17 +249,19 @@ def with_ratios(rows: list[Row]) -> list[Row]:
 
 
 def run_all(*, ops: list[str], lengths: list[int], tokens: int, dtype: str, repeats: int,
-            with_fla: bool) -> list[Row]:
-  rows = []
+            fla_ops: list[str], jsonl: str = "") -> list[Row]:
+  """Every op at every length, then FLA's kernels for ``fla_ops``; rows already in ``jsonl`` are kept
+  and not measured again."""
+  log = RowLog(jsonl)
   for length in lengths:
     for op_name in ops:
-      rows += run_op(op_name, length, tokens, dtype, repeats)
-    if with_fla:
+      run_op(log, op_name, length, tokens, dtype, repeats)
+    if fla_ops:
       try:
-        rows += fla_rows(length, tokens, repeats)
-      except Exception as e:
-        print(f"  FLA skipped at T={length}: {type(e).__name__}: {e}", flush=True)
-  return with_ratios(rows)
+        fla_rows(log, fla_ops, length, tokens, repeats)
+      except ImportError as e:
+        print(f"  FLA skipped at T={length}: {e}", flush=True)
+  return with_ratios([r for r in log.rows if r.length in lengths])
 
 
 def format_table(rows: list[Row]) -> str:

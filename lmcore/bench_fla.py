@@ -44,11 +44,15 @@ def _fwd_bwd(torch, op, tensors, repeats):
   return _time(torch, forward, repeats), _time(torch, forward_backward, repeats)
 
 
-def rows(length, tokens, repeats, Row, chunked_flops, parallel_flops):
+def run(log, ops, length, tokens, repeats):
+  """Times FLA's kernels for ``ops`` (of "sanatan_p1", "gated", "taylor") into ``log``
+  (``lmcore.bench.RowLog``); rows it already has are skipped before any tensor is made."""
   import torch
   from fla.ops.based import fused_chunk_based, parallel_based
   from fla.ops.gla import chunk_gla
   from fla.ops.linear_attn import chunk_linear_attn
+
+  from lmcore import bench
 
   batch = max(1, tokens // length)
   dev, bf16 = "cuda", torch.bfloat16
@@ -56,32 +60,27 @@ def rows(length, tokens, repeats, Row, chunked_flops, parallel_flops):
   def randn(*shape, scale=1.0):
     return (scale * torch.randn(*shape, device=dev, dtype=torch.float32)).to(bf16)
 
-  out = []
-
-  def add(op_name, impl, op, tensors, flops):
-    try:
-      fwd, fwdbwd = _fwd_bwd(torch, op, tensors, repeats)
-      out.append(Row(op_name, impl, length, batch, fwd, fwdbwd, flops))
-    except Exception as e:
-      out.append(Row(op_name, impl, length, batch, None, None, 0.0, note=f"{type(e).__name__}: {str(e)[:80]}"))
-    print(f"  {op_name} {impl} T={length}: {out[-1].fwd_ms} / {out[-1].fwdbwd_ms} ms {out[-1].note}", flush=True)
+  def add(op_name, impl, op, make_tensors, flops):
+    if op_name in ops:
+      bench.measure(log, op_name, impl, length, batch, op,
+                    lambda op: _fwd_bwd(torch, op, make_tensors(), repeats), flops)
 
   # SANATAN p = 1 on precomputed 6d features (K = 384): FLA cannot fuse the feature map.
   phi_shape = (batch, length, HEADS, SANATAN_FEATURES)
   add("sanatan_p1", "FLA chunk_linear_attn (features precomputed)",
       lambda q, k, v: chunk_linear_attn(q, k, v, scale=1.0, normalize=True)[0],
-      [randn(*phi_shape).abs() * 0.1, randn(*phi_shape).abs() * 0.1, randn(batch, length, HEADS, HEAD_DIM)],
-      chunked_flops(batch, length, HEADS, SANATAN_FEATURES, HEAD_DIM))
+      lambda: [randn(*phi_shape).abs() * 0.1, randn(*phi_shape).abs() * 0.1,
+               randn(batch, length, HEADS, HEAD_DIM)],
+      bench.chunked_flops(batch, length, HEADS, SANATAN_FEATURES, HEAD_DIM))
   gla_shape = (batch, length, HEADS, HEAD_DIM)
   add("gated", "FLA chunk_gla",
       lambda q, k, v, g: chunk_gla(q, k, v, g)[0],
-      [randn(*gla_shape, scale=0.125), randn(*gla_shape, scale=0.125), randn(*gla_shape),
-       torch.nn.functional.logsigmoid(torch.randn(*gla_shape, device=dev) + 4.0) / 16],
-      chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM))
+      lambda: [randn(*gla_shape, scale=0.125), randn(*gla_shape, scale=0.125), randn(*gla_shape),
+               torch.nn.functional.logsigmoid(torch.randn(*gla_shape, device=dev) + 4.0) / 16],
+      bench.chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM))
   taylor_qk = (batch, length, TAYLOR_HEADS, TAYLOR_DIM)
   taylor_v = (batch, length, TAYLOR_HEADS, HEAD_DIM)
   for name, fn in (("FLA parallel_based", parallel_based), ("FLA fused_chunk_based", fused_chunk_based)):
     add("taylor", name, lambda q, k, v, fn=fn: fn(q, k, v, use_norm=True),
-        [randn(*taylor_qk, scale=0.5), randn(*taylor_qk, scale=0.5), randn(*taylor_v)],
-        chunked_flops(batch, length, TAYLOR_HEADS, 153, HEAD_DIM))
-  return out
+        lambda: [randn(*taylor_qk, scale=0.5), randn(*taylor_qk, scale=0.5), randn(*taylor_v)],
+        bench.chunked_flops(batch, length, TAYLOR_HEADS, 153, HEAD_DIM))

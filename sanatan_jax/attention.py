@@ -286,7 +286,8 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
     segment_ids: optional [B, T] packed-document ids (see the module docstring).
     p, channels, three_channel: the kernel (SPEC §1.1 steps 5-6).
     implementation: "parallel" | "blocked" | "chunked" | "recurrent" | "pallas" (same function);
-      None picks "pallas" on GPU and "chunked" elsewhere for p = 1 with 6 channels, else "blocked".
+      None picks the measured fastest (``pallas_utils.default_implementation``: "chunked" for now)
+      for p = 1 with 6 channels, else "blocked".
     state: a SanatanState to continue from (p = 1, 6ch only).
     chunk_size, block_size: tile lengths of "chunked" and "blocked".
     rotate: False drops the temporal rotation (the "no lambda" ablation).
@@ -298,8 +299,7 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
   B, T, H, d = q.shape
   width, dv = channels * d, v.shape[-1]
   if implementation is None:
-    implementation = (("pallas" if pallas_utils.backend() == "gpu" else "chunked")
-                      if has_constant_state(p, channels) else "blocked")
+    implementation = pallas_utils.default_implementation() if has_constant_state(p, channels) else "blocked"
   # The state check goes first: for a p >= 2 decode call it is the error that explains.
   _check_state(state, p, channels, (B, H, width, dv))
   validate_options(p=p, channels=channels, three_channel=three_channel,

@@ -7,7 +7,11 @@ flash-linear-attention are importable, FLA's kernels on the same inputs. Prints 
 tokens/s, achieved TFLOP/s (from counted FLOPs) and the ratio to the reference named in each row,
 and appends the rows to docs/BENCHMARKS.md with the date, device and command.
 
-    python scripts/bench_kernels.py [--lengths=2048,8192,32768] [--tokens=16384] [--dtype=bfloat16]
+    python scripts/bench_kernels.py [--lengths=2048,8192,32768] [--tokens=16384] [--dtype=bfloat16] \
+        [--jsonl=runs/bench/kernels.jsonl] [--fla_ops=sanatan_p1,gated,taylor]
+
+Compilation (Triton kernels, FLA autotuning) can take minutes per case: give ``--jsonl`` so that a run
+stopped by a time limit continues where it stopped.
 """
 
 import datetime
@@ -26,13 +30,17 @@ _OPS = flags.DEFINE_list("ops", ["sanatan_p1", "gated", "taylor", "softmax"], "O
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Input dtype.")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed repetitions (median reported).")
 _OUT = flags.DEFINE_string("out", "docs/BENCHMARKS.md", "Markdown file the rows are appended to ('' = none).")
-_FLA = flags.DEFINE_bool("fla", True, "Also time flash-linear-attention's kernels when importable.")
+_FLA_OPS = flags.DEFINE_list("fla_ops", ["sanatan_p1", "gated", "taylor"],
+                             "Ops whose flash-linear-attention kernels are also timed, when importable "
+                             "('' = none; FLA autotunes on first use, minutes for chunk_gla).")
+_JSONL = flags.DEFINE_string("jsonl", "", "Rows are appended here as they are measured; rows already "
+                             "in it are not measured again (a rerun continues a stopped benchmark).")
 
 
 def main(argv):
   del argv
   rows = bench.run_all(ops=_OPS.value, lengths=[int(x) for x in _LENGTHS.value], tokens=_TOKENS.value,
-                       dtype=_DTYPE.value, repeats=_REPEATS.value, with_fla=_FLA.value)
+                       dtype=_DTYPE.value, repeats=_REPEATS.value, fla_ops=_FLA_OPS.value, jsonl=_JSONL.value)
   table = bench.format_table(rows)
   print(table, flush=True)
   if _OUT.value:

@@ -25,6 +25,16 @@ def backend() -> str:
   return jax.default_backend() if device is None else device.platform
 
 
+def default_implementation() -> str:
+  """What ``implementation=None`` picks for the chunked ops (SANATAN p = 1, gated): XLA ``chunked``.
+
+  Measured on one H200 (docs/BENCHMARKS.md, 2026-11-29, fwd+bwd): the Pallas kernels lose to the XLA
+  chunked form beyond T = 2048 (SANATAN 0.57× at T = 8192; gated 0.45× at T = 2048), so no backend
+  defaults to them yet; ``implementation="pallas"`` selects them.
+  """
+  return "chunked"
+
+
 def resolve_interpret(interpret: bool | None) -> bool:
   """``None`` means interpret mode exactly where there is no GPU (CPU tests, TPU hosts).
 

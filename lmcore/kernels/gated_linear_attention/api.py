@@ -70,10 +70,10 @@ def _check_shapes(q, k, v, log_forget, state, segment_ids) -> None:
 
 
 def _backend(implementation: str | None, chunk_size: int):
-  """The implementation function; unknown names list the valid ones. None picks the Pallas kernel
-  on GPU and the XLA chunked form elsewhere."""
+  """The implementation function; unknown names list the valid ones. None picks
+  ``pallas_utils.default_implementation()`` (measured fastest)."""
   if implementation is None:
-    implementation = "pallas" if pallas_utils.backend() == "gpu" else "chunked"
+    implementation = pallas_utils.default_implementation()
   if implementation == "pallas":
     return functools.partial(pallas.chunked, chunk_size=chunk_size)
   if implementation in ("reference", "recurrent"):
@@ -86,7 +86,7 @@ def _backend(implementation: str | None, chunk_size: int):
                        f"{chunk_size}")
     return functools.partial(xla.chunked, chunk_size=chunk_size)
   raise ValueError(f"gated_linear_attention: unknown implementation {implementation!r}; "
-                   f"valid: {', '.join(IMPLEMENTATIONS)} (None: 'pallas' on GPU, else 'chunked')")
+                   f"valid: {', '.join(IMPLEMENTATIONS)} (None: the measured fastest, now 'chunked')")
 
 
 def document_index(segment_ids_BxT: jax.Array) -> jax.Array:
@@ -110,7 +110,8 @@ def gated_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     v: [B, T, H, V].
     log_forget: [B, T, H] (scalar per head) or [B, T, H, K] (per key channel) log forget gate,
       values <= 0 (not checked; the chunked form relies on it), accumulated in fp32; None: no decay.
-    implementation: one of ``IMPLEMENTATIONS``; None picks ``pallas`` on GPU, ``chunked`` elsewhere.
+    implementation: one of ``IMPLEMENTATIONS``; None picks the measured fastest
+      (``pallas_utils.default_implementation``: ``chunked`` on every backend for now).
     state: the state before the first token; None means zeros (start of a sequence).
     chunk_size: tokens per chunk of the chunked form, a power of two.
     normalize: divide by the decayed key sum (see the module docstring); the state then carries z.
