@@ -154,7 +154,25 @@ class SlidingWindowAttention(nnx.Module):
                        itemsize=jnp.dtype(self.dtype).itemsize)
 
 
-class BaseConv(nnx.Module):
+class _ConvWindow:
+  """Decode state of a short causal convolution: its last K-1 inputs, [B, K-1, conv_width]."""
+
+  config: "BaseConv.Config"
+  conv_width: int
+  dtype: jnp.dtype
+
+  def init_state(self, batch_size: int, max_len: int | None = None) -> jax.Array:
+    """Zero window of the last K-1 conv inputs (compute dtype; any max_len)."""
+    del max_len
+    return jnp.zeros((batch_size, self.config.kernel_size - 1, self.conv_width), self.dtype)
+
+  def state_bytes(self, batch_size: int, max_len: int | None = None) -> int:
+    del max_len
+    return float_bytes((batch_size, self.config.kernel_size - 1, self.conv_width),
+                       itemsize=jnp.dtype(self.dtype).itemsize)
+
+
+class BaseConv(_ConvWindow, nnx.Module):
   """LM BaseConv (SPEC §2.3): ``out_proj(SiLU(conv(u1)) ⊙ u2)``, ``[u1 | u2] = in_proj(x)``.
 
   Parameters: ``in_proj`` D -> 4D with bias, depthwise ``conv_kernel`` [K, 2D] without bias,
@@ -169,6 +187,7 @@ class BaseConv(nnx.Module):
                dtype=jnp.float32, rngs: nnx.Rngs):
     self.config = config
     self.d_model = d_model
+    self.conv_width = 2 * d_model
     self.dtype = dtype
     self.in_proj = dense(d_model, 4 * d_model, std=init.std, rngs=rngs, dtype=dtype, use_bias=True)
     self.conv_kernel = _conv_taps((config.kernel_size, 2 * d_model), config.kernel_size, rngs)
@@ -184,18 +203,8 @@ class BaseConv(nnx.Module):
                                      segment_ids=segment_ids_BxT)
     return self.out_proj(y_BxTxE), state
 
-  def init_state(self, batch_size: int, max_len: int | None = None) -> jax.Array:
-    """Zero window of the last K-1 pre-conv ``u1`` vectors [B, K-1, 2D] (compute dtype)."""
-    del max_len
-    return jnp.zeros((batch_size, self.config.kernel_size - 1, 2 * self.d_model), self.dtype)
 
-  def state_bytes(self, batch_size: int, max_len: int | None = None) -> int:
-    del max_len
-    return float_bytes((batch_size, self.config.kernel_size - 1, 2 * self.d_model),
-                       itemsize=jnp.dtype(self.dtype).itemsize)
-
-
-class ZoologyBaseConv(nnx.Module):
+class ZoologyBaseConv(_ConvWindow, nnx.Module):
   """zoology's synthetic BaseConv (based_zoology §4.2): ``conv(x) ⊙ projection(x) + x``.
 
   Parameters: ``projection`` D -> D with bias, depthwise ``conv_kernel`` [K, D], ``conv_bias`` [D].
@@ -210,6 +219,7 @@ class ZoologyBaseConv(nnx.Module):
                dtype=jnp.float32, rngs: nnx.Rngs):
     self.config = config
     self.d_model = d_model
+    self.conv_width = d_model
     self.dtype = dtype
     self.projection = dense(d_model, d_model, std=init.std, rngs=rngs, dtype=dtype, use_bias=True)
     self.conv_kernel = _conv_taps((config.kernel_size, d_model), config.kernel_size, rngs)
@@ -221,13 +231,3 @@ class ZoologyBaseConv(nnx.Module):
     del positions_BxT  # A convolution needs no positions.
     return zoology_gated_conv(x_BxTxD, self.projection(x_BxTxD), self.conv_kernel[...],
                               self.conv_bias[...], state=state, segment_ids=segment_ids_BxT)
-
-  def init_state(self, batch_size: int, max_len: int | None = None) -> jax.Array:
-    """Zero window of the last K-1 inputs [B, K-1, D] (compute dtype)."""
-    del max_len
-    return jnp.zeros((batch_size, self.config.kernel_size - 1, self.d_model), self.dtype)
-
-  def state_bytes(self, batch_size: int, max_len: int | None = None) -> int:
-    del max_len
-    return float_bytes((batch_size, self.config.kernel_size - 1, self.d_model),
-                       itemsize=jnp.dtype(self.dtype).itemsize)
