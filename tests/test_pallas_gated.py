@@ -79,6 +79,15 @@ def _run(fn, inputs, projections, **options):
           "dlog_forget": grads[3], "dS0": grads[4].S, "dz0": grads[4].z}
 
 
+@functools.cache
+def _reference(seed, T, gate, normalize, with_state=True, segments=False):
+  """``_run`` of the token-by-token reference on ``_inputs(seed, T, ...)``, computed once and
+  shared by both forms' tests."""
+  inputs, segment_ids, projections = _inputs(seed, T, gate, normalize, with_state=with_state)
+  return _run(functools.partial(gated_linear_attention, implementation="reference"), inputs,
+              projections, normalize=normalize, segment_ids=segment_ids if segments else None)
+
+
 def _assert_same(got, want, what):
   errors = {name: _rel(got[name], want[name]) for name in want}
   bad = {name: e for name, e in errors.items() if e > RTOL}
@@ -97,8 +106,7 @@ def test_pallas_equals_reference_with_gradients_for_partial_chunks(T, gate, norm
   inputs, _, projections = _inputs(T, T, gate, normalize, with_state=with_state)
   got = _run(functools.partial(pallas.gated_linear_attention_pallas, form=form, **tuning), inputs,
              projections, normalize=normalize)
-  want = _run(functools.partial(gated_linear_attention, implementation="reference"), inputs,
-              projections, normalize=normalize)
+  want = _reference(T, T, gate, normalize, with_state)
   _assert_same(got, want, f"{form}: T={T} gate={gate} normalize={normalize} {tuning}")
 
 
@@ -107,12 +115,9 @@ def test_pallas_equals_reference_with_gradients_for_partial_chunks(T, gate, norm
 def test_pallas_resets_state_at_segment_boundaries_like_reference(gate, form):
   """Row 1 holds four documents (see ``_inputs``); row 0 one continuing the state."""
   inputs, segment_ids, projections = _inputs(7, 37, gate, True)
-  options = dict(normalize=True, segment_ids=segment_ids)
   got = _run(functools.partial(pallas.gated_linear_attention_pallas, sub_chunk=8, form=form),
-             inputs, projections, **options)
-  want = _run(functools.partial(gated_linear_attention, implementation="reference"), inputs,
-              projections, **options)
-  _assert_same(got, want, f"{form}: segments, gate={gate}")
+             inputs, projections, normalize=True, segment_ids=segment_ids)
+  _assert_same(got, _reference(7, 37, gate, True, segments=True), f"{form}: segments, gate={gate}")
 
 
 @FORMS

@@ -1,14 +1,23 @@
 """Pallas (Triton lowering) kernels for chunked gated linear attention (SPEC §3, §4), custom VJP.
 
-The function is xla.py's, per head, with b the chunk-local cumulative log gate (fp32)::
+The function is xla.py's, per head, with b the chunk-local cumulative log gate (fp32) and a_n =
+exp(b_C) the decay over chunk n (b_C its total log gate)::
 
     o_i     = scale * [(q_i ⊙ exp(b_i)) S_n  +  sum_{j<=i} (sum_k q_ik k_jk exp(b_ik - b_jk)) v_j]
-    S_{n+1} = diag(exp(b_C)) S_n + sum_j (k_j ⊙ exp(b_C - b_j)) v_jᵀ
+    S_{n+1} = diag(a_n) S_n + W_n,     W_n = sum_j (k_j ⊙ exp(b_C - b_j)) v_jᵀ
 
-One program per (batch, head, value tile) walks all chunks with ``lax.fori_loop`` and keeps the
-fp32 state tile [K, BV] in registers (FLA's "fused chunk" form): GPU programs run in parallel, so
-the chunk-to-chunk recurrence must live inside one program, and no per-chunk state ever reaches
-HBM. A scalar gate per head makes the intra-chunk scores one matmul times a decay matrix; a
+Two forms compute it (``form=``; the same per-chunk math, shared below):
+
+* ``split`` (default; FLA's "chunk" form), three phases: (1) a kernel over (batch, head, chunk,
+  value tile) writes every chunk's W_n [K, V] (fp32) to HBM; (2) XLA runs the recurrence above for
+  all chunks by an associative scan over N (log-depth: N K V multiply-adds per level); (3) a kernel
+  over the same grid computes each chunk's outputs from S_n and its intra-chunk block. Every chunk
+  runs in parallel, so the GPU fills even at small batch x heads.
+* ``fused`` (FLA's "fused chunk" form): one program per (batch, head, value tile) walks all chunks
+  with ``lax.fori_loop``, the fp32 state tile [K, BV] in registers; no per-chunk state reaches HBM,
+  but only batch x heads x value tiles programs run.
+
+A scalar gate per head makes the intra-chunk scores one matmul times a decay matrix; a
 per-key-channel gate uses secondary chunking (sub-chunks of ``SUB_CHUNK`` tokens): blocks below
 the diagonal are a matmul of q ⊙ exp(b - r) and k ⊙ exp(r - b) around the query sub-chunk's
 anchor r = b just before it (both exponents <= 0), diagonal blocks exact elementwise fp32 sums.
@@ -16,15 +25,19 @@ Every exponent is <= 0 for gates <= 0, and masked entries are set to -inf *befor
 
 Packed documents (``doc_BxT``, non-decreasing per row, as ``api.document_index`` makes them) are
 honoured by masks inside the kernels: a token reads the carried state only while in the document
-the state belongs to, and a chunk hands on only its last document's writes.
+the state belongs to, and a chunk hands on only its last document's writes (a_n = 0 when a document
+starts inside chunk n).
 
-Backward (``jax.custom_vjp``): the forward saves its inputs and the final state only. One kernel
-recomputes the chunk states in a forward sweep to get dq, then walks the chunks in reverse carrying
-dS to get dk, dv and dS_0. The gate gradient needs no kernel: with B the cumulative log gate, the
-output depends on B only through q ⊙ exp(B), k ⊙ exp(-B) and the final state's exp(B_T), so
-dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ S_T ⊙ dS_T summed over values at t = T) and dg is the
-reverse cumulative sum of dB. With several value tiles each program returns partial dq, dk (sums
-over values) that are added outside.
+Backward (``jax.custom_vjp``): the forward saves only its inputs (and, fused, the final state);
+the chunk states are recomputed. With R_n = sum_i (q_i ⊙ exp(b_i)) do_iᵀ over the tokens reading
+S_n, the state gradients follow dS_N = dL/dS_T, dS_n = diag(a_n) dS_{n+1} + R_n. Split: one kernel
+writes W_n and R_n per chunk, two associative scans give every S_n and dS_n, and one kernel per
+chunk computes dq (from S_n), dk and dv (from dS_{n+1}). Fused: one kernel recomputes the states in
+a forward sweep for dq, then walks the chunks in reverse carrying dS for dk, dv and dS_0. The gate
+gradient needs no kernel: with B the cumulative log gate, the output depends on B only through
+q ⊙ exp(B), k ⊙ exp(-B) and the final state's exp(B_T), so dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t
+(+ S_T ⊙ dS_T summed over values at t = T) and dg is the reverse cumulative sum of dB. With several
+value tiles each program returns partial dq, dk (sums over values) that are added outside.
 """
 
 from __future__ import annotations
@@ -162,12 +175,6 @@ def _reads_grad(subs, state_doc):
   return sum(pu.dot(_q_from_state(x, state_doc), x.do, trans_a=True) for x in subs)
 
 
-def _advance(S, subs, b_end, state_doc, last_doc):
-  """The state after the chunk: decay (or reset at a new document), then add its last writes."""
-  S = jnp.where(last_doc == state_doc, _col(jnp.exp(b_end)) * S, 0.0)
-  return S + _writes(subs, b_end, last_doc)
-
-
 def _chunk_outputs(subs, S, state_doc):
   """Unscaled outputs [c, BV] fp32 per sub-chunk: the read of S (the state at the chunk start)
   plus the intra-chunk block."""
@@ -181,21 +188,6 @@ def _chunk_outputs(subs, S, state_doc):
     o += pu.dot(_diag_scores(x, decay).astype(dt), x.v)
     out.append(o)
   return out
-
-
-def _forward_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, S0_ref, o_ref, S_ref, *, cfg):
-  refs = (q_ref, k_ref, v_ref, g_ref, doc_ref)
-
-  def chunk(n, carry):
-    S, state_doc = carry
-    subs, b_end, last_doc = _load_chunk(n, refs, cfg)
-    for i, o in enumerate(_chunk_outputs(subs, S, state_doc)):
-      pu.store_rows(o_ref, n * cfg.chunk + i * cfg.sub_chunk, cfg.scale * o)
-    return _advance(S, subs, b_end, state_doc, last_doc), last_doc
-
-  first_doc = jnp.min(pu.rows(doc_ref, 0, cfg.chunk))
-  S, _ = jax.lax.fori_loop(0, q_ref.shape[0] // cfg.chunk, chunk, (S0_ref[...], first_doc))
-  S_ref[...] = S
 
 
 def _dq_chunk(subs, S, state_doc):
@@ -247,6 +239,55 @@ def _dkv_chunk(subs, dS, b_end, last_doc):
   return out
 
 
+def _call(kernel, cfg, grid, in_specs, out_specs, out_shape, *args):
+  return pl.pallas_call(
+      functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs, out_specs=out_specs,
+      out_shape=out_shape, interpret=cfg.interpret,
+      compiler_params=pu.compiler_params(cfg.interpret, cfg.num_warps, cfg.num_stages))(*args)
+
+
+def _input_grads(q, k, v, g, kernel_grads, S_end, dS_end):
+  """The VJP's cotangents from the kernels' dq, dk (partial sums per value tile), dv and dS_0."""
+  dq, dk, dv, dS0 = kernel_grads
+  dq, dk = dq.sum(0), dk.sum(0)
+  dg = _gate_grad(q, k, dq, dk, S_end, dS_end, g.shape[-1])
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg, None, dS0)
+
+
+def _gate_grad(q, k, dq, dk, S_end, dS_end, G):
+  """dg: reverse cumsum over time of dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ the final state term)."""
+  dB_BxTxHxK = q.astype(_F32) * dq - k.astype(_F32) * dk
+  final_BxHxK = jnp.sum(S_end * dS_end.astype(_F32), axis=-1)
+  dB_BxTxHxK = dB_BxTxHxK.at[:, -1].add(final_BxHxK)
+  if G == 1:
+    dB_BxTxHxK = jnp.sum(dB_BxTxHxK, axis=-1, keepdims=True)
+  return jnp.flip(jnp.cumsum(jnp.flip(dB_BxTxHxK, 1), axis=1), 1)
+
+
+# The fused form: one program per (batch, head, value tile) walks all chunks.
+
+
+def _advance(S, subs, b_end, state_doc, last_doc):
+  """The state after the chunk: decay (or reset at a new document), then add its last writes."""
+  S = jnp.where(last_doc == state_doc, _col(jnp.exp(b_end)) * S, 0.0)
+  return S + _writes(subs, b_end, last_doc)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, S0_ref, o_ref, S_ref, *, cfg):
+  refs = (q_ref, k_ref, v_ref, g_ref, doc_ref)
+
+  def chunk(n, carry):
+    S, state_doc = carry
+    subs, b_end, last_doc = _load_chunk(n, refs, cfg)
+    for i, o in enumerate(_chunk_outputs(subs, S, state_doc)):
+      pu.store_rows(o_ref, n * cfg.chunk + i * cfg.sub_chunk, cfg.scale * o)
+    return _advance(S, subs, b_end, state_doc, last_doc), last_doc
+
+  first_doc = jnp.min(pu.rows(doc_ref, 0, cfg.chunk))
+  S, _ = jax.lax.fori_loop(0, q_ref.shape[0] // cfg.chunk, chunk, (S0_ref[...], first_doc))
+  S_ref[...] = S
+
+
 def _backward_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, S0_ref, do_ref, dST_ref,
                      dq_ref, dk_ref, dv_ref, dS0_ref, *, cfg):
   refs = (q_ref, k_ref, v_ref, g_ref, doc_ref)
@@ -287,13 +328,6 @@ def _specs(Tp, K, G, cfg):
   return dict(q=seq(K), g=seq(G), v=vals, doc=doc, state=state, partial=partial)
 
 
-def _call(kernel, cfg, grid, in_specs, out_specs, out_shape, *args):
-  return pl.pallas_call(
-      functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs, out_specs=out_specs,
-      out_shape=out_shape, interpret=cfg.interpret,
-      compiler_params=pu.compiler_params(cfg.interpret, cfg.num_warps, cfg.num_stages))(*args)
-
-
 def _forward(q, k, v, g, doc, S0, cfg):
   B, Tp, H, K = q.shape
   V = v.shape[-1]
@@ -330,24 +364,6 @@ def _fused_bwd(cfg, residuals, cotangents):
       [s["partial"], s["partial"], s["v"], s["state"]], out_shape,
       q, k, v, g, doc, S0, do.astype(_F32), dS_end.astype(_F32))
   return _input_grads(q, k, v, g, (dq, dk, dv, dS0), S_end, dS_end)
-
-
-def _input_grads(q, k, v, g, kernel_grads, S_end, dS_end):
-  """The VJP's cotangents from the kernels' dq, dk (partial sums per value tile), dv and dS_0."""
-  dq, dk, dv, dS0 = kernel_grads
-  dq, dk = dq.sum(0), dk.sum(0)
-  dg = _gate_grad(q, k, dq, dk, S_end, dS_end, g.shape[-1])
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg, None, dS0)
-
-
-def _gate_grad(q, k, dq, dk, S_end, dS_end, G):
-  """dg: reverse cumsum over time of dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ the final state term)."""
-  dB_BxTxHxK = q.astype(_F32) * dq - k.astype(_F32) * dk
-  final_BxHxK = jnp.sum(S_end * dS_end.astype(_F32), axis=-1)
-  dB_BxTxHxK = dB_BxTxHxK.at[:, -1].add(final_BxHxK)
-  if G == 1:
-    dB_BxTxHxK = jnp.sum(dB_BxTxHxK, axis=-1, keepdims=True)
-  return jnp.flip(jnp.cumsum(jnp.flip(dB_BxTxHxK, 1), axis=1), 1)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
