@@ -473,14 +473,15 @@ def _chunk_grid(q, v, cfg):
 
 
 def _split_forward(q, k, v, g, doc, S0, cfg):
-  """(o [B, Tp, H, V], S_N [B, H, K, V]), fp32, by phases 1 to 3."""
+  """(o [B, Tp, H, V], S_N [B, H, K, V]), fp32, by phases 1 to 3 (``states``: [B, H, N + 1, K, V],
+  the state before every chunk and after the last)."""
   B, Tp, H, K = q.shape
   grid = _chunk_grid(q, v, cfg)
   s = _chunk_specs(K, g.shape[-1], cfg)
   per_chunk = jax.ShapeDtypeStruct((B, H, grid[2], K, v.shape[-1]), _F32)
-  W = _call(_writes_kernel, cfg, grid, [s["q"], s["v"], s["g"], s["doc"]], s["state"], per_chunk,
-            k, v, g, doc)
-  states = _scan_states(_chunk_decays(g, doc, cfg.chunk), W, S0, reverse=False)
+  W_BxHxNxKxV = _call(_writes_kernel, cfg, grid, [s["q"], s["v"], s["g"], s["doc"]], s["state"],
+                      per_chunk, k, v, g, doc)
+  states = _scan_states(_chunk_decays(g, doc, cfg.chunk), W_BxHxNxKxV, S0, reverse=False)
   o = _call(_outputs_kernel, cfg, grid,
             [s["q"], s["q"], s["v"], s["g"], s["doc"], s["prev_doc"], s["state"]], s["v"],
             jax.ShapeDtypeStruct((B, Tp, H, v.shape[-1]), _F32),
@@ -507,12 +508,13 @@ def _split_bwd(cfg, residuals, cotangents):
   grid = _chunk_grid(q, v, cfg)
   s = _chunk_specs(K, g.shape[-1], cfg)
   per_chunk = jax.ShapeDtypeStruct((B, H, grid[2], K, V), _F32)
-  W, R = _call(_writes_and_reads_grad_kernel, cfg, grid,
-               [s["q"], s["q"], s["v"], s["g"], s["doc"], s["prev_doc"], s["v"]],
-               [s["state"], s["state"]], (per_chunk, per_chunk), q, k, v, g, doc, doc, do)
+  W_BxHxNxKxV, R_BxHxNxKxV = _call(
+      _writes_and_reads_grad_kernel, cfg, grid,
+      [s["q"], s["q"], s["v"], s["g"], s["doc"], s["prev_doc"], s["v"]], [s["state"], s["state"]],
+      (per_chunk, per_chunk), q, k, v, g, doc, doc, do)
   decay = _chunk_decays(g, doc, cfg.chunk)
-  states = _scan_states(decay, W, S0, reverse=False)
-  dstates = _scan_states(decay, R, dS_end, reverse=True)
+  states = _scan_states(decay, W_BxHxNxKxV, S0, reverse=False)
+  dstates = _scan_states(decay, R_BxHxNxKxV, dS_end, reverse=True)
   partial = jax.ShapeDtypeStruct((grid[3], B, Tp, H, K), _F32)
   dq, dk, dv = _call(
       _grads_kernel, cfg, grid,
