@@ -1,6 +1,8 @@
 """The Pallas gated linear attention kernels compute the op's function: outputs, final state and
 gradients (q, k, v, log forget gate, initial S and z) equal the token-by-token reference, for scalar
-and per-key-channel gates, normalised or not, partial chunks, value tiles and packed documents.
+and per-key-channel gates, normalised or not, partial chunks, value tiles and packed documents, in
+both forms (``split``: three chunk-parallel phases, the default; ``fused``: one program walks all
+chunks).
 
 The kernels run in interpret mode on CPU. Tolerance: relative L2 error 1e-5 at fp32 (the forms
 differ only in summation order; observed about 1e-6 here and on the H200 compiled kernels).
@@ -19,6 +21,7 @@ from lmcore.kernels.gated_linear_attention import pallas
 
 CHUNK = 16
 RTOL = 1e-5
+FORMS = pytest.mark.parametrize("form", pallas.FORMS)
 # These tests check the math, not code generation: skip LLVM's expensive passes on a shared CPU.
 _FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
@@ -29,7 +32,11 @@ def _rel(a, b) -> float:
 
 
 def _inputs(seed, T, gate, normalize, *, B=2, H=2, K=8, V=5, with_state=True):
-  """q, k, v, log_forget, state, segment ids (two documents in row 1), output/state projections.
+  """q, k, v, log_forget, state, segment ids, output/state projections.
+
+  Row 0 of the segment ids is one document. Row 1 starts new documents at T // 3 and CHUNK + 4
+  (mid-chunk: the document between them crosses a chunk boundary) and, if T allows, at 2 CHUNK (a
+  chunk's first token: the state it receives is dropped whole).
 
   Decays are weak (log gates in [-0.3, -0.01]) so that what a chunk hands on still matters 16
   tokens later: strong decays would hide errors in the state carried across chunks.
@@ -47,7 +54,8 @@ def _inputs(seed, T, gate, normalize, *, B=2, H=2, K=8, V=5, with_state=True):
   z = z if normalize else jnp.zeros_like(z)
   state = LinearAttentionState(arr(B, H, K, V), z) if with_state else None
   segment_ids = np.zeros((B, T), np.int32)
-  segment_ids[1, T // 3:] = 1
+  for start in (T // 3, CHUNK + 4, 2 * CHUNK):
+    segment_ids[1, start:] += 1
   projections = (arr(B, T, H, V), arr(B, H, K, V), arr(B, H, K))
   return (q, k, v, log_forget, state), jnp.asarray(segment_ids), projections
 
@@ -71,12 +79,22 @@ def _run(fn, inputs, projections, **options):
           "dlog_forget": grads[3], "dS0": grads[4].S, "dz0": grads[4].z}
 
 
+@functools.cache
+def _reference(seed, T, gate, normalize, with_state=True, segments=False):
+  """``_run`` of the token-by-token reference on ``_inputs(seed, T, ...)``, computed once and
+  shared by both forms' tests."""
+  inputs, segment_ids, projections = _inputs(seed, T, gate, normalize, with_state=with_state)
+  return _run(functools.partial(gated_linear_attention, implementation="reference"), inputs,
+              projections, normalize=normalize, segment_ids=segment_ids if segments else None)
+
+
 def _assert_same(got, want, what):
   errors = {name: _rel(got[name], want[name]) for name in want}
   bad = {name: e for name, e in errors.items() if e > RTOL}
   assert not bad, f"{what}: relative L2 errors above {RTOL}: {bad}"
 
 
+@FORMS
 @pytest.mark.parametrize("T,gate,normalize,with_state,tuning", [
     (37, "head", False, True, {}),
     (37, "channel", False, True, {"sub_chunk": 8}),  # off-diagonal sub-chunk blocks
@@ -84,31 +102,29 @@ def _assert_same(got, want, what):
     (64, "channel", True, True, {"block_v": 4}),  # V = 5 + ones column -> two value tiles
 ])
 def test_pallas_equals_reference_with_gradients_for_partial_chunks(T, gate, normalize, with_state,
-                                                                   tuning):
+                                                                   tuning, form):
   inputs, _, projections = _inputs(T, T, gate, normalize, with_state=with_state)
-  got = _run(functools.partial(pallas.gated_linear_attention_pallas, **tuning), inputs, projections,
-             normalize=normalize)
-  want = _run(functools.partial(gated_linear_attention, implementation="reference"), inputs,
-              projections, normalize=normalize)
-  _assert_same(got, want, f"T={T} gate={gate} normalize={normalize} {tuning}")
+  got = _run(functools.partial(pallas.gated_linear_attention_pallas, form=form, **tuning), inputs,
+             projections, normalize=normalize)
+  want = _reference(T, T, gate, normalize, with_state)
+  _assert_same(got, want, f"{form}: T={T} gate={gate} normalize={normalize} {tuning}")
 
 
+@FORMS
 @pytest.mark.parametrize("gate", ["head", "channel"])
-def test_pallas_resets_state_at_segment_boundaries_like_reference(gate):
-  """Row 1 holds two documents (the boundary falls mid-chunk); row 0 one continuing the state."""
+def test_pallas_resets_state_at_segment_boundaries_like_reference(gate, form):
+  """Row 1 holds four documents (see ``_inputs``); row 0 one continuing the state."""
   inputs, segment_ids, projections = _inputs(7, 37, gate, True)
-  options = dict(normalize=True, segment_ids=segment_ids)
-  got = _run(functools.partial(pallas.gated_linear_attention_pallas, sub_chunk=8), inputs,
-             projections, **options)
-  want = _run(functools.partial(gated_linear_attention, implementation="reference"), inputs,
-              projections, **options)
-  _assert_same(got, want, f"segments, gate={gate}")
+  got = _run(functools.partial(pallas.gated_linear_attention_pallas, sub_chunk=8, form=form),
+             inputs, projections, normalize=True, segment_ids=segment_ids)
+  _assert_same(got, _reference(7, 37, gate, True, segments=True), f"{form}: segments, gate={gate}")
 
 
-def test_pallas_two_pieces_with_state_equal_whole():
+@FORMS
+def test_pallas_two_pieces_with_state_equal_whole(form):
   (q, k, v, log_forget, state), _, _ = _inputs(21, 37, "channel", True)
   call = jax.jit(functools.partial(pallas.gated_linear_attention_pallas, chunk_size=CHUNK,
-                                   normalize=True), compiler_options=_FAST_COMPILE)
+                                   normalize=True, form=form), compiler_options=_FAST_COMPILE)
   o, whole = call(q, k, v, log_forget, state=state)
   first, second = slice(0, 21), slice(21, None)  # both pieces end in a partial chunk
   o1, mid = call(q[:, first], k[:, first], v[:, first], log_forget[:, first], state=state)
@@ -118,22 +134,25 @@ def test_pallas_two_pieces_with_state_equal_whole():
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("form,kernels", [("split", 4), ("fused", 2)])
 @pytest.mark.parametrize("gate_shape", ["head", "channel"])
-def test_kernels_lower_to_triton_for_an_h200_with_bfloat16_inputs(gate_shape):
+def test_kernels_lower_to_triton_for_an_h200_with_bfloat16_inputs(gate_shape, form, kernels):
   """Forward and backward kernels pass the Pallas Triton lowering (power-of-two blocks, supported
-  primitives) for an abstract H200, with head and value dims that need padding."""
+  primitives) for an abstract H200, with head and value dims that need padding. The split form
+  has two forward kernels (chunk writes, outputs) and two backward ones (writes and the reads'
+  gradient, then dq/dk/dv); the fused form one of each."""
   B, T, H, K, V = 1, 40, 2, 24, 40
   bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   gate = jax.ShapeDtypeStruct((B, T, H) if gate_shape == "head" else (B, T, H, K), jnp.float32)
 
   def loss(q, k, v, log_forget):
     o, new = pallas.gated_linear_attention_pallas(q, k, v, log_forget, chunk_size=32,
-                                                  interpret=False)
+                                                  interpret=False, form=form)
     return o.astype(jnp.float32).sum() + new.S.sum()
 
   lowered = pallas_utils.lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2, 3)), bf16(B, T, H, K),
                                        bf16(B, T, H, K), bf16(B, T, H, V), gate)
-  assert lowered.as_text().count("xla.gpu.triton") == 2  # one forward, one backward kernel
+  assert lowered.as_text().count("xla.gpu.triton") == kernels
 
 
 def test_compiling_off_gpu_and_bad_chunk_sizes_raise_clear_errors():
@@ -142,3 +161,5 @@ def test_compiling_off_gpu_and_bad_chunk_sizes_raise_clear_errors():
     pallas.gated_linear_attention_pallas(q, k, v, log_forget, interpret=False)
   with pytest.raises(ValueError, match="power of two"):
     pallas.gated_linear_attention_pallas(q, k, v, log_forget, chunk_size=24)
+  with pytest.raises(ValueError, match="valid: split, fused"):
+    pallas.gated_linear_attention_pallas(q, k, v, log_forget, form="three-phase")

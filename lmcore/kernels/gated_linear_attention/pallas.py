@@ -1,14 +1,23 @@
 """Pallas (Triton lowering) kernels for chunked gated linear attention (SPEC §3, §4), custom VJP.
 
-The function is xla.py's, per head, with b the chunk-local cumulative log gate (fp32)::
+The function is xla.py's, per head, with b the chunk-local cumulative log gate (fp32) and a_n =
+exp(b_C) the decay over chunk n (b_C its total log gate)::
 
     o_i     = scale * [(q_i ⊙ exp(b_i)) S_n  +  sum_{j<=i} (sum_k q_ik k_jk exp(b_ik - b_jk)) v_j]
-    S_{n+1} = diag(exp(b_C)) S_n + sum_j (k_j ⊙ exp(b_C - b_j)) v_jᵀ
+    S_{n+1} = diag(a_n) S_n + W_n,     W_n = sum_j (k_j ⊙ exp(b_C - b_j)) v_jᵀ
 
-One program per (batch, head, value tile) walks all chunks with ``lax.fori_loop`` and keeps the
-fp32 state tile [K, BV] in registers (FLA's "fused chunk" form): GPU programs run in parallel, so
-the chunk-to-chunk recurrence must live inside one program, and no per-chunk state ever reaches
-HBM. A scalar gate per head makes the intra-chunk scores one matmul times a decay matrix; a
+Two forms compute it (``form=``; the same per-chunk math, shared below):
+
+* ``split`` (default; FLA's "chunk" form), three phases: (1) a kernel over (batch, head, chunk,
+  value tile) writes every chunk's W_n [K, V] (fp32) to HBM; (2) XLA runs the recurrence above for
+  all chunks by an associative scan over N (log-depth: N K V multiply-adds per level); (3) a kernel
+  over the same grid computes each chunk's outputs from S_n and its intra-chunk block. Every chunk
+  runs in parallel, so the GPU fills even at small batch x heads.
+* ``fused`` (FLA's "fused chunk" form): one program per (batch, head, value tile) walks all chunks
+  with ``lax.fori_loop``, the fp32 state tile [K, BV] in registers; no per-chunk state reaches HBM,
+  but only batch x heads x value tiles programs run.
+
+A scalar gate per head makes the intra-chunk scores one matmul times a decay matrix; a
 per-key-channel gate uses secondary chunking (sub-chunks of ``SUB_CHUNK`` tokens): blocks below
 the diagonal are a matmul of q ⊙ exp(b - r) and k ⊙ exp(r - b) around the query sub-chunk's
 anchor r = b just before it (both exponents <= 0), diagonal blocks exact elementwise fp32 sums.
@@ -16,15 +25,19 @@ Every exponent is <= 0 for gates <= 0, and masked entries are set to -inf *befor
 
 Packed documents (``doc_BxT``, non-decreasing per row, as ``api.document_index`` makes them) are
 honoured by masks inside the kernels: a token reads the carried state only while in the document
-the state belongs to, and a chunk hands on only its last document's writes.
+the state belongs to, and a chunk hands on only its last document's writes (a_n = 0 when a document
+starts inside chunk n).
 
-Backward (``jax.custom_vjp``): the forward saves its inputs and the final state only. One kernel
-recomputes the chunk states in a forward sweep to get dq, then walks the chunks in reverse carrying
-dS to get dk, dv and dS_0. The gate gradient needs no kernel: with B the cumulative log gate, the
-output depends on B only through q ⊙ exp(B), k ⊙ exp(-B) and the final state's exp(B_T), so
-dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ S_T ⊙ dS_T summed over values at t = T) and dg is the
-reverse cumulative sum of dB. With several value tiles each program returns partial dq, dk (sums
-over values) that are added outside.
+Backward (``jax.custom_vjp``): the forward saves only its inputs (and, fused, the final state);
+the chunk states are recomputed. With R_n = sum_i (q_i ⊙ exp(b_i)) do_iᵀ over the tokens reading
+S_n, the state gradients follow dS_N = dL/dS_T, dS_n = diag(a_n) dS_{n+1} + R_n. Split: one kernel
+writes W_n and R_n per chunk, two associative scans give every S_n and dS_n, and one kernel per
+chunk computes dq (from S_n), dk and dv (from dS_{n+1}). Fused: one kernel recomputes the states in
+a forward sweep for dq, then walks the chunks in reverse carrying dS for dk, dv and dS_0. The gate
+gradient needs no kernel: with B the cumulative log gate, the output depends on B only through
+q ⊙ exp(B), k ⊙ exp(-B) and the final state's exp(B_T), so dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t
+(+ S_T ⊙ dS_T summed over values at t = T) and dg is the reverse cumulative sum of dB. With several
+value tiles each program returns partial dq, dk (sums over values) that are added outside.
 """
 
 from __future__ import annotations
@@ -40,6 +53,7 @@ from lmcore.kernels import pallas_utils as pu
 from lmcore.kernels.gated_linear_attention import api
 
 SUB_CHUNK = 16
+FORMS = ("split", "fused")
 _F32 = jnp.float32
 
 
@@ -72,7 +86,10 @@ class _Sub(NamedTuple):
 
 
 def _load_chunk(n, refs, cfg: KernelConfig, do_ref=None):
-  """Sub-chunks of chunk ``n``, the chunk's total log gate [1, G] and its last document."""
+  """Sub-chunks of chunk ``n``, the chunk's total log gate [1, G] and its last document.
+
+  ``refs`` is (q, k, v, g, doc); a None q ref leaves ``_Sub.q`` None (kernels that never read q).
+  """
   q_ref, k_ref, v_ref, g_ref, doc_ref = refs
   C, c = cfg.chunk, cfg.sub_chunk
   anchor = jnp.zeros((1, g_ref.shape[-1]), _F32)
@@ -83,7 +100,8 @@ def _load_chunk(n, refs, cfg: KernelConfig, do_ref=None):
     do = None
     if do_ref is not None:
       do = (cfg.scale * pu.rows(do_ref, start, c)).astype(v_ref.dtype)
-    subs.append(_Sub(pu.rows(q_ref, start, c), pu.rows(k_ref, start, c), pu.rows(v_ref, start, c),
+    q = None if q_ref is None else pu.rows(q_ref, start, c)
+    subs.append(_Sub(q, pu.rows(k_ref, start, c), pu.rows(v_ref, start, c),
                      anchor + jnp.cumsum(g, axis=0), anchor, pu.rows(doc_ref, start, c), do))
     anchor = anchor + jnp.sum(g, axis=0, keepdims=True)
   last_doc = functools.reduce(jnp.maximum, [jnp.max(s.doc) for s in subs])
@@ -145,33 +163,31 @@ def _k_to_end(x: _Sub, b_end, last_doc):
   return jnp.where(writes, x.k.astype(_F32) * jnp.exp(b_end - x.b), 0.0).astype(x.k.dtype)
 
 
-def _advance(S, subs, b_end, state_doc, last_doc):
-  """The state after the chunk: decay (or reset at a new document), then add its last writes."""
-  S = jnp.where(last_doc == state_doc, _col(jnp.exp(b_end)) * S, 0.0)
-  for x in subs:
-    S = S + pu.dot(_k_to_end(x, b_end, last_doc), x.v, trans_a=True)
-  return S
+def _writes(subs, b_end, last_doc):
+  """What a chunk adds to the state, sum_j (k_j ⊙ exp(b_C - b_j)) v_jᵀ over its last document:
+  fp32 [K, BV]."""
+  return sum(pu.dot(_k_to_end(x, b_end, last_doc), x.v, trans_a=True) for x in subs)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, S0_ref, o_ref, S_ref, *, cfg):
-  refs = (q_ref, k_ref, v_ref, g_ref, doc_ref)
-  dt = v_ref.dtype
+def _reads_grad(subs, state_doc):
+  """The chunk's own share of dL/dS_n (S_n: the state at its start), sum_i (q_i ⊙ exp(b_i)) do_iᵀ
+  over the tokens that read S_n, with do already scaled: fp32 [K, BV]."""
+  return sum(pu.dot(_q_from_state(x, state_doc), x.do, trans_a=True) for x in subs)
 
-  def chunk(n, carry):
-    S, state_doc = carry
-    subs, b_end, last_doc = _load_chunk(n, refs, cfg)
-    for i, x in enumerate(subs):
-      o = pu.dot(_q_from_state(x, state_doc), S.astype(dt))
-      for y in subs[:i]:
-        o += pu.dot(_off_scores(x, y).astype(dt), y.v)
-      decay = _diag_decay(x, _visible(x.doc, x.doc, True))
-      o += pu.dot(_diag_scores(x, decay).astype(dt), x.v)
-      pu.store_rows(o_ref, n * cfg.chunk + i * cfg.sub_chunk, cfg.scale * o)
-    return _advance(S, subs, b_end, state_doc, last_doc), last_doc
 
-  first_doc = jnp.min(pu.rows(doc_ref, 0, cfg.chunk))
-  S, _ = jax.lax.fori_loop(0, q_ref.shape[0] // cfg.chunk, chunk, (S0_ref[...], first_doc))
-  S_ref[...] = S
+def _chunk_outputs(subs, S, state_doc):
+  """Unscaled outputs [c, BV] fp32 per sub-chunk: the read of S (the state at the chunk start)
+  plus the intra-chunk block."""
+  dt = subs[0].v.dtype
+  out = []
+  for i, x in enumerate(subs):
+    o = pu.dot(_q_from_state(x, state_doc), S.astype(dt))
+    for y in subs[:i]:
+      o += pu.dot(_off_scores(x, y).astype(dt), y.v)
+    decay = _diag_decay(x, _visible(x.doc, x.doc, True))
+    o += pu.dot(_diag_scores(x, decay).astype(dt), x.v)
+    out.append(o)
+  return out
 
 
 def _dq_chunk(subs, S, state_doc):
@@ -223,6 +239,55 @@ def _dkv_chunk(subs, dS, b_end, last_doc):
   return out
 
 
+def _call(kernel, cfg, grid, in_specs, out_specs, out_shape, *args):
+  return pl.pallas_call(
+      functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs, out_specs=out_specs,
+      out_shape=out_shape, interpret=cfg.interpret,
+      compiler_params=pu.compiler_params(cfg.interpret, cfg.num_warps, cfg.num_stages))(*args)
+
+
+def _input_grads(q, k, v, g, kernel_grads, S_end, dS_end):
+  """The VJP's cotangents from the kernels' dq, dk (partial sums per value tile), dv and dS_0."""
+  dq, dk, dv, dS0 = kernel_grads
+  dq, dk = dq.sum(0), dk.sum(0)
+  dg = _gate_grad(q, k, dq, dk, S_end, dS_end, g.shape[-1])
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg, None, dS0)
+
+
+def _gate_grad(q, k, dq, dk, S_end, dS_end, G):
+  """dg: reverse cumsum over time of dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ the final state term)."""
+  dB_BxTxHxK = q.astype(_F32) * dq - k.astype(_F32) * dk
+  final_BxHxK = jnp.sum(S_end * dS_end.astype(_F32), axis=-1)
+  dB_BxTxHxK = dB_BxTxHxK.at[:, -1].add(final_BxHxK)
+  if G == 1:
+    dB_BxTxHxK = jnp.sum(dB_BxTxHxK, axis=-1, keepdims=True)
+  return jnp.flip(jnp.cumsum(jnp.flip(dB_BxTxHxK, 1), axis=1), 1)
+
+
+# The fused form: one program per (batch, head, value tile) walks all chunks.
+
+
+def _advance(S, subs, b_end, state_doc, last_doc):
+  """The state after the chunk: decay (or reset at a new document), then add its last writes."""
+  S = jnp.where(last_doc == state_doc, _col(jnp.exp(b_end)) * S, 0.0)
+  return S + _writes(subs, b_end, last_doc)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, S0_ref, o_ref, S_ref, *, cfg):
+  refs = (q_ref, k_ref, v_ref, g_ref, doc_ref)
+
+  def chunk(n, carry):
+    S, state_doc = carry
+    subs, b_end, last_doc = _load_chunk(n, refs, cfg)
+    for i, o in enumerate(_chunk_outputs(subs, S, state_doc)):
+      pu.store_rows(o_ref, n * cfg.chunk + i * cfg.sub_chunk, cfg.scale * o)
+    return _advance(S, subs, b_end, state_doc, last_doc), last_doc
+
+  first_doc = jnp.min(pu.rows(doc_ref, 0, cfg.chunk))
+  S, _ = jax.lax.fori_loop(0, q_ref.shape[0] // cfg.chunk, chunk, (S0_ref[...], first_doc))
+  S_ref[...] = S
+
+
 def _backward_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, S0_ref, do_ref, dST_ref,
                      dq_ref, dk_ref, dv_ref, dS0_ref, *, cfg):
   refs = (q_ref, k_ref, v_ref, g_ref, doc_ref)
@@ -248,9 +313,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, S0_ref, do_ref, dST_re
       pu.store_rows(dk_ref, n * C + j * c, dk)
       pu.store_rows(dv_ref, n * C + j * c, dv)
     dS = jnp.where(last_doc == state_doc, _col(jnp.exp(b_end)) * dS, 0.0)
-    for x in subs:
-      dS += pu.dot(_q_from_state(x, state_doc), x.do, trans_a=True)
-    return dS
+    return dS + _reads_grad(subs, state_doc)
 
   dS0_ref[...] = jax.lax.fori_loop(0, n_chunks, reverse_sweep, dST_ref[...])
 
@@ -263,13 +326,6 @@ def _specs(Tp, K, G, cfg):
   state = pl.BlockSpec((None, None, K, cfg.block_v), lambda b, h, j: (b, h, 0, j))
   partial = pl.BlockSpec((None, None, Tp, None, K), lambda b, h, j: (j, b, 0, h, 0))
   return dict(q=seq(K), g=seq(G), v=vals, doc=doc, state=state, partial=partial)
-
-
-def _call(kernel, cfg, grid, in_specs, out_specs, out_shape, *args):
-  return pl.pallas_call(
-      functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs, out_specs=out_specs,
-      out_shape=out_shape, interpret=cfg.interpret,
-      compiler_params=pu.compiler_params(cfg.interpret, cfg.num_warps, cfg.num_stages))(*args)
 
 
 def _forward(q, k, v, g, doc, S0, cfg):
@@ -307,38 +363,190 @@ def _fused_bwd(cfg, residuals, cotangents):
       [s["q"], s["q"], s["v"], s["g"], s["doc"], s["state"], s["v"], s["state"]],
       [s["partial"], s["partial"], s["v"], s["state"]], out_shape,
       q, k, v, g, doc, S0, do.astype(_F32), dS_end.astype(_F32))
-  dq, dk = dq.sum(0), dk.sum(0)
-  dg = _gate_grad(q, k, dq, dk, S_end, dS_end, g.shape[-1])
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg, None, dS0)
-
-
-def _gate_grad(q, k, dq, dk, S_end, dS_end, G):
-  """dg: reverse cumsum over time of dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ the final state term)."""
-  dB_BxTxHxK = q.astype(_F32) * dq - k.astype(_F32) * dk
-  final_BxHxK = jnp.sum(S_end * dS_end.astype(_F32), axis=-1)
-  dB_BxTxHxK = dB_BxTxHxK.at[:, -1].add(final_BxHxK)
-  if G == 1:
-    dB_BxTxHxK = jnp.sum(dB_BxTxHxK, axis=-1, keepdims=True)
-  return jnp.flip(jnp.cumsum(jnp.flip(dB_BxTxHxK, 1), axis=1), 1)
+  return _input_grads(q, k, v, g, (dq, dk, dv, dS0), S_end, dS_end)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
+# The split form: per-chunk kernels over (batch, head, chunk, value tile), an XLA scan between them.
+
+
+def _state_doc(doc_ref, prev_doc_ref):
+  """The document of the state entering this program's chunk (grid axis 2): the previous chunk's
+  last document, or the first token's for chunk 0."""
+  n = pl.program_id(2)
+  return jnp.where(n > 0, jnp.max(prev_doc_ref[...]), jnp.min(doc_ref[...]))
+
+
+def _writes_kernel(k_ref, v_ref, g_ref, doc_ref, W_ref, *, cfg):
+  """Phase 1: W_n, what chunk n adds to the state ([K, BV] fp32)."""
+  subs, b_end, last_doc = _load_chunk(0, (None, k_ref, v_ref, g_ref, doc_ref), cfg)
+  W_ref[...] = _writes(subs, b_end, last_doc)
+
+
+def _outputs_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, prev_doc_ref, S_ref, o_ref, *, cfg):
+  """Phase 3: chunk n's outputs from S_n (the state at its start) and its intra-chunk block."""
+  subs, _, _ = _load_chunk(0, (q_ref, k_ref, v_ref, g_ref, doc_ref), cfg)
+  for i, o in enumerate(_chunk_outputs(subs, S_ref[...], _state_doc(doc_ref, prev_doc_ref))):
+    pu.store_rows(o_ref, i * cfg.sub_chunk, cfg.scale * o)
+
+
+def _writes_and_reads_grad_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, prev_doc_ref, do_ref,
+                                  W_ref, R_ref, *, cfg):
+  """Backward phase 1: W_n again (the forward states are recomputed, not saved) and R_n, chunk
+  n's own share of dL/dS_n."""
+  subs, b_end, last_doc = _load_chunk(0, (q_ref, k_ref, v_ref, g_ref, doc_ref), cfg, do_ref)
+  W_ref[...] = _writes(subs, b_end, last_doc)
+  R_ref[...] = _reads_grad(subs, _state_doc(doc_ref, prev_doc_ref))
+
+
+def _grads_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, prev_doc_ref, do_ref, S_ref, dS_ref,
+                  dq_ref, dk_ref, dv_ref, *, cfg):
+  """Backward phase 3: dq of chunk n from S_n, dk and dv from dS_{n+1} (the gradient of the state
+  after it), both with the intra-chunk terms."""
+  subs, b_end, last_doc = _load_chunk(0, (q_ref, k_ref, v_ref, g_ref, doc_ref), cfg, do_ref)
+  c = cfg.sub_chunk
+  for i, dq in enumerate(_dq_chunk(subs, S_ref[...], _state_doc(doc_ref, prev_doc_ref))):
+    pu.store_rows(dq_ref, i * c, dq)
+  for j, (dk, dv) in enumerate(_dkv_chunk(subs, dS_ref[...], b_end, last_doc)):
+    pu.store_rows(dk_ref, j * c, dk)
+    pu.store_rows(dv_ref, j * c, dv)
+
+
+def _chunk_specs(K, G, cfg):
+  """BlockSpecs over the grid (batch, head, chunk, value tile): one chunk of rows, one value tile.
+
+  ``prev_doc`` is the previous chunk's document ids (chunk 0's own for chunk 0); ``state`` one
+  chunk's [K, BV] tile of a [B, H, N, K, V] stack of per-chunk states.
+  """
+  C, BV = cfg.chunk, cfg.block_v
+  rows = lambda width: pl.BlockSpec((None, C, None, width), lambda b, h, n, j: (b, n, h, 0))
+  return dict(
+      q=rows(K), g=rows(G),
+      v=pl.BlockSpec((None, C, None, BV), lambda b, h, n, j: (b, n, h, j)),
+      doc=pl.BlockSpec((None, C), lambda b, h, n, j: (b, n)),
+      prev_doc=pl.BlockSpec((None, C), lambda b, h, n, j: (b, jnp.maximum(n - 1, 0))),
+      state=pl.BlockSpec((None, None, None, K, BV), lambda b, h, n, j: (b, h, n, 0, j)),
+      partial=pl.BlockSpec((None, None, C, None, K), lambda b, h, n, j: (j, b, n, h, 0)))
+
+
+def _chunk_decays(g, doc, C):
+  """a_n = exp(sum of g over chunk n) per gate channel, 0 where a document starts inside chunk n
+  (the state is reset there): [B, H, N, G, 1] fp32, to scale the rows of [K, V] states."""
+  B, Tp, H, G = g.shape
+  N = Tp // C
+  total_BxNxHxG = g.reshape(B, N, C, H, G).sum(axis=2)
+  doc_BxNxC = doc.reshape(B, N, C)
+  state_doc_BxN = jnp.concatenate([doc_BxNxC[:, :1, 0], doc_BxNxC[:, :-1, -1]], axis=1)
+  keeps_BxN = doc_BxNxC[:, :, -1] == state_doc_BxN
+  decay_BxNxHxG = jnp.where(keeps_BxN[:, :, None, None], jnp.exp(total_BxNxHxG), 0.0)
+  return jnp.moveaxis(decay_BxNxHxG, 1, 2)[..., None]
+
+
+def _compose(first, then):
+  """The affine map x -> a x + s of ``first`` followed by that of ``then`` (an associative op)."""
+  (a1, s1), (a2, s2) = first, then
+  return a1 * a2, a2 * s1 + s2
+
+
+def _scan_states(decay_BxHxNxGx1, x_BxHxNxKxV, edge_BxHxKxV, *, reverse: bool):
+  """Phase 2, the inter-chunk recurrence for every chunk at once (associative scan over N).
+
+  Forward: S_0 = edge, S_{n+1} = a_n S_n + x_n (x = the chunks' writes W); reverse: dS_N = edge,
+  dS_n = a_n dS_{n+1} + x_n (x = the chunks' reads' gradients R). Returns the N + 1 states
+  [B, H, N + 1, K, V]: before every chunk and after the last. The edge enters the scan as one more
+  map x -> edge, first in the direction of the recurrence.
+  """
+  edge = (jnp.ones_like(decay_BxHxNxGx1[:, :, :1]), edge_BxHxKxV[:, :, None])
+  maps = [edge, (decay_BxHxNxGx1, x_BxHxNxKxV)]
+  if reverse:
+    maps.reverse()
+  a, s = (jnp.concatenate(parts, axis=2) for parts in zip(*maps))
+  _, states = jax.lax.associative_scan(_compose, (a, s), reverse=reverse, axis=2)
+  return states
+
+
+def _chunk_grid(q, v, cfg):
+  B, Tp, H, _ = q.shape
+  return (B, H, Tp // cfg.chunk, v.shape[-1] // cfg.block_v)
+
+
+def _split_forward(q, k, v, g, doc, S0, cfg):
+  """(o [B, Tp, H, V], S_N [B, H, K, V]), fp32, by phases 1 to 3 (``states``: [B, H, N + 1, K, V],
+  the state before every chunk and after the last)."""
+  B, Tp, H, K = q.shape
+  grid = _chunk_grid(q, v, cfg)
+  s = _chunk_specs(K, g.shape[-1], cfg)
+  per_chunk = jax.ShapeDtypeStruct((B, H, grid[2], K, v.shape[-1]), _F32)
+  W_BxHxNxKxV = _call(_writes_kernel, cfg, grid, [s["q"], s["v"], s["g"], s["doc"]], s["state"],
+                      per_chunk, k, v, g, doc)
+  states = _scan_states(_chunk_decays(g, doc, cfg.chunk), W_BxHxNxKxV, S0, reverse=False)
+  o = _call(_outputs_kernel, cfg, grid,
+            [s["q"], s["q"], s["v"], s["g"], s["doc"], s["prev_doc"], s["state"]], s["v"],
+            jax.ShapeDtypeStruct((B, Tp, H, v.shape[-1]), _F32),
+            q, k, v, g, doc, doc, states[:, :, :-1])
+  return o, states[:, :, -1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _split(q, k, v, g, doc, S0, cfg):
+  return _split_forward(q, k, v, g, doc, S0, cfg)
+
+
+def _split_fwd(q, k, v, g, doc, S0, cfg):
+  return _split_forward(q, k, v, g, doc, S0, cfg), (q, k, v, g, doc, S0)
+
+
+def _split_bwd(cfg, residuals, cotangents):
+  """Recomputes the states S_n (phases 1 and 2), scans the gradients dS_n in reverse, then takes
+  dq, dk, dv of every chunk in parallel."""
+  q, k, v, g, doc, S0 = residuals
+  do, dS_end = (x.astype(_F32) for x in cotangents)
+  B, Tp, H, K = q.shape
+  V = v.shape[-1]
+  grid = _chunk_grid(q, v, cfg)
+  s = _chunk_specs(K, g.shape[-1], cfg)
+  per_chunk = jax.ShapeDtypeStruct((B, H, grid[2], K, V), _F32)
+  W_BxHxNxKxV, R_BxHxNxKxV = _call(
+      _writes_and_reads_grad_kernel, cfg, grid,
+      [s["q"], s["q"], s["v"], s["g"], s["doc"], s["prev_doc"], s["v"]], [s["state"], s["state"]],
+      (per_chunk, per_chunk), q, k, v, g, doc, doc, do)
+  decay = _chunk_decays(g, doc, cfg.chunk)
+  states = _scan_states(decay, W_BxHxNxKxV, S0, reverse=False)
+  dstates = _scan_states(decay, R_BxHxNxKxV, dS_end, reverse=True)
+  partial = jax.ShapeDtypeStruct((grid[3], B, Tp, H, K), _F32)
+  dq, dk, dv = _call(
+      _grads_kernel, cfg, grid,
+      [s["q"], s["q"], s["v"], s["g"], s["doc"], s["prev_doc"], s["v"], s["state"], s["state"]],
+      [s["partial"], s["partial"], s["v"]],
+      (partial, partial, jax.ShapeDtypeStruct((B, Tp, H, V), _F32)),
+      q, k, v, g, doc, doc, do, states[:, :, :-1], dstates[:, :, 1:])
+  return _input_grads(q, k, v, g, (dq, dk, dv, dstates[:, :, 0]), states[:, :, -1], dS_end)
+
+
+_split.defvjp(_split_fwd, _split_bwd)
+
+
 def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: float, doc_BxT,
-            chunk_size: int = 64, interpret: bool | None = None, block_v: int = 64,
-            sub_chunk: int = SUB_CHUNK, num_warps: int = 4, num_stages: int = 2):
+            chunk_size: int = 64, interpret: bool | None = None, form: str = "split",
+            block_v: int = 64, sub_chunk: int = SUB_CHUNK, num_warps: int = 4,
+            num_stages: int = 2):
   """The Pallas backend with xla.chunked's contract: (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32).
 
   Pads T to whole chunks and K, V to power-of-two blocks (zeros: they leave state and outputs
   unchanged), runs the kernels and slices the padding off; G = 1 (scalar gate) or K (per channel).
-  ``block_v``, ``sub_chunk`` (per-channel gates only), ``num_warps`` and ``num_stages`` are GPU
-  tuning knobs; compiled kernels need chunk, sub-chunk and blocks of at least 16.
+  ``form`` is one of ``FORMS`` (see the module docstring). ``block_v``, ``sub_chunk`` (per-channel
+  gates only), ``num_warps`` and ``num_stages`` are GPU tuning knobs; compiled kernels need chunk,
+  sub-chunk and blocks of at least 16.
   """
   interpret = pu.resolve_interpret(interpret)
   pu.check_backend(interpret, "gated_linear_attention", "implementation='chunked' (XLA)")
   if chunk_size < 1 or chunk_size & (chunk_size - 1):
     raise ValueError(f"gated_linear_attention: chunk_size must be a power of two, got {chunk_size}")
+  if form not in FORMS:
+    raise ValueError(f"gated_linear_attention: unknown Pallas form {form!r}; valid: "
+                     f"{', '.join(FORMS)}")
   B, T, H, K = q_BxTxHxK.shape
   V, G = v_BxTxHxV.shape[-1], g_BxTxHxG.shape[-1]
   C = max(chunk_size, 1 if interpret else pu.MIN_DOT)
@@ -355,7 +563,7 @@ def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: fl
   g = pad(g_BxTxHxG.astype(_F32), {1: Tp, 3: Kp if per_channel else 1})
   doc = pu.pad_axis(doc_BxT.astype(jnp.int32), 1, Tp, mode="edge")
   S0 = pad(S0_BxHxKxV.astype(_F32), {2: Kp, 3: Vp})
-  o, S = _fused(q, k, v, g, doc, S0, cfg)
+  o, S = {"split": _split, "fused": _fused}[form](q, k, v, g, doc, S0, cfg)
   return o[:, :T, :, :V], S[:, :, :K, :V]
 
 
@@ -364,11 +572,13 @@ def gated_linear_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array,
                                   state: api.LinearAttentionState | None = None,
                                   chunk_size: int = 64, normalize: bool = False, eps: float = 1e-6,
                                   scale: float = 1.0, segment_ids: jax.Array | None = None,
-                                  interpret: bool | None = None, **tuning
+                                  interpret: bool | None = None, form: str = "split", **tuning
                                   ) -> tuple[jax.Array, api.LinearAttentionState]:
   """``api.gated_linear_attention`` computed by the Pallas kernels; same arguments and results.
 
-  ``tuning`` passes ``block_v``, ``sub_chunk``, ``num_warps``, ``num_stages`` to ``chunked``.
+  ``form``: "split" (three phases, chunk-parallel) or "fused" (one program per batch, head and
+  value tile walks all chunks); see the module docstring. ``tuning`` passes ``block_v``,
+  ``sub_chunk``, ``num_warps``, ``num_stages`` to ``chunked``.
   Normalisation appends a ones column to v, as api.py does (the state's last column is then z).
   """
   api._check_shapes(q, k, v, log_forget, state, segment_ids)
@@ -384,7 +594,7 @@ def gated_linear_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array,
     v = jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)
     S0 = jnp.concatenate([S0, state.z.astype(_F32)[..., None]], axis=-1)
   o, S = chunked(q, k, v, g, S0, scale=scale, doc_BxT=doc, chunk_size=chunk_size,
-                 interpret=interpret, **tuning)
+                 interpret=interpret, form=form, **tuning)
   if not normalize:
     return o.astype(q.dtype), api.LinearAttentionState(S, jnp.zeros_like(state.z, _F32))
   o = o[..., :V] / (o[..., V:] + eps)
