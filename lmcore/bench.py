@@ -126,22 +126,23 @@ def gated_cases(batch, length, dtype):
   def op(impl):
     return lambda q, k, v, g: gated_linear_attention(q, k, v, g, implementation=impl, chunk_size=CHUNK)[0]
 
-  cases = {"pallas": _gated_pallas(), "chunked (xla)": op("chunked")}
+  cases = {"pallas (split)": _gated_pallas("split"), "pallas (fused)": _gated_pallas("fused"),
+           "chunked (xla)": op("chunked")}
   if batch * HEADS * length * length <= PARALLEL_MAX_SCORES // 4:  # per-channel gates: K-wide scores
     cases["parallel (reference)"] = op("parallel")
-  flops = {"pallas": chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM),
-           "chunked (xla)": chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM),
-           "parallel (reference)": parallel_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM)}
+  flops = {name: chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM)
+           for name in ("pallas (split)", "pallas (fused)", "chunked (xla)")}
+  flops["parallel (reference)"] = parallel_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM)
   return args, cases, flops
 
 
-def _gated_pallas():
+def _gated_pallas(form: str):
   try:
     from lmcore.kernels.gated_linear_attention.pallas import gated_linear_attention_pallas
   except ImportError as e:
     return f"unavailable: {e}"
   return lambda q, k, v, g: gated_linear_attention_pallas(q, k, v, g, state=None, chunk_size=CHUNK,
-                                                          normalize=False)[0]
+                                                          normalize=False, form=form)[0]
 
 
 def taylor_cases(batch, length, dtype):
