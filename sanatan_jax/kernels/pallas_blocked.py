@@ -1,10 +1,10 @@
-"""Pallas (Triton lowering) blocked, flash-style kernels for SANATAN at any power p (SPEC §1.1 step 6).
+"""Pallas (Triton lowering) blocked, flash-style SANATAN kernels for any power p (SPEC §1.1 step 6).
 
 Per head, with Phi the feature map of SPEC §1.1 (6, 4 or 3 channels) computed *inside* the kernels
 from raw q, k blocks (pallas_p1's feature channels), the function of attention.py's ``parallel``
 and ``blocked`` forms::
 
-    w_tj = [j <= t, same run] ((s_tj + shift) / c)^p,   s_tj = Phi(q_t) · Phi(k_j)  (4ch: max(s, 0)),
+    w_tj = [j <= t, same run] ((s_tj + shift) / c)^p,  s_tj = Phi(q_t) · Phi(k_j)  (4ch: max(s, 0)),
     N_t = sum_j w_tj v_j,   D_t = sum_j w_tj,   o_t = N_t / (D_t + eps).
 
 p >= 2 has no recurrence, so the sums are taken block by block as in flash attention, but without
@@ -20,11 +20,13 @@ The constant channel Phi_a = 1 adds exactly d to the score of every pair of real
 added as a number, not a dot (1/6 of the score work at 6 channels). Pairs with a padded token are
 masked, since time padding sits after every real token.
 
-Backward (``jax.custom_vjp``): the forward saves its inputs, o (in v's dtype) and D per token (fp32).
-With dN = do / (D + eps) and dD = -(do · o) / (D + eps) (outside the kernels), dw_tj = dN_t · v_j +
-dD_t, and ds_tj comes from ``jax.vjp`` of the same weight function inside the kernel. Two kernels:
+Backward (``jax.custom_vjp``): the forward saves its inputs, o (in v's dtype) and D per token
+(fp32). With dN = do / (D + eps) and dD = -(do · o) / (D + eps) (outside the kernels),
+dw_tj = dN_t · v_j + dD_t, and ds_tj comes from ``jax.vjp`` of the same weight function inside the
+kernel. Two kernels:
 
-* key blocks, grid (key block, batch, head), looping over the query blocks that can see the block:
+* key blocks, grid (key block, batch, head; block 0, which every query sees, first), looping over
+  the query blocks that can see the block:
   dv_j = sum_t w_tj dN_t and d Phi(k_j) = sum_t ds_tj Phi(q_t), chained through the feature map
   (``jax.vjp``) into dk and per-program partial d omega, d lam_raw;
 * query blocks, grid (query block, batch, head), looping over key blocks j <= its block:
@@ -106,7 +108,7 @@ def _load(refs, params, start, size: int, cfg: KernelConfig, with_vjp: bool = Fa
 
 
 def _scores(query: _Block, key: _Block, cfg: KernelConfig):
-  """s_tj = Phi(q_t) · Phi(k_j), fp32 [BQ, BK]: d for the constant channel plus one dot per other."""
+  """s_tj = Phi(q_t) · Phi(k_j), fp32 [BQ, BK]: d for the constant channel, a dot for each other."""
   return float(cfg.head_dim) + sum(pu.dot(a, b, trans_b=True) for a, b in zip(query.phi, key.phi))
 
 
@@ -226,7 +228,7 @@ def _call(kernel, cfg, grid, in_specs, out_specs, out_shape, *args):
       compiler_params=pu.compiler_params(cfg.interpret, cfg.num_warps, cfg.num_stages))(*args)
 
 
-def _inputs_specs(s):
+def _input_specs(s):
   return [s["qk"], s["qk"], s["v"], s["row"], s["row"], s["param"], s["param"]]
 
 
@@ -235,7 +237,7 @@ def _forward(q, k, v, pos, run, omega, lam_raw, cfg):
   B, Tp, H, dp = q.shape
   s = _specs(Tp, dp, v.shape[-1], cfg.block_q, reverse=True)
   out_shape = (jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((B, Tp, H), _F32))
-  return _call(_forward_kernel, cfg, (Tp // cfg.block_q, B, H), _inputs_specs(s),
+  return _call(_forward_kernel, cfg, (Tp // cfg.block_q, B, H), _input_specs(s),
                [s["block_v"], s["block_token"]], out_shape, q, k, v, pos, run, omega, lam_raw)
 
 
@@ -263,12 +265,12 @@ def _fused_bwd(cfg, residuals, do):
 
   s = _specs(Tp, dp, Vp, cfg.block_q, reverse=True)
   dq, d_omega_q, d_lam_q = _call(
-      _dq_kernel, cfg, (Tp // cfg.block_q, B, H), _inputs_specs(s) + [s["v"], s["token"]],
+      _dq_kernel, cfg, (Tp // cfg.block_q, B, H), _input_specs(s) + [s["v"], s["token"]],
       [s["block_qk"], s["partial"], s["partial"]],
       (rows(dp), partial(cfg.block_q), partial(cfg.block_q)), *args)
   s = _specs(Tp, dp, Vp, cfg.block_k, reverse=False)
   dk, dv, d_omega_k, d_lam_k = _call(
-      _dkv_kernel, cfg, (Tp // cfg.block_k, B, H), _inputs_specs(s) + [s["v"], s["token"]],
+      _dkv_kernel, cfg, (Tp // cfg.block_k, B, H), _input_specs(s) + [s["v"], s["token"]],
       [s["block_qk"], s["block_v"], s["partial"], s["partial"]],
       (rows(dp), rows(Vp), partial(cfg.block_k), partial(cfg.block_k)), *args)
   d_omega = d_omega_q.sum((0, 2)) + d_omega_k.sum((0, 2))
@@ -314,7 +316,8 @@ def sanatan_blocked_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.
     o [B, T, H, dv] in v's dtype.
   """
   interpret = pu.resolve_interpret(interpret)
-  pu.check_backend(interpret, "sanatan_blocked_pallas", "sanatan_attention(implementation='blocked')")
+  pu.check_backend(interpret, "sanatan_blocked_pallas",
+                   "sanatan_attention(implementation='blocked')")
   _check_options(p, channels, three_channel, block_q, block_k)
   B, T, H, d = q.shape
   V = v.shape[-1]
