@@ -83,14 +83,19 @@ def parallel_flops(batch, length, heads, features, values):
   return batch * heads * length * length * (features + values)
 
 
+def _sanatan_args(batch, length, dtype):
+  """q, k, v, omega, lam_raw of the SANATAN cases (q, k scaled as after the 1/sqrt(d) projection)."""
+  keys = jax.random.split(jax.random.key(0), 5)
+  shape = (batch, length, HEADS, HEAD_DIM)
+  return (_randn(keys[0], shape, dtype, 0.125), _randn(keys[1], shape, dtype, 0.125),
+          _randn(keys[2], shape, dtype), jnp.full((HEADS, HEAD_DIM), jnp.pi / 4),
+          jax.random.normal(keys[3], (HEADS, HEAD_DIM)))
+
+
 def sanatan_cases(batch, length, dtype):
   from sanatan_jax import sanatan_attention
 
-  keys = jax.random.split(jax.random.key(0), 5)
-  shape = (batch, length, HEADS, HEAD_DIM)
-  args = (_randn(keys[0], shape, dtype, 0.125), _randn(keys[1], shape, dtype, 0.125),
-          _randn(keys[2], shape, dtype), jnp.full((HEADS, HEAD_DIM), jnp.pi / 4),
-          jax.random.normal(keys[3], (HEADS, HEAD_DIM)))
+  args = _sanatan_args(batch, length, dtype)
 
   def op(impl):
     return lambda q, k, v, w, l: sanatan_attention(q, k, v, w, l, implementation=impl, chunk_size=CHUNK)[0]
@@ -112,6 +117,21 @@ def _sanatan_pallas():
     return f"unavailable: {e}"
   # The kernel's own tuned chunk (16) and tiles; see its docstring for the sweep.
   return lambda q, k, v, w, l: sanatan_p1_pallas(q, k, v, w, l)[0]
+
+
+def sanatan_p2_cases(batch, length, dtype):
+  """SANATAN p = 2 (no recurrence): the blocked Pallas kernel vs XLA blocked vs the materialised form,
+  each credited the causal half of the scores and mixing, 2·T²·(F + V)/2 per head with F = 6d."""
+  from sanatan_jax import sanatan_attention
+
+  def op(impl):
+    return lambda q, k, v, w, l: sanatan_attention(q, k, v, w, l, p=2, implementation=impl)[0]
+
+  cases = {"pallas": op("pallas"), "blocked (xla)": op("blocked")}
+  if batch * HEADS * length * length <= PARALLEL_MAX_SCORES:
+    cases["parallel (reference)"] = op("parallel")
+  flops = parallel_flops(batch, length, HEADS, 6 * HEAD_DIM, HEAD_DIM)
+  return _sanatan_args(batch, length, dtype), cases, {name: flops for name in cases}
 
 
 def gated_cases(batch, length, dtype):
@@ -175,8 +195,10 @@ def softmax_cases(batch, length, dtype):
   return args, cases, {name: parallel_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM) for name in cases}
 
 
-OPS = {"sanatan_p1": sanatan_cases, "gated": gated_cases, "taylor": taylor_cases, "softmax": softmax_cases}
-REFERENCE = {"sanatan_p1": "chunked (xla)", "gated": "chunked (xla)", "taylor": "chunked (xla)"}
+OPS = {"sanatan_p1": sanatan_cases, "sanatan_p2": sanatan_p2_cases, "gated": gated_cases,
+       "taylor": taylor_cases, "softmax": softmax_cases}
+REFERENCE = {"sanatan_p1": "chunked (xla)", "sanatan_p2": "blocked (xla)", "gated": "chunked (xla)",
+             "taylor": "chunked (xla)"}
 
 
 class RowLog:

@@ -9,8 +9,10 @@ with ``s_tj = Phi(q_t).Phi(k_j)`` (features.py; 4ch clips ``s`` at 0, 3ch legacy
   forward or (through rematerialisation of each query block) the backward pass. Scores lie in
   [0, 1] after division by c, so no running maximum is needed.
 * ``chunked`` (p = 1, 6ch): chunked linear attention, intra-chunk causal block + fp32 state.
-* ``pallas`` (p = 1, 6ch): the fused Triton-Pallas kernel (kernels/pallas_p1.py): features computed
-  inside the kernel, custom VJP; its tuned chunk (16) is used, not ``chunk_size``.
+* ``pallas``: Triton-Pallas kernels with the features computed inside them and a custom VJP. p = 1
+  with 6ch: the fused chunked recurrence (kernels/pallas_p1.py; its tuned chunk (16), not
+  ``chunk_size``). Every other p and channel variant: the blocked, flash-style kernels
+  (kernels/pallas_blocked.py; their own blocks, not ``block_size``), no state.
 * ``recurrent`` (p = 1, 6ch): write-then-read ``S_t = S_{t-1} + Phi(k_t) v_t^T``,
   ``z_t = z_{t-1} + Phi(k_t)``, ``o_t = Phi(q_t)^T S_t / (Phi(q_t)^T z_t + c eps)``.
 
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 from lmcore.kernels import pallas_utils
 from lmcore.mixers.base import default_positions
 from sanatan_jax import features
-from sanatan_jax.kernels import pallas_p1
+from sanatan_jax.kernels import pallas_blocked, pallas_p1
 
 EPS = 1e-6
 IMPLEMENTATIONS = ("parallel", "blocked", "chunked", "recurrent", "pallas")
@@ -64,7 +66,7 @@ def validate_options(*, p: int, channels: int, three_channel: str, implementatio
   if not isinstance(p, int) or p < 1:
     raise ValueError(f"p must be a positive integer (SPEC uses 1, 2, 4), got {p!r}")
   features.check_channels(channels, three_channel)
-  if implementation in ("chunked", "recurrent", "pallas") and not has_constant_state(p, channels):
+  if implementation in ("chunked", "recurrent") and not has_constant_state(p, channels):
     raise ValueError(
         f"implementation={implementation!r} exists only for p=1 with 6 channels (the exact "
         f"recurrence of SPEC §1.2), got p={p}, channels={channels}; use 'parallel' or 'blocked'")
@@ -304,9 +306,13 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
   _check_state(state, p, channels, (B, H, width, dv))
   validate_options(p=p, channels=channels, three_channel=three_channel,
                    implementation=implementation)
-  if implementation == "pallas":
+  if implementation == "pallas" and has_constant_state(p, channels):
     return pallas_p1.sanatan_p1_pallas(q, k, v, omega, lam_raw, positions=positions,
                                        segment_ids=segment_ids, state=state, rotate=rotate)
+  if implementation == "pallas":
+    return pallas_blocked.sanatan_blocked_pallas(
+        q, k, v, omega, lam_raw, positions=positions, segment_ids=segment_ids, p=p,
+        channels=channels, three_channel=three_channel, rotate=rotate), None
   if positions is None:
     positions = default_positions(B, T, None if state is None else state.position)
   run_BxT = segment_runs(segment_ids, B, T)

@@ -26,7 +26,7 @@ from lmcore import bench  # noqa: E402
 
 _LENGTHS = flags.DEFINE_list("lengths", ["2048", "8192", "32768"], "Sequence lengths.")
 _TOKENS = flags.DEFINE_integer("tokens", 16384, "Tokens per batch (B = tokens // T, at least 1).")
-_OPS = flags.DEFINE_list("ops", ["sanatan_p1", "gated", "taylor", "softmax"], "Ops to time.")
+_OPS = flags.DEFINE_list("ops", ["sanatan_p1", "sanatan_p2", "gated", "taylor", "softmax"], "Ops to time.")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Input dtype.")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed repetitions (median reported).")
 _OUT = flags.DEFINE_string("out", "docs/BENCHMARKS.md", "Markdown file the rows are appended to ('' = none).")

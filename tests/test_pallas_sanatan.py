@@ -150,5 +150,3 @@ def test_op_and_mixer_dispatch_to_the_kernel():
   assert _rel(o_kernel, o_ref) <= RTOL and _rel(state_kernel.S, state_ref.S) <= RTOL
   o_auto, _ = sanatan_attention(q, k, v, omega, lam_raw, implementation=None)
   assert pallas_utils.default_implementation() == "chunked" and _rel(o_auto, o_ref) <= RTOL
-  with pytest.raises(ValueError, match="only for p=1 with 6 channels"):
-    sanatan_attention(q, k, v, omega, lam_raw, p=2, implementation="pallas")
