@@ -131,7 +131,9 @@ def _state_kernel(x_ref, w_ref, y_ref, run_ref, X0_ref, c0_ref, X_ref, c_ref, Xe
   dt = x_ref.dtype
   g = pl.program_id(2)
   owns_constant = (g == d).astype(_F32)
-  scale = jnp.where(g == d, d ** -0.5, 0.5 / d) if reverse else 1.0
+  # sigma_g by arithmetic on the float flag: with a scalar select (jnp.where) here, the Pallas
+  # Triton lowering of JAX 0.11 handed the loop body the bool where the float belongs.
+  scale = 0.5 / d + owns_constant * (d ** -0.5 - 0.5 / d) if reverse else 1.0
 
   def step(m, carry):
     X, c = carry
@@ -140,13 +142,13 @@ def _state_kernel(x_ref, w_ref, y_ref, run_ref, X0_ref, c0_ref, X_ref, c_ref, Xe
     pu.store_rows(X_ref, n * dp, X.astype(X_ref.dtype))
     pu.store_rows(c_ref, n, c.astype(c_ref.dtype))
     mine = (run == (state_run if reverse else last_run))[:, None]
-    w = jnp.where(mine, pu.rows(w_ref, n * C, C).astype(_F32), 0.0)
-    x = pu.rows(x_ref, n * C, C).astype(_F32)
+    w = pu.rows(w_ref, n * C, C).astype(_F32)
+    xw = jnp.where(mine, scale * pu.rows(x_ref, n * C, C).astype(_F32) * w, 0.0)
     y = pu.rows(y_ref, n * C, C)
+    wy = jnp.where(mine, w * y.astype(_F32), 0.0)
     keep = last_run == state_run
-    X = jnp.where(keep, X, 0.0) + pu.dot((scale * x * w).astype(dt), y.astype(dt), trans_a=True)
-    c = (jnp.where(keep, c, 0.0)
-         + owns_constant * jnp.sum(w * y.astype(_F32), axis=0, keepdims=True))
+    X = jnp.where(keep, X, 0.0) + pu.dot(xw.astype(dt), y.astype(dt), trans_a=True)
+    c = jnp.where(keep, c, 0.0) + owns_constant * jnp.sum(wy, axis=0, keepdims=True)
     return X, c
 
   X, c = jax.lax.fori_loop(0, n_chunks, step, (X0_ref[...], c0_ref[...]))
