@@ -18,8 +18,8 @@ bit-level comparisons with one code base or the other.
 
 Packed sequences (``segment_ids`` [B, T]): a new document starts wherever the id changes; tokens see
 only keys of their own run of ids, and an incoming state continues the first run (a document that
-starts exactly at a call boundary gets a fresh state instead). ``parallel`` and ``recurrent``
-and ``pallas`` support it; ``chunked`` raises.
+starts exactly at a call boundary gets a fresh state instead). ``parallel``, ``recurrent`` and
+``pallas`` support it; ``chunked`` raises.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pallas kernels for BASED (SPEC §2.1): Taylor linear attention, chunk-parallel, with custom VJP."""
+"""Pallas kernels for BASED (SPEC §2.1): chunk-parallel Taylor linear attention, custom VJP."""
 
 from based_jax.kernels.pallas_taylor import taylor_linear_attention_pallas
 

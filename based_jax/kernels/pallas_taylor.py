@@ -229,7 +229,8 @@ def _states(x, y, run, X0, c0, cfg: KernelConfig, *, reverse: bool):
   B, Tp, H, dp = x.shape
   G, Vp, BV = cfg.key_dim + 1, y.shape[-1], cfg.block_v
   N = Tp // cfg.chunk
-  seq = lambda width, col: pl.BlockSpec((None, Tp, None, width), lambda b, h, g, j: (b, 0, h, col(g, j)))
+  seq = lambda width, col: pl.BlockSpec((None, Tp, None, width),
+                                        lambda b, h, g, j: (b, 0, h, col(g, j)))
   tile = lambda rows: pl.BlockSpec((None, None, None, rows, BV), lambda b, h, g, j: (b, h, g, 0, j))
   in_specs = [seq(dp, lambda g, j: 0), seq(1, lambda g, j: g), seq(BV, lambda g, j: j),
               pl.BlockSpec((None, Tp), lambda b, h, g, j: (b, 0)), tile(dp), tile(1)]
