@@ -35,8 +35,9 @@ Chunk-parallel in three kernels per direction (chunks of C tokens, N = T / C of 
 Precision: accumulation is fp32 everywhere, the final state fp32; the per-chunk tiles are stored
 in the inputs' dtype and every dot takes operands in that dtype (as the SANATAN kernel does). With
 bf16 inputs the denominator column z is therefore read at bf16 precision too (relative error about
-2^-9, the size of the bf16 output's own rounding). The per-chunk tiles cost
-(d' + 1) d' (dv + 1) / C values per token and head in HBM (about 4.4 K at d' = 16, dv = 64, C = 64).
+2^-9, the size of the bf16 output's own rounding). The per-chunk tiles cost (d' + 1) d' Vp / C
+values per token and head in HBM (Vp: dv + 1 padded to whole value tiles; 408 at d' = 16,
+dv = 64, C = 64, block_v = 32).
 
 Packed documents follow linear_attention.py: ``run`` (``segment_runs``, non-decreasing per row)
 numbers the runs of equal segment ids; a token reads the entering state only while in the state's
