@@ -1,6 +1,7 @@
 """Causal Taylor linear attention of BASED (SPEC §2.1, based_zoology §1–§2).
 
-Three implementations of one function: parallel, chunked, recurrent. Per head, with
+Three XLA implementations of one function, parallel, chunked, recurrent, and the Pallas kernels of
+``based_jax.kernels.pallas_taylor`` (``implementation="pallas"``, no decay ablation). Per head, with
 ``A_tj = phi(q_t)·phi(k_j) = 1 + s + s²/2`` and ``s = q_t·k_j / sqrt(d')``::
 
     y_t = dt_t · sum_{j<=t} gamma^(t-j) A_tj v_j / (sum_{j<=t} A_tj + eps)
@@ -17,8 +18,8 @@ bit-level comparisons with one code base or the other.
 
 Packed sequences (``segment_ids`` [B, T]): a new document starts wherever the id changes; tokens see
 only keys of their own run of ids, and an incoming state continues the first run (a document that
-starts exactly at a call boundary gets a fresh state instead). ``parallel`` and ``recurrent``
-support it; ``chunked`` raises.
+starts exactly at a call boundary gets a fresh state instead). ``parallel``, ``recurrent`` and
+``pallas`` support it; ``chunked`` raises.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from based_jax.kernels import pallas_taylor
 from based_jax.taylor import Feature, feature_width, taylor_features, taylor_kernel
 
-IMPLEMENTATIONS: tuple[str, ...] = ("parallel", "chunked", "recurrent")
+IMPLEMENTATIONS: tuple[str, ...] = ("parallel", "chunked", "recurrent")  # the XLA forms
+VALID_IMPLEMENTATIONS: tuple[str, ...] = IMPLEMENTATIONS + ("pallas",)
 
 
 class TaylorState(NamedTuple):
@@ -76,7 +79,8 @@ def taylor_linear_attention(
     q, k: raw per-head projections [B, T, H, d'] (the feature map is applied here).
     v: values [B, T, H, dv].
     implementation: ``parallel`` (materialised T x T scores), ``chunked`` (``lax.scan`` over
-      chunks of ``chunk_size``) or ``recurrent`` (``lax.scan`` over tokens); same function.
+      chunks of ``chunk_size``), ``recurrent`` (``lax.scan`` over tokens) or ``pallas`` (the
+      chunk-parallel kernels; interpret mode off GPU; no ``decay``/``dt``); same function.
     state: the state after a prefix of this sequence, or None for the start of a sequence.
     eps: added to the denominator.
     feature: ``compact`` (F = 153 at d' = 16) or ``full`` (F = 273): same function, different
@@ -84,13 +88,17 @@ def taylor_linear_attention(
     chunk_size: tokens per chunk of the chunked form.
     decay: per-head rates gamma [H] (e.g. ``default_decay_rates(H)``), or None for no decay.
     dt: per-position, per-head query scale [B, T, H], or None for 1.
-    segment_ids: packed-document ids [B, T] (parallel and recurrent only).
+    segment_ids: packed-document ids [B, T] (parallel, recurrent and pallas only).
 
   Returns:
     ``(o, new_state)``: o [B, T, H, dv] in v's dtype; the fp32 state after the last token.
   """
   batch, length, heads, key_dim = q.shape
   _check_args(q, k, v, implementation, decay, dt, segment_ids)
+  if implementation == "pallas":
+    return pallas_taylor.taylor_linear_attention_pallas(
+        q, k, v, state=state, eps=eps, feature=feature, chunk_size=chunk_size,
+        segment_ids=segment_ids)
   if state is None:
     state = zero_state(batch, heads, key_dim, v.shape[-1], feature)
   state = TaylorState(*(x.astype(jnp.float32) for x in state))
@@ -108,9 +116,9 @@ def taylor_linear_attention(
 
 
 def _check_args(q, k, v, implementation, decay, dt, segment_ids) -> None:
-  if implementation not in IMPLEMENTATIONS:
+  if implementation not in VALID_IMPLEMENTATIONS:
     raise ValueError(f"unknown implementation {implementation!r}; "
-                     f"valid: {', '.join(IMPLEMENTATIONS)}")
+                     f"valid: {', '.join(VALID_IMPLEMENTATIONS)}")
   if q.shape != k.shape or q.shape[:3] != v.shape[:3]:
     raise ValueError(f"q, k must be [B, T, H, d'] and v [B, T, H, dv]; "
                      f"got {q.shape}, {k.shape}, {v.shape}")
@@ -118,9 +126,12 @@ def _check_args(q, k, v, implementation, decay, dt, segment_ids) -> None:
     raise ValueError(f"decay must be per-head rates of shape {q.shape[2:3]}, got {decay.shape}")
   if dt is not None and dt.shape != q.shape[:3]:
     raise ValueError(f"dt must have shape [B, T, H] = {q.shape[:3]}, got {dt.shape}")
+  if implementation == "pallas" and (decay is not None or dt is not None):
+    raise NotImplementedError("the decay ablation (decay, dt) is supported by implementation="
+                              "'parallel', 'chunked' or 'recurrent', not 'pallas'")
   if segment_ids is not None and implementation == "chunked":
-    raise NotImplementedError("segment_ids are supported by implementation='parallel' or "
-                              "'recurrent', not 'chunked'")
+    raise NotImplementedError("segment_ids are supported by implementation='parallel', 'recurrent' "
+                              "or 'pallas', not 'chunked'")
 
 
 def _mm(spec: str, *operands: jax.Array) -> jax.Array:
