@@ -176,12 +176,12 @@ def taylor_cases(batch, length, dtype):
   def op(impl):
     return lambda q, k, v: taylor_linear_attention(q, k, v, implementation=impl, chunk_size=CHUNK)[0]
 
-  cases = {"chunked (xla)": op("chunked")}
+  cases = {"pallas": op("pallas"), "chunked (xla)": op("chunked")}
   if batch * TAYLOR_HEADS * length * length <= PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = op("parallel")
-  F = 1 + TAYLOR_DIM + TAYLOR_DIM * (TAYLOR_DIM + 1) // 2
-  flops = {"chunked (xla)": chunked_flops(batch, length, TAYLOR_HEADS, F, HEAD_DIM),
-           "parallel (reference)": parallel_flops(batch, length, TAYLOR_HEADS, TAYLOR_DIM + 2, HEAD_DIM)}
+  F = 1 + TAYLOR_DIM + TAYLOR_DIM * (TAYLOR_DIM + 1) // 2  # the compact feature width, 153
+  flops = {impl: chunked_flops(batch, length, TAYLOR_HEADS, F, HEAD_DIM) for impl in ("pallas", "chunked (xla)")}
+  flops["parallel (reference)"] = parallel_flops(batch, length, TAYLOR_HEADS, TAYLOR_DIM + 2, HEAD_DIM)
   return args, cases, flops
 
 
