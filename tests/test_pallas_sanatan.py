@@ -43,7 +43,7 @@ def _inputs(seed, T, *, B=2, H=2, d=8, dv=5):
 
 def _prefix_state(seed, **shape):
   """A reachable state: the one a random 5-token prefix leaves (positions continue from 5)."""
-  return _recurrent(*_inputs(seed, 5, **shape))[1]
+  return jax.jit(_recurrent, compiler_options=_FAST_COMPILE)(*_inputs(seed, 5, **shape))[1]
 
 
 def _run(fn, inputs, state, seed=99, **options):
@@ -74,8 +74,9 @@ def _reference(seed, T, with_state, d, segments=False, rotate=True):
   return _run(_recurrent, inputs, state, **options)
 
 
+@functools.cache
 def _case(seed, T, with_state, d, segments=False, rotate=True):
-  """(inputs, state, options) of a case. ``segments``: row 1 packs two documents (boundary
+  """(inputs, state, options) of a case (cached: both forms and the reference share them). ``segments``: row 1 packs two documents (boundary
   mid-chunk, positions restarting); row 0 is one document continuing the state's positions."""
   inputs = _inputs(seed, T, d=d)
   state = _prefix_state(100 + seed, d=d) if with_state else None
@@ -171,10 +172,13 @@ def test_op_and_mixer_dispatch_to_the_kernel():
   """``implementation="pallas"`` in the op (and so in the mixer config) runs the kernel; ``None``
   picks it on GPU only."""
   q, k, v, omega, lam_raw = _inputs(7, 21)
-  o_kernel, state_kernel = sanatan_attention(q, k, v, omega, lam_raw, implementation="pallas")
-  o_ref, state_ref = _recurrent(q, k, v, omega, lam_raw)
+  op = lambda implementation: jax.jit(functools.partial(sanatan_attention,
+                                                        implementation=implementation),
+                                      compiler_options=_FAST_COMPILE)
+  o_kernel, state_kernel = op("pallas")(q, k, v, omega, lam_raw)
+  o_ref, state_ref = op("recurrent")(q, k, v, omega, lam_raw)
   assert _rel(o_kernel, o_ref) <= RTOL and _rel(state_kernel.S, state_ref.S) <= RTOL
-  o_auto, _ = sanatan_attention(q, k, v, omega, lam_raw, implementation=None)
+  o_auto, _ = op(None)(q, k, v, omega, lam_raw)
   assert pallas_utils.backend() != "gpu" and _rel(o_auto, o_ref) <= RTOL
   with pytest.raises(ValueError, match="only for p=1 with 6 channels"):
     sanatan_attention(q, k, v, omega, lam_raw, p=2, implementation="pallas")

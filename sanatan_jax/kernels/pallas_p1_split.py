@@ -46,22 +46,22 @@ _F32 = jnp.float32
 
 
 def _runs(run_ref, n, C):
-  """(the run the state at chunk n's start belongs to, chunk n's last run).
+  """Chunk n's run ids [C], the run of the state entering it and its last run.
 
   Runs are non-decreasing, so the state entering chunk n > 0 is in chunk n - 1's last run and
   the initial state in the first token's run.
   """
+  run = pu.rows(run_ref, n * C, C)
   previous = pu.rows(run_ref, jnp.maximum(n - 1, 0) * C, C)
-  state_run = jnp.where(n > 0, jnp.max(previous), jnp.min(previous))
-  return state_run, jnp.max(pu.rows(run_ref, n * C, C))
+  return run, jnp.where(n > 0, jnp.max(previous), jnp.min(previous)), jnp.max(run)
 
 
 def _writes_kernel(k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, W_ref, w_ref, *, cfg):
   """Phase 1: chunk n's writes (W_n, w_n)."""
   n, C = pl.program_id(2), cfg.chunk
   phi_k, _ = fused._phi(k_ref, (omega_ref, lam_ref, pos_ref), n, cfg)
-  _, last_run = _runs(run_ref, n, C)
-  W, w = fused._writes(phi_k, pu.rows(v_ref, n * C, C), pu.rows(run_ref, n * C, C), last_run)
+  run, _, last_run = _runs(run_ref, n, C)
+  W, w = fused._writes(phi_k, pu.rows(v_ref, n * C, C), run, last_run)
   fused._store_state(W_ref, w_ref, W, w)
 
 
@@ -70,7 +70,7 @@ def _output_kernel(q_ref, k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, S_
   """Phase 3: chunk n's outputs and denominators from the state (S_n, z_n) at its start."""
   n, C = pl.program_id(2), cfg.chunk
   x, _, _ = fused._load(n, (q_ref, k_ref, v_ref, run_ref), (omega_ref, lam_ref, pos_ref), cfg)
-  state_run, _ = _runs(run_ref, n, C)
+  _, state_run, _ = _runs(run_ref, n, C)
   o, den = fused._outputs(x, *fused._load_state(S_ref, z_ref), state_run, cfg.c_eps)
   pu.store_rows(o_ref, n * C, o.astype(o_ref.dtype))
   pu.store_rows(den_ref, n * C, den)
@@ -81,9 +81,9 @@ def _read_grads_kernel(q_ref, pos_ref, run_ref, omega_ref, lam_ref, dN_ref, dD_r
   """Backward phase 1: what chunk n's reads add to the gradient of the state at its start."""
   n, C = pl.program_id(2), cfg.chunk
   phi_q, _ = fused._phi(q_ref, (omega_ref, lam_ref, pos_ref), n, cfg)
-  state_run, _ = _runs(run_ref, n, C)
-  R, r = fused._read_grads(phi_q, pu.rows(run_ref, n * C, C), state_run,
-                           pu.rows(dN_ref, n * C, C), pu.rows(dD_ref, n * C, C))
+  run, state_run, _ = _runs(run_ref, n, C)
+  R, r = fused._read_grads(phi_q, run, state_run, pu.rows(dN_ref, n * C, C),
+                           pu.rows(dD_ref, n * C, C))
   fused._store_state(R_ref, r_ref, R, r)
 
 
@@ -96,7 +96,7 @@ def _grads_kernel(q_ref, k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, S_r
   tile0 = (pl.program_id(3) == 0).astype(_F32)
   x, q_vjp, k_vjp = fused._load(n, (q_ref, k_ref, v_ref, run_ref), (omega_ref, lam_ref, pos_ref),
                                 cfg)
-  state_run, last_run = _runs(run_ref, n, C)
+  _, state_run, last_run = _runs(run_ref, n, C)
   dN, dD = pu.rows(dN_ref, n * C, C), pu.rows(dD_ref, n * C, C)
   S, z = fused._load_state(S_ref, z_ref)
   dq, domega_q, dlam_q = q_vjp(fused._dphi_q(x, dN, dD, S, z, state_run, tile0))
