@@ -100,23 +100,28 @@ def sanatan_cases(batch, length, dtype):
   def op(impl):
     return lambda q, k, v, w, l: sanatan_attention(q, k, v, w, l, implementation=impl, chunk_size=CHUNK)[0]
 
-  cases = {"pallas": _sanatan_pallas(), "chunked (xla)": op("chunked")}
+  cases = {**_sanatan_pallas(), "chunked (xla)": op("chunked")}
   if batch * HEADS * length * length <= PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = op("parallel")
   F = 6 * HEAD_DIM
-  flops = {"pallas": chunked_flops(batch, length, HEADS, F, HEAD_DIM),
-           "chunked (xla)": chunked_flops(batch, length, HEADS, F, HEAD_DIM),
-           "parallel (reference)": parallel_flops(batch, length, HEADS, F, HEAD_DIM)}
+  flops = {impl: chunked_flops(batch, length, HEADS, F, HEAD_DIM) for impl in cases}
+  flops["parallel (reference)"] = parallel_flops(batch, length, HEADS, F, HEAD_DIM)
   return args, cases, flops
 
 
-def _sanatan_pallas():
+def _sanatan_pallas() -> dict:
+  """Both forms of the SANATAN p = 1 kernel: split at chunks 64 (its default) and 32, fused at its
+  tuned 16; the faster form stays, the other goes (docs/DECISIONS.md)."""
   try:
     from sanatan_jax.kernels import sanatan_p1_pallas
   except ImportError as e:  # The benchmark still runs without the kernel package.
-    return f"unavailable: {e}"
-  # The kernel's own tuned chunk (16) and tiles; see its docstring for the sweep.
-  return lambda q, k, v, w, l: sanatan_p1_pallas(q, k, v, w, l)[0]
+    return {"pallas": f"unavailable: {e}"}
+
+  def form(name, chunk_size=None):
+    return lambda q, k, v, w, l: sanatan_p1_pallas(q, k, v, w, l, form=name, chunk_size=chunk_size)[0]
+
+  return {"pallas (split, C=64)": form("split"), "pallas (split, C=32)": form("split", 32),
+          "pallas (fused, C=16)": form("fused")}
 
 
 def sanatan_p2_cases(batch, length, dtype):

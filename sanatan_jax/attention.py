@@ -10,8 +10,8 @@ with ``s_tj = Phi(q_t).Phi(k_j)`` (features.py; 4ch clips ``s`` at 0, 3ch legacy
   [0, 1] after division by c, so no running maximum is needed.
 * ``chunked`` (p = 1, 6ch): chunked linear attention, intra-chunk causal block + fp32 state.
 * ``pallas``: Triton-Pallas kernels with the features computed inside them and a custom VJP. p = 1
-  with 6ch: the fused chunked recurrence (kernels/pallas_p1.py; its tuned chunk (16), not
-  ``chunk_size``). Every other p and channel variant: the blocked, flash-style kernels
+  with 6ch: the chunked recurrence (kernels/pallas_p1.py; chunk-parallel "split" form by default,
+  its own chunk, not ``chunk_size``). Every other p and channel variant: the blocked, flash-style kernels
   (kernels/pallas_blocked.py; their own blocks, not ``block_size``), no state.
 * ``recurrent`` (p = 1, 6ch): write-then-read ``S_t = S_{t-1} + Phi(k_t) v_t^T``,
   ``z_t = z_{t-1} + Phi(k_t)``, ``o_t = Phi(q_t)^T S_t / (Phi(q_t)^T z_t + c eps)``.

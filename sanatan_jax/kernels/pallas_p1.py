@@ -6,14 +6,18 @@ raw q, k chunk (features.py's functions), the write-then-read recurrence of atte
     S_t = S_{t-1} + Phi(k_t) v_tᵀ,   z_t = z_{t-1} + Phi(k_t),
     o_t = Phi(q_t)ᵀ S_t / (Phi(q_t)ᵀ z_t + c eps)
 
-is computed in chunks (intra-chunk causal block + fp32 state), one program per (batch, head, value
-tile) walking all chunks with ``lax.fori_loop`` (GPU programs run in parallel, so the recurrence
-lives inside one program). The 6d-wide features never reach HBM: inside a kernel they are six
-[C, d] channel arrays ``1, cos th, sin th, r, r cos th, r sin th`` and the state six [d, BV] tiles.
-Outside the kernels the state has SanatanState's layout, feature index ``6 a + channel``.
+is computed in chunks (intra-chunk causal block + fp32 state) in one of two forms. This module's
+"fused" kernels run one program per (batch, head, value tile) walking all chunks with
+``lax.fori_loop`` (the recurrence lives inside one program, the state in registers);
+pallas_p1_split.py's "split" kernels run parallel over chunks too, passing the chunk states
+through HBM, and build on this module's chunk functions (``_load``, ``_outputs``, ``_writes``,
+``_read_grads``, ``_dphi_q``, ``_dphi_k_dv``). The 6d-wide features never reach HBM: inside a
+kernel they are six [C, d] channel arrays ``1, cos th, sin th, r, r cos th, r sin th`` and the state
+six [d, BV] tiles. Outside the kernels the state has SanatanState's layout, feature index
+``6 a + channel``.
 
-Backward (``jax.custom_vjp``). The forward stores its inputs, the output o (in v's dtype) and the
-fp32 denominator D_t = Phi(q_t)ᵀ z_t per token; no features and no chunk states. With
+Fused backward (``jax.custom_vjp``). The forward stores its inputs, the output o (in v's dtype)
+and the fp32 denominator D_t = Phi(q_t)ᵀ z_t per token; no features and no chunk states. With
 dN = do / (D + c eps) and dD = -(do · o) / (D + c eps) (computed outside the kernel), the backward
 kernel recomputes the chunk states in a forward sweep for d Phi(q), then walks the chunks in reverse
 carrying (dS, dz) for d Phi(k) and dv, and chains d Phi through the feature map inside the kernel
@@ -40,6 +44,9 @@ from lmcore.mixers.base import default_positions
 from sanatan_jax import attention, features
 
 CHANNELS = 6
+# Tokens per chunk by form. Fused: tuned on the H200 (its six fp32 state tiles stay in registers
+# through every chunk). Split: FLA's chunk; fewer chunks mean fewer states through HBM. Untuned.
+DEFAULT_CHUNK = {"split": 64, "fused": 16}
 _F32 = jnp.float32
 
 
@@ -123,20 +130,46 @@ def _masked(phi, mask):
   return tuple(jnp.where(mask[:, None], a, 0) for a in phi)
 
 
+def _writes(phi_k, v, run, last_run):
+  """What a chunk hands on: sum over its last run's tokens of Phi(k) vᵀ (6 x [dp, BV]) and of
+  Phi(k) (6 x [1, dp]), fp32."""
+  phi_k = _masked(phi_k, run == last_run)
+  return (tuple(pu.dot(a, v, trans_a=True) for a in phi_k),
+          tuple(jnp.sum(a.astype(_F32), axis=0, keepdims=True) for a in phi_k))
+
+
 def _advance(S, z, x: _Chunk, state_run, last_run):
   """(S, z) after the chunk: kept (or reset at a new run), plus the last run's writes."""
   keep = last_run == state_run
-  phi_k = _masked(x.phi_k, x.run == last_run)
-  S = tuple(jnp.where(keep, s, 0.0) + pu.dot(a, x.v, trans_a=True) for s, a in zip(S, phi_k))
-  z = tuple(jnp.where(keep, w, 0.0) + jnp.sum(a.astype(_F32), axis=0, keepdims=True)
-            for w, a in zip(z, phi_k))
-  return S, z
+  W, w = _writes(x.phi_k, x.v, x.run, last_run)
+  return (tuple(jnp.where(keep, s, 0.0) + a for s, a in zip(S, W)),
+          tuple(jnp.where(keep, s, 0.0) + a for s, a in zip(z, w)))
+
+
+def _outputs(x: _Chunk, S, z, state_run, c_eps):
+  """o [C, BV] (fp32) and the denominator D [C] of one chunk from the state (S, z) at its start:
+  N = s v + Phi(q) S and D = rowsum(s) + Phi(q) z (state terms for tokens of the state's run),
+  o = N / (D + c eps)."""
+  reads = _masked(x.phi_q, x.run == state_run)
+  s = _scores(x)
+  num = pu.dot(s.astype(x.v.dtype), x.v)
+  den = jnp.sum(s, axis=1)
+  for a, S_c, z_c in zip(reads, S, z):
+    num += pu.dot(a, S_c.astype(a.dtype))
+    den += jnp.sum(a.astype(_F32) * z_c, axis=1)
+  return num / (den[:, None] + c_eps), den
 
 
 def _load_state(S_ref, z_ref):
   S = tuple(S_ref[c] for c in range(CHANNELS))
   z = tuple(z_ref[c].reshape(1, -1) for c in range(CHANNELS))
   return S, z
+
+
+def _store_state(S_ref, z_ref, S, z):
+  for c in range(CHANNELS):
+    S_ref[c] = S[c]
+    z_ref[c] = z[c].reshape(-1)
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, S0_ref, z0_ref,
@@ -147,14 +180,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, S
   def chunk(n, carry):
     S, z, state_run = carry
     x, _, _ = _load(n, refs, params, cfg)
-    reads = _masked(x.phi_q, x.run == state_run)
-    s = _scores(x)
-    num = pu.dot(s.astype(x.v.dtype), x.v)
-    den = jnp.sum(s, axis=1)
-    for a, S_c, z_c in zip(reads, S, z):
-      num += pu.dot(a, S_c.astype(a.dtype))
-      den += jnp.sum(a.astype(_F32) * z_c, axis=1)
-    pu.store_rows(o_ref, n * C, (num / (den[:, None] + cfg.c_eps)).astype(o_ref.dtype))
+    o, den = _outputs(x, S, z, state_run, cfg.c_eps)
+    pu.store_rows(o_ref, n * C, o.astype(o_ref.dtype))
     pu.store_rows(den_ref, n * C, den)
     last_run = jnp.max(x.run)
     return (*_advance(S, z, x, state_run, last_run), last_run)
@@ -162,9 +189,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, S
   first_run = jnp.min(pu.rows(run_ref, 0, C))
   init = (*_load_state(S0_ref, z0_ref), first_run)
   S, z, _ = jax.lax.fori_loop(0, q_ref.shape[0] // C, chunk, init)
-  for c in range(CHANNELS):
-    S_ref[c] = S[c]
-    z_ref[c] = z[c].reshape(-1)
+  _store_state(S_ref, z_ref, S, z)
 
 
 def _dphi_q(x: _Chunk, dN, dD, S, z, state_run, tile0):
@@ -192,6 +217,14 @@ def _dphi_k_dv(x: _Chunk, dN, dD, dS, dz, last_run, tile0):
   for b, dS_c in zip(_masked(x.phi_k, x.run == last_run), dS):
     dv += pu.dot(b, dS_c.astype(dt))
   return dphi_k, dv
+
+
+def _read_grads(phi_q, run, state_run, dN, dD):
+  """What a chunk's reads add to the gradient of the state at its start: sum over the tokens of
+  the state's run of Phi(q) dNᵀ (6 x [dp, BV]) and of Phi(q) dD (6 x [1, dp]), fp32."""
+  reads = _masked(phi_q, run == state_run)
+  return (tuple(pu.dot(a, dN, trans_a=True) for a in reads),
+          tuple(jnp.sum(a.astype(_F32) * dD[:, None], axis=0, keepdims=True) for a in reads))
 
 
 def _backward_kernel(q_ref, k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, S0_ref, z0_ref,
@@ -231,18 +264,14 @@ def _backward_kernel(q_ref, k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, 
     pu.store_rows(dk_ref, n * C, dk)
     pu.store_rows(dv_ref, n * C, dv)
     keep = last_run == state_run
-    reads = _masked(x.phi_q, x.run == state_run)
-    dS = tuple(jnp.where(keep, g, 0.0) + pu.dot(a, dN, trans_a=True) for g, a in zip(dS, reads))
-    dz = tuple(jnp.where(keep, g, 0.0)
-               + jnp.sum(a.astype(_F32) * dD[:, None], axis=0, keepdims=True)
-               for g, a in zip(dz, reads))
+    R, r = _read_grads(x.phi_q, x.run, state_run, dN, dD)
+    dS = tuple(jnp.where(keep, g, 0.0) + a for g, a in zip(dS, R))
+    dz = tuple(jnp.where(keep, g, 0.0) + a for g, a in zip(dz, r))
     return dS, dz, d_omega + do_, d_lam + dl
 
   dS, dz, d_omega, d_lam = jax.lax.fori_loop(
       0, n_chunks, reverse_sweep, (*_load_state(dST_ref, dzT_ref), d_omega, d_lam))
-  for c in range(CHANNELS):
-    dS0_ref[c] = dS[c]
-    dz0_ref[c] = dz[c].reshape(-1)
+  _store_state(dS0_ref, dz0_ref, dS, dz)
   domega_ref[...] = d_omega
   dlam_ref[...] = d_lam
 
@@ -301,14 +330,19 @@ def _fused_fwd(q, k, v, pos, run, omega, lam_raw, S0, z0, cfg):
   return (o, S, z), (q, k, v, pos, run, omega, lam_raw, S0, z0, o, den)
 
 
+def _output_grads(do, o, den, c_eps):
+  """dN = do / (D + c eps) [B, Tp, H, Vp] and dD = -(do · o) / (D + c eps) [B, Tp, H], fp32: the
+  gradients of o = N / (D + c eps) w.r.t. its numerator and denominator."""
+  inv_BxTxH = 1.0 / (den + c_eps)
+  return do * inv_BxTxH[..., None], -jnp.sum(do * o.astype(_F32), axis=-1) * inv_BxTxH
+
+
 def _fused_bwd(cfg, residuals, cotangents):
   q, k, v, pos, run, omega, lam_raw, S0, z0, o, den = residuals
   do, dS_end, dz_end = (x.astype(_F32) for x in cotangents)
   B, Tp, H, dp = q.shape
   n_tiles = v.shape[-1] // cfg.block_v
-  inv_BxTxH = 1.0 / (den + cfg.c_eps)
-  dN = do * inv_BxTxH[..., None]
-  dD = -jnp.sum(do * o.astype(_F32), axis=-1) * inv_BxTxH
+  dN, dD = _output_grads(do, o, den, cfg.c_eps)
   s = _specs(Tp, dp, cfg)
   partial_qk = jax.ShapeDtypeStruct((n_tiles, B, Tp, H, dp), _F32)
   partial_param = jax.ShapeDtypeStruct((n_tiles, B, H, 1, dp), _F32)
@@ -356,8 +390,9 @@ def _check(q, v, state):
 def sanatan_p1_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array,
                       lam_raw: jax.Array, *, positions: jax.Array | None = None,
                       segment_ids: jax.Array | None = None,
-                      state: attention.SanatanState | None = None, chunk_size: int = 16,
-                      rotate: bool = True, interpret: bool | None = None, block_v: int = 64,
+                      state: attention.SanatanState | None = None,
+                      chunk_size: int | None = None, rotate: bool = True,
+                      interpret: bool | None = None, form: str = "split", block_v: int = 64,
                       num_warps: int = 8, num_stages: int = 2
                       ) -> tuple[jax.Array, attention.SanatanState]:
   """SANATAN p = 1, 6 channels (SPEC §1.2) by the Pallas kernels; same function as
@@ -369,9 +404,12 @@ def sanatan_p1_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
     positions: int [B, T] document positions; default 0..T-1 offset by ``state.position``.
     segment_ids: optional [B, T] packed-document ids (attention.py's convention).
     state: a SanatanState to continue from; None means zeros.
-    chunk_size: tokens per chunk, a power of two (>= 16 when compiled).
+    chunk_size: tokens per chunk, a power of two (>= 16 when compiled); None means the form's
+      default (``DEFAULT_CHUNK``).
     rotate: False drops the temporal rotation (the "no lambda" ablation).
     interpret: run the kernels interpreted; None means "unless on a GPU".
+    form: "split" (pallas_p1_split.py: kernels parallel over chunks, states through HBM) or
+      "fused" (this module's kernels: one program walks all chunks).
     block_v, num_warps, num_stages: GPU tuning knobs (value tile width, Triton warps and stages).
 
   Returns:
@@ -379,6 +417,9 @@ def sanatan_p1_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
   """
   interpret = pu.resolve_interpret(interpret)
   pu.check_backend(interpret, "sanatan_p1_pallas", "sanatan_attention(implementation='chunked')")
+  if form not in DEFAULT_CHUNK:
+    raise ValueError(f"sanatan_p1_pallas: form must be one of {tuple(DEFAULT_CHUNK)}, got {form!r}")
+  chunk_size = DEFAULT_CHUNK[form] if chunk_size is None else chunk_size
   if chunk_size < 1 or chunk_size & (chunk_size - 1):
     raise ValueError(f"sanatan_p1_pallas: chunk_size must be a power of two, got {chunk_size}")
   _check(q, v, state)
@@ -397,8 +438,11 @@ def sanatan_p1_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
   run = attention.segment_runs(segment_ids, B, T)
   param = lambda p: pu.pad_axis(p.astype(_F32), 1, dp).reshape(H, 1, dp)
   S0, z0 = _to_kernel_state(state, B, H, d, dp, V, Vp)
-  o, S, z = _fused(pad_qk(q), pad_qk(k), pu.pad_axis(pu.pad_axis(v, 1, Tp), 3, Vp),
-                   pu.pad_axis(pos, 1, Tp), pu.pad_axis(run, 1, Tp, mode="edge"),
-                   param(omega), param(lam_raw), S0, z0, cfg)
+  # Imported here: the split form builds on this module's chunk functions.
+  from sanatan_jax.kernels import pallas_p1_split
+  kernels = pallas_p1_split.split if form == "split" else _fused
+  o, S, z = kernels(pad_qk(q), pad_qk(k), pu.pad_axis(pu.pad_axis(v, 1, Tp), 3, Vp),
+                    pu.pad_axis(pos, 1, Tp), pu.pad_axis(run, 1, Tp, mode="edge"),
+                    param(omega), param(lam_raw), S0, z0, cfg)
   S, z = _from_kernel_state(S, z, d, V)
   return o[:, :T, :, :V], attention.SanatanState(S, z, positions[:, -1].astype(jnp.int32) + 1)
