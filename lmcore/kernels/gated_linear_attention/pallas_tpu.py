@@ -1,4 +1,4 @@
-"""Pallas (Mosaic TPU lowering) kernels for chunked gated linear attention (SPEC §3, §4), custom VJP.
+"""Pallas (Mosaic TPU lowering) kernels for chunked gated linear attention (SPEC §3, §4), with VJP.
 
 The function is xla.py's and pallas.py's, per head, with b the chunk-local cumulative log gate::
 
@@ -135,7 +135,8 @@ def _q_from_state(ch: _Chunk):
 
 def _k_to_end(ch: _Chunk):
   """k ⊙ exp(b_C - b) for tokens of the chunk's last document, else 0 (input dtype) [C, Kp]."""
-  return jnp.where(ch.writes, ch.k.astype(_F32) * jnp.exp(_b_end(ch) - ch.b), 0.0).astype(ch.k.dtype)
+  k_to_end = ch.k.astype(_F32) * jnp.exp(_b_end(ch) - ch.b)
+  return jnp.where(ch.writes, k_to_end, 0.0).astype(ch.k.dtype)
 
 
 def _decayed(S_T, ch: _Chunk):
@@ -181,7 +182,7 @@ def _dk_intra_scalar(ch: _Chunk, cfg: KernelConfig):
 # Per-key-channel gate: secondary chunking.
 
 class _Sub(NamedTuple):
-  """The query sub-chunk of rows start : start + c, with factors around its anchor r = b_{start-1}."""
+  """Query rows start : start + c of a chunk and their factors around the anchor r = b_{start-1}."""
 
   start: int
   q: jax.Array  # [c, Kp] fp32
