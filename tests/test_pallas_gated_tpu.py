@@ -73,9 +73,9 @@ def _run(fn, inputs, projections, **options):
           "dlog_forget": grads[3], "dS0": grads[4].S, "dz0": grads[4].z}
 
 
-def _assert_same_as_reference(seed, T, gate, normalize, with_state, **tuning):
+def _assert_same_as_reference(seed, T, gate, normalize, with_state, scale=1.0, **tuning):
   inputs, segment_ids, projections = _inputs(seed, T, gate, normalize, with_state=with_state)
-  options = dict(normalize=normalize, segment_ids=segment_ids)
+  options = dict(normalize=normalize, segment_ids=segment_ids, scale=scale)
   got = _run(functools.partial(pallas_tpu.gated_linear_attention_tpu, **tuning), inputs,
              projections, **options)
   want = _run(functools.partial(gated_linear_attention, implementation="reference"), inputs,
@@ -85,14 +85,14 @@ def _assert_same_as_reference(seed, T, gate, normalize, with_state, **tuning):
   assert not bad, f"T={T} gate={gate} normalize={normalize} {tuning}: errors above {RTOL}: {bad}"
 
 
-@pytest.mark.parametrize("T,gate,normalize,with_state,tuning", [
-    (37, "head", False, True, {}),
-    (37, "channel", False, True, {"sub_chunk": 8}),  # keys before the query sub-chunk: one matmul
-    (40, "channel", True, False, {"block_v": 4}),  # V = 5 + ones column -> two value tiles
+@pytest.mark.parametrize("T,gate,normalize,with_state,scale,tuning", [
+    (37, "head", False, True, 1.0, {}),  # CyFA's forget="head"
+    (37, "channel", False, True, 8**-0.5, {"sub_chunk": 8}),  # GLA; keys before the sub-chunk
+    (40, "channel", True, False, 1.0, {"block_v": 4}),  # V = 5 + ones column -> two value tiles
 ])
 def test_tpu_kernels_equal_reference_with_gradients_for_partial_chunks_and_documents(
-    T, gate, normalize, with_state, tuning):
-  _assert_same_as_reference(T, T, gate, normalize, with_state, interpret=True, **tuning)
+    T, gate, normalize, with_state, scale, tuning):
+  _assert_same_as_reference(T, T, gate, normalize, with_state, scale, interpret=True, **tuning)
 
 
 def test_tpu_simulator_runs_the_kernels_like_the_reference():

@@ -58,7 +58,8 @@ class KernelConfig(NamedTuple):
 
   chunk: tokens per chunk C; sub_chunk: query rows per diagonal block (per-channel gates only);
   block_v: value columns per grid step BV; n_heads: H (the document arrays are per batch row);
-  scalar_gate: one gate per head (G = 1); interpret: ``pallas_call``'s ``interpret`` argument.
+  scalar_gate: one gate per head (G = 1); scale: multiplies the scores; interpret:
+  ``pallas_call``'s ``interpret`` argument.
   """
 
   chunk: int
@@ -117,7 +118,8 @@ def _iota(shape, axis):
 
 
 def _visible_rows(doc_rows, start: int, doc_row):
-  """[c, C] bool: query rows start.. see key j (j <= i, same document)."""
+  """[c, C] bool: query i (c rows from ``start``, documents ``doc_rows`` [c, 1]) sees key j of the
+  chunk (documents ``doc_row`` [1, C]): j <= i and the same document."""
   rows, C = doc_rows.shape[0], doc_row.shape[1]
   causal = start + _iota((rows, C), 0) >= _iota((rows, C), 1)
   return causal & (doc_rows == doc_row)
@@ -369,8 +371,19 @@ def _local_cumsum(g, C: int):
   return jnp.cumsum(g.reshape(BH, Tp // C, C, G), axis=2).reshape(BH, Tp, G)
 
 
-def _seq_args(q, k, v, g, docs: _Docs, cfg: KernelConfig, reverse: bool):
-  """The chunk inputs (arrays) and their BlockSpecs, in ``_Seq`` order."""
+class _Sweep(NamedTuple):
+  """One pass over the chunks, forward or in reverse: the chunk inputs in ``_Seq`` order with
+  their BlockSpecs, and the BlockSpecs of value-shaped [C, BV] blocks (o, do, dv), of per-value-tile
+  partial sums [C, Kp] (dq, dk) and of the state tile [BV, Kp]."""
+
+  args: list
+  specs: list
+  values: pl.BlockSpec
+  partial: pl.BlockSpec
+  state: pl.BlockSpec
+
+
+def _sweep(q, k, v, g, docs: _Docs, cfg: KernelConfig, reverse: bool) -> _Sweep:
   BH, Tp, Kp = q.shape
   C, BV, H = cfg.chunk, cfg.block_v, cfg.n_heads
   N = Tp // C
@@ -385,34 +398,29 @@ def _seq_args(q, k, v, g, docs: _Docs, cfg: KernelConfig, reverse: bool):
   if cfg.scalar_gate:
     args.append(b.reshape(BH, 1, Tp))
     specs.append(pl.BlockSpec((None, 1, C), lambda bh, j, n: (bh, 0, chunk(n))))
-  return args, specs
+  partial = pl.BlockSpec((None, None, C, Kp), lambda bh, j, n: (j, bh, chunk(n), 0))
+  state = pl.BlockSpec((None, BV, Kp), lambda bh, j, n: (bh, j, 0))
+  return _Sweep(args, specs, values, partial, state)
 
 
-def _call(kernel, cfg: KernelConfig, seq, extra_args, extra_specs, out_specs, out_shape):
+def _call(kernel, cfg: KernelConfig, sweep: _Sweep, extra_args, extra_specs, out_specs,
+          out_shape):
   """Runs ``kernel`` over the grid (B·H, value tiles, chunks) with an fp32 [BV, Kp] VMEM scratch."""
-  args, specs = seq
-  BH, Tp, Kp = args[0].shape
-  n_tiles = args[2].shape[-1] // cfg.block_v
+  BH, Tp, Kp = sweep.args[0].shape
+  n_tiles = sweep.args[2].shape[-1] // cfg.block_v
   return pl.pallas_call(
       functools.partial(kernel, cfg=cfg), grid=(BH, n_tiles, Tp // cfg.chunk),
-      in_specs=specs + extra_specs, out_specs=out_specs, out_shape=out_shape,
+      in_specs=sweep.specs + extra_specs, out_specs=out_specs, out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((cfg.block_v, Kp), _F32)],
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary")),
-      interpret=cfg.interpret)(*args, *extra_args)
-
-
-def _state_spec(cfg: KernelConfig, Kp: int):
-  return pl.BlockSpec((None, cfg.block_v, Kp), lambda bh, j, n: (bh, j, 0))
+      interpret=cfg.interpret)(*sweep.args, *extra_args)
 
 
 def _forward(q, k, v, g, docs, S0_T, cfg):
-  BH, Tp, Kp = q.shape
-  state = _state_spec(cfg, Kp)
-  values = pl.BlockSpec((None, cfg.chunk, cfg.block_v), lambda bh, j, n: (bh, n, j))
+  s = _sweep(q, k, v, g, docs, cfg, reverse=False)
   out_shape = (jax.ShapeDtypeStruct(v.shape, _F32), jax.ShapeDtypeStruct(S0_T.shape, _F32))
-  return _call(_forward_kernel, cfg, _seq_args(q, k, v, g, docs, cfg, reverse=False), [S0_T],
-               [state], [values, state], out_shape)
+  return _call(_forward_kernel, cfg, s, [S0_T], [s.state], [s.values, s.state], out_shape)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -428,24 +436,15 @@ def _fused_fwd(q, k, v, g, docs, S0_T, cfg):
 def _fused_bwd(cfg, residuals, cotangents):
   q, k, v, g, docs, S0_T, S_end_T = residuals
   do, dS_end_T = cotangents
-  BH, Tp, Kp = q.shape
-  C, BV = cfg.chunk, cfg.block_v
-  n_tiles, N = v.shape[-1] // BV, Tp // C
+  n_tiles = v.shape[-1] // cfg.block_v
   do = (cfg.scale * do).astype(v.dtype)
   dS_end_T = dS_end_T.astype(_F32)
-  state = _state_spec(cfg, Kp)
-  partial = jax.ShapeDtypeStruct((n_tiles, BH, Tp, Kp), _F32)
-
-  forward = _seq_args(q, k, v, g, docs, cfg, reverse=False)
-  values = pl.BlockSpec((None, C, BV), lambda bh, j, n: (bh, n, j))
-  dq = _call(_dq_kernel, cfg, forward, [S0_T, do], [state, values],
-             pl.BlockSpec((None, None, C, Kp), lambda bh, j, n: (j, bh, n, 0)), partial)
-
-  reverse = _seq_args(q, k, v, g, docs, cfg, reverse=True)
-  values = pl.BlockSpec((None, C, BV), lambda bh, j, n: (bh, N - 1 - n, j))
+  partial = jax.ShapeDtypeStruct((n_tiles, *q.shape), _F32)
+  s = _sweep(q, k, v, g, docs, cfg, reverse=False)
+  dq = _call(_dq_kernel, cfg, s, [S0_T, do], [s.state, s.values], s.partial, partial)
+  s = _sweep(q, k, v, g, docs, cfg, reverse=True)
   dk, dv, dS0_T = _call(
-      _dkv_kernel, cfg, reverse, [dS_end_T, do], [state, values],
-      [pl.BlockSpec((None, None, C, Kp), lambda bh, j, n: (j, bh, N - 1 - n, 0)), values, state],
+      _dkv_kernel, cfg, s, [dS_end_T, do], [s.state, s.values], [s.partial, s.values, s.state],
       (partial, jax.ShapeDtypeStruct(v.shape, _F32), jax.ShapeDtypeStruct(S0_T.shape, _F32)))
   dq, dk = dq.sum(0), dk.sum(0)
   dg = _gate_grad(q, k, dq, dk, S_end_T, dS_end_T, g.shape[-1])
