@@ -116,3 +116,15 @@ def lower_for_gpu(fn, *args, device_kind: str = "NVIDIA H200"):
   mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
   with jax.sharding.use_abstract_mesh(mesh):
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def lower_for_tpu(fn, *args, device_kind: str = "TPU v5p"):
+  """Lowers ``jax.jit(fn)(*args)`` for a TPU from any host (args may be ShapeDtypeStructs).
+
+  Runs the Pallas Mosaic lowering (block shapes, supported primitives; not Mosaic's own layout
+  passes and compilation, which run in libtpu) without a TPU, like ``lower_for_gpu``.
+  """
+  device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="tpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))

@@ -17,7 +17,8 @@ Implementations (all compute the same function; tests/test_gated_linear_attentio
   * ``reference`` / ``recurrent``: ``lax.scan`` over tokens in fp32 (reference.py); the decode path;
   * ``chunked`` / ``xla``: chunks of ``chunk_size`` tokens, ``lax.scan`` over chunks (xla.py);
   * ``parallel``: the materialised T x T form (reference.py), for tests;
-  * ``pallas``: the Triton-Pallas kernel (pallas.py; interpret mode off GPU).
+  * ``pallas``: the Triton-Pallas kernel (pallas.py; interpret mode off GPU), on TPU the Mosaic
+    kernel (pallas_tpu.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from lmcore.kernels import pallas_utils
-from lmcore.kernels.gated_linear_attention import pallas, reference, xla
+from lmcore.kernels.gated_linear_attention import pallas, pallas_tpu, reference, xla
 
 
 class LinearAttentionState(NamedTuple):
@@ -75,7 +76,8 @@ def _backend(implementation: str | None, chunk_size: int):
   if implementation is None:
     implementation = pallas_utils.default_implementation()
   if implementation == "pallas":
-    return functools.partial(pallas.chunked, chunk_size=chunk_size)
+    kernels = pallas_tpu if pallas_utils.backend() == "tpu" else pallas
+    return functools.partial(kernels.chunked, chunk_size=chunk_size)
   if implementation in ("reference", "recurrent"):
     return reference.recurrent
   if implementation == "parallel":
