@@ -151,23 +151,30 @@ def gated_cases(batch, length, dtype):
   def op(impl):
     return lambda q, k, v, g: gated_linear_attention(q, k, v, g, implementation=impl, chunk_size=CHUNK)[0]
 
-  cases = {"pallas (split)": _gated_pallas("split"), "pallas (fused)": _gated_pallas("fused"),
-           "chunked (xla)": op("chunked")}
+  cases = {**_gated_pallas(), "chunked (xla)": op("chunked")}
   if batch * HEADS * length * length <= PARALLEL_MAX_SCORES // 4:  # per-channel gates: K-wide scores
     cases["parallel (reference)"] = op("parallel")
-  flops = {name: chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM)
-           for name in ("pallas (split)", "pallas (fused)", "chunked (xla)")}
+  flops = {name: chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM) for name in cases}
+  if "pallas (tpu)" in cases:  # compiled Mosaic chunks are >= 128 tokens
+    flops["pallas (tpu)"] = chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM, chunk=max(CHUNK, 128))
   flops["parallel (reference)"] = parallel_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM)
   return args, cases, flops
 
 
-def _gated_pallas(form: str):
-  try:
-    from lmcore.kernels.gated_linear_attention.pallas import gated_linear_attention_pallas
-  except ImportError as e:
-    return f"unavailable: {e}"
-  return lambda q, k, v, g: gated_linear_attention_pallas(q, k, v, g, state=None, chunk_size=CHUNK,
-                                                          normalize=False, form=form)[0]
+def _gated_pallas() -> dict:
+  """The gated kernels of this backend: Mosaic on TPU, else both Triton forms (split, fused)."""
+  from lmcore.kernels import pallas_utils
+  from lmcore.kernels.gated_linear_attention import pallas, pallas_tpu
+
+  if pallas_utils.backend() == "tpu":
+    return {"pallas (tpu)": lambda q, k, v, g: pallas_tpu.gated_linear_attention_tpu(
+        q, k, v, g, chunk_size=CHUNK)[0]}
+
+  def form(name):
+    return lambda q, k, v, g: pallas.gated_linear_attention_pallas(
+        q, k, v, g, state=None, chunk_size=CHUNK, normalize=False, form=name)[0]
+
+  return {"pallas (split)": form("split"), "pallas (fused)": form("fused")}
 
 
 def taylor_cases(batch, length, dtype):
