@@ -101,6 +101,7 @@ def _features(u_ref, pos_ref, refs: _Refs, start, cfg: KernelConfig, with_vjp: b
   (channels x [n, dp] in the input dtype, zero on padding), and (if asked) their VJP w.r.t.
   (u, omega, lam_raw)."""
   u = u_ref[...]
+  # The same feature function as the Triton kernels; it takes the positions as a vector [n].
   fn = pallas_blocked._feature_fn(pos_ref[...][:, 0], start, u.shape, cfg)
   args = (u.astype(_F32), refs.omega[...], refs.lam_raw[...])
   phi, vjp = jax.vjp(fn, *args) if with_vjp else (fn(*args), None)
@@ -108,11 +109,13 @@ def _features(u_ref, pos_ref, refs: _Refs, start, cfg: KernelConfig, with_vjp: b
 
 
 def _cache(scratch, phi) -> None:
+  """Stores a block's feature channels in a VMEM scratch buffer [channels, n, dp]."""
   for c, a in enumerate(phi):
     scratch[c] = a
 
 
 def _cached(scratch, cfg: KernelConfig) -> tuple:
+  """The channels of a [channels, n, dp] scratch buffer as a tuple of [n, dp] arrays."""
   return tuple(scratch[c] for c in range(cfg.n_channels))
 
 
