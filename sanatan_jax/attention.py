@@ -12,7 +12,8 @@ with ``s_tj = Phi(q_t).Phi(k_j)`` (features.py; 4ch clips ``s`` at 0, 3ch legacy
 * ``pallas``: Triton-Pallas kernels with the features computed inside them and a custom VJP. p = 1
   with 6ch: the chunked recurrence (kernels/pallas_p1.py; chunk-parallel "split" form by default,
   its own chunk, not ``chunk_size``). Every other p and channel variant: the blocked, flash-style kernels
-  (kernels/pallas_blocked.py; their own blocks, not ``block_size``), no state.
+  (kernels/pallas_blocked.py; their own blocks, not ``block_size``), no state; on a TPU their Mosaic
+  form (kernels/pallas_blocked_tpu.py).
 * ``recurrent`` (p = 1, 6ch): write-then-read ``S_t = S_{t-1} + Phi(k_t) v_t^T``,
   ``z_t = z_{t-1} + Phi(k_t)``, ``o_t = Phi(q_t)^T S_t / (Phi(q_t)^T z_t + c eps)``.
 
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 from lmcore.kernels import pallas_utils
 from lmcore.mixers.base import default_positions
 from sanatan_jax import features
-from sanatan_jax.kernels import pallas_blocked, pallas_p1
+from sanatan_jax.kernels import pallas_blocked, pallas_blocked_tpu, pallas_p1
 
 EPS = 1e-6
 IMPLEMENTATIONS = ("parallel", "blocked", "chunked", "recurrent", "pallas")
@@ -310,9 +311,10 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
     return pallas_p1.sanatan_p1_pallas(q, k, v, omega, lam_raw, positions=positions,
                                        segment_ids=segment_ids, state=state, rotate=rotate)
   if implementation == "pallas":
-    return pallas_blocked.sanatan_blocked_pallas(
-        q, k, v, omega, lam_raw, positions=positions, segment_ids=segment_ids, p=p,
-        channels=channels, three_channel=three_channel, rotate=rotate), None
+    blocked = (pallas_blocked_tpu.sanatan_blocked_tpu if pallas_utils.backend() == "tpu"
+               else pallas_blocked.sanatan_blocked_pallas)
+    return blocked(q, k, v, omega, lam_raw, positions=positions, segment_ids=segment_ids, p=p,
+                   channels=channels, three_channel=three_channel, rotate=rotate), None
   if positions is None:
     positions = default_positions(B, T, None if state is None else state.position)
   run_BxT = segment_runs(segment_ids, B, T)
