@@ -16,10 +16,10 @@ chunk's step to the next (loaded from the initial state at chunk 0, written out 
 Arrays are head-major, [B·H, T, ·], time padded to whole chunks; compiled chunks hold at least
 128 tokens.
 
-Lane-paired channels. The six channels of dimension a are ``g cos^0, g cos th, g sin th`` for the
-gate g = 1 (channels 1, cos, sin) and g = r (channels r, r cos, r sin). The kernels take q and k
-with every head dimension twice, [u | u], padded to Dp = 2d rounded up to 128 lanes, and set
-g = 1 on the first d lanes and g = r on the next d: three [C, Dp] feature arrays
+Lane-paired channels. The six channels of dimension a are (g, g cos th, g sin th) for the gate
+g = 1 (channels 1, cos th, sin th) and for g = r (channels r, r cos th, r sin th). The kernels
+take q and k with every head dimension twice, [u | u], padded to Dp = 2d rounded up to 128 lanes,
+and set g = 1 on the first d lanes and g = r on the next d: three [C, Dp] feature arrays
 
     P_0 = g,   P_1 = g cos th,   P_2 = g sin th,
 
@@ -118,7 +118,8 @@ def _feature_pairs(u, omega, lam_raw, pos, head_dim: int):
 
 
 def _phi(u_ref, seq: _Seq, cfg: KernelConfig, differentiate: bool):
-  """Features of a raw q or k chunk in its dtype, and their VJP when ``differentiate``."""
+  """Features of a raw q or k chunk in its dtype, and their VJP (to (u, omega, lam_raw)) when
+  ``differentiate``, else None."""
   pos = seq.pos[...]
   fn = lambda u, omega, lam_raw: _feature_pairs(u, omega, lam_raw, pos, cfg.head_dim)
   args = (u_ref[...].astype(_F32), seq.omega[...], seq.lam[...])
@@ -126,10 +127,10 @@ def _phi(u_ref, seq: _Seq, cfg: KernelConfig, differentiate: bool):
   return tuple(x.astype(u_ref.dtype) for x in phi), vjp
 
 
-def _load(seq: _Seq, cfg: KernelConfig, differentiate: bool = False):
-  """(_Chunk, VJP of Phi(q), VJP of Phi(k))."""
-  phi_q, q_vjp = _phi(seq.q, seq, cfg, differentiate)
-  phi_k, k_vjp = _phi(seq.k, seq, cfg, differentiate)
+def _load(seq: _Seq, cfg: KernelConfig, vjp_of: str | None = None):
+  """(_Chunk, the VJP of Phi(q) if ``vjp_of`` is "q", of Phi(k) if "k", else None)."""
+  phi_q, q_vjp = _phi(seq.q, seq, cfg, vjp_of == "q")
+  phi_k, k_vjp = _phi(seq.k, seq, cfg, vjp_of == "k")
   C = cfg.chunk
   iota = functools.partial(jax.lax.broadcasted_iota, jnp.int32, (C, C))
   visible = (iota(0) >= iota(1)) & (seq.doc[...] == seq.doc_row[...])
@@ -137,7 +138,7 @@ def _load(seq: _Seq, cfg: KernelConfig, differentiate: bool = False):
   # sublane extract.
   chunk = _Chunk(phi_q, phi_k, seq.v[...], visible, seq.reads[...] != 0, seq.writes[...] != 0,
                  seq.reads[C - 1:, :] != 0)
-  return chunk, q_vjp, k_vjp
+  return chunk, q_vjp or k_vjp
 
 
 def _masked(phi, mask):
@@ -166,7 +167,8 @@ def _advance(S, x: _Chunk):
 
 
 def _retreat(dS, x: _Chunk, dN):
-  """dS before the chunk from dS after it: kept (or cut at a new run), plus the reads' Phi(q) dNᵀ."""
+  """dS before the chunk from dS after it: kept (or cut at a new run), plus Phi(q) dNᵀ of the
+  tokens that read the state."""
   return tuple(jnp.where(x.keep, dS_p, 0.0) + pu.dot(a, dN, trans_a=True)
                for dS_p, a in zip(dS, _masked(x.phi_q, x.reads)))
 
@@ -236,10 +238,16 @@ def _last_step(out_ref, carry_ref) -> None:
 
 # Kernels. Grid (batch·head, value tile, chunk); the last ref is the fp32 VMEM state scratch.
 
+def _split(refs):
+  """The kernel's refs as (_Seq of the chunk inputs, the remaining refs)."""
+  n_seq = len(_Seq._fields)
+  return _Seq(*refs[:n_seq]), refs[n_seq:]
+
+
 def _forward_kernel(*refs, cfg: KernelConfig):
-  seq, (S0_ref, N_ref, ST_ref, S_ref) = _Seq(*refs[:len(_Seq._fields)]), refs[len(_Seq._fields):]
+  seq, (S0_ref, N_ref, ST_ref, S_ref) = _split(refs)
   _first_step(S_ref, S0_ref)
-  x, _, _ = _load(seq, cfg)
+  x, _ = _load(seq, cfg)
   S = _tiles(S_ref)
   N_ref[...] = _numerator(x, S)
   _store(S_ref, _advance(S, x))
@@ -248,10 +256,9 @@ def _forward_kernel(*refs, cfg: KernelConfig):
 
 def _dq_kernel(*refs, cfg: KernelConfig):
   """Forward sweep: dq, d omega, d lam_raw through Phi(q) (partial over this value tile)."""
-  seq, rest = _Seq(*refs[:len(_Seq._fields)]), refs[len(_Seq._fields):]
-  S0_ref, dN_ref, dq_ref, domega_ref, dlam_ref, S_ref = rest
+  seq, (S0_ref, dN_ref, dq_ref, domega_ref, dlam_ref, S_ref) = _split(refs)
   _first_step(S_ref, S0_ref)
-  x, q_vjp, _ = _load(seq, cfg, differentiate=True)
+  x, q_vjp = _load(seq, cfg, vjp_of="q")
   S = _tiles(S_ref)
   dq, d_omega, d_lam = q_vjp(_dphi_q(x, dN_ref[...], S))
   dq_ref[...] = dq
@@ -261,10 +268,9 @@ def _dq_kernel(*refs, cfg: KernelConfig):
 
 def _dkv_kernel(*refs, cfg: KernelConfig):
   """Reverse sweep: dk, d omega, d lam_raw through Phi(k) (partial), dv and dS_0, carrying dS."""
-  seq, rest = _Seq(*refs[:len(_Seq._fields)]), refs[len(_Seq._fields):]
-  dST_ref, dN_ref, dk_ref, dv_ref, domega_ref, dlam_ref, dS0_ref, dS_ref = rest
+  seq, (dST_ref, dN_ref, dk_ref, dv_ref, domega_ref, dlam_ref, dS0_ref, dS_ref) = _split(refs)
   _first_step(dS_ref, dST_ref)
-  x, _, k_vjp = _load(seq, cfg, differentiate=True)
+  x, k_vjp = _load(seq, cfg, vjp_of="k")
   dN, dS = dN_ref[...], _tiles(dS_ref)
   dk, d_omega, d_lam = k_vjp(_dphi_k(x, dN, dS))
   dk_ref[...] = dk
@@ -398,10 +404,13 @@ def _twice(x_xd: jax.Array) -> jax.Array:
   return jnp.concatenate([x_xd, x_xd], axis=-1)
 
 
-def _to_kernel_state(state, B, H, d, Dp, Vp):
+def _to_kernel_state(state, B, H, d, V, Dp, Vp):
   """SanatanState's S [B, H, 6d, V] and z [B, H, 6d] (index 6a + c) -> the kernels' fp32
-  [B·H, 3, Dp, Vp]: z as value column V, channel c = 3 g + p at lane g d + a of tile p."""
-  V1 = state.S.shape[-1] + 1
+  [B·H, 3, Dp, Vp]: z as value column V; channel c = 3 h + p (h = 0: gate 1, h = 1: gate r) at
+  row h d + a of tile p. Zeros for no state."""
+  if state is None:
+    return jnp.zeros((B * H, PAIRS, Dp, Vp), _F32)
+  V1 = V + 1
   S = jnp.concatenate([state.S.astype(_F32), state.z.astype(_F32)[..., None]], axis=-1)
   S = S.reshape(B, H, d, 2, PAIRS, V1).transpose(0, 1, 4, 3, 2, 5).reshape(B * H, PAIRS, 2 * d, V1)
   return pu.pad_axis(pu.pad_axis(S, 2, Dp), 3, Vp)
@@ -445,9 +454,6 @@ def sanatan_p1_tpu(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array,
   V = v.shape[-1]
   if positions is None:
     positions = default_positions(B, T, None if state is None else state.position)
-  if state is None:
-    state = attention.SanatanState(jnp.zeros((B, H, CHANNELS * d, V), _F32),
-                                   jnp.zeros((B, H, CHANNELS * d), _F32), None)
   C = chunk_size if interpret else max(chunk_size, LANES)
   Tp, Dp, Vp = pu.round_up(T, C), pu.round_up(2 * d, LANES), pu.round_up(V + 1, block_v)
   cfg = KernelConfig(chunk=C, block_v=block_v, head_dim=d, n_heads=H, interpret=interpret)
@@ -458,7 +464,7 @@ def sanatan_p1_tpu(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array,
                 gated_tpu._heads_first(_twice(k), Tp, Dp), gated_tpu._heads_first(v1, Tp, Vp),
                 pu.pad_axis(pos, 1, Tp)[..., None],
                 gated_tpu._documents(attention.segment_runs(segment_ids, B, T), Tp, C),
-                param(omega), param(lam_raw), _to_kernel_state(state, B, H, d, Dp, Vp), cfg)
+                param(omega), param(lam_raw), _to_kernel_state(state, B, H, d, V, Dp, Vp), cfg)
   N_BxTxHxV = jnp.swapaxes(N.reshape(B, H, Tp, Vp)[:, :, :T, :V + 1], 1, 2)
   c_eps = features.score_scale(CHANNELS, "clean", d) * attention.EPS
   o = N_BxTxHxV[..., :V] / (N_BxTxHxV[..., V:] + c_eps)
