@@ -11,7 +11,8 @@ with ``s_tj = Phi(q_t).Phi(k_j)`` (features.py; 4ch clips ``s`` at 0, 3ch legacy
 * ``chunked`` (p = 1, 6ch): chunked linear attention, intra-chunk causal block + fp32 state.
 * ``pallas``: Triton-Pallas kernels with the features computed inside them and a custom VJP. p = 1
   with 6ch: the chunked recurrence (kernels/pallas_p1.py; chunk-parallel "split" form by default,
-  its own chunk, not ``chunk_size``). Every other p and channel variant: the blocked, flash-style kernels
+  its own chunk, not ``chunk_size``; on a TPU the Mosaic kernels of kernels/pallas_p1_tpu.py).
+  Every other p and channel variant: the blocked, flash-style kernels
   (kernels/pallas_blocked.py; their own blocks, not ``block_size``), no state; on a TPU their Mosaic
   form (kernels/pallas_blocked_tpu.py).
 * ``recurrent`` (p = 1, 6ch): write-then-read ``S_t = S_{t-1} + Phi(k_t) v_t^T``,
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 from lmcore.kernels import pallas_utils
 from lmcore.mixers.base import default_positions
 from sanatan_jax import features
-from sanatan_jax.kernels import pallas_blocked, pallas_blocked_tpu, pallas_p1
+from sanatan_jax.kernels import pallas_blocked, pallas_blocked_tpu, pallas_p1, pallas_p1_tpu
 
 EPS = 1e-6
 IMPLEMENTATIONS = ("parallel", "blocked", "chunked", "recurrent", "pallas")
@@ -308,8 +309,10 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
   validate_options(p=p, channels=channels, three_channel=three_channel,
                    implementation=implementation)
   if implementation == "pallas" and has_constant_state(p, channels):
-    return pallas_p1.sanatan_p1_pallas(q, k, v, omega, lam_raw, positions=positions,
-                                       segment_ids=segment_ids, state=state, rotate=rotate)
+    kernels = (pallas_p1_tpu.sanatan_p1_tpu if pallas_utils.backend() == "tpu"
+               else pallas_p1.sanatan_p1_pallas)
+    return kernels(q, k, v, omega, lam_raw, positions=positions, segment_ids=segment_ids,
+                   state=state, rotate=rotate)
   if implementation == "pallas":
     blocked = (pallas_blocked_tpu.sanatan_blocked_tpu if pallas_utils.backend() == "tpu"
                else pallas_blocked.sanatan_blocked_pallas)
