@@ -86,7 +86,8 @@ class KernelConfig(NamedTuple):
 
 
 class _Seq(NamedTuple):
-  """One chunk's input blocks (refs): head-major sequences and per-batch-row run arrays."""
+  """A grid step's input blocks (refs): one chunk of the head-major sequences and of the
+  per-batch-row run arrays, and the feature maps (the same block at every step)."""
 
   q: Any  # [C, Kp] input dtype, zero past d'
   k: Any  # [C, Kp]
@@ -115,7 +116,7 @@ class _Chunk(NamedTuple):
 
 
 def _split(refs):
-  """The kernel's refs as (_Seq of the chunk inputs, the remaining refs)."""
+  """The kernel's refs as (_Seq of the step's inputs, the remaining refs)."""
   n_seq = len(_Seq._fields)
   return _Seq(*refs[:n_seq]), refs[n_seq:]
 
