@@ -2,8 +2,8 @@
 
 Three XLA implementations of one function, parallel, chunked, recurrent, and Pallas kernels
 (``implementation="pallas"``, no decay ablation): ``based_jax.kernels.pallas_taylor`` (Triton) off
-TPU, ``based_jax.kernels.pallas_taylor_tpu`` (Mosaic) when ``pallas_utils.backend()`` is a TPU. Per head, with
-``A_tj = phi(q_t)·phi(k_j) = 1 + s + s²/2`` and ``s = q_t·k_j / sqrt(d')``::
+TPU, ``based_jax.kernels.pallas_taylor_tpu`` (Mosaic) where ``pallas_utils.backend()`` is "tpu".
+Per head, with ``A_tj = phi(q_t)·phi(k_j) = 1 + s + s²/2`` and ``s = q_t·k_j / sqrt(d')``::
 
     y_t = dt_t · sum_{j<=t} gamma^(t-j) A_tj v_j / (sum_{j<=t} A_tj + eps)
 
