@@ -1,8 +1,9 @@
 """Causal Taylor linear attention of BASED (SPEC §2.1, based_zoology §1–§2).
 
-Three XLA implementations of one function, parallel, chunked, recurrent, and the Pallas kernels of
-``based_jax.kernels.pallas_taylor`` (``implementation="pallas"``, no decay ablation). Per head, with
-``A_tj = phi(q_t)·phi(k_j) = 1 + s + s²/2`` and ``s = q_t·k_j / sqrt(d')``::
+Three XLA implementations of one function, parallel, chunked, recurrent, and Pallas kernels
+(``implementation="pallas"``, no decay ablation): ``based_jax.kernels.pallas_taylor`` (Triton) off
+TPU, ``based_jax.kernels.pallas_taylor_tpu`` (Mosaic) where ``pallas_utils.backend()`` is "tpu".
+Per head, with ``A_tj = phi(q_t)·phi(k_j) = 1 + s + s²/2`` and ``s = q_t·k_j / sqrt(d')``::
 
     y_t = dt_t · sum_{j<=t} gamma^(t-j) A_tj v_j / (sum_{j<=t} A_tj + eps)
 
@@ -30,8 +31,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from based_jax.kernels import pallas_taylor
+from based_jax.kernels import pallas_taylor, pallas_taylor_tpu
 from based_jax.taylor import Feature, feature_width, taylor_features, taylor_kernel
+from lmcore.kernels import pallas_utils
 
 IMPLEMENTATIONS: tuple[str, ...] = ("parallel", "chunked", "recurrent")  # the XLA forms
 VALID_IMPLEMENTATIONS: tuple[str, ...] = IMPLEMENTATIONS + ("pallas",)
@@ -80,7 +82,8 @@ def taylor_linear_attention(
     v: values [B, T, H, dv].
     implementation: ``parallel`` (materialised T x T scores), ``chunked`` (``lax.scan`` over
       chunks of ``chunk_size``), ``recurrent`` (``lax.scan`` over tokens) or ``pallas`` (the
-      chunk-parallel kernels; interpret mode off GPU; no ``decay``/``dt``); same function.
+      kernels: chunk-parallel Triton on GPU, interpreted on CPU; sequential-chunk Mosaic on TPU;
+      no ``decay``/``dt``); same function.
     state: the state after a prefix of this sequence, or None for the start of a sequence.
     eps: added to the denominator.
     feature: ``compact`` (F = 153 at d' = 16) or ``full`` (F = 273): same function, different
@@ -96,9 +99,10 @@ def taylor_linear_attention(
   batch, length, heads, key_dim = q.shape
   _check_args(q, k, v, implementation, decay, dt, segment_ids)
   if implementation == "pallas":
-    return pallas_taylor.taylor_linear_attention_pallas(
-        q, k, v, state=state, eps=eps, feature=feature, chunk_size=chunk_size,
-        segment_ids=segment_ids)
+    kernels = (pallas_taylor_tpu.taylor_linear_attention_tpu if pallas_utils.backend() == "tpu"
+               else pallas_taylor.taylor_linear_attention_pallas)
+    return kernels(q, k, v, state=state, eps=eps, feature=feature, chunk_size=chunk_size,
+                   segment_ids=segment_ids)
   if state is None:
     state = zero_state(batch, heads, key_dim, v.shape[-1], feature)
   state = TaylorState(*(x.astype(jnp.float32) for x in state))

@@ -1,5 +1,7 @@
-"""Pallas kernels for BASED (SPEC §2.1): chunk-parallel Taylor linear attention, custom VJP."""
+"""Pallas kernels for BASED (SPEC §2.1): Taylor linear attention with a custom VJP, chunk-parallel
+for GPUs (Triton) and in sequential chunks for TPUs (Mosaic)."""
 
 from based_jax.kernels.pallas_taylor import taylor_linear_attention_pallas
+from based_jax.kernels.pallas_taylor_tpu import taylor_linear_attention_tpu
 
-__all__ = ["taylor_linear_attention_pallas"]
+__all__ = ["taylor_linear_attention_pallas", "taylor_linear_attention_tpu"]
