@@ -23,6 +23,7 @@ import numpy as np
 HEADS, HEAD_DIM = 12, 64  # the SANATAN / GLA-reference shape of issue 7
 TAYLOR_HEADS, TAYLOR_DIM = 16, 16
 CHUNK = 64
+TPU_CHUNK = 128  # the Mosaic kernels' smallest compiled chunk
 PARALLEL_MAX_SCORES = 2 ** 33  # skip the materialised form beyond ~8.6e9 score entries
 
 
@@ -83,6 +84,13 @@ def parallel_flops(batch, length, heads, features, values):
   return batch * heads * length * length * (features + values)
 
 
+def _pallas_name() -> str:
+  """The row name of an op's ``implementation="pallas"``: Mosaic on TPU, Triton elsewhere."""
+  from lmcore.kernels import pallas_utils
+
+  return "pallas (tpu)" if pallas_utils.backend() == "tpu" else "pallas"
+
+
 def _sanatan_args(batch, length, dtype):
   """q, k, v, omega, lam_raw of the SANATAN cases (q, k scaled as after the 1/sqrt(d) projection)."""
   keys = jax.random.split(jax.random.key(0), 5)
@@ -105,17 +113,21 @@ def sanatan_cases(batch, length, dtype):
     cases["parallel (reference)"] = op("parallel")
   F = 6 * HEAD_DIM
   flops = {impl: chunked_flops(batch, length, HEADS, F, HEAD_DIM) for impl in cases}
+  if "pallas (tpu)" in cases:  # compiled Mosaic chunks are >= 128 tokens
+    flops["pallas (tpu)"] = chunked_flops(batch, length, HEADS, F, HEAD_DIM, chunk=TPU_CHUNK)
   flops["parallel (reference)"] = parallel_flops(batch, length, HEADS, F, HEAD_DIM)
   return args, cases, flops
 
 
 def _sanatan_pallas() -> dict:
-  """Both forms of the SANATAN p = 1 kernel: split at chunks 64 (its default) and 32, fused at its
-  tuned 16; the faster form stays, the other goes (docs/DECISIONS.md)."""
-  try:
-    from sanatan_jax.kernels import sanatan_p1_pallas
-  except ImportError as e:  # The benchmark still runs without the kernel package.
-    return {"pallas": f"unavailable: {e}"}
+  """The SANATAN p = 1 kernels of this backend: Mosaic on TPU (chunk 128), else both Triton forms,
+  split at chunks 64 (its default) and 32, fused at its tuned 16; the faster form stays, the other
+  goes (docs/DECISIONS.md)."""
+  from lmcore.kernels import pallas_utils
+  from sanatan_jax.kernels import sanatan_p1_pallas, sanatan_p1_tpu
+
+  if pallas_utils.backend() == "tpu":
+    return {"pallas (tpu)": lambda q, k, v, w, l: sanatan_p1_tpu(q, k, v, w, l)[0]}
 
   def form(name, chunk_size=None):
     return lambda q, k, v, w, l: sanatan_p1_pallas(q, k, v, w, l, form=name, chunk_size=chunk_size)[0]
@@ -132,7 +144,7 @@ def sanatan_p2_cases(batch, length, dtype):
   def op(impl):
     return lambda q, k, v, w, l: sanatan_attention(q, k, v, w, l, p=2, implementation=impl)[0]
 
-  cases = {"pallas": op("pallas"), "blocked (xla)": op("blocked")}
+  cases = {_pallas_name(): op("pallas"), "blocked (xla)": op("blocked")}
   if batch * HEADS * length * length <= PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = op("parallel")
   flops = parallel_flops(batch, length, HEADS, 6 * HEAD_DIM, HEAD_DIM)
@@ -156,7 +168,7 @@ def gated_cases(batch, length, dtype):
     cases["parallel (reference)"] = op("parallel")
   flops = {name: chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM) for name in cases}
   if "pallas (tpu)" in cases:  # compiled Mosaic chunks are >= 128 tokens
-    flops["pallas (tpu)"] = chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM, chunk=max(CHUNK, 128))
+    flops["pallas (tpu)"] = chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM, chunk=TPU_CHUNK)
   flops["parallel (reference)"] = parallel_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM)
   return args, cases, flops
 
@@ -188,11 +200,14 @@ def taylor_cases(batch, length, dtype):
   def op(impl):
     return lambda q, k, v: taylor_linear_attention(q, k, v, implementation=impl, chunk_size=CHUNK)[0]
 
-  cases = {"pallas": op("pallas"), "chunked (xla)": op("chunked")}
+  pallas_name = _pallas_name()
+  cases = {pallas_name: op("pallas"), "chunked (xla)": op("chunked")}
   if batch * TAYLOR_HEADS * length * length <= PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = op("parallel")
   F = 1 + TAYLOR_DIM + TAYLOR_DIM * (TAYLOR_DIM + 1) // 2  # the compact feature width, 153
-  flops = {impl: chunked_flops(batch, length, TAYLOR_HEADS, F, HEAD_DIM) for impl in ("pallas", "chunked (xla)")}
+  flops = {impl: chunked_flops(batch, length, TAYLOR_HEADS, F, HEAD_DIM) for impl in (pallas_name, "chunked (xla)")}
+  if pallas_name == "pallas (tpu)":  # compiled Mosaic chunks are >= 128 tokens
+    flops[pallas_name] = chunked_flops(batch, length, TAYLOR_HEADS, F, HEAD_DIM, chunk=TPU_CHUNK)
   flops["parallel (reference)"] = parallel_flops(batch, length, TAYLOR_HEADS, TAYLOR_DIM + 2, HEAD_DIM)
   return args, cases, flops
 
