@@ -1,0 +1,29 @@
+"""The kernel agreement check on CPU (kernels interpreted): rows, limits, resumable JSONL, table."""
+
+from lmcore import kernel_check
+
+
+def test_gated_kernels_agree_with_xla_and_rows_are_not_checked_twice(tmp_path, monkeypatch):
+  jsonl = tmp_path / "agreement.jsonl"
+  rows = kernel_check.run(ops=["gated"], dtypes=["float32"], length=40, batch=1, jsonl=str(jsonl))
+  assert [r.impl for r in rows] == ["pallas (split)", "pallas (fused)"]
+  for r in rows:
+    assert r.reference == "chunked (xla)" and set(r.grad_rel) == {"d_arg0", "d_arg1", "d_arg2", "d_arg3"}
+    assert r.passed and r.worst <= kernel_check.LIMITS["float32"], r
+
+  def must_not_run(*args, **kwargs):
+    raise AssertionError("an (op, dtype) already in the JSONL was checked again")
+
+  monkeypatch.setattr(kernel_check, "check_op", must_not_run)
+  again = kernel_check.run(ops=["gated"], dtypes=["float32"], length=40, batch=1, jsonl=str(jsonl))
+  assert [(r.impl, r.worst) for r in again] == [(r.impl, r.worst) for r in rows]
+  assert "| gated | pallas (split) | chunked (xla) | float32 | 40 | 1 |" in kernel_check.format_table(again)
+  assert all(r.xla_worst is None for r in again)  # only bf16 rows measure the XLA path's own error
+
+
+def test_a_kernel_that_disagrees_fails_its_row():
+  wrong = kernel_check.Agreement("op", "pallas", "xla", "bfloat16", 8, 1, 1e-3, {"d_arg0": 5e-3},
+                                 kernel_check.LIMITS["bfloat16"], xla_worst=4e-3)
+  assert wrong.worst == 5e-3 and not wrong.passed
+  failed = kernel_check.Agreement("op", "pallas", "xla", "float32", 8, 1, None, None, 1e-5, note="boom")
+  assert failed.worst is None and not failed.passed
