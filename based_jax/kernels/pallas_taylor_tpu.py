@@ -417,21 +417,6 @@ def _from_kernel_state(X_BxHxFxW, S0_BxHxFxW, keep_B, d: int, feature):
   return linear_map(M.T, X_BxHxFxW) + keep_B[:, None, None, None] * unread
 
 
-def _resolve_interpret(interpret):
-  """``pallas_call``'s ``interpret``: True runs Pallas' generic interpreter, a
-  ``pltpu.InterpretParams`` the TPU simulator; None interprets wherever the kernels do not compile,
-  i.e. off TPU. False compiles, which only a TPU backend can."""
-  if interpret is None:
-    interpret = pu.backend() != "tpu"
-  if interpret:
-    return interpret
-  if pu.backend() != "tpu":
-    raise NotImplementedError(
-        f"{_OP}: the Mosaic kernels compile only for TPUs, not {pu.backend()!r}; use "
-        f"implementation='chunked' (XLA) or pass interpret=True")
-  return False
-
-
 def _check_sizes(chunk_size: int, block_v: int, compiled: bool) -> None:
   """Raises ValueError for block sizes the kernels (or, when compiled, the TPU tiles) reject."""
   if chunk_size < 1 or chunk_size & (chunk_size - 1):
@@ -470,7 +455,8 @@ def taylor_linear_attention_tpu(
   Returns:
     o [B, T, H, dv] in v's dtype; the fp32 TaylorState after the last token.
   """
-  interpret = _resolve_interpret(interpret)
+  interpret = pu.resolve_tpu_interpret(interpret, _OP,
+                                        "implementation='chunked'")
   _check_sizes(chunk_size, block_v, compiled=not interpret)
   B, T, H, d = q.shape
   V = v.shape[-1]

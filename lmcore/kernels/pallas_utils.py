@@ -51,6 +51,23 @@ def check_backend(interpret: bool, op: str, fallback: str) -> None:
         f"{fallback} or pass interpret=True")
 
 
+def resolve_tpu_interpret(interpret, op: str, fallback: str):
+  """``pallas_call``'s ``interpret`` for the Mosaic TPU kernels.
+
+  True runs Pallas' generic interpreter (a scan over the grid, scratch NaN-filled), a
+  ``pltpu.InterpretParams`` the slower TPU simulator (VMEM, DMAs, bounds checks); None interprets
+  wherever the kernels do not compile, i.e. off TPU. False compiles, which only a TPU can.
+  """
+  if interpret is None:
+    interpret = backend() != "tpu"
+  if interpret:
+    return interpret
+  if backend() != "tpu":
+    raise NotImplementedError(f"{op}: the Mosaic kernels compile only for TPUs, not {backend()!r}; "
+                              f"use {fallback} (XLA) or pass interpret=True")
+  return False
+
+
 def compiler_params(interpret: bool, num_warps: int, num_stages: int):
   """Triton compiler parameters; passing them is what selects the Triton lowering on JAX >= 0.9."""
   if interpret:

@@ -340,20 +340,6 @@ def _fused_bwd(cfg, residuals, do):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _resolve_interpret(interpret):
-  """``pallas_call``'s ``interpret``: True runs Pallas' generic interpreter, a
-  ``pltpu.InterpretParams`` the TPU simulator; None interprets off TPU. False compiles (TPU only)."""
-  if interpret is None:
-    interpret = pu.backend() != "tpu"
-  if interpret:
-    return interpret
-  if pu.backend() != "tpu":
-    raise NotImplementedError(
-        f"sanatan_blocked_tpu: the Mosaic kernels compile only for TPUs, not {pu.backend()!r}; "
-        f"use sanatan_attention(implementation='blocked') (XLA) or pass interpret=True")
-  return False
-
-
 def _check_options(p, channels, three_channel, block_q, block_k):
   if not isinstance(p, int) or p < 1:
     raise ValueError(f"sanatan_blocked_tpu: p must be a positive integer, got {p!r}")
@@ -395,7 +381,8 @@ def sanatan_blocked_tpu(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Arr
   Returns:
     o [B, T, H, dv] in v's dtype.
   """
-  interpret = _resolve_interpret(interpret)
+  interpret = pu.resolve_tpu_interpret(interpret, "sanatan_blocked_tpu",
+                                        "sanatan_attention(implementation='blocked')")
   _check_options(p, channels, three_channel, block_q, block_k)
   B, T, H, d = q.shape
   V = v.shape[-1]

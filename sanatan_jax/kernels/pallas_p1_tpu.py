@@ -370,20 +370,6 @@ def _fused_bwd(cfg, residuals, cotangents):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _resolve_interpret(interpret):
-  """``pallas_call``'s ``interpret``: True runs Pallas' generic interpreter, a
-  ``pltpu.InterpretParams`` the TPU simulator; None interprets off TPU. False compiles."""
-  if interpret is None:
-    interpret = pu.backend() != "tpu"
-  if interpret:
-    return interpret
-  if pu.backend() != "tpu":
-    raise NotImplementedError(
-        f"sanatan_p1_tpu: the Mosaic kernels compile only for TPUs, not {pu.backend()!r}; use "
-        f"sanatan_attention(implementation='chunked') (XLA) or pass interpret=True")
-  return False
-
-
 def _check(chunk_size: int, block_v: int, compiled: bool, q, v, state) -> None:
   """Raises ValueError for block sizes the kernels (or, compiled, the TPU tiles) reject and for a
   state of the wrong shape."""
@@ -448,7 +434,8 @@ def sanatan_p1_tpu(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array,
   Returns:
     o [B, T, H, dv] in v's dtype and the SanatanState after the last token (fp32 S, z).
   """
-  interpret = _resolve_interpret(interpret)
+  interpret = pu.resolve_tpu_interpret(interpret, "sanatan_p1_tpu",
+                                        "sanatan_attention(implementation='chunked')")
   _check(chunk_size, block_v, not interpret, q, v, state)
   B, T, H, d = q.shape
   V = v.shape[-1]

@@ -463,21 +463,6 @@ def _gate_grad(q, k, dq, dk, S_end_T, dS_end_T, G):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _resolve_interpret(interpret):
-  """``pallas_call``'s ``interpret``: True runs Pallas' generic interpreter (a scan over the grid,
-  scratch NaN-filled), a ``pltpu.InterpretParams`` the slower TPU simulator (VMEM, DMAs, bounds
-  checks); None interprets wherever the kernels do not compile, i.e. off TPU. False compiles."""
-  if interpret is None:
-    interpret = pu.backend() != "tpu"
-  if interpret:
-    return interpret
-  if pu.backend() != "tpu":
-    raise NotImplementedError(
-        f"gated_linear_attention: the Mosaic kernels compile only for TPUs, not {pu.backend()!r}; "
-        f"use implementation='chunked' (XLA) or pass interpret=True")
-  return False
-
-
 def _check_sizes(chunk_size: int, sub_chunk: int, block_v: int, compiled: bool) -> None:
   """Raises ValueError for block sizes the kernels (or, when compiled, the TPU tiles) reject."""
   for name, size in (("chunk_size", chunk_size), ("sub_chunk", sub_chunk)):
@@ -506,7 +491,8 @@ def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: fl
   chunks hold max(chunk_size, 128) tokens and ``block_v`` must be a multiple of 128; interpreted
   (``interpret=True``, or None off TPU) any powers of two run, so that tests cross many chunks.
   """
-  interpret = _resolve_interpret(interpret)
+  interpret = pu.resolve_tpu_interpret(interpret, "gated_linear_attention",
+                                        "implementation='chunked'")
   _check_sizes(chunk_size, sub_chunk, block_v, compiled=not interpret)
   B, T, H, K = q_BxTxHxK.shape
   V, G = v_BxTxHxV.shape[-1], g_BxTxHxG.shape[-1]
