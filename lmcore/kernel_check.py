@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from lmcore import bench
+from lmcore.numerics import relative_l2
 
 LIMITS = {"float32": 1e-5, "bfloat16": 2e-3}
 CHECKED_OPS = ("sanatan_p1", "sanatan_p2", "gated", "taylor")
@@ -49,11 +50,6 @@ class Agreement:
   @property
   def passed(self) -> bool:
     return self.worst is not None and self.worst <= self.limit
-
-
-def relative_l2(a: jax.Array, b: jax.Array) -> float:
-  a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-  return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
 def output_and_grads(fn: Callable, args: tuple, precision: str | None = None):

@@ -6,17 +6,13 @@ import numpy as np
 import pytest
 
 from based_jax.base_conv import causal_depthwise_conv, silu_gated_conv, zoology_gated_conv
+from lmcore.numerics import relative_l2
 
 TOL = 1e-6  # fp32; three-tap sums.
 
 conv = jax.jit(causal_depthwise_conv)
 lm_gate = jax.jit(silu_gated_conv)
 zoology_gate = jax.jit(zoology_gated_conv)
-
-
-def rel_err(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def normal(rng, *shape):
@@ -36,7 +32,7 @@ def test_conv_equals_padded_depthwise_conv1d(taps):
   rng = np.random.default_rng(taps)
   u, w, b = normal(rng, 2, 11, 6), normal(rng, taps, 6), normal(rng, 6)
   y, state = conv(u, w, b)
-  assert rel_err(y, torch_style_conv(u, w, b)) < TOL
+  assert relative_l2(y, torch_style_conv(u, w, b)) < TOL
   np.testing.assert_array_equal(state, u[:, 11 - (taps - 1):])
 
 
@@ -51,7 +47,7 @@ def test_decode_token_by_token_equals_full_forward(gate):
   for t in range(9):
     o, state = run(slice(t, t + 1), state)
     outputs.append(o)
-  assert rel_err(jnp.concatenate(outputs, 1), expected) < TOL
+  assert relative_l2(jnp.concatenate(outputs, 1), expected) < TOL
   np.testing.assert_array_equal(state, expected_state)
 
 
@@ -60,14 +56,14 @@ def test_lm_gate_is_silu_of_conv_times_u2():
   u1, u2, w = normal(rng, 2, 7, 4), normal(rng, 2, 7, 4), normal(rng, 3, 4)
   c = torch_style_conv(u1, w, 0.0)
   y, _ = lm_gate(u1, u2, w)
-  assert rel_err(y, c / (1 + np.exp(-c)) * np.asarray(u2)) < TOL
+  assert relative_l2(y, c / (1 + np.exp(-c)) * np.asarray(u2)) < TOL
 
 
 def test_zoology_gate_is_conv_times_projection_plus_input():
   rng = np.random.default_rng(3)
   u, p, w, b = normal(rng, 2, 7, 4), normal(rng, 2, 7, 4), normal(rng, 3, 4), normal(rng, 4)
   y, _ = zoology_gate(u, p, w, b)
-  assert rel_err(y, torch_style_conv(u, w, b) * np.asarray(p) + np.asarray(u)) < TOL
+  assert relative_l2(y, torch_style_conv(u, w, b) * np.asarray(p) + np.asarray(u)) < TOL
 
 
 def test_segment_ids_cut_the_taps_at_document_starts():
@@ -81,9 +77,9 @@ def test_segment_ids_cut_the_taps_at_document_starts():
   second, _ = conv(u[:, 4:5], w, b)
   third, third_state = conv(u[:, 5:], w, b)
   whole, whole_state = conv(u, w, b, state=prefix)
-  assert rel_err(y[0], jnp.concatenate([first, second, third], 1)[0]) < TOL
+  assert relative_l2(y[0], jnp.concatenate([first, second, third], 1)[0]) < TOL
   np.testing.assert_array_equal(state[0], third_state[0])
-  assert rel_err(y[1], whole[1]) < TOL
+  assert relative_l2(y[1], whole[1]) < TOL
   np.testing.assert_array_equal(state[1], whole_state[1])
 
 

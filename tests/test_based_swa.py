@@ -7,17 +7,13 @@ import pytest
 
 from based_jax.sliding_window import (IMPLEMENTATIONS, rotary, sliding_window_attention,
                                       zero_window_state)
+from lmcore.numerics import relative_l2
 
 # fp32; the implementations differ only in which masked-out scores they materialise.
 TOL = 1e-5
 BLOCK = 8
 
 swa = jax.jit(sliding_window_attention, static_argnames=("window", "implementation", "block_size"))
-
-
-def rel_err(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def random_qkv(seed, length, batch=2, heads=2, head_dim=8):
@@ -66,7 +62,7 @@ def test_rotary_scores_depend_only_on_relative_position():
 def test_equals_masked_full_softmax_reference(implementation, length, window):
   q, k, v = random_qkv(length + window, length)
   o, _ = swa(q, k, v, window=window, implementation=implementation, block_size=BLOCK)
-  assert rel_err(o, reference(q, k, v, window)) < TOL
+  assert relative_l2(o, reference(q, k, v, window)) < TOL
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -92,7 +88,7 @@ def test_blocked_and_full_gradients_agree():
   grad = lambda impl: jax.jit(jax.grad(lambda args: (sliding_window_attention(
       *args, window=5, implementation=impl, block_size=BLOCK)[0] * c).sum()))((q, k, v))
   for g_blocked, g_full in zip(grad("blocked"), grad("full")):
-    assert rel_err(g_blocked, g_full) < TOL
+    assert relative_l2(g_blocked, g_full) < TOL
 
 
 def test_decode_token_by_token_equals_full_forward_past_the_window():
@@ -104,7 +100,7 @@ def test_decode_token_by_token_equals_full_forward_past_the_window():
     o, state = swa(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], window=5, state=state,
                    implementation="blocked", block_size=BLOCK)
     outputs.append(o)
-  assert rel_err(jnp.concatenate(outputs, 1), expected) < TOL
+  assert relative_l2(jnp.concatenate(outputs, 1), expected) < TOL
   assert np.all(np.asarray(state.length) == 33)
 
 
@@ -119,7 +115,7 @@ def test_prefill_then_chunks_and_tokens_equal_full_forward(implementation):
                    implementation=implementation, block_size=BLOCK)
     outputs.append(o)
     start += size
-  assert rel_err(jnp.concatenate(outputs, 1), expected) < TOL
+  assert relative_l2(jnp.concatenate(outputs, 1), expected) < TOL
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -129,7 +125,7 @@ def test_segment_ids_confine_attention_to_the_document_across_calls(implementati
   expected = reference(q, k, v, window=5, segment_ids=segment_ids)
   whole, _ = swa(q, k, v, window=5, segment_ids=segment_ids, implementation=implementation,
                  block_size=BLOCK)
-  assert rel_err(whole, expected) < TOL
+  assert relative_l2(whole, expected) < TOL
   # Split inside documents: the state carries where the current document began.
   outputs, state, start = [], None, 0
   for size in (7, 1, 25):
@@ -138,7 +134,7 @@ def test_segment_ids_confine_attention_to_the_document_across_calls(implementati
                    segment_ids=segment_ids[:, sl], implementation=implementation, block_size=BLOCK)
     outputs.append(o)
     start += size
-  assert rel_err(jnp.concatenate(outputs, 1), expected) < TOL
+  assert relative_l2(jnp.concatenate(outputs, 1), expected) < TOL
 
 
 def test_bf16_outputs_and_ring_buffer_keep_the_input_dtype():

@@ -10,6 +10,7 @@ import pytest
 from based_jax.linear_attention import (IMPLEMENTATIONS, TaylorState, default_decay_rates,
                                         taylor_linear_attention, zero_state)
 from based_jax.taylor import feature_width, taylor_features
+from lmcore.numerics import relative_l2
 
 # fp32 throughout; differences come only from summation order (chunked vs token-wise vs T x T).
 TOL = 1e-5
@@ -23,16 +24,10 @@ attend = jax.jit(taylor_linear_attention,
 features = jax.jit(taylor_features, static_argnames="feature")
 
 
-def rel_err(a, b, floor=1e-30):
-  """||a - b|| / ||b||; ``floor`` bounds the denominator for analytically (near-)zero references."""
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / max(np.linalg.norm(b), floor)
-
-
 def grads_close(grads, ref_grads):
   # At T = 1 the output is v exactly, so dq = dk = 0 and both sides hold ~1e-8 rounding noise:
   # judge gradients relative to max(||ref||, 0.1).
-  return all(rel_err(g, r, floor=0.1) < TOL
+  return all(relative_l2(g, r, floor=0.1) < TOL
              for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)))
 
 
@@ -115,7 +110,7 @@ def test_every_implementation_equals_numpy_transcription(implementation, with_de
   x = case(seed=10 + with_decay, length=33, with_state=False, with_decay=with_decay)
   o, _ = run_forward(x, implementation)
   expected = numpy_reference(x["q"], x["k"], x["v"], x["dt"], np.asarray(x["decay"]), 1e-12)
-  assert rel_err(o, expected) < TOL
+  assert relative_l2(o, expected) < TOL
 
 
 def test_defaults_equal_zero_state_and_unit_rates():
@@ -156,8 +151,8 @@ def test_chunked_recurrent_parallel_agree_in_outputs_and_state(length, with_stat
   ref_o, ref_state = run_forward(x, "recurrent")
   for impl in ("parallel", "chunked"):
     o, new = run_forward(x, impl)
-    assert rel_err(o, ref_o) < TOL, impl
-    assert rel_err(new.S, ref_state.S) < TOL and rel_err(new.z, ref_state.z) < TOL, impl
+    assert relative_l2(o, ref_o) < TOL, impl
+    assert relative_l2(new.S, ref_state.S) < TOL and relative_l2(new.z, ref_state.z) < TOL, impl
 
 
 # Gradients at one multi-chunk length with a partial last chunk (gradient programs are the slow
@@ -181,7 +176,7 @@ def test_full_and_compact_features_give_the_same_outputs(implementation):
                               dt=x["dt"], segment_ids=None)
   o_compact, state_compact = run_forward(x, implementation, state=prefix["compact"])
   assert state_full.S.shape == (2, 2, 21, 5) and state_compact.S.shape == (2, 2, 15, 5)
-  assert rel_err(o_full, o_compact) < TOL
+  assert relative_l2(o_full, o_compact) < TOL
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -195,8 +190,8 @@ def test_pieces_with_state_threaded_equal_the_whole_sequence(implementation, wit
     outputs.append(o)
     start += size
   assert start == 67
-  assert rel_err(jnp.concatenate(outputs, 1), whole_o) < TOL
-  assert rel_err(state.S, whole_state.S) < TOL and rel_err(state.z, whole_state.z) < TOL
+  assert relative_l2(jnp.concatenate(outputs, 1), whole_o) < TOL
+  assert relative_l2(state.S, whole_state.S) < TOL and relative_l2(state.z, whole_state.z) < TOL
 
 
 @pytest.mark.parametrize("implementation", ["parallel", "recurrent"])
@@ -212,9 +207,9 @@ def test_segment_ids_isolate_documents_and_reset_the_state(implementation):
     alone.append(o_doc)
     state, start = zero_state(2, 2, 4, 5), start + size
   whole_o, whole_state = run_forward(x, "recurrent")
-  assert rel_err(o[0], jnp.concatenate(alone, 1)[0]) < TOL
-  assert rel_err(new.S[0], last_state.S[0]) < TOL and rel_err(new.z[0], last_state.z[0]) < TOL
-  assert rel_err(o[1], whole_o[1]) < TOL and rel_err(new.S[1], whole_state.S[1]) < TOL
+  assert relative_l2(o[0], jnp.concatenate(alone, 1)[0]) < TOL
+  assert relative_l2(new.S[0], last_state.S[0]) < TOL and relative_l2(new.z[0], last_state.z[0]) < TOL
+  assert relative_l2(o[1], whole_o[1]) < TOL and relative_l2(new.S[1], whole_state.S[1]) < TOL
 
 
 def test_chunked_rejects_segment_ids_naming_the_alternatives():
@@ -230,7 +225,7 @@ def test_bf16_inputs_give_bf16_outputs_and_fp32_state():
   o, state = run_forward(bf16, "chunked")
   ref, _ = run_forward(x, "chunked")
   assert o.dtype == jnp.bfloat16 and state.S.dtype == state.z.dtype == jnp.float32
-  assert rel_err(o, ref) < 3e-2  # bf16 inputs: ~3 significant digits.
+  assert relative_l2(o, ref) < 3e-2  # bf16 inputs: ~3 significant digits.
 
 
 def test_zero_state_has_feature_width():

@@ -15,16 +15,12 @@ import numpy as np
 import pytest
 
 from lmcore.kernels.gated_delta_rule import DeltaRuleState, gated_delta_rule
+from lmcore.numerics import relative_l2
 
 B, H, K, V = 2, 2, 8, 6
 ARG_NAMES = ("q", "k", "v", "log_alpha", "beta", "S0")
 # fp32 with reassociated sums (chunked vs token scan): errors are ~1e-7; 1e-5 leaves headroom.
 FP32_TOL = 1e-5
-
-
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _inputs(seed: int, length: int, log_alpha_range=(-2.0, -0.01), beta_range=(0.05, 0.95),
@@ -82,11 +78,11 @@ def _numpy_gated_delta_rule(inputs, resets=None):
 def _assert_close(got, want, tol=FP32_TOL):
   o, S, grads = got
   o_ref, S_ref, grads_ref = want
-  assert _rel(o, o_ref) < tol, f"output rel err {_rel(o, o_ref):.2e}"
-  assert _rel(S, S_ref) < tol, f"final state rel err {_rel(S, S_ref):.2e}"
+  assert relative_l2(o, o_ref) < tol, f"output rel err {relative_l2(o, o_ref):.2e}"
+  assert relative_l2(S, S_ref) < tol, f"final state rel err {relative_l2(S, S_ref):.2e}"
   for name in ARG_NAMES:
     assert np.all(np.isfinite(grads[name])), f"d{name} is not finite"
-    err = _rel(grads[name], grads_ref[name])
+    err = relative_l2(grads[name], grads_ref[name])
     assert err < tol, f"d{name} rel err {err:.2e}"
 
 
@@ -95,7 +91,7 @@ def test_reference_matches_numpy_loop_of_spec_formula(with_state):
   inputs = _inputs(seed=1 + with_state, length=7, with_state=with_state)
   o_np, S_np = _numpy_gated_delta_rule(inputs)
   o, S, _ = _outputs_and_grads(inputs, implementation="reference")
-  assert _rel(o, o_np) < FP32_TOL and _rel(S, S_np) < FP32_TOL
+  assert relative_l2(o, o_np) < FP32_TOL and relative_l2(S, S_np) < FP32_TOL
 
 
 # Boundaries at 5 (inside a chunk of 16), 16 (on a chunk edge), 17 and 25 (id 0 again: a new
@@ -108,7 +104,7 @@ def test_reference_resets_state_where_segment_ids_change():
   resets = [[t > 0 and ids[t] != ids[t - 1] for t in range(33)] for ids in SEGMENT_IDS]
   o_np, S_np = _numpy_gated_delta_rule(inputs, resets)
   o, S, _ = _outputs_and_grads(inputs, SEGMENT_IDS, implementation="reference")
-  assert _rel(o, o_np) < FP32_TOL and _rel(S, S_np) < FP32_TOL
+  assert relative_l2(o, o_np) < FP32_TOL and relative_l2(S, S_np) < FP32_TOL
 
 
 @pytest.mark.parametrize("with_state", [False, True])
@@ -147,8 +143,8 @@ def test_three_pieces_with_state_passed_equal_the_whole_sequence(implementation)
     piece = {name: x[:, cut] if name in per_token else x for name, x in inputs.items()}
     o, S, _ = _outputs_and_grads({**piece, "S0": S}, implementation=implementation)
     outputs.append(o)
-  assert _rel(jnp.concatenate(outputs, axis=1), o_whole) < FP32_TOL
-  assert _rel(S, S_whole) < FP32_TOL
+  assert relative_l2(jnp.concatenate(outputs, axis=1), o_whole) < FP32_TOL
+  assert relative_l2(S, S_whole) < FP32_TOL
 
 
 def test_bf16_inputs_give_bf16_outputs_and_fp32_state_close_to_fp32():
@@ -159,7 +155,7 @@ def test_bf16_inputs_give_bf16_outputs_and_fp32_state_close_to_fp32():
                           inputs["beta"])
   assert o16.dtype == jnp.bfloat16 and state16.S.dtype == jnp.float32
   # bf16 rounding of q, k, v (8 mantissa bits, ~4e-3 relative) propagated through the recurrence.
-  assert _rel(o16, o32) < 2e-2 and _rel(state16.S, state32.S) < 2e-2
+  assert relative_l2(o16, o32) < 2e-2 and relative_l2(state16.S, state32.S) < 2e-2
 
 
 def test_state_defaults_to_zeros_and_scale_to_inverse_sqrt_key_dim():

@@ -15,6 +15,7 @@ from flax import nnx
 from lmcore.mixers import mixer_class
 from lmcore.mixers.gated_deltanet import NO_WEIGHT_DECAY, GatedDeltaNet
 from lmcore.mixers.short_conv import ShortConv
+from lmcore.numerics import relative_l2
 
 B, T, D = 2, 11, 32
 # V = 2 K (FLA's expand_v) so that a K/V mix-up cannot pass; chunk 4 leaves a partial last chunk.
@@ -28,11 +29,6 @@ def _full_precision_matmuls():
   T = 11 calls by ~1e-4 and hide what these tests compare."""
   with jax.default_matmul_precision("highest"):
     yield
-
-
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _mixer(implementation: str = "chunked", dtype=jnp.float32, seed: int = 0) -> GatedDeltaNet:
@@ -52,7 +48,7 @@ def _call(mixer, x_BxTxD, state=None, segment_ids_BxT=None):
 def _assert_states_close(got, want):
   names = ("conv_q", "conv_k", "conv_v", "S")
   for name, a, b in zip(names, (*got[:3], got.delta.S), (*want[:3], want.delta.S)):
-    assert _rel(a, b) < FP32_TOL, f"state {name} rel err {_rel(a, b):.2e}"
+    assert relative_l2(a, b) < FP32_TOL, f"state {name} rel err {relative_l2(a, b):.2e}"
 
 
 def test_registry_resolves_gdn_to_gated_deltanet():
@@ -71,7 +67,7 @@ def test_decode_token_by_token_equals_full_forward(prefill):
   for t in range(prefill, T):
     y, state = _call(mixer, x[:, t:t + 1], state)
     ys.append(y)
-  assert _rel(jnp.concatenate(ys, axis=1), y_full) < FP32_TOL
+  assert relative_l2(jnp.concatenate(ys, axis=1), y_full) < FP32_TOL
   _assert_states_close(state, state_full)
 
 
@@ -89,10 +85,10 @@ def test_chunked_mixer_equals_reference_mixer_for_outputs_states_and_gradients()
 
   y_c, state_c, d_params_c, dx_c = outputs_and_grads(_mixer("chunked"), x)
   y_r, state_r, d_params_r, dx_r = outputs_and_grads(_mixer("reference"), x)
-  assert _rel(y_c, y_r) < FP32_TOL and _rel(dx_c, dx_r) < FP32_TOL
+  assert relative_l2(y_c, y_r) < FP32_TOL and relative_l2(dx_c, dx_r) < FP32_TOL
   _assert_states_close(state_c, state_r)
   for (path, g_c), (_, g_r) in zip(nnx.to_flat_state(d_params_c), nnx.to_flat_state(d_params_r)):
-    assert _rel(g_c[...], g_r[...]) < FP32_TOL, f"d{'.'.join(map(str, path))}"
+    assert relative_l2(g_c[...], g_r[...]) < FP32_TOL, f"d{'.'.join(map(str, path))}"
 
 
 def test_segment_ids_keep_packed_documents_apart():
@@ -102,7 +98,7 @@ def test_segment_ids_keep_packed_documents_apart():
   y_packed, _ = _call(mixer, x, segment_ids_BxT=segment_ids)
   y_first, _ = _call(mixer, x[:, :6])
   y_second, _ = _call(mixer, x[:, 6:])
-  assert _rel(y_packed, jnp.concatenate([y_first, y_second], axis=1)) < FP32_TOL
+  assert relative_l2(y_packed, jnp.concatenate([y_first, y_second], axis=1)) < FP32_TOL
 
 
 def test_output_at_t_depends_only_on_tokens_up_to_t():
@@ -120,7 +116,7 @@ def test_bf16_compute_returns_bf16_output_and_fp32_state_close_to_fp32():
   assert y16.dtype == jnp.bfloat16
   assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(state16))
   # bf16 projections (~4e-3 relative per rounding) through conv, norm and recurrence.
-  assert _rel(y16, y32) < 3e-2 and _rel(state16.delta.S, state32.delta.S) < 3e-2
+  assert relative_l2(y16, y32) < 3e-2 and relative_l2(state16.delta.S, state32.delta.S) < 3e-2
 
 
 def test_gate_parameters_follow_fla_init_and_are_named_for_the_weight_decay_mask():
@@ -168,11 +164,11 @@ def test_short_conv_matches_numpy_and_two_pieces_equal_the_whole():
   conv = ShortConv(5, 4, activation=jax.nn.silu, rngs=nnx.Rngs(9))
   x = np.random.default_rng(10).normal(size=(B, 7, 5)).astype(np.float32)
   y, window = conv(jnp.asarray(x))
-  assert _rel(y, _numpy_short_conv(x, np.asarray(conv.kernel[...]))) < FP32_TOL
+  assert relative_l2(y, _numpy_short_conv(x, np.asarray(conv.kernel[...]))) < FP32_TOL
   np.testing.assert_array_equal(window, x[:, -3:])
   y_head, window_head = conv(jnp.asarray(x[:, :2]))  # shorter than the window
   y_tail, window_tail = conv(jnp.asarray(x[:, 2:]), window_head)
-  assert _rel(jnp.concatenate([y_head, y_tail], axis=1), y) < FP32_TOL
+  assert relative_l2(jnp.concatenate([y_head, y_tail], axis=1), y) < FP32_TOL
   np.testing.assert_array_equal(window_tail, window)
 
 
@@ -181,4 +177,4 @@ def test_short_conv_does_not_read_across_segment_boundaries():
   x = np.random.default_rng(12).normal(size=(B, 9, 5)).astype(np.float32)
   segment_ids = np.array([[0, 0, 1, 1, 1, 1, 1, 2, 2], [3] * 9], dtype=np.int32)
   y, _ = conv(jnp.asarray(x), segment_ids_BxT=jnp.asarray(segment_ids))
-  assert _rel(y, _numpy_short_conv(x, np.asarray(conv.kernel[...]), segment_ids)) < FP32_TOL
+  assert relative_l2(y, _numpy_short_conv(x, np.asarray(conv.kernel[...]), segment_ids)) < FP32_TOL

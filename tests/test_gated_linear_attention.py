@@ -13,16 +13,12 @@ import pytest
 
 from lmcore.kernels import LinearAttentionState, gated_linear_attention
 from lmcore.kernels.gated_linear_attention import api, reference, xla
+from lmcore.numerics import relative_l2
 
 CHUNK = 16
 RTOL = 1e-5
 _op = jax.jit(gated_linear_attention,
               static_argnames=("implementation", "chunk_size", "normalize", "eps", "scale"))
-
-
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _inputs(seed, T, gate, normalize, *, B=2, H=2, K=8, V=5, decay=(0.01, 2.0), with_state=True):
@@ -74,10 +70,10 @@ def _run(implementation, q, k, v, log_forget, state, normalize, seed=99):
 def _assert_same(got, want, what: str, rtol=RTOL, gate_rtol=RTOL):
   o, new, grads = got
   o_ref, new_ref, grads_ref = want
-  errors = {"o": _rel(o, o_ref), "S": _rel(new.S, new_ref.S), "z": _rel(new.z, new_ref.z)}
+  errors = {"o": relative_l2(o, o_ref), "S": relative_l2(new.S, new_ref.S), "z": relative_l2(new.z, new_ref.z)}
   for name, g, g_ref in zip(("dq", "dk", "dv", "dlog_forget"), grads[:4], grads_ref[:4]):
-    errors[name] = _rel(g, g_ref)
-  errors["dS0"], errors["dz0"] = _rel(grads[4].S, grads_ref[4].S), _rel(grads[4].z, grads_ref[4].z)
+    errors[name] = relative_l2(g, g_ref)
+  errors["dS0"], errors["dz0"] = relative_l2(grads[4].S, grads_ref[4].S), relative_l2(grads[4].z, grads_ref[4].z)
   bad = {n: e for n, e in errors.items() if e > (gate_rtol if n == "dlog_forget" else rtol)}
   assert not bad, f"{what}: relative L2 errors above tolerance: {bad}"
 
@@ -105,9 +101,9 @@ def test_reference_matches_numpy_transcription(gate, normalize):
   o, new = _op(q, k, v, log_forget, state=state, implementation="reference", normalize=normalize,
                scale=0.7)
   o_np, S_np, z_np = _numpy_recurrence(q, k, v, log_forget, state, normalize, scale=0.7)
-  assert _rel(o, o_np) < RTOL and _rel(new.S, S_np) < RTOL
+  assert relative_l2(o, o_np) < RTOL and relative_l2(new.S, S_np) < RTOL
   if normalize:
-    assert _rel(new.z, z_np) < RTOL
+    assert relative_l2(new.z, z_np) < RTOL
   else:
     assert not np.any(np.asarray(new.z))
 
@@ -146,8 +142,8 @@ def test_chunked_two_pieces_with_state_equal_whole():
   first, second = slice(0, 20), slice(20, None)  # both pieces end in a partial chunk
   o1, mid = call(q[:, first], k[:, first], v[:, first], log_forget[:, first], state=state)
   o2, end = call(q[:, second], k[:, second], v[:, second], log_forget[:, second], state=mid)
-  assert _rel(jnp.concatenate([o1, o2], axis=1), o) < RTOL
-  assert _rel(end.S, whole.S) < RTOL and _rel(end.z, whole.z) < RTOL
+  assert relative_l2(jnp.concatenate([o1, o2], axis=1), o) < RTOL
+  assert relative_l2(end.S, whole.S) < RTOL and relative_l2(end.z, whole.z) < RTOL
 
 
 @pytest.mark.parametrize("implementation", ["reference", "parallel", "chunked"])
@@ -167,8 +163,8 @@ def test_segment_ids_reset_the_state_at_document_boundaries(implementation):
                                             piece_state, normalize=True)
     pieces.append(o_doc)
     piece_state = LinearAttentionState(S_doc, z_doc)
-  assert _rel(o, np.concatenate(pieces, axis=1)) < RTOL
-  assert _rel(new.S, piece_state.S) < RTOL and _rel(new.z, piece_state.z) < RTOL
+  assert relative_l2(o, np.concatenate(pieces, axis=1)) < RTOL
+  assert relative_l2(new.S, piece_state.S) < RTOL and relative_l2(new.z, piece_state.z) < RTOL
 
 
 def test_bfloat16_inputs_give_bfloat16_outputs_close_to_fp32_and_fp32_state():
@@ -178,7 +174,7 @@ def test_bfloat16_inputs_give_bfloat16_outputs_close_to_fp32_and_fp32_state():
                normalize=True)
   o_ref, _ = _op(q, k, v, log_forget, state=state, implementation="reference", normalize=True)
   assert o.dtype == jnp.bfloat16 and new.S.dtype == jnp.float32 and new.z.dtype == jnp.float32
-  assert _rel(o, o_ref) < 2e-2  # bf16 has an 8-bit mantissa (relative rounding 4e-3)
+  assert relative_l2(o, o_ref) < 2e-2  # bf16 has an 8-bit mantissa (relative rounding 4e-3)
 
 
 def test_none_implementation_means_chunked_and_unknown_names_list_valid_ones():

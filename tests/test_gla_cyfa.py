@@ -16,15 +16,11 @@ from flax import nnx
 from lmcore.mixers.base import InitSpec
 from lmcore.mixers.cyfa import CyFA
 from lmcore.mixers.gla import GLA
+from lmcore.numerics import relative_l2
 
 RTOL = 1e-5
 D = 16
 INIT = InitSpec(std=0.3, out_std=0.3)  # large enough that gates and keys vary across tokens
-
-
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 @nnx.jit
@@ -48,12 +44,12 @@ def _assert_chunked_equals_recurrent_and_decode_equals_full(cls, config, seed):
   x = _x(seed)
   y, state = _call(chunked, x, None)
   y_ref, state_ref = _call(recurrent, x, None)
-  assert _rel(y, y_ref) < RTOL and _rel(state.S, state_ref.S) < RTOL
+  assert relative_l2(y, y_ref) < RTOL and relative_l2(state.S, state_ref.S) < RTOL
   decode_state, ys = chunked.init_state(x.shape[0]), []
   for t in range(x.shape[1]):
     y_t, decode_state = _call(chunked, x[:, t:t + 1], decode_state)
     ys.append(y_t)
-  assert _rel(jnp.concatenate(ys, axis=1), y) < RTOL and _rel(decode_state.S, state.S) < RTOL
+  assert relative_l2(jnp.concatenate(ys, axis=1), y) < RTOL and relative_l2(decode_state.S, state.S) < RTOL
 
 
 def _param_count(module_factory) -> int:
@@ -82,7 +78,7 @@ def test_gla_log_forget_is_logsigmoid_of_the_low_rank_gate_over_16():
   x = _x(1)
   logits = x @ gla.gate_down.kernel[...] @ gla.gate_up.kernel[...] + gla.gate_up.bias[...]
   want = jax.nn.log_sigmoid(logits).reshape(2, 37, 2, 4) / 16
-  assert _rel(gla.log_forget(x), want) < RTOL
+  assert relative_l2(gla.log_forget(x), want) < RTOL
   assert float(jnp.max(gla.log_forget(x))) <= 0.0
 
 
@@ -139,7 +135,7 @@ def test_cyfa_state_follows_the_spec_recurrence():
   for t in range(37):
     k_written = write[:, t, :, None] * k_hat[:, t]
     S = forget[:, t, :, :, None] * S + k_written[..., :, None] * v[:, t, :, None, :]
-  assert _rel(state.S, S) < RTOL
+  assert relative_l2(state.S, S) < RTOL
 
 
 def test_cyfa_state_stays_finite_and_bounded_over_8192_tokens():

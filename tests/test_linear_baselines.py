@@ -15,15 +15,11 @@ from lmcore.mixers.base import InitSpec
 from lmcore.mixers.cyfa import CyFA
 from lmcore.mixers.gla import GLA
 from lmcore.mixers.linear_attention import CosFormer, LinearTransformer, Performer, RandomFeatures
+from lmcore.numerics import relative_l2
 
 RTOL = 1e-5
 D = 16
 INIT = InitSpec(std=0.3, out_std=0.3)
-
-
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 @nnx.jit
@@ -51,16 +47,16 @@ def test_chunked_equals_reference_and_decode_equals_full_forward(cls, fields):
   x = _x(1)
   y, state = _call(chunked, x, None, None)
   y_ref, state_ref = _call(reference, x, None, None)
-  assert _rel(y, y_ref) < RTOL
+  assert relative_l2(y, y_ref) < RTOL
   decode_state, ys = chunked.init_state(x.shape[0]), []
   for t in range(x.shape[1]):
     y_t, decode_state = _call(chunked, x[:, t:t + 1], decode_state, None)
     ys.append(y_t)
-  assert _rel(jnp.concatenate(ys, axis=1), y) < RTOL
+  assert relative_l2(jnp.concatenate(ys, axis=1), y) < RTOL
   leaves = (jax.tree.leaves(s) for s in (decode_state, state, state_ref))
   for got, want, ref in zip(*leaves):
     if np.isfinite(np.asarray(want, np.float64)).all():
-      assert _rel(got, want) < RTOL and _rel(want, ref) < RTOL
+      assert relative_l2(got, want) < RTOL and relative_l2(want, ref) < RTOL
     else:  # the unstabilised Performer never sets its key max (-inf)
       np.testing.assert_array_equal(got, want)
 
@@ -90,7 +86,7 @@ def test_performer_features_estimate_the_softmax_kernel():
   phi_q, phi_k = jnp.exp(performer.log_features(q)), jnp.exp(performer.log_features(k))
   estimate = jnp.einsum("bthm,bshm->ts", phi_q, phi_k)
   exact = jnp.exp(jnp.einsum("bthd,bshd->ts", q, k) / jnp.sqrt(8.0))
-  assert _rel(estimate, exact) < 0.03
+  assert relative_l2(estimate, exact) < 0.03
 
 
 def test_stabilised_performer_equals_plain_performer_on_moderate_inputs():
@@ -98,7 +94,7 @@ def test_stabilised_performer_equals_plain_performer_on_moderate_inputs():
   x = _x(4)
   y_plain, _ = _call(_mixer(Performer, 4, n_features=12, stabilize=False), x, None, None)
   y_stable, _ = _call(_mixer(Performer, 4, n_features=12, stabilize=True), x, None, None)
-  assert _rel(y_stable, y_plain) < 1e-4
+  assert relative_l2(y_stable, y_plain) < 1e-4
 
 
 def test_stabilised_performer_is_finite_for_inputs_of_magnitude_1e3():
@@ -122,7 +118,7 @@ def test_stabilised_performer_keeps_packed_documents_independent():
   segment_ids = jnp.asarray(np.repeat([0, 1, 2], 12)[None], jnp.int32)
   y, _ = _call(performer, x, None, segment_ids)
   pieces = [_call(performer, x[:, a:a + 12], None, None)[0] for a in (0, 12, 24)]
-  assert _rel(y, jnp.concatenate(pieces, axis=1)) < RTOL
+  assert relative_l2(y, jnp.concatenate(pieces, axis=1)) < RTOL
 
 
 def test_cosformer_equals_direct_cos_reweighted_attention():
@@ -137,7 +133,7 @@ def test_cosformer_equals_direct_cos_reweighted_attention():
   w = np.einsum("bihd,bjhd->bhij", np.maximum(q, 0), np.maximum(k, 0)) * cos_TxT
   o = np.einsum("bhij,bjhd->bihd", w, v) / (w.sum(-1).transpose(0, 2, 1)[..., None] + 1e-6)
   want = o.reshape(2, 37, 16) @ np.asarray(cosformer.wo.kernel[...], np.float64)
-  assert _rel(y, want) < RTOL
+  assert relative_l2(y, want) < RTOL
   np.testing.assert_array_equal(state.position, [37, 37])
 
 

@@ -18,17 +18,13 @@ import pytest
 from lmcore.kernels import LinearAttentionState, gated_linear_attention
 from lmcore.kernels import pallas_utils
 from lmcore.kernels.gated_linear_attention import pallas
+from lmcore.numerics import relative_l2
 
 CHUNK = 16
 RTOL = 1e-5
 FORMS = pytest.mark.parametrize("form", pallas.FORMS)
 # These tests check the math, not code generation: skip LLVM's expensive passes on a shared CPU.
 _FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _inputs(seed, T, gate, normalize, *, B=2, H=2, K=8, V=5, with_state=True):
@@ -89,7 +85,7 @@ def _reference(seed, T, gate, normalize, with_state=True, segments=False):
 
 
 def _assert_same(got, want, what):
-  errors = {name: _rel(got[name], want[name]) for name in want}
+  errors = {name: relative_l2(got[name], want[name]) for name in want}
   bad = {name: e for name, e in errors.items() if e > RTOL}
   assert not bad, f"{what}: relative L2 errors above {RTOL}: {bad}"
 
@@ -129,8 +125,8 @@ def test_pallas_two_pieces_with_state_equal_whole(form):
   first, second = slice(0, 21), slice(21, None)  # both pieces end in a partial chunk
   o1, mid = call(q[:, first], k[:, first], v[:, first], log_forget[:, first], state=state)
   o2, end = call(q[:, second], k[:, second], v[:, second], log_forget[:, second], state=mid)
-  assert _rel(jnp.concatenate([o1, o2], axis=1), o) < RTOL
-  assert _rel(end.S, whole.S) < RTOL and _rel(end.z, whole.z) < RTOL
+  assert relative_l2(jnp.concatenate([o1, o2], axis=1), o) < RTOL
+  assert relative_l2(end.S, whole.S) < RTOL and relative_l2(end.z, whole.z) < RTOL
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")

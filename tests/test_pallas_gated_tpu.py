@@ -19,16 +19,12 @@ from jax.experimental.pallas import tpu as pltpu
 
 from lmcore.kernels import LinearAttentionState, gated_linear_attention, pallas_utils
 from lmcore.kernels.gated_linear_attention import pallas_tpu
+from lmcore.numerics import relative_l2
 
 CHUNK = 16
 RTOL = 1e-5
 # These tests check the math, not code generation: skip LLVM's expensive passes on a shared CPU.
 _FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _inputs(seed, T, gate, normalize, *, with_state, B=2, H=2, K=8, V=5):
@@ -80,7 +76,7 @@ def _assert_same_as_reference(seed, T, gate, normalize, with_state, scale=1.0, *
              projections, **options)
   want = _run(functools.partial(gated_linear_attention, implementation="reference"), inputs,
               projections, **options)
-  errors = {name: _rel(got[name], want[name]) for name in want}
+  errors = {name: relative_l2(got[name], want[name]) for name in want}
   bad = {name: e for name, e in errors.items() if e > RTOL}
   assert not bad, f"T={T} gate={gate} normalize={normalize} {tuning}: errors above {RTOL}: {bad}"
 

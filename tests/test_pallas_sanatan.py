@@ -18,6 +18,7 @@ import pytest
 from lmcore.kernels import pallas_utils
 from sanatan_jax import SanatanState, sanatan_attention
 from sanatan_jax.kernels import sanatan_p1_pallas
+from lmcore.numerics import relative_l2
 
 CHUNK = 16
 FORMS = ("split", "fused")
@@ -25,11 +26,6 @@ RTOL = 1e-5
 # These tests check the math, not code generation: skip LLVM's expensive passes on a shared CPU.
 _FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 _recurrent = functools.partial(sanatan_attention, implementation="recurrent")
-
-
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _inputs(seed, T, *, B=2, H=2, d=8, dv=5):
@@ -92,7 +88,7 @@ def _case(seed, T, with_state, d, segments=False, rotate=True):
 
 def _assert_same(got, want, what):
   np.testing.assert_array_equal(got["position"], want["position"])
-  errors = {name: _rel(got[name], want[name]) for name in want if name != "position"}
+  errors = {name: relative_l2(got[name], want[name]) for name in want if name != "position"}
   bad = {name: e for name, e in errors.items() if e > RTOL}
   assert not bad, f"{what}: relative L2 errors above {RTOL}: {bad}"
 
@@ -130,8 +126,8 @@ def test_pallas_two_pieces_with_state_equal_whole(form):
   first, second = slice(0, 21), slice(21, None)  # both pieces end in a partial chunk
   o1, mid = call(q[:, first], k[:, first], v[:, first], omega, lam_raw)
   o2, end = call(q[:, second], k[:, second], v[:, second], omega, lam_raw, state=mid)
-  assert _rel(jnp.concatenate([o1, o2], axis=1), o) < RTOL
-  assert _rel(end.S, whole.S) < RTOL and _rel(end.z, whole.z) < RTOL
+  assert relative_l2(jnp.concatenate([o1, o2], axis=1), o) < RTOL
+  assert relative_l2(end.S, whole.S) < RTOL and relative_l2(end.z, whole.z) < RTOL
   np.testing.assert_array_equal(end.position, whole.position)
 
 
@@ -177,6 +173,6 @@ def test_op_and_mixer_dispatch_to_the_kernel():
                                       compiler_options=_FAST_COMPILE)
   o_kernel, state_kernel = op("pallas")(q, k, v, omega, lam_raw)
   o_ref, state_ref = op("recurrent")(q, k, v, omega, lam_raw)
-  assert _rel(o_kernel, o_ref) <= RTOL and _rel(state_kernel.S, state_ref.S) <= RTOL
+  assert relative_l2(o_kernel, o_ref) <= RTOL and relative_l2(state_kernel.S, state_ref.S) <= RTOL
   o_auto, _ = op(None)(q, k, v, omega, lam_raw)
-  assert pallas_utils.default_implementation() == "chunked" and _rel(o_auto, o_ref) <= RTOL
+  assert pallas_utils.default_implementation() == "chunked" and relative_l2(o_auto, o_ref) <= RTOL

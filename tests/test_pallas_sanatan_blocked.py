@@ -18,16 +18,12 @@ from lmcore.kernels import pallas_utils
 from sanatan_jax import sanatan_attention
 from sanatan_jax.attention import sanatan_features
 from sanatan_jax.kernels import sanatan_blocked_pallas
+from lmcore.numerics import relative_l2
 
 RTOL = 1e-5
 # These tests check the math, not code generation: skip LLVM's expensive passes on a shared CPU.
 _FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 _GRAD_NAMES = ("dq", "dk", "dv", "domega", "dlam_raw")
-
-
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _inputs(seed, T, *, B=2, H=2, d=8, dv=5):
@@ -56,7 +52,7 @@ def _run(fn, inputs, seed=99, **options):
 
 
 def _assert_same(got, want, what):
-  errors = {name: _rel(got[name], want[name]) for name in want}
+  errors = {name: relative_l2(got[name], want[name]) for name in want}
   bad = {name: e for name, e in errors.items() if e > RTOL}
   assert not bad, f"{what}: relative L2 errors above {RTOL}: {bad}"
 

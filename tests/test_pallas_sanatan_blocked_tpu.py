@@ -23,16 +23,12 @@ from lmcore.kernels import pallas_utils
 from sanatan_jax import sanatan_attention
 from sanatan_jax.attention import sanatan_features
 from sanatan_jax.kernels import pallas_blocked_tpu
+from lmcore.numerics import relative_l2
 
 RTOL = 1e-5
 # These tests check the math, not code generation: skip LLVM's expensive passes on a shared CPU.
 _FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 _GRAD_NAMES = ("dq", "dk", "dv", "domega", "dlam_raw")
-
-
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _inputs(seed, T, *, B=2, H=2, d=8, dv=5):
@@ -72,7 +68,7 @@ def _assert_same_as_parallel(inputs, what, interpret=True, block_q=8, block_k=8,
   got = _run(kernel, inputs, **options)
   want = _run(lambda *a, **o: sanatan_attention(*a, implementation="parallel", **o)[0], inputs,
               **options)
-  errors = {name: _rel(got[name], want[name]) for name in want}
+  errors = {name: relative_l2(got[name], want[name]) for name in want}
   bad = {name: e for name, e in errors.items() if e > RTOL}
   assert not bad, f"{what}: relative L2 errors above {RTOL}: {bad}"
 

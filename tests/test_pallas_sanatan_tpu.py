@@ -19,16 +19,12 @@ import pytest
 from lmcore.kernels import pallas_utils
 from sanatan_jax import SanatanState, sanatan_attention
 from sanatan_jax.kernels import pallas_p1_tpu
+from lmcore.numerics import relative_l2
 
 CHUNK = 16
 RTOL = 1e-5
 # These tests check the math, not code generation: skip LLVM's expensive passes on a shared CPU.
 _FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _inputs(seed, T, *, with_state, B=2, H=2, d=8, dv=5):
@@ -90,7 +86,7 @@ def test_tpu_kernels_equal_recurrent_with_gradients_for_partial_chunks_and_docum
   want = _run(functools.partial(sanatan_attention, implementation="recurrent"), inputs, state,
               projections, **options)
   np.testing.assert_array_equal(got["position"], want["position"])
-  errors = {name: _rel(got[name], want[name]) for name in want if name != "position"}
+  errors = {name: relative_l2(got[name], want[name]) for name in want if name != "position"}
   bad = {name: e for name, e in errors.items() if e > RTOL}
   what = f"T={T} state={with_state} d={d} documents={documents} rotate={rotate} {tuning}"
   assert not bad, f"{what}: relative L2 errors above {RTOL}: {bad}"

@@ -18,17 +18,13 @@ from based_jax import TaylorLinearAttention, TaylorState, taylor_features, taylo
 from based_jax.kernels import taylor_linear_attention_pallas
 from based_jax.linear_attention import zero_state
 from lmcore.kernels import pallas_utils
+from lmcore.numerics import relative_l2
 
 CHUNK = 16
 RTOL = 1e-5
 # These tests check the math, not code generation: skip LLVM's expensive passes on a shared CPU.
 _FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 _parallel = functools.partial(taylor_linear_attention, implementation="parallel")
-
-
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _inputs(seed, T, *, B=2, H=2, d=8, dv=5):
@@ -62,7 +58,7 @@ def _run(fn, inputs, state, feature, segment_ids=None, seed=99, **options):
 
 
 def _assert_same(got, want, what):
-  errors = {name: _rel(got[name], want[name]) for name in want}
+  errors = {name: relative_l2(got[name], want[name]) for name in want}
   bad = {name: e for name, e in errors.items() if e > RTOL}
   assert not bad, f"{what}: relative L2 errors above {RTOL}: {bad}"
 
@@ -140,4 +136,4 @@ def test_mixer_config_implementation_pallas_runs_the_kernel():
   call = nnx.jit(lambda mixer, x: mixer(x))
   y_kernel, state_kernel = call(build("pallas"), x)
   y_ref, state_ref = call(build("parallel"), x)
-  assert _rel(y_kernel, y_ref) < RTOL and _rel(state_kernel.S, state_ref.S) < RTOL
+  assert relative_l2(y_kernel, y_ref) < RTOL and relative_l2(state_kernel.S, state_ref.S) < RTOL

@@ -21,17 +21,13 @@ from jax.experimental.pallas import tpu as pltpu
 from based_jax import TaylorState, taylor_features, taylor_linear_attention
 from based_jax.kernels import pallas_taylor_tpu
 from lmcore.kernels import pallas_utils
+from lmcore.numerics import relative_l2
 
 CHUNK = 16
 RTOL = 1e-5
 # These tests check the math, not code generation: skip LLVM's expensive passes on a shared CPU.
 _FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 _parallel = functools.partial(taylor_linear_attention, implementation="parallel")
-
-
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _inputs(seed, T, feature, *, B=2, H=2, d=8, dv=5):
@@ -84,7 +80,7 @@ def _assert_same_as_parallel(T, feature, segments, interpret, H=2, **tuning):
                               **tuning)
   got = _run(kernels, inputs, state, projections, **options)
   want = _run(_parallel, inputs, state, projections, **options)
-  errors = {name: _rel(got[name], want[name]) for name in want}
+  errors = {name: relative_l2(got[name], want[name]) for name in want}
   bad = {name: e for name, e in errors.items() if e > RTOL}
   assert not bad, f"T={T} {feature} segments={segments} {tuning}: errors above {RTOL}: {bad}"
 

@@ -17,6 +17,7 @@ import pytest
 
 from sanatan_jax import SanatanState, sanatan_attention
 from sanatan_jax.attention import sanatan_features
+from lmcore.numerics import relative_l2
 
 OUT_TOL, GRAD_TOL = 1e-5, 1e-4
 CHUNK = BLOCK = 16
@@ -50,11 +51,6 @@ def _attend(*args, **kw):
   return _attend_jit(*args, **_options(**kw))
 
 
-def _rel(a, b):
-  err, ref = jnp.linalg.norm(jnp.ravel(a - b)), jnp.linalg.norm(jnp.ravel(b))
-  return float(err / ref) if ref > 0 else float(err)
-
-
 def _inputs(seed, T, B=2, H=2, d=4, dv=5):
   """q, k, v, omega, lam_raw with |u| spread across both edges of the saturation band."""
   rng = np.random.default_rng(seed)
@@ -73,7 +69,7 @@ def _prefix_state(seed, T=5):
 
 
 def _assert_states_close(a: SanatanState, b: SanatanState):
-  assert _rel(a.S, b.S) <= OUT_TOL and _rel(a.z, b.z) <= OUT_TOL
+  assert relative_l2(a.S, b.S) <= OUT_TOL and relative_l2(a.z, b.z) <= OUT_TOL
   np.testing.assert_array_equal(a.position, b.position)
 
 
@@ -84,7 +80,7 @@ def test_p1_implementations_equal_parallel_for_odd_lengths(T, with_state):
   o_ref, state_ref = _attend(q, k, v, omega, lam_raw, state=state)
   for implementation in P1_IMPLEMENTATIONS[1:]:
     o, new_state = _attend(q, k, v, omega, lam_raw, state=state, implementation=implementation)
-    assert _rel(o, o_ref) <= OUT_TOL, implementation
+    assert relative_l2(o, o_ref) <= OUT_TOL, implementation
     _assert_states_close(new_state, state_ref)
 
 
@@ -111,14 +107,14 @@ def test_blocked_equals_parallel_for_all_powers_and_channels(p, channels, three_
   kw = dict(p=p, channels=channels, three_channel=three_channel)
   if (p, channels, three_channel) not in _GRAD_CASES:
     o_ref, o = (_attend(*inputs, implementation=impl, **kw)[0] for impl in ("parallel", "blocked"))
-    assert _rel(o, o_ref) <= OUT_TOL
+    assert relative_l2(o, o_ref) <= OUT_TOL
     return
   do = jnp.asarray(np.random.default_rng(p).normal(size=inputs[2].shape), jnp.float32)
   o_ref, g_ref = _outputs_and_grads(inputs, do, implementation="parallel", **kw)
   o, g = _outputs_and_grads(inputs, do, implementation="blocked", **kw)
-  assert _rel(o, o_ref) <= OUT_TOL
+  assert relative_l2(o, o_ref) <= OUT_TOL
   for name, a, b in zip(("q", "k", "v", "omega", "lam_raw"), g, g_ref):
-    assert _rel(a, b) <= GRAD_TOL, name
+    assert relative_l2(a, b) <= GRAD_TOL, name
 
 
 def _p1_grads(implementation, inputs, state, segment_ids, seed):
@@ -145,7 +141,7 @@ def test_gradients_of_all_p1_implementations_agree_with_state_and_segments():
   for implementation in P1_IMPLEMENTATIONS[1:]:
     g = _p1_grads(implementation, inputs, state, segment_ids, 5)
     for name, a, b in zip(("q", "k", "v", "omega", "lam_raw", "S0", "z0"), g, g_ref):
-      assert _rel(a, b) <= GRAD_TOL, (implementation, name)
+      assert relative_l2(a, b) <= GRAD_TOL, (implementation, name)
 
 
 @pytest.mark.parametrize("implementation", P1_IMPLEMENTATIONS)
@@ -156,7 +152,7 @@ def test_two_pieces_with_state_equal_whole(implementation):
   o_head, state_head = run(q[:, :7], k[:, :7], v[:, :7])
   # Default positions continue from state_head.position.
   o_tail, state_tail = run(q[:, 7:], k[:, 7:], v[:, 7:], state=state_head)
-  assert _rel(jnp.concatenate([o_head, o_tail], axis=1), o_whole) <= OUT_TOL
+  assert relative_l2(jnp.concatenate([o_head, o_tail], axis=1), o_whole) <= OUT_TOL
   _assert_states_close(state_tail, state_whole)
 
 
@@ -206,7 +202,7 @@ def test_packed_documents_equal_separate_documents(implementation, p):
   o, state = _attend(q, k, v, omega, lam_raw, positions=positions, segment_ids=segment_ids, **kw)
   for doc in (slice(0, _DOCS[0]), slice(_DOCS[0], None)):
     o_doc, state_doc = _attend(q[:, doc], k[:, doc], v[:, doc], omega, lam_raw, **kw)
-    assert _rel(o[:, doc], o_doc) <= OUT_TOL
+    assert relative_l2(o[:, doc], o_doc) <= OUT_TOL
   if p == 1:
     _assert_states_close(state, state_doc)
 
@@ -230,7 +226,7 @@ def test_bfloat16_inputs_give_bfloat16_outputs_and_float32_state():
   o16, state16 = _attend(*bf16, *inputs[3:], implementation="chunked")
   assert o16.dtype == jnp.bfloat16 and state16.S.dtype == jnp.float32
   # bf16 rounds q, k, v and the features by up to 2^-9 relative.
-  assert _rel(o16.astype(jnp.float32), o32) <= 3e-2
+  assert relative_l2(o16.astype(jnp.float32), o32) <= 3e-2
 
 
 def test_blocked_gradient_never_holds_a_t_by_t_array():

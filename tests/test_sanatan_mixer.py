@@ -13,6 +13,7 @@ from sanatan_jax import SanatanMixer, sanatan_attention
 from sanatan_jax import features
 from sanatan_jax.gate_stats import gate_statistics, sample_positions
 from sanatan_jax.mixer import kv_cache_bytes
+from lmcore.numerics import relative_l2
 
 D, T = 16, 11
 OUT_TOL = 1e-5
@@ -26,10 +27,6 @@ _INIT = InitSpec(std=0.5, out_std=0.3)
 def _no_implicit_rank_promotion():
   with jax.numpy_rank_promotion("raise"):
     yield
-
-
-def _rel(a, b):
-  return float(jnp.linalg.norm(jnp.ravel(a - b)) / jnp.linalg.norm(jnp.ravel(b)))
 
 
 def _mixer(seed=0, **config):
@@ -64,8 +61,8 @@ def test_decode_token_by_token_after_parallel_prefill_equals_full_forward():
   for t in range(prefill, T):  # T = 1 calls use decode_implementation = "recurrent"
     y_t, state = run(x[:, t:t + 1], state)
     ys.append(y_t)
-  assert _rel(jnp.concatenate(ys, axis=1), y_full) <= OUT_TOL
-  assert _rel(state.S, state_full.S) <= OUT_TOL and _rel(state.z, state_full.z) <= OUT_TOL
+  assert relative_l2(jnp.concatenate(ys, axis=1), y_full) <= OUT_TOL
+  assert relative_l2(state.S, state_full.S) <= OUT_TOL and relative_l2(state.z, state_full.z) <= OUT_TOL
   np.testing.assert_array_equal(state.position, [T, T])
 
 
@@ -74,8 +71,8 @@ def test_parallel_blocked_chunked_recurrent_mixers_agree():
   y_ref, state_ref = _apply(_mixer(implementation="parallel"))(x)
   for implementation in ("blocked", "chunked", "recurrent"):
     y, state = _apply(_mixer(implementation=implementation))(x)
-    assert _rel(y, y_ref) <= OUT_TOL, implementation
-    assert _rel(state.S, state_ref.S) <= OUT_TOL, implementation
+    assert relative_l2(y, y_ref) <= OUT_TOL, implementation
+    assert relative_l2(state.S, state_ref.S) <= OUT_TOL, implementation
 
 
 def test_mixer_follows_spec_data_flow():
@@ -95,7 +92,7 @@ def test_mixer_follows_spec_data_flow():
   y, state = _apply(mixer)(x)
   assert state is None
   weights = [layer.kernel[...] for layer in (mixer.wq, mixer.wk, mixer.wv, mixer.wo)]
-  assert _rel(y, by_hand(x, *weights, mixer.omega[...], mixer.lam_raw[...])) <= OUT_TOL
+  assert relative_l2(y, by_hand(x, *weights, mixer.omega[...], mixer.lam_raw[...])) <= OUT_TOL
 
 
 @pytest.mark.parametrize("config,frozen", [({"learn_omega": False}, "omega"),
@@ -163,7 +160,7 @@ def test_roots_are_soft_roots_of_pre_rotation_projection_angles():
   for r, w in ((r_q, mixer.wq), (r_k, mixer.wk)):
     u = (x @ w.kernel[...]).reshape(2, T, 2, 4) / 2.0
     expected = features.soft_roots(features.angles(u), mixer.omega[...])
-    assert _rel(r, expected) <= OUT_TOL
+    assert relative_l2(r, expected) <= OUT_TOL
 
 
 def _brute_force_gate_stats(rq, rk, positions):
