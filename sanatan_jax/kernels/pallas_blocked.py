@@ -281,13 +281,14 @@ def _fused_bwd(cfg, residuals, do):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _check_options(p, channels, three_channel, block_q, block_k):
+def check_options(p, channels, three_channel, block_q, block_k, op="sanatan_blocked_pallas"):
+  """Raises ValueError naming ``op`` for a bad power, channel variant or block size."""
   if not isinstance(p, int) or p < 1:
-    raise ValueError(f"sanatan_blocked_pallas: p must be a positive integer, got {p!r}")
+    raise ValueError(f"{op}: p must be a positive integer, got {p!r}")
   features.check_channels(channels, three_channel)
   for name, size in (("block_q", block_q), ("block_k", block_k)):
     if size < 1 or size & (size - 1):
-      raise ValueError(f"sanatan_blocked_pallas: {name} must be a power of two, got {size}")
+      raise ValueError(f"{op}: {name} must be a power of two, got {size}")
 
 
 def sanatan_blocked_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array,
@@ -318,7 +319,7 @@ def sanatan_blocked_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.
   interpret = pu.resolve_interpret(interpret)
   pu.check_backend(interpret, "sanatan_blocked_pallas",
                    "sanatan_attention(implementation='blocked')")
-  _check_options(p, channels, three_channel, block_q, block_k)
+  check_options(p, channels, three_channel, block_q, block_k)
   B, T, H, d = q.shape
   V = v.shape[-1]
   if positions is None:

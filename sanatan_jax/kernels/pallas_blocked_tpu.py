@@ -50,7 +50,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from lmcore.kernels import pallas_utils as pu
 from lmcore.mixers.base import default_positions
-from sanatan_jax import attention, features
+from sanatan_jax import attention
 from sanatan_jax.kernels import pallas_blocked
 
 LANES = 128  # a TPU vector register is (8 sublanes, 128 lanes)
@@ -340,15 +340,6 @@ def _fused_bwd(cfg, residuals, do):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _check_options(p, channels, three_channel, block_q, block_k):
-  if not isinstance(p, int) or p < 1:
-    raise ValueError(f"sanatan_blocked_tpu: p must be a positive integer, got {p!r}")
-  features.check_channels(channels, three_channel)
-  for name, size in (("block_q", block_q), ("block_k", block_k)):
-    if size < 1 or size & (size - 1):
-      raise ValueError(f"sanatan_blocked_tpu: {name} must be a power of two, got {size}")
-
-
 def _heads_first(x_BxTxHxF, Tp: int, Fp: int):
   """[B, T, H, F] -> [B·H, Tp, Fp], zero padded."""
   B, T, H, F = x_BxTxHxF.shape
@@ -383,7 +374,8 @@ def sanatan_blocked_tpu(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Arr
   """
   interpret = pu.resolve_tpu_interpret(interpret, "sanatan_blocked_tpu",
                                         "sanatan_attention(implementation='blocked')")
-  _check_options(p, channels, three_channel, block_q, block_k)
+  pallas_blocked.check_options(p, channels, three_channel, block_q, block_k,
+                               op="sanatan_blocked_tpu")
   B, T, H, d = q.shape
   V = v.shape[-1]
   if positions is None:
