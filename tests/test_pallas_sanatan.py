@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from lmcore.kernels import pallas_utils
+from lmcore.numerics import relative_l2
 from sanatan_jax import SanatanState, sanatan_attention
 from sanatan_jax.kernels import sanatan_p1_pallas
-from lmcore.numerics import relative_l2
 
 CHUNK = 16
 FORMS = ("split", "fused")

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from lmcore.kernels import pallas_utils
+from lmcore.numerics import relative_l2
 from sanatan_jax import sanatan_attention
 from sanatan_jax.attention import sanatan_features
 from sanatan_jax.kernels import sanatan_blocked_pallas
-from lmcore.numerics import relative_l2
 
 RTOL = 1e-5
 # These tests check the math, not code generation: skip LLVM's expensive passes on a shared CPU.

@@ -20,10 +20,10 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from lmcore.kernels import pallas_utils
+from lmcore.numerics import relative_l2
 from sanatan_jax import sanatan_attention
 from sanatan_jax.attention import sanatan_features
 from sanatan_jax.kernels import pallas_blocked_tpu
-from lmcore.numerics import relative_l2
 
 RTOL = 1e-5
 # These tests check the math, not code generation: skip LLVM's expensive passes on a shared CPU.

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from lmcore.kernels import pallas_utils
+from lmcore.numerics import relative_l2
 from sanatan_jax import SanatanState, sanatan_attention
 from sanatan_jax.kernels import pallas_p1_tpu
-from lmcore.numerics import relative_l2
 
 CHUNK = 16
 RTOL = 1e-5

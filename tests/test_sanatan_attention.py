@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lmcore.numerics import relative_l2
 from sanatan_jax import SanatanState, sanatan_attention
 from sanatan_jax.attention import sanatan_features
-from lmcore.numerics import relative_l2
 
 OUT_TOL, GRAD_TOL = 1e-5, 1e-4
 CHUNK = BLOCK = 16

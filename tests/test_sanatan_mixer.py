@@ -9,11 +9,11 @@ import pytest
 from flax import nnx
 
 from lmcore.mixers.base import InitSpec
+from lmcore.numerics import relative_l2
 from sanatan_jax import SanatanMixer, sanatan_attention
 from sanatan_jax import features
 from sanatan_jax.gate_stats import gate_statistics, sample_positions
 from sanatan_jax.mixer import kv_cache_bytes
-from lmcore.numerics import relative_l2
 
 D, T = 16, 11
 OUT_TOL = 1e-5
