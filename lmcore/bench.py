@@ -9,7 +9,9 @@ Counted FLOPs per head (forward; forward+backward is counted as 3× forward):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import statistics
@@ -47,10 +49,24 @@ def device_name() -> str:
   return f"{device.platform}: {getattr(device, 'device_kind', str(device))}"
 
 
+@contextlib.contextmanager
+def exclusive(lock_path: str = ""):
+  """Holds an exclusive ``flock`` on ``lock_path`` (nothing when empty), so that benchmark processes
+  sharing one device compile side by side but time one at a time."""
+  if not lock_path:
+    yield
+    return
+  with open(lock_path, "a") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def time_fn(fn: Callable, *args, repeats: int = 10) -> float:
-  """Median wall time in ms of ``fn(*args)`` after compilation and 3 warm-up calls."""
-  jax.block_until_ready(fn(*args))
-  for _ in range(3):
+  """Median wall time in ms of ``fn(*args)`` (compiled already) after 4 warm-up calls."""
+  for _ in range(4):
     jax.block_until_ready(fn(*args))
   times = []
   for _ in range(repeats):
@@ -60,16 +76,18 @@ def time_fn(fn: Callable, *args, repeats: int = 10) -> float:
   return statistics.median(times)
 
 
-def _fwd_and_fwdbwd(op: Callable, args: tuple, repeats: int) -> tuple[float, float]:
-  """Times ``op(*args) -> o`` and the gradient of sum(o · do) w.r.t. every array argument."""
-  forward = jax.jit(op)
+def _fwd_and_fwdbwd(op: Callable, args: tuple, repeats: int, lock: str = "") -> tuple[float, float]:
+  """Times ``op(*args) -> o`` and the gradient of sum(o · do) w.r.t. every array argument; both are
+  compiled first, outside ``lock``, which is held while timing."""
   do = jax.random.normal(jax.random.key(1), jax.eval_shape(op, *args).shape, args[0].dtype)
 
   def loss(do, *a):  # do is an argument, not a closure constant, so XLA does not fold it
     return jnp.sum(op(*a).astype(jnp.float32) * do.astype(jnp.float32))
 
-  backward = jax.jit(jax.grad(loss, argnums=tuple(range(1, len(args) + 1))))
-  return time_fn(forward, *args, repeats=repeats), time_fn(backward, do, *args, repeats=repeats)
+  forward = jax.jit(op).lower(*args).compile()
+  backward = jax.jit(jax.grad(loss, argnums=tuple(range(1, len(args) + 1)))).lower(do, *args).compile()
+  with exclusive(lock):
+    return time_fn(forward, *args, repeats=repeats), time_fn(backward, do, *args, repeats=repeats)
 
 
 def _randn(key, shape, dtype, scale=1.0):
@@ -232,20 +250,29 @@ class RowLog:
   """Rows measured so far, appended to a JSONL file (when given) the moment each is measured.
 
   Rows already in the file are loaded and not measured again, so a benchmark stopped by a time limit
-  continues where it stopped when run again with the same file.
+  continues where it stopped when run again with the same file. A row that failed (an error note, no
+  time) is tried again; the file's last row of each (op, implementation, length) wins.
   """
 
   def __init__(self, path: str = ""):
-    self.path, self.rows = path, []
+    self.path, self._rows = path, {}
     if path and os.path.exists(path):
       with open(path) as f:
-        self.rows = [Row(**json.loads(line)) for line in f if line.strip()]
+        for line in f:
+          if line.strip():
+            row = Row(**json.loads(line))
+            self._rows[row.op, row.impl, row.length] = row
+
+  @property
+  def rows(self) -> list[Row]:
+    return list(self._rows.values())
 
   def has(self, op: str, impl: str, length: int) -> bool:
-    return any((r.op, r.impl, r.length) == (op, impl, length) for r in self.rows)
+    row = self._rows.get((op, impl, length))
+    return row is not None and row.fwdbwd_ms is not None
 
   def add(self, row: Row) -> None:
-    self.rows.append(row)
+    self._rows[row.op, row.impl, row.length] = row
     print(f"  {row.op} {row.impl} T={row.length}: {row.fwd_ms} / {row.fwdbwd_ms} ms {row.note}", flush=True)
     if self.path:
       os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
@@ -268,18 +295,20 @@ def measure(log: RowLog, op_name: str, impl: str, length: int, batch: int, fn: C
     log.add(Row(op_name, impl, length, batch, None, None, 0.0, note=f"{type(e).__name__}: {str(e)[:80]}"))
 
 
-def run_op(log: RowLog, op_name: str, length: int, tokens: int, dtype: str, repeats: int) -> None:
+def run_op(log: RowLog, op_name: str, length: int, tokens: int, dtype: str, repeats: int,
+           lock: str = "") -> None:
   batch = max(1, tokens // length)
   args, cases, flops = OPS[op_name](batch, length, jnp.dtype(dtype))
   for impl, fn in cases.items():
-    measure(log, op_name, impl, length, batch, fn, lambda fn: _fwd_and_fwdbwd(fn, args, repeats), flops[impl])
+    measure(log, op_name, impl, length, batch, fn, lambda fn: _fwd_and_fwdbwd(fn, args, repeats, lock),
+            flops[impl])
 
 
-def fla_rows(log: RowLog, ops: list[str], length: int, tokens: int, repeats: int) -> None:
+def fla_rows(log: RowLog, ops: list[str], length: int, tokens: int, repeats: int, lock: str = "") -> None:
   """flash-linear-attention on the same shapes, for ``ops`` (torch + fla importable, CUDA only)."""
   from lmcore import bench_fla  # torch-side code kept apart from the JAX ops
 
-  bench_fla.run(log, ops, length, tokens, repeats)
+  bench_fla.run(log, ops, length, tokens, repeats, lock)
 
 
 def with_ratios(rows: list[Row]) -> list[Row]:
@@ -299,16 +328,16 @@ def with_ratios(rows: list[Row]) -> list[Row]:
 
 
 def run_all(*, ops: list[str], lengths: list[int], tokens: int, dtype: str, repeats: int,
-            fla_ops: list[str], jsonl: str = "") -> list[Row]:
+            fla_ops: list[str], jsonl: str = "", lock: str = "") -> list[Row]:
   """Every op at every length, then FLA's kernels for ``fla_ops``; rows already in ``jsonl`` are kept
-  and not measured again."""
+  and not measured again. Timing holds ``lock`` (see ``exclusive``)."""
   log = RowLog(jsonl)
   for length in lengths:
     for op_name in ops:
-      run_op(log, op_name, length, tokens, dtype, repeats)
+      run_op(log, op_name, length, tokens, dtype, repeats, lock)
     if fla_ops:
       try:
-        fla_rows(log, fla_ops, length, tokens, repeats)
+        fla_rows(log, fla_ops, length, tokens, repeats, lock)
       except ImportError as e:
         print(f"  FLA skipped at T={length}: {e}", flush=True)
   return with_ratios([r for r in log.rows if r.length in lengths])

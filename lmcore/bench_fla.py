@@ -44,9 +44,10 @@ def _fwd_bwd(torch, op, tensors, repeats):
   return _time(torch, forward, repeats), _time(torch, forward_backward, repeats)
 
 
-def run(log, ops, length, tokens, repeats):
+def run(log, ops, length, tokens, repeats, lock=""):
   """Times FLA's kernels for ``ops`` (of "sanatan_p1", "gated", "taylor") into ``log``
-  (``lmcore.bench.RowLog``); rows it already has are skipped before any tensor is made."""
+  (``lmcore.bench.RowLog``); rows it already has are skipped before any tensor is made. Warm-up
+  (FLA's autotuning) and timing hold ``lock`` (``lmcore.bench.exclusive``)."""
   import torch
   from fla.ops.based import fused_chunk_based, parallel_based
   from fla.ops.gla import chunk_gla
@@ -63,7 +64,11 @@ def run(log, ops, length, tokens, repeats):
   def add(op_name, impl, op, make_tensors, flops):
     if op_name in ops:
       bench.measure(log, op_name, impl, length, batch, op,
-                    lambda op: _fwd_bwd(torch, op, make_tensors(), repeats), flops)
+                    lambda op: timed(op, make_tensors()), flops)
+
+  def timed(op, tensors):
+    with bench.exclusive(lock):
+      return _fwd_bwd(torch, op, tensors, repeats)
 
   # SANATAN p = 1 on precomputed 6d features (K = 384): FLA cannot fuse the feature map.
   phi_shape = (batch, length, HEADS, SANATAN_FEATURES)

@@ -8,10 +8,11 @@ tokens/s, achieved TFLOP/s (from counted FLOPs) and the ratio to the reference n
 and appends the rows to docs/BENCHMARKS.md with the date, device and command.
 
     python scripts/bench_kernels.py [--lengths=2048,8192,32768] [--tokens=16384] [--dtype=bfloat16] \
-        [--jsonl=runs/bench/kernels.jsonl] [--fla_ops=sanatan_p1,gated,taylor]
+        [--jsonl=runs/bench/kernels.jsonl] [--fla_ops=sanatan_p1,gated,taylor] [--lock=/tmp/bench.lock]
 
 Compilation (Triton kernels, FLA autotuning) can take minutes per case: give ``--jsonl`` so that a run
-stopped by a time limit continues where it stopped.
+stopped by a time limit continues where it stopped. Several processes (one per T, say) can share one
+device when given the same ``--lock``: they compile in parallel and take turns timing.
 """
 
 import datetime
@@ -35,12 +36,15 @@ _FLA_OPS = flags.DEFINE_list("fla_ops", ["sanatan_p1", "gated", "taylor"],
                              "('' = none; FLA autotunes on first use, minutes for chunk_gla).")
 _JSONL = flags.DEFINE_string("jsonl", "", "Rows are appended here as they are measured; rows already "
                              "in it are not measured again (a rerun continues a stopped benchmark).")
+_LOCK = flags.DEFINE_string("lock", "", "A lock file shared by benchmark processes on one device: each "
+                            "compiles freely but times only while holding it (runs per T side by side).")
 
 
 def main(argv):
   del argv
   rows = bench.run_all(ops=_OPS.value, lengths=[int(x) for x in _LENGTHS.value], tokens=_TOKENS.value,
-                       dtype=_DTYPE.value, repeats=_REPEATS.value, fla_ops=_FLA_OPS.value, jsonl=_JSONL.value)
+                       dtype=_DTYPE.value, repeats=_REPEATS.value, fla_ops=_FLA_OPS.value, jsonl=_JSONL.value,
+                       lock=_LOCK.value)
   table = bench.format_table(rows)
   print(table, flush=True)
   if _OUT.value:

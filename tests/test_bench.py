@@ -1,6 +1,9 @@
 """The kernel-benchmark library on CPU: rows, ratios, table, and a stopped run that continues."""
 
+import fcntl
 import json
+
+import pytest
 
 from lmcore import bench
 
@@ -28,3 +31,23 @@ def test_rows_are_logged_as_measured_and_not_measured_again(tmp_path, monkeypatc
   assert [(r.impl, r.fwdbwd_ms) for r in again] == [(r.impl, r.fwdbwd_ms) for r in rows]
   table = bench.format_table(again)
   assert table.count("\n") == 1 + len(again) and "| gated | chunked (xla) | 64 | 2 |" in table
+
+
+def test_a_failed_row_is_tried_again_and_the_last_row_wins(tmp_path):
+  jsonl = str(tmp_path / "kernels.jsonl")
+  bench.RowLog(jsonl).add(bench.Row("gated", "pallas (split)", 64, 2, None, None, 0.0, note="XlaRuntimeError: OOM"))
+  reloaded = bench.RowLog(jsonl)
+  assert not reloaded.has("gated", "pallas (split)", 64)
+  reloaded.add(bench.Row("gated", "pallas (split)", 64, 2, 1.0, 3.0, 10.0))
+  final = bench.RowLog(jsonl)
+  assert final.has("gated", "pallas (split)", 64)
+  assert [(r.impl, r.fwdbwd_ms, r.note) for r in final.rows] == [("pallas (split)", 3.0, "")]
+
+
+def test_exclusive_holds_the_lock_only_inside(tmp_path):
+  lock = tmp_path / "bench.lock"
+  with bench.exclusive(str(lock)), open(lock) as other:
+    with pytest.raises(BlockingIOError):  # a second holder (another process) has to wait
+      fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  with open(lock) as other:
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)

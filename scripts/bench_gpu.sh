@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 7's GPU evidence in one call: the compiled-kernel agreement check and the kernel benchmark.
+# One process per sequence length, one for FLA's kernels and one for the check run side by side; they
+# compile in parallel (compilation dominates) and take turns timing (`--lock`). Every process writes
+# its rows to a JSONL in DIR as it measures them, and a rerun with the same DIR measures only what is
+# missing, so a time limit loses nothing measured.
+#
+#   bash scripts/bench_gpu.sh DIR [SECONDS]      # SECONDS: the wall-clock budget (default 540)
+#
+# Then: python scripts/bench_report.py DIR  (one table each, appended to docs/BENCHMARKS.md).
+set -u
+dir=${1:?usage: bash scripts/bench_gpu.sh DIR [SECONDS]}
+end=$(( $(date +%s) + ${2:-540} ))
+mkdir -p "$dir"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1  # several processes share the device
+lock="$dir/timing.lock"
+
+until_end() {  # runs "$@" with whatever is left of the budget
+  local left=$(( end - $(date +%s) ))
+  (( left > 10 )) && timeout "$left" "$@"
+}
+
+until_end python3 scripts/check_kernels.py --length=1000 --batch=2 --jsonl="$dir/agreement.jsonl" \
+  --out= > "$dir/agreement.log" 2>&1 &
+for length in 2048 8192 32768; do
+  until_end python3 scripts/bench_kernels.py --lengths="$length" --ops=softmax,sanatan_p1,gated,taylor,sanatan_p2 \
+    --fla_ops= --repeats=20 --lock="$lock" --jsonl="$dir/kernels_$length.jsonl" --out= > "$dir/kernels_$length.log" 2>&1 &
+done
+{  # FLA's chunk_gla autotunes for minutes: last
+  until_end python3 scripts/bench_kernels.py --ops= --fla_ops=sanatan_p1,taylor --repeats=20 --lock="$lock" \
+    --jsonl="$dir/fla.jsonl" --out=
+  until_end python3 scripts/bench_kernels.py --ops= --fla_ops=gated --repeats=20 --lock="$lock" \
+    --jsonl="$dir/fla.jsonl" --out=
+} > "$dir/fla.log" 2>&1 &
+wait
+tail -n 4 "$dir"/*.log
