@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import glob
 import json
 import os
+import re
 import statistics
 import time
 from typing import Callable
@@ -359,7 +361,43 @@ def format_table(rows: list[Row]) -> str:
   return "\n".join(lines)
 
 
-def append_markdown(path: str, table: str, date: str, device: str, command: str) -> None:
+def _file_order(path: str) -> tuple:
+  """``kernels_<T>.jsonl`` by T first, then the other files (``fla.jsonl``) by name."""
+  name = os.path.basename(path)
+  return (not name.startswith("kernels_"), [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)])
+
+
+def load_rows(directory: str, skip: tuple[str, ...] = ("agreement.jsonl",)) -> list[Row]:
+  """Every Row of the ``*.jsonl`` files in ``directory`` (those named in ``skip`` aside), the last row of
+  each (op, implementation, length) winning, sorted by length, then op (softmax first, then as in
+  ``OPS``), then implementation in order of first appearance. Ratios are cleared (see ``with_ratios``)."""
+  merged = {}
+  paths = [p for p in glob.glob(os.path.join(directory, "*.jsonl")) if os.path.basename(p) not in skip]
+  for path in sorted(paths, key=_file_order):
+    for row in RowLog(path).rows:
+      merged[row.op, row.impl, row.length] = dataclasses.replace(row, reference="", ratio_fwdbwd=None,
+                                                                 vs_softmax=None)
+  op_order = ["softmax", *(op for op in OPS if op != "softmax")]
+  impl_order = {}
+  for row in merged.values():
+    impl_order.setdefault((row.op, row.impl), len(impl_order))
+
+  def key(row):
+    op_rank = op_order.index(row.op) if row.op in op_order else len(op_order)
+    return row.length, op_rank, row.op, impl_order[row.op, row.impl]
+
+  return sorted(merged.values(), key=key)
+
+
+def append_markdown(path: str, tables: str | list[str], date: str, device: str, commands: str | list[str],
+                    via: str = "") -> None:
+  """Appends one dated block to ``path`` (started with a title when new): the header ``## DATE — kernels
+  on DEVICE (VIA)``, the commands that made it, then the tables."""
+  tables = [tables] if isinstance(tables, str) else tables
+  commands = [commands] if isinstance(commands, str) else commands
   header = "" if os.path.exists(path) else "# Benchmarks\n\nDated measurements; each block names its device and command.\n"
+  title = f"## {date} — kernels on {device}" + (f" ({via})" if via else "")
+  command_line = ", then ".join(f"`{c}`" for c in commands)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "a") as f:
-    f.write(f"{header}\n## {date} — kernels on {device}\n\n`{command}`\n\n{table}\n")
+    f.write(f"{header}\n{title}\n\n{command_line}\n\n" + "\n\n".join(tables) + "\n")

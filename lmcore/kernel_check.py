@@ -100,6 +100,14 @@ def load(path: str) -> list[Agreement]:
     return [Agreement(**json.loads(line)) for line in f if line.strip()]
 
 
+def load_latest(path: str) -> list[Agreement]:
+  """``load``, keeping the last row of each (op, kernel, dtype, length, batch), in order of first appearance."""
+  rows = {}
+  for row in load(path):
+    rows[row.op, row.impl, row.dtype, row.length, row.batch] = row
+  return list(rows.values())
+
+
 def run(*, ops: list[str], dtypes: list[str], length: int, batch: int, jsonl: str = "") -> list[Agreement]:
   """All checks; (op, dtype) pairs already in ``jsonl`` are kept, new rows appended as made."""
   rows = load(jsonl)
