@@ -152,8 +152,7 @@ def _sanatan_pallas() -> dict:
   def form(name, chunk_size=None):
     return lambda q, k, v, w, l: sanatan_p1_pallas(q, k, v, w, l, form=name, chunk_size=chunk_size)[0]
 
-  return {"pallas (split, C=64)": form("split"), "pallas (split, C=32)": form("split", 32),
-          "pallas (fused, C=16)": form("fused")}
+  return {"pallas (split, C=32)": form("split"), "pallas (fused, C=16)": form("fused")}
 
 
 def sanatan_p2_cases(batch, length, dtype):
@@ -202,11 +201,11 @@ def _gated_pallas() -> dict:
     return {"pallas (tpu)": lambda q, k, v, g: pallas_tpu.gated_linear_attention_tpu(
         q, k, v, g, chunk_size=CHUNK)[0]}
 
-  def form(name):
+  def form(name, chunk_size, num_warps):
     return lambda q, k, v, g: pallas.gated_linear_attention_pallas(
-        q, k, v, g, state=None, chunk_size=CHUNK, normalize=False, form=name)[0]
+        q, k, v, g, state=None, chunk_size=chunk_size, normalize=False, form=name, num_warps=num_warps)[0]
 
-  return {"pallas (split)": form("split"), "pallas (fused)": form("fused")}
+  return {"pallas (split, C=32, 8 warps)": form("split", 32, 8), "pallas (fused)": form("fused", CHUNK, 4)}
 
 
 def taylor_cases(batch, length, dtype):

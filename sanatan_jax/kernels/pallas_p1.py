@@ -46,7 +46,7 @@ from sanatan_jax import attention, features
 CHANNELS = 6
 # Tokens per chunk by form. Fused: tuned on the H200 (its six fp32 state tiles stay in registers
 # through every chunk). Split: FLA's chunk; fewer chunks mean fewer states through HBM. Untuned.
-DEFAULT_CHUNK = {"split": 64, "fused": 16}
+DEFAULT_CHUNK = {"split": 32, "fused": 16}
 _F32 = jnp.float32
 
 
