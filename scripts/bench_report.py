@@ -30,7 +30,8 @@ def main(argv):
     raise app.UsageError("usage: python scripts/bench_report.py DIR [--out=...] [--device=...] [--date=...]")
   directory = argv[1]
   rows = bench.with_ratios(bench.load_rows(directory))
-  agreement = kernel_check.load_latest(os.path.join(directory, "agreement.jsonl"))
+  agreement = sorted(kernel_check.load_latest(os.path.join(directory, "agreement.jsonl")),
+                     key=lambda r: (r.dtype != "float32", kernel_check.CHECKED_OPS.index(r.op)))
   if not rows and not agreement:
     raise app.UsageError(f"no rows in {directory}; run `bash scripts/bench_gpu.sh {directory}` first")
   tables = ([kernel_check.format_table(agreement)] if agreement else []) + ([bench.format_table(rows)] if rows else [])
