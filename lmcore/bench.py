@@ -193,19 +193,14 @@ def gated_cases(batch, length, dtype):
 
 
 def _gated_pallas() -> dict:
-  """The gated kernels of this backend: Mosaic on TPU, else both Triton forms (split, fused)."""
+  """The gated kernel of this backend: Mosaic on TPU, else the Triton kernel at its defaults."""
   from lmcore.kernels import pallas_utils
   from lmcore.kernels.gated_linear_attention import pallas, pallas_tpu
 
   if pallas_utils.backend() == "tpu":
     return {"pallas (tpu)": lambda q, k, v, g: pallas_tpu.gated_linear_attention_tpu(
         q, k, v, g, chunk_size=CHUNK)[0]}
-
-  def form(name, chunk_size, num_warps):
-    return lambda q, k, v, g: pallas.gated_linear_attention_pallas(
-        q, k, v, g, state=None, chunk_size=chunk_size, normalize=False, form=name, num_warps=num_warps)[0]
-
-  return {"pallas (split, C=32, 8 warps)": form("split", 32, 8), "pallas (fused)": form("fused", CHUNK, 4)}
+  return {"pallas": lambda q, k, v, g: pallas.gated_linear_attention_pallas(q, k, v, g)[0]}
 
 
 def taylor_cases(batch, length, dtype):

@@ -1,11 +1,10 @@
 """The Pallas gated linear attention kernels compute the op's function: outputs, final state and
 gradients (q, k, v, log forget gate, initial S and z) equal the token-by-token reference, for scalar
-and per-key-channel gates, normalised or not, partial chunks, value tiles and packed documents, in
-both forms (``split``: three chunk-parallel phases, the default; ``fused``: one program walks all
-chunks).
+and per-key-channel gates, normalised or not, partial chunks, value tiles and packed documents.
 
-The kernels run in interpret mode on CPU. Tolerance: relative L2 error 1e-5 at fp32 (the forms
-differ only in summation order; observed about 1e-6 here and on the H200 compiled kernels).
+The kernels run in interpret mode on CPU. Tolerance: relative L2 error 1e-5 at fp32 (kernel and
+reference differ only in summation order; observed about 1e-6 here and on the H200 compiled
+kernels).
 """
 
 import functools
@@ -22,7 +21,6 @@ from lmcore.numerics import relative_l2
 
 CHUNK = 16
 RTOL = 1e-5
-FORMS = pytest.mark.parametrize("form", pallas.FORMS)
 # These tests check the math, not code generation: skip LLVM's expensive passes on a shared CPU.
 _FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
@@ -77,8 +75,7 @@ def _run(fn, inputs, projections, **options):
 
 @functools.cache
 def _reference(seed, T, gate, normalize, with_state=True, segments=False):
-  """``_run`` of the token-by-token reference on ``_inputs(seed, T, ...)``, computed once and
-  shared by both forms' tests."""
+  """``_run`` of the token-by-token reference on ``_inputs(seed, T, ...)``, computed once."""
   inputs, segment_ids, projections = _inputs(seed, T, gate, normalize, with_state=with_state)
   return _run(functools.partial(gated_linear_attention, implementation="reference"), inputs,
               projections, normalize=normalize, segment_ids=segment_ids if segments else None)
@@ -90,7 +87,6 @@ def _assert_same(got, want, what):
   assert not bad, f"{what}: relative L2 errors above {RTOL}: {bad}"
 
 
-@FORMS
 @pytest.mark.parametrize("T,gate,normalize,with_state,tuning", [
     (37, "head", False, True, {}),
     (37, "channel", False, True, {"sub_chunk": 8}),  # off-diagonal sub-chunk blocks
@@ -98,29 +94,27 @@ def _assert_same(got, want, what):
     (64, "channel", True, True, {"block_v": 4}),  # V = 5 + ones column -> two value tiles
 ])
 def test_pallas_equals_reference_with_gradients_for_partial_chunks(T, gate, normalize, with_state,
-                                                                   tuning, form):
+                                                                   tuning):
   inputs, _, projections = _inputs(T, T, gate, normalize, with_state=with_state)
-  got = _run(functools.partial(pallas.gated_linear_attention_pallas, form=form, **tuning), inputs,
+  got = _run(functools.partial(pallas.gated_linear_attention_pallas, **tuning), inputs,
              projections, normalize=normalize)
   want = _reference(T, T, gate, normalize, with_state)
-  _assert_same(got, want, f"{form}: T={T} gate={gate} normalize={normalize} {tuning}")
+  _assert_same(got, want, f"T={T} gate={gate} normalize={normalize} {tuning}")
 
 
-@FORMS
 @pytest.mark.parametrize("gate", ["head", "channel"])
-def test_pallas_resets_state_at_segment_boundaries_like_reference(gate, form):
+def test_pallas_resets_state_at_segment_boundaries_like_reference(gate):
   """Row 1 holds four documents (see ``_inputs``); row 0 one continuing the state."""
   inputs, segment_ids, projections = _inputs(7, 37, gate, True)
-  got = _run(functools.partial(pallas.gated_linear_attention_pallas, sub_chunk=8, form=form),
+  got = _run(functools.partial(pallas.gated_linear_attention_pallas, sub_chunk=8),
              inputs, projections, normalize=True, segment_ids=segment_ids)
-  _assert_same(got, _reference(7, 37, gate, True, segments=True), f"{form}: segments, gate={gate}")
+  _assert_same(got, _reference(7, 37, gate, True, segments=True), f"segments, gate={gate}")
 
 
-@FORMS
-def test_pallas_two_pieces_with_state_equal_whole(form):
+def test_pallas_two_pieces_with_state_equal_whole():
   (q, k, v, log_forget, state), _, _ = _inputs(21, 37, "channel", True)
   call = jax.jit(functools.partial(pallas.gated_linear_attention_pallas, chunk_size=CHUNK,
-                                   normalize=True, form=form), compiler_options=_FAST_COMPILE)
+                                   normalize=True), compiler_options=_FAST_COMPILE)
   o, whole = call(q, k, v, log_forget, state=state)
   first, second = slice(0, 21), slice(21, None)  # both pieces end in a partial chunk
   o1, mid = call(q[:, first], k[:, first], v[:, first], log_forget[:, first], state=state)
@@ -130,25 +124,23 @@ def test_pallas_two_pieces_with_state_equal_whole(form):
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
-@pytest.mark.parametrize("form,kernels", [("split", 4), ("fused", 2)])
 @pytest.mark.parametrize("gate_shape", ["head", "channel"])
-def test_kernels_lower_to_triton_for_an_h200_with_bfloat16_inputs(gate_shape, form, kernels):
-  """Forward and backward kernels pass the Pallas Triton lowering (power-of-two blocks, supported
-  primitives) for an abstract H200, with head and value dims that need padding. The split form
-  has two forward kernels (chunk writes, outputs) and two backward ones (writes and the reads'
-  gradient, then dq/dk/dv); the fused form one of each."""
+def test_kernels_lower_to_triton_for_an_h200_with_bfloat16_inputs(gate_shape):
+  """Forward and backward kernels, at the default chunk, warps and sub-chunk, pass the Pallas
+  Triton lowering (power-of-two blocks, supported primitives) for an abstract H200, with head and
+  value dims that need padding: two forward kernels (chunk writes, outputs) and two backward ones
+  (writes and the reads' gradient, then dq/dk/dv)."""
   B, T, H, K, V = 1, 40, 2, 24, 40
   bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   gate = jax.ShapeDtypeStruct((B, T, H) if gate_shape == "head" else (B, T, H, K), jnp.float32)
 
   def loss(q, k, v, log_forget):
-    o, new = pallas.gated_linear_attention_pallas(q, k, v, log_forget, chunk_size=32,
-                                                  interpret=False, form=form)
+    o, new = pallas.gated_linear_attention_pallas(q, k, v, log_forget, interpret=False)
     return o.astype(jnp.float32).sum() + new.S.sum()
 
   lowered = pallas_utils.lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2, 3)), bf16(B, T, H, K),
                                        bf16(B, T, H, K), bf16(B, T, H, V), gate)
-  assert lowered.as_text().count("xla.gpu.triton") == kernels
+  assert lowered.as_text().count("xla.gpu.triton") == 4
 
 
 def test_compiling_off_gpu_and_bad_chunk_sizes_raise_clear_errors():
@@ -157,5 +149,3 @@ def test_compiling_off_gpu_and_bad_chunk_sizes_raise_clear_errors():
     pallas.gated_linear_attention_pallas(q, k, v, log_forget, interpret=False)
   with pytest.raises(ValueError, match="power of two"):
     pallas.gated_linear_attention_pallas(q, k, v, log_forget, chunk_size=24)
-  with pytest.raises(ValueError, match="valid: split, fused"):
-    pallas.gated_linear_attention_pallas(q, k, v, log_forget, form="three-phase")

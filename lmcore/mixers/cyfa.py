@@ -72,7 +72,7 @@ class CyFA(nnx.Module):
     forget_bias_max: float = 4.0
     norm_eps: float = 1e-5
     implementation: str = "chunked"
-    chunk_size: int = 64
+    chunk_size: int | None = None  # None: the implementation's default (XLA 64, Pallas 32)
 
   def __init__(self, config: Config, *, d_model: int, init: InitSpec, dtype=jnp.float32,
                rngs: nnx.Rngs):

@@ -38,7 +38,7 @@ class GLA(nnx.Module):
     gate_low_rank: int = 16
     gate_logit_normalizer: float = 16.0
     implementation: str = "chunked"
-    chunk_size: int = 64
+    chunk_size: int | None = None  # None: the implementation's default (XLA 64, Pallas 32)
     norm_eps: float = 1e-5
 
   def __init__(self, config: Config, *, d_model: int, init: InitSpec, dtype=jnp.float32,

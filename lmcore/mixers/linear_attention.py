@@ -37,7 +37,7 @@ class LinearAttentionConfig:
   n_heads: int = 12
   head_dim: int = 64
   implementation: str = "chunked"
-  chunk_size: int = 64
+  chunk_size: int | None = None  # None: the implementation's default (XLA 64, Pallas 32)
   eps: float = 1e-6
 
 

@@ -70,23 +70,25 @@ def _check_shapes(q, k, v, log_forget, state, segment_ids) -> None:
                        f"{tuple(v.shape)} = [B, T, H, V])")
 
 
-def _backend(implementation: str | None, chunk_size: int):
+def _backend(implementation: str | None, chunk_size: int | None):
   """The implementation function; unknown names list the valid ones. None picks
-  ``pallas_utils.default_implementation()`` (measured fastest)."""
+  ``pallas_utils.default_implementation()`` (measured fastest); a None chunk_size leaves each
+  chunked implementation its own default."""
   if implementation is None:
     implementation = pallas_utils.default_implementation()
+  chunk = {} if chunk_size is None else {"chunk_size": chunk_size}
   if implementation == "pallas":
     kernels = pallas_tpu if pallas_utils.backend() == "tpu" else pallas
-    return functools.partial(kernels.chunked, chunk_size=chunk_size)
+    return functools.partial(kernels.chunked, **chunk)
   if implementation in ("reference", "recurrent"):
     return reference.recurrent
   if implementation == "parallel":
     return reference.parallel
   if implementation in ("chunked", "xla"):
-    if chunk_size < 1 or chunk_size & (chunk_size - 1):
+    if chunk_size is not None and (chunk_size < 1 or chunk_size & (chunk_size - 1)):
       raise ValueError(f"gated_linear_attention: chunk_size must be a power of two, got "
                        f"{chunk_size}")
-    return functools.partial(xla.chunked, chunk_size=chunk_size)
+    return functools.partial(xla.chunked, **chunk)
   raise ValueError(f"gated_linear_attention: unknown implementation {implementation!r}; "
                    f"valid: {', '.join(IMPLEMENTATIONS)} (None: the measured fastest, now 'chunked')")
 
@@ -101,7 +103,8 @@ def document_index(segment_ids_BxT: jax.Array) -> jax.Array:
 def gated_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                            log_forget: jax.Array | None = None, *,
                            implementation: str | None = "chunked",
-                           state: LinearAttentionState | None = None, chunk_size: int = 64,
+                           state: LinearAttentionState | None = None,
+                           chunk_size: int | None = None,
                            normalize: bool = False, eps: float = 1e-6, scale: float = 1.0,
                            segment_ids: jax.Array | None = None
                            ) -> tuple[jax.Array, LinearAttentionState]:
@@ -115,7 +118,8 @@ def gated_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     implementation: one of ``IMPLEMENTATIONS``; None picks the measured fastest
       (``pallas_utils.default_implementation``: ``chunked`` on every backend for now).
     state: the state before the first token; None means zeros (start of a sequence).
-    chunk_size: tokens per chunk of the chunked form, a power of two.
+    chunk_size: tokens per chunk of the chunked forms, a power of two; None: the implementation's
+      measured best (``xla.CHUNK`` = 64, ``pallas.CHUNK`` = 32; the TPU kernel's own).
     normalize: divide by the decayed key sum (see the module docstring); the state then carries z.
     eps: added to the normaliser.
     scale: multiplies the scores q · k.

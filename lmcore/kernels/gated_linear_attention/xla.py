@@ -28,6 +28,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+# The measured-good chunk: fwd+bwd 5.55 / 7.39 / 12.21 ms on an H200 at T = 2048 / 8192 / 32768
+# (B·T = 16384, H = 12, K = V = 64, per-channel gates, bf16).
+CHUNK = 64
 SUB_CHUNK = 16
 
 
@@ -116,7 +119,7 @@ def _chunk_states(k_BxHxNxCxK, v_BxHxNxCxV, b_BxHxNxCxG, S0_BxHxKxV, masks: _Doc
 
 
 def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: float, doc_BxT,
-            chunk_size: int):
+            chunk_size: int = CHUNK):
   """Returns (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32); G = 1 (scalar gate) or K (per channel).
 
   Works head-major, [B, H, N, C, ·], so that every contraction has its batch axes leading.
