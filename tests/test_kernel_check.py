@@ -27,3 +27,14 @@ def test_a_kernel_that_disagrees_fails_its_row():
   assert wrong.worst == 5e-3 and not wrong.passed
   failed = kernel_check.Agreement("op", "pallas", "xla", "float32", 8, 1, None, None, 1e-5, note="boom")
   assert failed.worst is None and not failed.passed
+
+
+def test_the_rounding_floor_is_what_bf16_rounding_alone_costs():
+  import jax
+  import jax.numpy as jnp
+
+  exact = jnp.array([1.0, 0.5, -2.0, 3.0])  # representable in bf16: no rounding error
+  assert kernel_check.rounding_floor(exact, (exact,), "bfloat16") == 0.0
+  x = jax.random.normal(jax.random.key(0), (4096,))
+  floor = kernel_check.rounding_floor(exact, (x,), "bfloat16")
+  assert 1e-3 < floor < 2.5e-3  # bf16 keeps 8 significant bits: about 2^-9 relative, on average
