@@ -141,19 +141,13 @@ def sanatan_cases(batch, length, dtype):
 
 
 def _sanatan_pallas() -> dict:
-  """The SANATAN p = 1 kernels of this backend: Mosaic on TPU (chunk 128), else both Triton forms,
-  split at chunks 64 (its default) and 32, fused at its tuned 16; the faster form stays, the other
-  goes (docs/DECISIONS.md)."""
+  """The SANATAN p = 1 kernel of this backend with its defaults: Mosaic on TPU (chunk 128), else
+  Triton (chunk 32)."""
   from lmcore.kernels import pallas_utils
   from sanatan_jax.kernels import sanatan_p1_pallas, sanatan_p1_tpu
 
-  if pallas_utils.backend() == "tpu":
-    return {"pallas (tpu)": lambda q, k, v, w, l: sanatan_p1_tpu(q, k, v, w, l)[0]}
-
-  def form(name, chunk_size=None):
-    return lambda q, k, v, w, l: sanatan_p1_pallas(q, k, v, w, l, form=name, chunk_size=chunk_size)[0]
-
-  return {"pallas (split, C=32)": form("split"), "pallas (fused, C=16)": form("fused")}
+  kernel = sanatan_p1_tpu if pallas_utils.backend() == "tpu" else sanatan_p1_pallas
+  return {_pallas_name(): lambda q, k, v, w, l: kernel(q, k, v, w, l)[0]}
 
 
 def sanatan_p2_cases(batch, length, dtype):

@@ -10,8 +10,8 @@ with ``s_tj = Phi(q_t).Phi(k_j)`` (features.py; 4ch clips ``s`` at 0, 3ch legacy
   [0, 1] after division by c, so no running maximum is needed.
 * ``chunked`` (p = 1, 6ch): chunked linear attention, intra-chunk causal block + fp32 state.
 * ``pallas``: Triton-Pallas kernels with the features computed inside them and a custom VJP. p = 1
-  with 6ch: the chunked recurrence (kernels/pallas_p1.py; chunk-parallel "split" form by default,
-  its own chunk, not ``chunk_size``; on a TPU the Mosaic kernels of kernels/pallas_p1_tpu.py).
+  with 6ch: the chunked recurrence, parallel over chunks (kernels/pallas_p1.py; its own chunk, not
+  ``chunk_size``; on a TPU the Mosaic kernels of kernels/pallas_p1_tpu.py).
   Every other p and channel variant: the blocked, flash-style kernels
   (kernels/pallas_blocked.py; their own blocks, not ``block_size``), no state; on a TPU their Mosaic
   form (kernels/pallas_blocked_tpu.py).

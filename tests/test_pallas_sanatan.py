@@ -1,11 +1,10 @@
 """The SANATAN p = 1 Pallas kernels compute sanatan_attention's function (SPEC §1.2): outputs,
 final state and gradients (q, k, v, omega, lam_raw, initial S and z) equal the recurrent form, for
-partial chunks, padded head dims, value tiles, packed documents and the no-rotation ablation, in
-both forms (``split``: kernels parallel over chunks; ``fused``: one program walks the chunks).
+partial chunks, padded head dims, value tiles, packed documents and the no-rotation ablation.
 
-The kernels run in interpret mode on CPU; the reference results are computed once per case and
-shared by the two forms. Tolerance: relative L2 error 1e-5 at fp32 (the forms
-differ only in summation order; observed about 1e-6 here and on the H200 compiled kernels).
+The kernels run in interpret mode on CPU. Tolerance: relative L2 error 1e-5 at fp32 (kernel and
+reference differ only in summation order; observed about 1e-6 here and on the H200 compiled
+kernels).
 """
 
 import functools
@@ -21,7 +20,6 @@ from sanatan_jax import SanatanState, sanatan_attention
 from sanatan_jax.kernels import sanatan_p1_pallas
 
 CHUNK = 16
-FORMS = ("split", "fused")
 RTOL = 1e-5
 # These tests check the math, not code generation: skip LLVM's expensive passes on a shared CPU.
 _FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -63,17 +61,17 @@ def _run(fn, inputs, state, seed=99, **options):
   return {"o": o, "S": new.S, "z": new.z, "position": new.position, **dict(zip(names, grads))}
 
 
-@functools.cache
 def _reference(seed, T, with_state, d, segments=False, rotate=True):
-  """The recurrent form's ``_run`` on the inputs of a case (cached: both forms compare with it)."""
+  """The recurrent form's ``_run`` on the inputs of a case."""
   inputs, state, options = _case(seed, T, with_state, d, segments, rotate)
   return _run(_recurrent, inputs, state, **options)
 
 
 @functools.cache
 def _case(seed, T, with_state, d, segments=False, rotate=True):
-  """(inputs, state, options) of a case (cached: both forms and the reference share them). ``segments``: row 1 packs two documents (boundary
-  mid-chunk, positions restarting); row 0 is one document continuing the state's positions."""
+  """(inputs, state, options) of a case (cached: the kernel and the reference share them).
+  ``segments``: row 1 packs two documents (boundary mid-chunk, positions restarting); row 0 is one
+  document continuing the state's positions."""
   inputs = _inputs(seed, T, d=d)
   state = _prefix_state(100 + seed, d=d) if with_state else None
   if not segments:
@@ -93,34 +91,31 @@ def _assert_same(got, want, what):
   assert not bad, f"{what}: relative L2 errors above {RTOL}: {bad}"
 
 
-@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("T,with_state,d,tuning", [
     (16, False, 8, {}),
     (37, True, 6, {"block_v": 4}),  # head dim padded 6 -> 8; dv = 5 padded to two value tiles
     (64, True, 8, {}),
 ])
-def test_pallas_equals_recurrent_with_gradients_for_partial_chunks(T, with_state, d, tuning, form):
+def test_pallas_equals_recurrent_with_gradients_for_partial_chunks(T, with_state, d, tuning):
   inputs, state, options = _case(T, T, with_state, d)
-  kernel = functools.partial(sanatan_p1_pallas, chunk_size=CHUNK, form=form, **tuning)
+  kernel = functools.partial(sanatan_p1_pallas, chunk_size=CHUNK, **tuning)
   got = _run(kernel, inputs, state, **options)
-  what = f"{form} T={T} state={with_state} d={d} {tuning}"
+  what = f"T={T} state={with_state} d={d} {tuning}"
   _assert_same(got, _reference(T, T, with_state, d), what)
 
 
-@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("rotate", [True, False])
-def test_pallas_honours_segment_ids_explicit_positions_and_no_rotation(rotate, form):
+def test_pallas_honours_segment_ids_explicit_positions_and_no_rotation(rotate):
   inputs, state, options = _case(7, 37, True, 8, segments=True, rotate=rotate)
-  kernel = functools.partial(sanatan_p1_pallas, chunk_size=CHUNK, form=form)
+  kernel = functools.partial(sanatan_p1_pallas, chunk_size=CHUNK)
   got = _run(kernel, inputs, state, **options)
   _assert_same(got, _reference(7, 37, True, 8, segments=True, rotate=rotate),
-               f"{form} segments, rotate={rotate}")
+               f"segments, rotate={rotate}")
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_pallas_two_pieces_with_state_equal_whole(form):
+def test_pallas_two_pieces_with_state_equal_whole():
   q, k, v, omega, lam_raw = _inputs(21, 37)
-  call = jax.jit(functools.partial(sanatan_p1_pallas, chunk_size=CHUNK, form=form),
+  call = jax.jit(functools.partial(sanatan_p1_pallas, chunk_size=CHUNK),
                  compiler_options=_FAST_COMPILE)
   o, whole = call(q, k, v, omega, lam_raw)
   first, second = slice(0, 21), slice(21, None)  # both pieces end in a partial chunk
@@ -132,23 +127,22 @@ def test_pallas_two_pieces_with_state_equal_whole(form):
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
-@pytest.mark.parametrize("form,kernels", [("split", 5), ("fused", 2)])
-def test_kernels_lower_to_triton_for_an_h200_with_bfloat16_inputs(form, kernels):
+def test_kernels_lower_to_triton_for_an_h200_with_bfloat16_inputs():
   """Forward and backward kernels pass the Pallas Triton lowering (power-of-two blocks, supported
-  primitives, the in-kernel feature map and its VJP, split's 4-D grid) for an abstract H200, with
-  padded dims and each form's default chunk. Split: writes and outputs forward; writes, read
-  gradients and gradients backward. Fused: one forward and one backward kernel."""
+  primitives, the in-kernel feature map and its VJP, the 4-D grid) for an abstract H200, with
+  padded dims and the default chunk: writes and outputs forward; writes, read gradients and
+  gradients backward."""
   B, T, H, d, dv = 1, 40, 2, 24, 40
   bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   param = jax.ShapeDtypeStruct((H, d), jnp.float32)
 
   def loss(q, k, v, omega, lam_raw):
-    o, new = sanatan_p1_pallas(q, k, v, omega, lam_raw, interpret=False, form=form)
+    o, new = sanatan_p1_pallas(q, k, v, omega, lam_raw, interpret=False)
     return o.astype(jnp.float32).sum() + new.S.sum() + new.z.sum()
 
   lowered = pallas_utils.lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), bf16(B, T, H, d),
                                        bf16(B, T, H, d), bf16(B, T, H, dv), param, param)
-  assert lowered.as_text().count("xla.gpu.triton") == kernels
+  assert lowered.as_text().count("xla.gpu.triton") == 5
 
 
 def test_bad_options_raise_clear_errors():
@@ -157,8 +151,6 @@ def test_bad_options_raise_clear_errors():
     sanatan_p1_pallas(q, k, v, omega, lam_raw, interpret=False)
   with pytest.raises(ValueError, match="power of two"):
     sanatan_p1_pallas(q, k, v, omega, lam_raw, chunk_size=24)
-  with pytest.raises(ValueError, match="form must be one of"):
-    sanatan_p1_pallas(q, k, v, omega, lam_raw, form="chunked")
   wrong = SanatanState(jnp.zeros((2, 2, 48, 4)), jnp.zeros((2, 2, 48)), jnp.zeros((2,), jnp.int32))
   with pytest.raises(ValueError, match=r"state.S has shape"):
     sanatan_p1_pallas(q, k, v, omega, lam_raw, state=wrong)

@@ -6,24 +6,42 @@ raw q, k chunk (features.py's functions), the write-then-read recurrence of atte
     S_t = S_{t-1} + Phi(k_t) v_tᵀ,   z_t = z_{t-1} + Phi(k_t),
     o_t = Phi(q_t)ᵀ S_t / (Phi(q_t)ᵀ z_t + c eps)
 
-is computed in chunks (intra-chunk causal block + fp32 state) in one of two forms. This module's
-"fused" kernels run one program per (batch, head, value tile) walking all chunks with
-``lax.fori_loop`` (the recurrence lives inside one program, the state in registers);
-pallas_p1_split.py's "split" kernels run parallel over chunks too, passing the chunk states
-through HBM, and build on this module's chunk functions (``_load``, ``_outputs``, ``_writes``,
-``_read_grads``, ``_dphi_q``, ``_dphi_k_dv``). The 6d-wide features never reach HBM: inside a
-kernel they are six [C, d] channel arrays ``1, cos th, sin th, r, r cos th, r sin th`` and the state
-six [d, BV] tiles. Outside the kernels the state has SanatanState's layout, feature index
+is computed in chunks of C tokens (intra-chunk causal block + fp32 state), parallel over chunks
+(FLA's "chunk" layout): no program walks the chunks. The 6d-wide features never reach HBM: inside
+a kernel they are six [C, d] channel arrays ``1, cos th, sin th, r, r cos th, r sin th`` and the
+state six [d, BV] tiles. Outside the kernels the state has SanatanState's layout, feature index
 ``6 a + channel``.
 
-Fused backward (``jax.custom_vjp``). The forward stores its inputs, the output o (in v's dtype)
-and the fp32 denominator D_t = Phi(q_t)ᵀ z_t per token; no features and no chunk states. With
-dN = do / (D + c eps) and dD = -(do · o) / (D + c eps) (computed outside the kernel), the backward
-kernel recomputes the chunk states in a forward sweep for d Phi(q), then walks the chunks in reverse
-carrying (dS, dz) for d Phi(k) and dv, and chains d Phi through the feature map inside the kernel
-(``jax.vjp`` of the same feature functions) into dq, dk, d omega, d lam_raw. The denominator does
-not depend on the value tile, so its gradient terms are taken from tile 0 only; dq, dk, d omega
-and d lam_raw of several value tiles are partial sums added outside.
+With N chunks, the state at the start of chunk n follows
+
+    S_{n+1} = keep_n S_n + W_n,   z_{n+1} = keep_n z_n + w_n,
+
+where W_n = sum Phi(k) vᵀ and w_n = sum Phi(k) run over chunk n's last run (its writes) and
+keep_n says the state's run continues through the chunk (0 at a new packed document). Forward:
+
+1. a kernel over the grid (batch, head, chunk, value tile) writes every chunk's (W_n, w_n) to
+   HBM (fp32, channel-major [6, dp, BV] and [6, dp]);
+2. plain JAX solves the recurrence for the state at every chunk start (``_through_chunks``: an
+   associative scan over the N chunks, so no sequential loop);
+3. a kernel over the same grid computes the outputs of every chunk from its start state and the
+   intra-chunk block (``_outputs``), features recomputed from the raw q, k.
+
+Backward (``jax.custom_vjp``). The forward stores its inputs, the output o (in v's dtype) and the
+fp32 denominator D_t = Phi(q_t)ᵀ z_t per token; no features and no chunk states. With
+dN = do / (D + c eps) and dD = -(do · o) / (D + c eps) (computed outside the kernels), the start
+states are recomputed by phases 1-2; a kernel writes every chunk's contribution
+(R_n, r_n) = (sum Phi(q) dNᵀ, sum Phi(q) dD) over its tokens that read the state; the reverse
+recurrence G_n = keep_n G_{n+1} + R_n (G_N = dS_T) gives the gradient of the state after every
+chunk (and dS_0 = G_0); a last kernel, again over (batch, head, chunk, value tile), computes
+d Phi(q) from the start state, d Phi(k) and dv from the gradient after the chunk (``_dphi_q``,
+``_dphi_k_dv``) and chains them through the feature map inside the kernel (``jax.vjp`` of the same
+feature functions) into dq, dk, d omega and d lam_raw. Sums over value tiles (dq, dk) and over
+tiles and chunks (d omega, d lam_raw) are taken outside; the denominator does not depend on the
+value tile, so its gradient terms come from value tile 0 only.
+
+The start states S_n enter the output kernel in q's dtype and the gradient kernel in v's (and the
+state gradients and dN in v's): the dtypes their dots cast them to anyway, so at bf16 the chunk
+states cross HBM at half width for no loss. The normalisers z and their gradients stay fp32.
 
 Packed documents follow attention.py: ``runs`` (non-decreasing per row) mark maximal runs of equal
 segment ids; a token reads the carried state only in the state's run and a chunk hands on only its
@@ -44,9 +62,8 @@ from lmcore.mixers.base import default_positions
 from sanatan_jax import attention, features
 
 CHANNELS = 6
-# Tokens per chunk by form. Fused: tuned on the H200 (its six fp32 state tiles stay in registers
-# through every chunk). Split: FLA's chunk; fewer chunks mean fewer states through HBM. Untuned.
-DEFAULT_CHUNK = {"split": 32, "fused": 16}
+# Fastest on the H200 at T = 8192 (fwd+bwd 9.6 ms; C = 16 11.2; C = 64 13.4, fp32 overflows smem).
+DEFAULT_CHUNK = 32
 _F32 = jnp.float32
 
 
@@ -138,14 +155,6 @@ def _writes(phi_k, v, run, last_run):
           tuple(jnp.sum(a.astype(_F32), axis=0, keepdims=True) for a in phi_k))
 
 
-def _advance(S, z, x: _Chunk, state_run, last_run):
-  """(S, z) after the chunk: kept (or reset at a new run), plus the last run's writes."""
-  keep = last_run == state_run
-  W, w = _writes(x.phi_k, x.v, x.run, last_run)
-  return (tuple(jnp.where(keep, s, 0.0) + a for s, a in zip(S, W)),
-          tuple(jnp.where(keep, s, 0.0) + a for s, a in zip(z, w)))
-
-
 def _outputs(x: _Chunk, S, z, state_run, c_eps):
   """o [C, BV] (fp32) and the denominator D [C] of one chunk from the state (S, z) at its start:
   N = s v + Phi(q) S and D = rowsum(s) + Phi(q) z (state terms for tokens of the state's run),
@@ -170,26 +179,6 @@ def _store_state(S_ref, z_ref, S, z):
   for c in range(CHANNELS):
     S_ref[c] = S[c]
     z_ref[c] = z[c].reshape(-1)
-
-
-def _forward_kernel(q_ref, k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, S0_ref, z0_ref,
-                    o_ref, den_ref, S_ref, z_ref, *, cfg):
-  refs, params = (q_ref, k_ref, v_ref, run_ref), (omega_ref, lam_ref, pos_ref)
-  C = cfg.chunk
-
-  def chunk(n, carry):
-    S, z, state_run = carry
-    x, _, _ = _load(n, refs, params, cfg)
-    o, den = _outputs(x, S, z, state_run, cfg.c_eps)
-    pu.store_rows(o_ref, n * C, o.astype(o_ref.dtype))
-    pu.store_rows(den_ref, n * C, den)
-    last_run = jnp.max(x.run)
-    return (*_advance(S, z, x, state_run, last_run), last_run)
-
-  first_run = jnp.min(pu.rows(run_ref, 0, C))
-  init = (*_load_state(S0_ref, z0_ref), first_run)
-  S, z, _ = jax.lax.fori_loop(0, q_ref.shape[0] // C, chunk, init)
-  _store_state(S_ref, z_ref, S, z)
 
 
 def _dphi_q(x: _Chunk, dN, dD, S, z, state_run, tile0):
@@ -227,71 +216,94 @@ def _read_grads(phi_q, run, state_run, dN, dD):
           tuple(jnp.sum(a.astype(_F32) * dD[:, None], axis=0, keepdims=True) for a in reads))
 
 
-def _backward_kernel(q_ref, k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, S0_ref, z0_ref,
-                     dN_ref, dD_ref, dST_ref, dzT_ref,
-                     dq_ref, dk_ref, dv_ref, domega_ref, dlam_ref, dS0_ref, dz0_ref, *, cfg):
-  refs, params = (q_ref, k_ref, v_ref, run_ref), (omega_ref, lam_ref, pos_ref)
-  C = cfg.chunk
-  n_chunks = q_ref.shape[0] // C
-  dt = v_ref.dtype
-  tile0 = (pl.program_id(2) == 0).astype(_F32)
-  first_run = jnp.min(pu.rows(run_ref, 0, C))
-  grads_of = lambda dN_ref, dD_ref, n: (pu.rows(dN_ref, n * C, C).astype(dt),
-                                        pu.rows(dD_ref, n * C, C))
+def _runs(run_ref, n, C):
+  """Chunk n's run ids [C], the run of the state entering it and its last run.
 
-  def forward_sweep(n, carry):
-    S, z, state_run, d_omega, d_lam = carry
-    x, q_vjp, _ = _load(n, refs, params, cfg)
-    dN, dD = grads_of(dN_ref, dD_ref, n)
-    dq, do_, dl = q_vjp(_dphi_q(x, dN, dD, S, z, state_run, tile0))
-    pu.store_rows(dq_ref, n * C, dq)
-    last_run = jnp.max(x.run)
-    return (*_advance(S, z, x, state_run, last_run), last_run, d_omega + do_, d_lam + dl)
+  Runs are non-decreasing, so the state entering chunk n > 0 is in chunk n - 1's last run and
+  the initial state in the first token's run.
+  """
+  run = pu.rows(run_ref, n * C, C)
+  previous = pu.rows(run_ref, jnp.maximum(n - 1, 0) * C, C)
+  return run, jnp.where(n > 0, jnp.max(previous), jnp.min(previous)), jnp.max(run)
 
-  zeros = jnp.zeros(omega_ref.shape, _F32)
-  *_, d_omega, d_lam = jax.lax.fori_loop(
-      0, n_chunks, forward_sweep, (*_load_state(S0_ref, z0_ref), first_run, zeros, zeros))
 
-  def reverse_sweep(m, carry):
-    dS, dz, d_omega, d_lam = carry
-    n = n_chunks - 1 - m
-    x, _, k_vjp = _load(n, refs, params, cfg)
-    dN, dD = grads_of(dN_ref, dD_ref, n)
-    last_run = jnp.max(x.run)
-    state_run = jnp.where(n > 0, jnp.max(pu.rows(run_ref, jnp.maximum(n - 1, 0) * C, C)), first_run)
-    dphi_k, dv = _dphi_k_dv(x, dN, dD, dS, dz, last_run, tile0)
-    dk, do_, dl = k_vjp(dphi_k)
-    pu.store_rows(dk_ref, n * C, dk)
-    pu.store_rows(dv_ref, n * C, dv)
-    keep = last_run == state_run
-    R, r = _read_grads(x.phi_q, x.run, state_run, dN, dD)
-    dS = tuple(jnp.where(keep, g, 0.0) + a for g, a in zip(dS, R))
-    dz = tuple(jnp.where(keep, g, 0.0) + a for g, a in zip(dz, r))
-    return dS, dz, d_omega + do_, d_lam + dl
+def _writes_kernel(k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, W_ref, w_ref, *, cfg):
+  """Phase 1: chunk n's writes (W_n, w_n)."""
+  n, C = pl.program_id(2), cfg.chunk
+  phi_k, _ = _phi(k_ref, (omega_ref, lam_ref, pos_ref), n, cfg)
+  run, _, last_run = _runs(run_ref, n, C)
+  W, w = _writes(phi_k, pu.rows(v_ref, n * C, C), run, last_run)
+  _store_state(W_ref, w_ref, W, w)
 
-  dS, dz, d_omega, d_lam = jax.lax.fori_loop(
-      0, n_chunks, reverse_sweep, (*_load_state(dST_ref, dzT_ref), d_omega, d_lam))
-  _store_state(dS0_ref, dz0_ref, dS, dz)
-  domega_ref[...] = d_omega
-  dlam_ref[...] = d_lam
+
+def _output_kernel(q_ref, k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, S_ref, z_ref,
+                   o_ref, den_ref, *, cfg):
+  """Phase 3: chunk n's outputs and denominators from the state (S_n, z_n) at its start."""
+  n, C = pl.program_id(2), cfg.chunk
+  x, _, _ = _load(n, (q_ref, k_ref, v_ref, run_ref), (omega_ref, lam_ref, pos_ref), cfg)
+  _, state_run, _ = _runs(run_ref, n, C)
+  o, den = _outputs(x, *_load_state(S_ref, z_ref), state_run, cfg.c_eps)
+  pu.store_rows(o_ref, n * C, o.astype(o_ref.dtype))
+  pu.store_rows(den_ref, n * C, den)
+
+
+def _read_grads_kernel(q_ref, pos_ref, run_ref, omega_ref, lam_ref, dN_ref, dD_ref, R_ref, r_ref,
+                       *, cfg):
+  """Backward phase 1: what chunk n's reads add to the gradient of the state at its start."""
+  n, C = pl.program_id(2), cfg.chunk
+  phi_q, _ = _phi(q_ref, (omega_ref, lam_ref, pos_ref), n, cfg)
+  run, state_run, _ = _runs(run_ref, n, C)
+  R, r = _read_grads(phi_q, run, state_run, pu.rows(dN_ref, n * C, C), pu.rows(dD_ref, n * C, C))
+  _store_state(R_ref, r_ref, R, r)
+
+
+def _grads_kernel(q_ref, k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, S_ref, z_ref,
+                  dS_ref, dz_ref, dN_ref, dD_ref,
+                  dq_ref, dk_ref, dv_ref, domega_ref, dlam_ref, *, cfg):
+  """Backward phase 3: chunk n's dq, dk, dv and its parts of d omega, d lam_raw from the state
+  at its start (S_n, z_n) and the gradient of the state after it (G_{n+1}, g_{n+1})."""
+  n, C = pl.program_id(2), cfg.chunk
+  tile0 = (pl.program_id(3) == 0).astype(_F32)
+  x, q_vjp, k_vjp = _load(n, (q_ref, k_ref, v_ref, run_ref), (omega_ref, lam_ref, pos_ref), cfg)
+  _, state_run, last_run = _runs(run_ref, n, C)
+  dN, dD = pu.rows(dN_ref, n * C, C), pu.rows(dD_ref, n * C, C)
+  S, z = _load_state(S_ref, z_ref)
+  dq, domega_q, dlam_q = q_vjp(_dphi_q(x, dN, dD, S, z, state_run, tile0))
+  dS, dz = _load_state(dS_ref, dz_ref)
+  dphi_k, dv = _dphi_k_dv(x, dN, dD, dS, dz, last_run, tile0)
+  dk, domega_k, dlam_k = k_vjp(dphi_k)
+  pu.store_rows(dq_ref, n * C, dq)
+  pu.store_rows(dk_ref, n * C, dk)
+  pu.store_rows(dv_ref, n * C, dv)
+  domega_ref[...] = domega_q + domega_k
+  dlam_ref[...] = dlam_q + dlam_k
 
 
 def _specs(Tp, dp, cfg):
-  """BlockSpecs over the grid (batch, head, value tile)."""
+  """BlockSpecs over the grid (batch, head, chunk, value tile). Token arrays are whole rows (each
+  program reads and writes its chunk's rows); chunk states are [B, H, N, 6, dp, Vp] and
+  [B, H, N, 6, dp]."""
   BV = cfg.block_v
   return dict(
-      qk=pl.BlockSpec((None, Tp, None, dp), lambda b, h, j: (b, 0, h, 0)),
-      v=pl.BlockSpec((None, Tp, None, BV), lambda b, h, j: (b, 0, h, j)),
-      row=pl.BlockSpec((None, Tp), lambda b, h, j: (b, 0)),
-      param=pl.BlockSpec((None, 1, dp), lambda b, h, j: (h, 0, 0)),
-      S=pl.BlockSpec((None, None, CHANNELS, dp, BV), lambda b, h, j: (b, h, 0, 0, j)),
-      z=pl.BlockSpec((None, None, CHANNELS, dp), lambda b, h, j: (b, h, 0, 0)),
-      token=pl.BlockSpec((None, Tp, None), lambda b, h, j: (b, 0, h)),
-      # Per value tile: partial sums (or copies, for the denominator) combined outside.
-      tile_den=pl.BlockSpec((None, None, Tp, None), lambda b, h, j: (j, b, 0, h)),
-      tile_z=pl.BlockSpec((None, None, None, CHANNELS, dp), lambda b, h, j: (j, b, h, 0, 0)),
-      tile_qk=pl.BlockSpec((None, None, Tp, None, dp), lambda b, h, j: (j, b, 0, h, 0)),
-      tile_param=pl.BlockSpec((None, None, None, 1, dp), lambda b, h, j: (j, b, h, 0, 0)))
+      qk=pl.BlockSpec((None, Tp, None, dp), lambda b, h, n, j: (b, 0, h, 0)),
+      v=pl.BlockSpec((None, Tp, None, BV), lambda b, h, n, j: (b, 0, h, j)),
+      row=pl.BlockSpec((None, Tp), lambda b, h, n, j: (b, 0)),
+      param=pl.BlockSpec((None, 1, dp), lambda b, h, n, j: (h, 0, 0)),
+      token=pl.BlockSpec((None, Tp, None), lambda b, h, n, j: (b, 0, h)),
+      S=pl.BlockSpec((None, None, None, CHANNELS, dp, BV), lambda b, h, n, j: (b, h, n, 0, 0, j)),
+      z=pl.BlockSpec((None, None, None, CHANNELS, dp), lambda b, h, n, j: (b, h, n, 0, 0)),
+      # Per value tile: partial sums (or copies, for what does not depend on the tile).
+      tile_z=pl.BlockSpec((None, None, None, None, CHANNELS, dp),
+                          lambda b, h, n, j: (j, b, h, n, 0, 0)),
+      tile_den=pl.BlockSpec((None, None, Tp, None), lambda b, h, n, j: (j, b, 0, h)),
+      tile_qk=pl.BlockSpec((None, None, Tp, None, dp), lambda b, h, n, j: (j, b, 0, h, 0)),
+      tile_param=pl.BlockSpec((None, None, None, None, 1, dp),
+                              lambda b, h, n, j: (j, b, h, n, 0, 0)))
+
+
+def _grid(q, v, cfg):
+  B, Tp, H, _ = q.shape
+  return B, H, Tp // cfg.chunk, v.shape[-1] // cfg.block_v
 
 
 def _call(kernel, cfg, grid, in_specs, out_specs, out_shape, *args):
@@ -301,31 +313,73 @@ def _call(kernel, cfg, grid, in_specs, out_specs, out_shape, *args):
       compiler_params=pu.compiler_params(cfg.interpret, cfg.num_warps, cfg.num_stages))(*args)
 
 
+def _keep(run_BxTp, C):
+  """keep_n [B, N]: chunk n's last run is the run of the state entering it (no reset inside)."""
+  B, Tp = run_BxTp.shape
+  last_BxN = run_BxTp.reshape(B, Tp // C, C)[:, :, -1]
+  entering_BxN = jnp.concatenate([run_BxTp[:, :1], last_BxN[:, :-1]], axis=1)
+  return last_BxN == entering_BxN
+
+
+def _through_chunks(keep_BxN, c_BxHxNx, edge_BxHx, reverse=False):
+  """Solves x_{n+1} = keep_n x_n + c_n from x_0 = ``edge`` (``reverse``: x_n = keep_n x_{n+1} +
+  c_n from x_N = ``edge``) by an associative scan over the chunk axis.
+
+  Returns x where the walk enters every chunk (x_n; reverse: x_{n+1}) [B, H, N, ...] and where it
+  leaves the last one (x_N; reverse: x_0) [B, H, ...], fp32.
+  """
+  B, _, N = c_BxHxNx.shape[:3]
+  keep = keep_BxN.astype(_F32).reshape(B, 1, N, *(1,) * (c_BxHxNx.ndim - 3))
+  first = N - 1 if reverse else 0
+  c = c_BxHxNx.at[:, :, first].add(keep[:, :, first] * edge_BxHx)
+  compose = lambda x, y: (x[0] * y[0], y[0] * x[1] + y[1])  # x_{n+1} = a x_n + c, composed
+  _, x = jax.lax.associative_scan(compose, (keep, c), reverse=reverse, axis=2)
+  edge = edge_BxHx[:, :, None]
+  if reverse:
+    return jnp.concatenate([x[:, :, 1:], edge], axis=2), x[:, :, 0]
+  return jnp.concatenate([edge, x[:, :, :-1]], axis=2), x[:, :, -1]
+
+
+def _chunk_states(k, v, pos, run, omega, lam_raw, S0, z0, cfg):
+  """Phases 1-2: S_n at every chunk start [B, H, N, 6, dp, Vp], S after the last chunk, and the
+  same two for z ([B, H, N, 6, dp], [B, H, 6, dp]); fp32."""
+  B, H, N, n_tiles = grid = _grid(k, v, cfg)
+  Tp, dp, Vp = k.shape[1], k.shape[-1], v.shape[-1]
+  s = _specs(Tp, dp, cfg)
+  out_shape = (jax.ShapeDtypeStruct((B, H, N, CHANNELS, dp, Vp), _F32),
+               jax.ShapeDtypeStruct((n_tiles, B, H, N, CHANNELS, dp), _F32))
+  W, w = _call(_writes_kernel, cfg, grid,
+               [s["qk"], s["v"], s["row"], s["row"], s["param"], s["param"]],
+               [s["S"], s["tile_z"]], out_shape, k, v, pos, run, omega, lam_raw)
+  keep = _keep(run, cfg.chunk)
+  return (*_through_chunks(keep, W, S0), *_through_chunks(keep, w[0], z0))
+
+
 def _forward(q, k, v, pos, run, omega, lam_raw, S0, z0, cfg):
   """(o, den [B, Tp, H], S, z) in kernel layout."""
+  S_start, S_end, z_start, z_end = _chunk_states(k, v, pos, run, omega, lam_raw, S0, z0, cfg)
+  grid = _grid(q, v, cfg)
   B, Tp, H, dp = q.shape
-  Vp = v.shape[-1]
-  n_tiles = Vp // cfg.block_v
   s = _specs(Tp, dp, cfg)
   out_shape = (jax.ShapeDtypeStruct(v.shape, v.dtype),
-               jax.ShapeDtypeStruct((n_tiles, B, Tp, H), _F32),
-               jax.ShapeDtypeStruct(S0.shape, _F32),
-               jax.ShapeDtypeStruct((n_tiles, *z0.shape), _F32))
-  o, den, S, z = _call(
-      _forward_kernel, cfg, (B, H, n_tiles),
+               jax.ShapeDtypeStruct((grid[-1], B, Tp, H), _F32))
+  o, den = _call(
+      _output_kernel, cfg, grid,
       [s["qk"], s["qk"], s["v"], s["row"], s["row"], s["param"], s["param"], s["S"], s["z"]],
-      [s["v"], s["tile_den"], s["S"], s["tile_z"]], out_shape,
-      q, k, v, pos, run, omega, lam_raw, S0, z0)
-  return o, den[0], S, z[0]
+      [s["v"], s["tile_den"]], out_shape,
+      q, k, v, pos, run, omega, lam_raw, S_start.astype(q.dtype), z_start)
+  return o, den[0], S_end, z_end
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
-def _fused(q, k, v, pos, run, omega, lam_raw, S0, z0, cfg):
+def _attend(q, k, v, pos, run, omega, lam_raw, S0, z0, cfg: KernelConfig):
+  """(o, S_T, z_T) of padded kernel-layout inputs: q, k [B, Tp, H, dp], v [B, Tp, H, Vp], pos and
+  run [B, Tp], omega and lam_raw [H, 1, dp], S0 [B, H, 6, dp, Vp], z0 [B, H, 6, dp]."""
   o, _, S, z = _forward(q, k, v, pos, run, omega, lam_raw, S0, z0, cfg)
   return o, S, z
 
 
-def _fused_fwd(q, k, v, pos, run, omega, lam_raw, S0, z0, cfg):
+def _attend_fwd(q, k, v, pos, run, omega, lam_raw, S0, z0, cfg):
   o, den, S, z = _forward(q, k, v, pos, run, omega, lam_raw, S0, z0, cfg)
   return (o, S, z), (q, k, v, pos, run, omega, lam_raw, S0, z0, o, den)
 
@@ -337,29 +391,47 @@ def _output_grads(do, o, den, c_eps):
   return do * inv_BxTxH[..., None], -jnp.sum(do * o.astype(_F32), axis=-1) * inv_BxTxH
 
 
-def _fused_bwd(cfg, residuals, cotangents):
+def _state_grads(q, v, pos, run, omega, lam_raw, dN, dD, dS_end, dz_end, cfg):
+  """Backward phases 1-2: (G_{n+1}, g_{n+1}) after every chunk, and (dS_0, dz_0)."""
+  B, H, N, n_tiles = grid = _grid(q, v, cfg)
+  Tp, dp, Vp = q.shape[1], q.shape[-1], v.shape[-1]
+  s = _specs(Tp, dp, cfg)
+  out_shape = (jax.ShapeDtypeStruct((B, H, N, CHANNELS, dp, Vp), _F32),
+               jax.ShapeDtypeStruct((n_tiles, B, H, N, CHANNELS, dp), _F32))
+  R, r = _call(_read_grads_kernel, cfg, grid,
+               [s["qk"], s["row"], s["row"], s["param"], s["param"], s["v"], s["token"]],
+               [s["S"], s["tile_z"]], out_shape, q, pos, run, omega, lam_raw, dN, dD)
+  keep = _keep(run, cfg.chunk)
+  dS, dS0 = _through_chunks(keep, R, dS_end, reverse=True)
+  dz, dz0 = _through_chunks(keep, r[0], dz_end, reverse=True)
+  return dS, dz, dS0, dz0
+
+
+def _attend_bwd(cfg, residuals, cotangents):
   q, k, v, pos, run, omega, lam_raw, S0, z0, o, den = residuals
   do, dS_end, dz_end = (x.astype(_F32) for x in cotangents)
-  B, Tp, H, dp = q.shape
-  n_tiles = v.shape[-1] // cfg.block_v
   dN, dD = _output_grads(do, o, den, cfg.c_eps)
+  dN = dN.astype(v.dtype)  # the dots take it in v's dtype
+  S, _, z, _ = _chunk_states(k, v, pos, run, omega, lam_raw, S0, z0, cfg)
+  dS, dz, dS0, dz0 = _state_grads(q, v, pos, run, omega, lam_raw, dN, dD, dS_end, dz_end, cfg)
+  B, H, N, n_tiles = grid = _grid(q, v, cfg)
+  Tp, dp = q.shape[1], q.shape[-1]
   s = _specs(Tp, dp, cfg)
   partial_qk = jax.ShapeDtypeStruct((n_tiles, B, Tp, H, dp), _F32)
-  partial_param = jax.ShapeDtypeStruct((n_tiles, B, H, 1, dp), _F32)
+  partial_param = jax.ShapeDtypeStruct((n_tiles, B, H, N, 1, dp), _F32)
   out_shape = (partial_qk, partial_qk, jax.ShapeDtypeStruct(v.shape, _F32), partial_param,
-               partial_param, jax.ShapeDtypeStruct(S0.shape, _F32),
-               jax.ShapeDtypeStruct((n_tiles, *z0.shape), _F32))
-  dq, dk, dv, d_omega, d_lam, dS0, dz0 = _call(
-      _backward_kernel, cfg, (B, H, n_tiles),
+               partial_param)
+  dq, dk, dv, d_omega, d_lam = _call(
+      _grads_kernel, cfg, grid,
       [s["qk"], s["qk"], s["v"], s["row"], s["row"], s["param"], s["param"], s["S"], s["z"],
-       s["v"], s["token"], s["S"], s["z"]],
-      [s["tile_qk"], s["tile_qk"], s["v"], s["tile_param"], s["tile_param"], s["S"], s["tile_z"]],
-      out_shape, q, k, v, pos, run, omega, lam_raw, S0, z0, dN, dD, dS_end, dz_end)
+       s["S"], s["z"], s["v"], s["token"]],
+      [s["tile_qk"], s["tile_qk"], s["v"], s["tile_param"], s["tile_param"]], out_shape,
+      q, k, v, pos, run, omega, lam_raw, S.astype(v.dtype), z, dS.astype(v.dtype), dz, dN, dD)
   return (dq.sum(0).astype(q.dtype), dk.sum(0).astype(k.dtype), dv.astype(v.dtype), None, None,
-          d_omega.sum((0, 1)), d_lam.sum((0, 1)), dS0, dz0[0])
+          d_omega.sum((0, 1, 3)), d_lam.sum((0, 1, 3)), dS0, dz0)
 
 
-_fused.defvjp(_fused_fwd, _fused_bwd)
+_attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def _to_kernel_state(state, B, H, d, dp, V, Vp):
@@ -392,7 +464,7 @@ def sanatan_p1_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
                       segment_ids: jax.Array | None = None,
                       state: attention.SanatanState | None = None,
                       chunk_size: int | None = None, rotate: bool = True,
-                      interpret: bool | None = None, form: str = "split", block_v: int = 64,
+                      interpret: bool | None = None, block_v: int = 64,
                       num_warps: int = 8, num_stages: int = 2
                       ) -> tuple[jax.Array, attention.SanatanState]:
   """SANATAN p = 1, 6 channels (SPEC §1.2) by the Pallas kernels; same function as
@@ -404,22 +476,18 @@ def sanatan_p1_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
     positions: int [B, T] document positions; default 0..T-1 offset by ``state.position``.
     segment_ids: optional [B, T] packed-document ids (attention.py's convention).
     state: a SanatanState to continue from; None means zeros.
-    chunk_size: tokens per chunk, a power of two (>= 16 when compiled); None means the form's
-      default (``DEFAULT_CHUNK``).
+    chunk_size: tokens per chunk, a power of two (>= 16 when compiled); None means ``DEFAULT_CHUNK``.
     rotate: False drops the temporal rotation (the "no lambda" ablation).
     interpret: run the kernels interpreted; None means "unless on a GPU".
-    form: "split" (pallas_p1_split.py: kernels parallel over chunks, states through HBM) or
-      "fused" (this module's kernels: one program walks all chunks).
-    block_v, num_warps, num_stages: GPU tuning knobs (value tile width, Triton warps and stages).
+    block_v, num_warps, num_stages: GPU tuning knobs (value tile width, Triton warps and stages);
+      the defaults were the fastest found on the H200 at T = 8192.
 
   Returns:
     o [B, T, H, dv] in v's dtype and the SanatanState after the last token (fp32 S, z).
   """
   interpret = pu.resolve_interpret(interpret)
   pu.check_backend(interpret, "sanatan_p1_pallas", "sanatan_attention(implementation='chunked')")
-  if form not in DEFAULT_CHUNK:
-    raise ValueError(f"sanatan_p1_pallas: form must be one of {tuple(DEFAULT_CHUNK)}, got {form!r}")
-  chunk_size = DEFAULT_CHUNK[form] if chunk_size is None else chunk_size
+  chunk_size = DEFAULT_CHUNK if chunk_size is None else chunk_size
   if chunk_size < 1 or chunk_size & (chunk_size - 1):
     raise ValueError(f"sanatan_p1_pallas: chunk_size must be a power of two, got {chunk_size}")
   _check(q, v, state)
@@ -438,10 +506,7 @@ def sanatan_p1_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
   run = attention.segment_runs(segment_ids, B, T)
   param = lambda p: pu.pad_axis(p.astype(_F32), 1, dp).reshape(H, 1, dp)
   S0, z0 = _to_kernel_state(state, B, H, d, dp, V, Vp)
-  # Imported here: the split form builds on this module's chunk functions.
-  from sanatan_jax.kernels import pallas_p1_split
-  kernels = pallas_p1_split.split if form == "split" else _fused
-  o, S, z = kernels(pad_qk(q), pad_qk(k), pu.pad_axis(pu.pad_axis(v, 1, Tp), 3, Vp),
+  o, S, z = _attend(pad_qk(q), pad_qk(k), pu.pad_axis(pu.pad_axis(v, 1, Tp), 3, Vp),
                     pu.pad_axis(pos, 1, Tp), pu.pad_axis(run, 1, Tp, mode="edge"),
                     param(omega), param(lam_raw), S0, z0, cfg)
   S, z = _from_kernel_state(S, z, d, V)
