@@ -123,6 +123,7 @@ def _sanatan_args(batch, length, dtype):
 
 def sanatan_cases(batch, length, dtype):
   from sanatan_jax import sanatan_attention
+  from sanatan_jax.kernels import pallas_p1
 
   args = _sanatan_args(batch, length, dtype)
 
@@ -134,6 +135,8 @@ def sanatan_cases(batch, length, dtype):
     cases["parallel (reference)"] = op("parallel")
   F = 6 * HEAD_DIM
   flops = {impl: chunked_flops(batch, length, HEADS, F, HEAD_DIM) for impl in cases}
+  if "pallas" in cases:  # the Triton kernel's own chunk
+    flops["pallas"] = chunked_flops(batch, length, HEADS, F, HEAD_DIM, chunk=pallas_p1.DEFAULT_CHUNK)
   if "pallas (tpu)" in cases:  # compiled Mosaic chunks are >= 128 tokens
     flops["pallas (tpu)"] = chunked_flops(batch, length, HEADS, F, HEAD_DIM, chunk=TPU_CHUNK)
   flops["parallel (reference)"] = parallel_flops(batch, length, HEADS, F, HEAD_DIM)
