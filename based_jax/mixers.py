@@ -49,7 +49,7 @@ class TaylorLinearAttention(nnx.Module):
     n_heads: int = 16
     feature_dim: int = 16
     feature: Literal["full", "compact"] = "compact"
-    implementation: Literal["parallel", "chunked", "recurrent", "pallas"] = "chunked"
+    implementation: Literal["parallel", "chunked", "recurrent", "pallas", "auto"] = "chunked"
     chunk_size: int = 64
     eps: float = 1e-12
     decay: bool = False

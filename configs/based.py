@@ -46,7 +46,7 @@ def paper(size: str, budget: str = "10b", window: int | None = None, decay: bool
   return lambda: common.experiment(
       model=dict(spec, vocab_size=50_264, norm_eps=1e-5, tie_embeddings=True, init_std=0.02,
                  scale_out_init=True, dtype="bfloat16"),
-      mixers={"taylor": dict(n_heads=16, feature_dim=16, implementation="chunked", decay=decay),
+      mixers={"taylor": dict(n_heads=16, feature_dim=16, implementation="auto", decay=decay),
               "swa": dict(n_heads=16, window=swa_window), "base_conv": {}},
       train=dict(steps=steps, warmup_steps=warmup, batch_size=256, grad_accum=8, learning_rate=8e-4,
                  warmup_init_lr=1e-6, min_lr_ratio=0.1, b1=0.9, b2=0.95, weight_decay=0.1, grad_clip=1.0,

@@ -17,6 +17,8 @@ with ``s_tj = Phi(q_t).Phi(k_j)`` (features.py; 4ch clips ``s`` at 0, 3ch legacy
   form (kernels/pallas_blocked_tpu.py).
 * ``recurrent`` (p = 1, 6ch): write-then-read ``S_t = S_{t-1} + Phi(k_t) v_t^T``,
   ``z_t = z_{t-1} + Phi(k_t)``, ``o_t = Phi(q_t)^T S_t / (Phi(q_t)^T z_t + c eps)``.
+* ``auto`` (or None): ``pallas`` on GPU, XLA ``chunked`` (p = 1, 6ch) or ``blocked`` elsewhere
+  (``resolve_implementation``).
 
 Packed documents: segments are maximal runs of equal ``segment_ids`` in a row. A token sees only
 its own run, and an incoming state belongs to the first run of each row (pass a zero state, or none,
@@ -37,7 +39,7 @@ from sanatan_jax import features
 from sanatan_jax.kernels import pallas_blocked, pallas_blocked_tpu, pallas_p1, pallas_p1_tpu
 
 EPS = 1e-6
-IMPLEMENTATIONS = ("parallel", "blocked", "chunked", "recurrent", "pallas")
+IMPLEMENTATIONS = ("parallel", "blocked", "chunked", "recurrent", "pallas", "auto")
 _F32 = jnp.float32
 
 
@@ -58,6 +60,20 @@ class SanatanState(NamedTuple):
 def has_constant_state(p: int, channels: int) -> bool:
   """Only p = 1 with 6 channels has the exact constant-size recurrence (SPEC §1.2)."""
   return p == 1 and channels == 6
+
+
+def resolve_implementation(implementation: str | None, p: int, channels: int) -> str:
+  """The form "auto" (or None) runs; other names pass through.
+
+  p = 1 with 6 channels: ``pallas_utils.default_implementation()`` ("pallas" on GPU, else
+  "chunked"). Every other p and channel variant: "pallas" (the blocked kernel) on GPU, else XLA
+  "blocked" (TPUs keep XLA: libtpu has never compiled the Mosaic kernels).
+  """
+  if implementation not in (None, "auto"):
+    return implementation
+  if has_constant_state(p, channels):
+    return pallas_utils.default_implementation()
+  return "pallas" if pallas_utils.backend() == "gpu" else "blocked"
 
 
 def validate_options(*, p: int, channels: int, three_channel: str, implementation: str) -> None:
@@ -290,8 +306,7 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
     segment_ids: optional [B, T] packed-document ids (see the module docstring).
     p, channels, three_channel: the kernel (SPEC §1.1 steps 5-6).
     implementation: "parallel" | "blocked" | "chunked" | "recurrent" | "pallas" (same function);
-      None picks the measured fastest (``pallas_utils.default_implementation``: "chunked" for now)
-      for p = 1 with 6 channels, else "blocked".
+      "auto" or None picks the measured fastest for the backend (``resolve_implementation``).
     state: a SanatanState to continue from (p = 1, 6ch only).
     chunk_size, block_size: tile lengths of "chunked" and "blocked".
     rotate: False drops the temporal rotation (the "no lambda" ablation).
@@ -302,8 +317,7 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
   """
   B, T, H, d = q.shape
   width, dv = channels * d, v.shape[-1]
-  if implementation is None:
-    implementation = pallas_utils.default_implementation() if has_constant_state(p, channels) else "blocked"
+  implementation = resolve_implementation(implementation, p, channels)
   # The state check goes first: for a p >= 2 decode call it is the error that explains.
   _check_state(state, p, channels, (B, H, width, dv))
   validate_options(p=p, channels=channels, three_channel=three_channel,

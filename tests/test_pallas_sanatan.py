@@ -158,7 +158,7 @@ def test_bad_options_raise_clear_errors():
 
 def test_op_and_mixer_dispatch_to_the_kernel():
   """``implementation="pallas"`` in the op (and so in the mixer config) runs the kernel; ``None``
-  picks the measured fastest, XLA chunked."""
+  (like "auto") picks the measured fastest for the backend, XLA chunked on this CPU host."""
   q, k, v, omega, lam_raw = _inputs(7, 21)
   op = lambda implementation: jax.jit(functools.partial(sanatan_attention,
                                                         implementation=implementation),

@@ -140,8 +140,8 @@ def test_pallas_implementation_lowers_to_mosaic_for_a_tpu_with_bfloat16_inputs()
   assert lowered.as_text().count("tpu_custom_call") == 3
 
 
-def test_the_mixers_default_implementation_on_tpu_stays_xla():
-  lowered = pallas_utils.lower_for_tpu(_loss("chunked"), *_abstract_inputs()[:3])
+def test_auto_implementation_on_tpu_stays_xla():
+  lowered = pallas_utils.lower_for_tpu(_loss("auto"), *_abstract_inputs()[:3])
   assert lowered.as_text().count("tpu_custom_call") == 0
 
 

@@ -26,13 +26,15 @@ def backend() -> str:
 
 
 def default_implementation() -> str:
-  """What ``implementation=None`` picks for the chunked ops (SANATAN p = 1, gated): XLA ``chunked``.
+  """What "auto" (and None) picks for the chunked ops (SANATAN p = 1, gated): "pallas" on GPU, else
+  XLA "chunked".
 
-  Measured on one H200 (docs/BENCHMARKS.md, 2026-11-29, fwd+bwd): the Pallas kernels lose to the XLA
-  chunked form beyond T = 2048 (SANATAN 0.57× at T = 8192; gated 0.45× at T = 2048), so no backend
-  defaults to them yet; ``implementation="pallas"`` selects them.
+  Measured on one H200 (docs/BENCHMARKS.md, last block), fwd+bwd over our XLA path at T = 2048 /
+  8192 / 32768: SANATAN p = 1 1.09× / 1.79× / 3.08×, gated 2.35× / 3.19× / 2.65× (Taylor 2.10× /
+  3.71× / 5.92×, SANATAN p = 2 blocked 1.21× / 2.60× / 4.73×). TPUs keep XLA: libtpu has never
+  compiled the Mosaic kernels (no TPU was lent), so they are neither verified nor timed there.
   """
-  return "chunked"
+  return "pallas" if backend() == "gpu" else "chunked"
 
 
 def resolve_interpret(interpret: bool | None) -> bool:

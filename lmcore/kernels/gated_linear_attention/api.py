@@ -18,7 +18,8 @@ Implementations (all compute the same function; tests/test_gated_linear_attentio
   * ``chunked`` / ``xla``: chunks of ``chunk_size`` tokens, ``lax.scan`` over chunks (xla.py);
   * ``parallel``: the materialised T x T form (reference.py), for tests;
   * ``pallas``: the Triton-Pallas kernel (pallas.py; interpret mode off GPU), on TPU the Mosaic
-    kernel (pallas_tpu.py).
+    kernel (pallas_tpu.py);
+  * ``auto`` (or None): ``pallas`` on GPU, ``chunked`` elsewhere (``resolve_implementation``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class LinearAttentionState(NamedTuple):
                jnp.zeros((batch_size, n_heads, key_dim), jnp.float32))
 
 
-IMPLEMENTATIONS = ("reference", "recurrent", "chunked", "xla", "parallel", "pallas")
+IMPLEMENTATIONS = ("reference", "recurrent", "chunked", "xla", "parallel", "pallas", "auto")
 
 
 def _check_shapes(q, k, v, log_forget, state, segment_ids) -> None:
@@ -70,12 +71,18 @@ def _check_shapes(q, k, v, log_forget, state, segment_ids) -> None:
                        f"{tuple(v.shape)} = [B, T, H, V])")
 
 
+def resolve_implementation(implementation: str | None) -> str:
+  """``auto`` and None: ``pallas_utils.default_implementation()`` ("pallas" on GPU, else
+  "chunked"); other names pass through."""
+  if implementation in (None, "auto"):
+    return pallas_utils.default_implementation()
+  return implementation
+
+
 def _backend(implementation: str | None, chunk_size: int | None):
-  """The implementation function; unknown names list the valid ones. None picks
-  ``pallas_utils.default_implementation()`` (measured fastest); a None chunk_size leaves each
+  """The implementation function; unknown names list the valid ones. A None chunk_size leaves each
   chunked implementation its own default."""
-  if implementation is None:
-    implementation = pallas_utils.default_implementation()
+  implementation = resolve_implementation(implementation)
   chunk = {} if chunk_size is None else {"chunk_size": chunk_size}
   if implementation == "pallas":
     kernels = pallas_tpu if pallas_utils.backend() == "tpu" else pallas
@@ -90,7 +97,7 @@ def _backend(implementation: str | None, chunk_size: int | None):
                        f"{chunk_size}")
     return functools.partial(xla.chunked, **chunk)
   raise ValueError(f"gated_linear_attention: unknown implementation {implementation!r}; "
-                   f"valid: {', '.join(IMPLEMENTATIONS)} (None: the measured fastest, now 'chunked')")
+                   f"valid: {', '.join(IMPLEMENTATIONS)} (None means 'auto')")
 
 
 def document_index(segment_ids_BxT: jax.Array) -> jax.Array:
@@ -115,8 +122,8 @@ def gated_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     v: [B, T, H, V].
     log_forget: [B, T, H] (scalar per head) or [B, T, H, K] (per key channel) log forget gate,
       values <= 0 (not checked; the chunked form relies on it), accumulated in fp32; None: no decay.
-    implementation: one of ``IMPLEMENTATIONS``; None picks the measured fastest
-      (``pallas_utils.default_implementation``: ``chunked`` on every backend for now).
+    implementation: one of ``IMPLEMENTATIONS``; "auto" or None picks the measured fastest for the
+      backend (``resolve_implementation``: "pallas" on GPU, "chunked" elsewhere).
     state: the state before the first token; None means zeros (start of a sequence).
     chunk_size: tokens per chunk of the chunked forms, a power of two; None: the implementation's
       measured best (``xla.CHUNK`` = 64, ``pallas.CHUNK`` = 32; the TPU kernel's own).

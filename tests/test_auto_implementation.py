@@ -1,0 +1,131 @@
+"""``implementation="auto"`` picks Pallas on GPU and XLA elsewhere (TPU included), per op and mixer.
+
+Resolvers are checked with ``pallas_utils.backend`` patched to each platform; on this CPU host
+"auto" must give exactly the outputs of the XLA form it resolves to, in the ops and in the mixers.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from based_jax import linear_attention as taylor
+from lmcore.kernels import pallas_utils
+from lmcore.kernels.gated_linear_attention import api as gated
+from lmcore.mixers import mixer_class
+from lmcore.mixers.base import InitSpec
+from sanatan_jax import attention as sanatan
+from sanatan_jax.mixer import SanatanMixer
+
+D = 16
+
+
+@pytest.fixture
+def on(monkeypatch):
+  """``on("gpu")`` makes every resolver see that platform."""
+  return lambda platform: monkeypatch.setattr(pallas_utils, "backend", lambda: platform)
+
+
+def _normal(seed, *shape):
+  return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+
+
+@pytest.mark.parametrize("platform,expected", [("gpu", "pallas"), ("cpu", "chunked"),
+                                               ("tpu", "chunked")])
+def test_default_and_gated_pick_pallas_only_on_gpu(on, platform, expected):
+  on(platform)
+  assert pallas_utils.default_implementation() == expected
+  assert gated.resolve_implementation("auto") == gated.resolve_implementation(None) == expected
+  assert gated.resolve_implementation("reference") == "reference"
+
+
+@pytest.mark.parametrize("platform,p,channels,expected", [
+    ("gpu", 1, 6, "pallas"), ("cpu", 1, 6, "chunked"), ("tpu", 1, 6, "chunked"),
+    ("gpu", 2, 6, "pallas"), ("cpu", 2, 6, "blocked"), ("tpu", 2, 6, "blocked"),
+    ("gpu", 1, 4, "pallas"), ("cpu", 1, 4, "blocked"),
+])
+def test_sanatan_resolver(on, platform, p, channels, expected):
+  on(platform)
+  assert sanatan.resolve_implementation("auto", p, channels) == expected
+  assert sanatan.resolve_implementation(None, p, channels) == expected
+  assert sanatan.resolve_implementation("parallel", p, channels) == "parallel"
+
+
+@pytest.mark.parametrize("platform,decay,segments,expected", [
+    ("gpu", False, False, "pallas"), ("gpu", False, True, "pallas"),
+    ("gpu", True, False, "chunked"), ("gpu", True, True, "parallel"),
+    ("cpu", False, False, "chunked"), ("cpu", False, True, "parallel"),
+    ("tpu", False, False, "chunked"), ("tpu", True, True, "parallel"),
+])
+def test_taylor_resolver(on, platform, decay, segments, expected):
+  on(platform)
+  assert taylor.resolve_implementation("auto", decay=decay, segments=segments) == expected
+  assert taylor.resolve_implementation("recurrent", decay=decay, segments=segments) == "recurrent"
+
+
+def _same(fn, implementation, *args, **kwargs):
+  """fn(..., implementation="auto") and fn(..., implementation=implementation) agree exactly."""
+  auto = jax.jit(lambda *a: fn(*a, implementation="auto", **kwargs))(*args)
+  xla = jax.jit(lambda *a: fn(*a, implementation=implementation, **kwargs))(*args)
+  jax.tree.map(np.testing.assert_array_equal, auto, xla)
+
+
+@pytest.mark.parametrize("p,implementation", [(1, "chunked"), (2, "blocked")])
+def test_sanatan_auto_on_cpu_is_its_xla_form(p, implementation):
+  B, T, H, d = 2, 11, 2, 4
+  args = (_normal(0, B, T, H, d) / 2, _normal(1, B, T, H, d) / 2, _normal(2, B, T, H, d),
+          jnp.full((H, d), np.pi / 4), _normal(3, H, d))
+  _same(sanatan.sanatan_attention, implementation, *args, p=p, chunk_size=4, block_size=4)
+
+
+def test_gated_auto_on_cpu_is_chunked():
+  B, T, H, K, V = 2, 11, 2, 4, 3
+  log_forget = -jax.nn.softplus(_normal(3, B, T, H))
+  _same(gated.gated_linear_attention, "chunked", _normal(0, B, T, H, K), _normal(1, B, T, H, K),
+        _normal(2, B, T, H, V), log_forget, chunk_size=4)
+
+
+@pytest.mark.parametrize("segmented,implementation", [(False, "chunked"), (True, "parallel")])
+def test_taylor_auto_on_cpu_is_its_xla_form(segmented, implementation):
+  B, T, H, d = 2, 11, 2, 4
+  segment_ids = jnp.asarray([[0] * 5 + [1] * 6, [0] * 11]) if segmented else None
+  _same(taylor.taylor_linear_attention, implementation, _normal(0, B, T, H, d),
+        _normal(1, B, T, H, d), _normal(2, B, T, H, 3), chunk_size=4, segment_ids=segment_ids)
+
+
+MIXERS = {  # kind -> (small config fields, the XLA implementation "auto" resolves to on CPU)
+    "sanatan": (dict(n_heads=2, head_dim=4, chunk_size=4), "chunked"),
+    "taylor": (dict(n_heads=2, feature_dim=4, chunk_size=4), "chunked"),
+    "gla": (dict(n_heads=2, chunk_size=4), "chunked"),
+    "cyfa": (dict(n_heads=2, head_dim=4, v_head_dim=4, chunk_size=4), "chunked"),
+    "linear_transformer": (dict(n_heads=2, head_dim=4, chunk_size=4), "chunked"),
+}
+
+
+@pytest.mark.parametrize("kind", MIXERS)
+def test_mixer_built_with_auto_runs_its_xla_form_on_cpu(kind):
+  fields, implementation = MIXERS[kind]
+  cls = mixer_class(kind)
+  build = lambda name: cls(cls.Config(**fields, implementation=name), d_model=D, init=InitSpec(),
+                           rngs=nnx.Rngs(0))
+  x = _normal(0, 2, 9, D)
+  y_auto, _ = nnx.jit(lambda m, x: m(x))(build("auto"), x)
+  y_xla, _ = nnx.jit(lambda m, x: m(x))(build(implementation), x)
+  np.testing.assert_array_equal(y_auto, y_xla)
+
+
+@pytest.mark.parametrize("p,channels", [(1, 6), (2, 6), (4, 4), (2, 3)])
+def test_sanatan_mixer_config_accepts_auto(p, channels):
+  SanatanMixer.Config(p=p, channels=channels, implementation="auto")
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+def test_sanatan_mixer_with_auto_lowers_to_the_kernel_for_a_gpu():
+  """Lowered for an abstract H200, the "auto" mixer's forward is the Triton kernel, not XLA."""
+  mixer = SanatanMixer(SanatanMixer.Config(n_heads=2, head_dim=16, implementation="auto"),
+                       d_model=D, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(mixer)
+  forward = lambda state, x: nnx.merge(graphdef, state)(x)[0]
+  x = jax.ShapeDtypeStruct((1, 32, D), jnp.float32)
+  assert "xla.gpu.triton" in pallas_utils.lower_for_gpu(forward, state, x).as_text()
