@@ -26,7 +26,7 @@ def gla_182m(n_heads: int = 4):
   return common.experiment(
       model=dict(vocab_size=126_349, d_model=768, n_layers=12, pattern="gla*12", mlp_hidden=2048,
                  norm_eps=1e-6, tie_embeddings=True, dtype="bfloat16"),
-      mixers={"gla": {"n_heads": n_heads}}, train=paper_train(), data=paper_data(),
+      mixers={"gla": {"n_heads": n_heads, "implementation": "auto"}}, train=paper_train(), data=paper_data(),
       sources=paper_sources(), tokenizer=paper_tokenizer(), heldout=paper_heldout(),
       name=f"gla_182m_{n_heads}heads")
 
@@ -40,7 +40,7 @@ _EQUAL_STATE = dict(vocab_size=8192, d_model=512, n_layers=8, mlp_hidden=1536, d
 
 def cyfa_equal_state():
   return common.experiment(model=dict(_EQUAL_STATE, pattern="cyfa*8"),
-                           mixers={"cyfa": dict(n_heads=4, head_dim=128, v_head_dim=128)},
+                           mixers={"cyfa": dict(n_heads=4, head_dim=128, v_head_dim=128, implementation="auto")},
                            train=dict(steps=20_000, batch_size=64, learning_rate=1e-3), data=dict(seq_len=1024))
 
 
@@ -53,7 +53,7 @@ def gdn_equal_state():
 def hybrid_cyfa_gdn():
   """Seed 002's hybrid: gated accumulation in the lower layers, the delta rule in the upper ones."""
   return common.experiment(model=dict(_EQUAL_STATE, pattern="cyfa*6,gdn*2"),
-                           mixers={"cyfa": dict(n_heads=4, head_dim=128, v_head_dim=128),
+                           mixers={"cyfa": dict(n_heads=4, head_dim=128, v_head_dim=128, implementation="auto"),
                                    "gdn": dict(n_heads=4, head_dim=128, v_head_dim=128)},
                            train=dict(steps=20_000, batch_size=64, learning_rate=1e-3), data=dict(seq_len=1024))
 

@@ -2,7 +2,8 @@
 parameters, recurrent-state bytes per sequence, and FLOPs per token (forward and training).
 
 FLOPs come from XLA's cost analysis of the lowered (not compiled) forward and gradient functions at
-the configured sequence length and implementation, divided by the tokens of one sequence.
+the configured sequence length and implementation ("auto" counted as its XLA form on every host: XLA
+sees no FLOPs inside a Pallas kernel), divided by the tokens of one sequence.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import optax
 from flax import nnx
 
 from lmcore.config import ModelConfig
+from lmcore.kernels import pallas_utils
 from lmcore.model import LanguageModel, count_params
 
 
@@ -45,8 +47,9 @@ def card(config: ModelConfig, seq_len: int) -> dict[str, Any]:
     logits = forward(params, rest, tokens)
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
 
-  fwd = _lowered_flops(forward, params, rest, tokens)
-  train = _lowered_flops(jax.grad(loss), params, rest, tokens)
+  with pallas_utils.assume_backend("cpu"):  # "auto" mixers count as their XLA forms (see there)
+    fwd = _lowered_flops(forward, params, rest, tokens)
+    train = _lowered_flops(jax.grad(loss), params, rest, tokens)
   return {"params": n_params, "params_non_embedding": n_params - embedding,
           "state_bytes_per_sequence": state_bytes, "seq_len": seq_len,
           "flops_per_token_forward": None if fwd is None else fwd / seq_len,

@@ -15,6 +15,7 @@ from lmcore.kernels import pallas_utils
 from lmcore.kernels.gated_linear_attention import api as gated
 from lmcore.mixers import mixer_class
 from lmcore.mixers.base import InitSpec
+from lmcore.numerics import relative_l2
 from sanatan_jax import attention as sanatan
 from sanatan_jax.mixer import SanatanMixer
 
@@ -129,3 +130,40 @@ def test_sanatan_mixer_with_auto_lowers_to_the_kernel_for_a_gpu():
   forward = lambda state, x: nnx.merge(graphdef, state)(x)[0]
   x = jax.ShapeDtypeStruct((1, 32, D), jnp.float32)
   assert "xla.gpu.triton" in pallas_utils.lower_for_gpu(forward, state, x).as_text()
+
+
+@pytest.mark.parametrize("kind", ["gla", "cyfa"])
+def test_gated_mixers_run_the_pallas_kernel_like_chunked(kind):
+  """What "auto" gives GLA and CyFA on a GPU, interpreted here: the same outputs as XLA chunked."""
+  fields, _ = MIXERS[kind]
+  cls = mixer_class(kind)
+  build = lambda name: cls(cls.Config(**fields, implementation=name), d_model=D, init=InitSpec(),
+                           rngs=nnx.Rngs(0))
+  x = _normal(1, 2, 9, D)
+  y_pallas, _ = build("pallas")(x)
+  y_xla, _ = build("chunked")(x)
+  assert relative_l2(y_pallas, y_xla) <= 1e-5
+
+
+def test_assume_backend_overrides_the_platform_inside_the_block_only():
+  host = pallas_utils.backend()
+  with pallas_utils.assume_backend("gpu"):
+    assert pallas_utils.default_implementation() == "pallas"
+    with pallas_utils.assume_backend("cpu"):  # the model card's view, even on a GPU host
+      assert sanatan.resolve_implementation("auto", 1, 6) == "chunked"
+    assert pallas_utils.backend() == "gpu"
+  assert pallas_utils.backend() == host
+
+
+def test_model_card_counts_an_auto_model_as_its_xla_form():
+  import dataclasses
+  import importlib
+
+  from lmcore import config as cfg_lib, model_card
+
+  model = cfg_lib.experiment_config(importlib.import_module("configs.sanatan").get_config("tiny")).model
+  with_impl = lambda name: dataclasses.replace(model, mixers={
+      **model.mixers, "sanatan": dataclasses.replace(model.mixers["sanatan"], p=1, implementation=name)})
+  auto, chunked = model_card.card(with_impl("auto"), 64), model_card.card(with_impl("chunked"), 64)
+  assert auto["flops_per_token_train"] == chunked["flops_per_token_train"] > 0
+  assert auto["state_bytes_per_sequence"] == chunked["state_bytes_per_sequence"] > 0

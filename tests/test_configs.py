@@ -79,7 +79,7 @@ def test_based_windows_follow_the_paper_with_the_released_value_as_a_preset():
 
 
 def test_paper_presets_use_auto_where_a_kernel_is_faster_and_tiny_presets_keep_xla():
-  """``auto`` (Pallas on GPU, XLA elsewhere) for SANATAN p = 1 6ch and BASED Taylor; p >= 2 keeps
+  """``auto`` (Pallas on GPU, XLA elsewhere) for SANATAN p = 1 6ch, BASED Taylor, GLA and CyFA; p >= 2 keeps
   the materialised parallel form; the CPU tiny presets keep their pinned XLA forms."""
   def implementation(name, preset, kind):
     config = importlib.import_module(f"configs.{name}").get_config(preset)
@@ -90,5 +90,9 @@ def test_paper_presets_use_auto_where_a_kernel_is_faster_and_tiny_presets_keep_x
     assert implementation("sanatan", preset, "sanatan") == "parallel"
   for preset in ("360m", "1p3b_50b", "1p3b_decay"):
     assert implementation("based", preset, "taylor") == "auto"
+  assert implementation("baselines", "gla_182m", "gla") == "auto"
+  for preset in ("cyfa_equal_state", "hybrid_cyfa_gdn"):
+    assert implementation("baselines", preset, "cyfa") == "auto"
   assert implementation("sanatan", "tiny", "sanatan") == "parallel"
   assert implementation("based", "tiny", "taylor") == "chunked"
+  assert implementation("baselines", "gla_tiny", "gla") == "chunked"

@@ -8,6 +8,8 @@ channels are zeros that the kernels mask or that contribute nothing.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -16,11 +18,28 @@ from jax.experimental.pallas import triton as pltriton
 MIN_DOT = 16  # the smallest side of a Triton tensor-core dot
 
 
+_ASSUMED_BACKEND: list[str] = []
+
+
+@contextlib.contextmanager
+def assume_backend(platform: str):
+  """Within the block ``backend()`` says ``platform``, so "auto" resolves as on that platform: the
+  model card counts FLOPs of the XLA forms on a GPU host (XLA's cost model sees no FLOPs inside a
+  Pallas kernel, a custom call)."""
+  _ASSUMED_BACKEND.append(platform)
+  try:
+    yield
+  finally:
+    _ASSUMED_BACKEND.pop()
+
+
 def backend() -> str:
   """The platform kernels compile for ("gpu", "tpu", "cpu").
 
-  An abstract mesh's device wins when one is set (lowering on one host for another machine).
+  ``assume_backend`` wins, then an abstract mesh's device (lowering on one host for another machine).
   """
+  if _ASSUMED_BACKEND:
+    return _ASSUMED_BACKEND[-1]
   device = jax.sharding.get_abstract_mesh().abstract_device
   return jax.default_backend() if device is None else device.platform
 
