@@ -104,12 +104,16 @@ MIXERS = {  # kind -> (small config fields, the XLA implementation "auto" resolv
 }
 
 
+def _mixer(kind: str, implementation: str):
+  cls = mixer_class(kind)
+  return cls(cls.Config(**MIXERS[kind][0], implementation=implementation), d_model=D, init=InitSpec(),
+             rngs=nnx.Rngs(0))
+
+
 @pytest.mark.parametrize("kind", MIXERS)
 def test_mixer_built_with_auto_runs_its_xla_form_on_cpu(kind):
-  fields, implementation = MIXERS[kind]
-  cls = mixer_class(kind)
-  build = lambda name: cls(cls.Config(**fields, implementation=name), d_model=D, init=InitSpec(),
-                           rngs=nnx.Rngs(0))
+  implementation = MIXERS[kind][1]
+  build = lambda name: _mixer(kind, name)
   x = _normal(0, 2, 9, D)
   y_auto, _ = nnx.jit(lambda m, x: m(x))(build("auto"), x)
   y_xla, _ = nnx.jit(lambda m, x: m(x))(build(implementation), x)
@@ -135,13 +139,9 @@ def test_sanatan_mixer_with_auto_lowers_to_the_kernel_for_a_gpu():
 @pytest.mark.parametrize("kind", ["gla", "cyfa"])
 def test_gated_mixers_run_the_pallas_kernel_like_chunked(kind):
   """What "auto" gives GLA and CyFA on a GPU, interpreted here: the same outputs as XLA chunked."""
-  fields, _ = MIXERS[kind]
-  cls = mixer_class(kind)
-  build = lambda name: cls(cls.Config(**fields, implementation=name), d_model=D, init=InitSpec(),
-                           rngs=nnx.Rngs(0))
   x = _normal(1, 2, 9, D)
-  y_pallas, _ = build("pallas")(x)
-  y_xla, _ = build("chunked")(x)
+  y_pallas, _ = _mixer(kind, "pallas")(x)
+  y_xla, _ = _mixer(kind, "chunked")(x)
   assert relative_l2(y_pallas, y_xla) <= 1e-5
 
 
