@@ -46,6 +46,7 @@ class ModelConfig:
   init_std: float = 0.02
   scale_out_init: bool = False  # out projections N(0, init_std / sqrt(2 L)) (BASED, SPEC §2.4)
   dtype: str = "bfloat16"  # activation dtype; parameters are always fp32
+  remat: bool = False  # recompute each block's activations in the backward (memory for compute)
 
   def layer_kinds(self) -> tuple[str, ...]:
     return parse_pattern(self.pattern, self.n_layers)

@@ -70,6 +70,10 @@ class Block(nnx.Module):
     return h_BxTxD, new_state
 
 
+def _apply_block(block: Block, h_BxTxD, state, positions_BxT, segment_ids_BxT):
+  return block(h_BxTxD, state, positions_BxT, segment_ids_BxT)
+
+
 class LanguageModel(nnx.Module):
   """``logits_BxTxV, new_state = model(tokens_BxT, state=None, positions_BxT=None, segment_ids_BxT=None)``.
 
@@ -111,8 +115,9 @@ class LanguageModel(nnx.Module):
     h_BxTxD = self._embed(tokens_BxT, positions_BxT)
     layer_states = (None,) * len(self.blocks) if state is None else state["layers"]
     new_layer_states = []
+    apply = nnx.remat(_apply_block) if self.config.remat else _apply_block
     for block, layer_state in zip(self.blocks, layer_states):
-      h_BxTxD, new_layer_state = block(h_BxTxD, layer_state, positions_BxT, segment_ids_BxT)
+      h_BxTxD, new_layer_state = apply(block, h_BxTxD, layer_state, positions_BxT, segment_ids_BxT)
       new_layer_states.append(new_layer_state)
     new_state = {"position": positions_BxT[:, -1] + 1, "layers": tuple(new_layer_states)}
     return self.final_norm(h_BxTxD), new_state

@@ -46,6 +46,23 @@ def test_future_tokens_get_zero_gradient():
   assert np.abs(grad_PxD[:t + 1]).min(axis=1).max() > 0.0
 
 
+def test_remat_gives_the_same_loss_and_gradients_with_one_checkpoint_per_block():
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 97, (2, 16)), jnp.int32)
+
+  def loss_and_grads(remat):
+    graphdef, params, rest = nnx.split(make_model(tiny_model_config(remat=remat)), nnx.Param, ...)
+    loss = lambda params: nnx.merge(graphdef, params, rest)(tokens)[0].astype(jnp.float32).std()
+    primitives = [e.primitive.name for e in jax.make_jaxpr(loss)(params).jaxpr.eqns]
+    return jax.value_and_grad(loss)(params), primitives
+
+  (plain, plain_grads), plain_primitives = loss_and_grads(False)
+  (remat, remat_grads), remat_primitives = loss_and_grads(True)
+  np.testing.assert_allclose(remat, plain, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(remat_grads), jax.tree.leaves(plain_grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  assert remat_primitives.count("remat2") == 2 and "remat2" not in plain_primitives  # jax.checkpoint, per block
+
+
 def test_changing_future_tokens_leaves_past_logits_unchanged():
   model = make_model(tiny_model_config())
   tokens = np.random.default_rng(3).integers(0, 97, (2, 12))
