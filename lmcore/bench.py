@@ -386,12 +386,10 @@ def load_rows(directory: str, skip: tuple[str, ...] = ("agreement.jsonl",)) -> l
   return sorted(merged.values(), key=key)
 
 
-def append_markdown(path: str, tables: str | list[str], date: str, device: str, commands: str | list[str],
+def append_markdown(path: str, tables: list[str], date: str, device: str, commands: list[str],
                     via: str = "") -> None:
   """Appends one dated block to ``path`` (started with a title when new): the header ``## DATE — kernels
   on DEVICE (VIA)``, the commands that made it, then the tables."""
-  tables = [tables] if isinstance(tables, str) else tables
-  commands = [commands] if isinstance(commands, str) else commands
   header = "" if os.path.exists(path) else "# Benchmarks\n\nDated measurements; each block names its device and command.\n"
   title = f"## {date} — kernels on {device}" + (f" ({via})" if via else "")
   command_line = ", then ".join(f"`{c}`" for c in commands)

@@ -49,7 +49,8 @@ def main(argv):
   print(table, flush=True)
   if _OUT.value:
     command = "python " + " ".join(sys.argv)
-    bench.append_markdown(_OUT.value, table, datetime.date.today().isoformat(), bench.device_name(), command)
+    bench.append_markdown(_OUT.value, [table], datetime.date.today().isoformat(), bench.device_name(),
+                          [command])
 
 
 if __name__ == "__main__":
