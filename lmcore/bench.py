@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import glob
 import json
 import os
@@ -239,6 +240,41 @@ def softmax_cases(batch, length, dtype):
   return args, cases, {name: parallel_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM) for name in cases}
 
 
+# Kernel settings tried by ``--tune`` (each op's defaults are timed by the plain run): chunk C, value
+# tile, Triton warps; the gated kernel's sub-chunk stays 16 (32 and 64 were 6-9× slower on the H200).
+TUNING = {
+    "sanatan_p1": [dict(chunk_size=c, block_v=bv, num_warps=w)
+                   for c, bv, w in ((16, 64, 8), (16, 32, 4), (32, 64, 4), (32, 32, 8), (32, 32, 4),
+                                    (64, 64, 8), (64, 32, 8), (64, 32, 4))],
+    "gated": [dict(chunk_size=c, num_warps=w) for c, w in ((16, 8), (16, 4), (32, 4), (64, 8), (64, 4))],
+}
+
+
+def _setting_name(setting: dict) -> str:
+  """"pallas (C=32, 8 warps, block_v 64)" for a TUNING entry."""
+  parts = [f"C={setting['chunk_size']}", f"{setting['num_warps']} warps"]
+  parts += [f"{key} {value}" for key, value in setting.items() if key not in ("chunk_size", "num_warps")]
+  return f"pallas ({', '.join(parts)})"
+
+
+def tuning_cases(op_name: str, batch: int, length: int, dtype) -> tuple[tuple, dict, dict]:
+  """(args, cases, flops) of the Triton kernel of ``op_name`` at every TUNING setting."""
+  from lmcore.kernels.gated_linear_attention import pallas
+  from sanatan_jax.kernels import sanatan_p1_pallas
+
+  if op_name not in TUNING:
+    raise ValueError(f"no tuning settings for op {op_name!r}; tunable: {', '.join(TUNING)}")
+  args, _, _ = OPS[op_name](batch, length, dtype)
+  kernel = {"sanatan_p1": sanatan_p1_pallas, "gated": pallas.gated_linear_attention_pallas}[op_name]
+  features = 6 * HEAD_DIM if op_name == "sanatan_p1" else HEAD_DIM
+  cases, flops = {}, {}
+  for setting in TUNING[op_name]:
+    name = _setting_name(setting)
+    cases[name] = lambda *a, setting=setting: kernel(*a, **setting)[0]
+    flops[name] = chunked_flops(batch, length, HEADS, features, HEAD_DIM, chunk=setting["chunk_size"])
+  return args, cases, flops
+
+
 OPS = {"sanatan_p1": sanatan_cases, "sanatan_p2": sanatan_p2_cases, "gated": gated_cases,
        "taylor": taylor_cases, "softmax": softmax_cases}
 REFERENCE = {"sanatan_p1": "chunked (xla)", "sanatan_p2": "blocked (xla)", "gated": "chunked (xla)",
@@ -295,9 +331,11 @@ def measure(log: RowLog, op_name: str, impl: str, length: int, batch: int, fn: C
 
 
 def run_op(log: RowLog, op_name: str, length: int, tokens: int, dtype: str, repeats: int,
-           lock: str = "") -> None:
+           lock: str = "", tune: bool = False) -> None:
+  """Times every case of ``op_name`` (``tune``: its TUNING settings instead) at one length."""
   batch = max(1, tokens // length)
-  args, cases, flops = OPS[op_name](batch, length, jnp.dtype(dtype))
+  make_cases = functools.partial(tuning_cases, op_name) if tune else OPS[op_name]
+  args, cases, flops = make_cases(batch, length, jnp.dtype(dtype))
   for impl, fn in cases.items():
     measure(log, op_name, impl, length, batch, fn, lambda fn: _fwd_and_fwdbwd(fn, args, repeats, lock),
             flops[impl])
@@ -327,13 +365,16 @@ def with_ratios(rows: list[Row]) -> list[Row]:
 
 
 def run_all(*, ops: list[str], lengths: list[int], tokens: int, dtype: str, repeats: int,
-            fla_ops: list[str], jsonl: str = "", lock: str = "") -> list[Row]:
-  """Every op at every length, then FLA's kernels for ``fla_ops``; rows already in ``jsonl`` are kept
-  and not measured again. Timing holds ``lock`` (see ``exclusive``)."""
+            fla_ops: list[str], jsonl: str = "", lock: str = "", tune: list[str] = ()) -> list[Row]:
+  """Every op at every length, the TUNING settings of the ops in ``tune``, then FLA's kernels for
+  ``fla_ops``; rows already in ``jsonl`` are kept and not measured again. Timing holds ``lock`` (see
+  ``exclusive``)."""
   log = RowLog(jsonl)
   for length in lengths:
     for op_name in ops:
       run_op(log, op_name, length, tokens, dtype, repeats, lock)
+    for op_name in tune:
+      run_op(log, op_name, length, tokens, dtype, repeats, lock, tune=True)
     if fla_ops:
       try:
         fla_rows(log, fla_ops, length, tokens, repeats, lock)

@@ -8,7 +8,7 @@ tokens/s, achieved TFLOP/s (from counted FLOPs) and the ratio to the reference n
 and appends the rows to docs/BENCHMARKS.md with the date, device and command.
 
     python scripts/bench_kernels.py [--lengths=2048,8192,32768] [--tokens=16384] [--dtype=bfloat16] \
-        [--jsonl=runs/bench/kernels.jsonl] [--fla_ops=sanatan_p1,gated,taylor] [--lock=/tmp/bench.lock]
+        [--jsonl=runs/bench/kernels.jsonl] [--fla_ops=sanatan_p1,gated,taylor] [--lock=/tmp/bench.lock] [--tune=sanatan_p1]
 
 Compilation (Triton kernels, FLA autotuning) can take minutes per case: give ``--jsonl`` so that a run
 stopped by a time limit continues where it stopped. Several processes (one per T, say) can share one
@@ -36,6 +36,8 @@ _FLA_OPS = flags.DEFINE_list("fla_ops", ["sanatan_p1", "gated", "taylor"],
                              "('' = none; FLA autotunes on first use, minutes for chunk_gla).")
 _JSONL = flags.DEFINE_string("jsonl", "", "Rows are appended here as they are measured; rows already "
                              "in it are not measured again (a rerun continues a stopped benchmark).")
+_TUNE = flags.DEFINE_list("tune", [], "Ops whose Triton kernel is also timed at every setting of "
+                          "lmcore.bench.TUNING (chunk, value tile, warps), e.g. sanatan_p1,gated.")
 _LOCK = flags.DEFINE_string("lock", "", "A lock file shared by benchmark processes on one device: each "
                             "compiles freely but times only while holding it (runs per T side by side).")
 
@@ -44,7 +46,7 @@ def main(argv):
   del argv
   rows = bench.run_all(ops=_OPS.value, lengths=[int(x) for x in _LENGTHS.value], tokens=_TOKENS.value,
                        dtype=_DTYPE.value, repeats=_REPEATS.value, fla_ops=_FLA_OPS.value, jsonl=_JSONL.value,
-                       lock=_LOCK.value)
+                       lock=_LOCK.value, tune=_TUNE.value)
   table = bench.format_table(rows)
   print(table, flush=True)
   if _OUT.value:

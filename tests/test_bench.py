@@ -3,6 +3,7 @@
 import fcntl
 import json
 
+import jax.numpy as jnp
 import pytest
 
 from lmcore import bench
@@ -50,3 +51,23 @@ def test_exclusive_holds_the_lock_only_inside(tmp_path):
       fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
   with open(lock) as other:
     fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_tuning_settings_compute_the_default_kernels_function():
+  """Every TUNING setting is a valid call of its kernel (chunk, value tile and warps change only how
+  it runs), named by its setting and credited FLOPs at its own chunk; checked on one length-64 case per
+  op against the defaults (interpreted off GPU)."""
+  for op_name in bench.TUNING:
+    args, cases, flops = bench.tuning_cases(op_name, 1, 64, "float32")
+    _, defaults, _ = bench.OPS[op_name](1, 64, "float32")
+    want = defaults["pallas"](*args)
+    assert len(cases) == len(bench.TUNING[op_name])
+    for (name, fn), setting in zip(cases.items(), bench.TUNING[op_name]):
+      assert name.startswith(f"pallas (C={setting['chunk_size']}, {setting['num_warps']} warps")
+      assert flops[name] == bench.chunked_flops(
+          1, 64, bench.HEADS, 6 * bench.HEAD_DIM if op_name == "sanatan_p1" else bench.HEAD_DIM,
+          bench.HEAD_DIM, chunk=setting["chunk_size"])
+      got = fn(*args)
+      assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5, (op_name, name)
+  with pytest.raises(ValueError, match="no tuning settings for op 'taylor'"):
+    bench.tuning_cases("taylor", 1, 64, "float32")
