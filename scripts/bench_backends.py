@@ -55,6 +55,8 @@ _INTERPRET = flags.DEFINE_boolean("interpret", False, "Run the Pallas kernels in
 _ISOLATE = flags.DEFINE_boolean("isolate", True, "One child process per backend (errors, crashes and "
                                 "hangs become rows).")
 _CHILD_TIMEOUT = flags.DEFINE_integer("child_timeout", 150, "Seconds a backend's child process may run.")
+_LOCK = flags.DEFINE_string("lock", "", "A lock file shared with other benchmark processes on the device: "
+                            "timing holds it (lmcore.bench.exclusive).")
 _CHILD = flags.DEFINE_boolean("child", False, "Set by --isolate for its children: measure here, rows to "
                               "--jsonl only (no table).")
 
@@ -112,15 +114,17 @@ def rel_l2(o, ref):
   return jnp.linalg.norm(o - ref) / jnp.linalg.norm(ref)
 
 
-def measure(name: str, op, args, ref, length: int, bh: int, repeats: int) -> Row:
-  """Compiles ``op`` ahead of time, checks it against ``ref`` and times it; any error becomes the row."""
+def measure(name: str, op, args, ref, length: int, bh: int, repeats: int, lock: str = "") -> Row:
+  """Compiles ``op`` ahead of time, checks it against ``ref`` and times it (holding ``lock``); any
+  error becomes the row."""
   row = Row(name, length, bh, device=bench.device_name())
   if isinstance(op, str):
     return dataclasses.replace(row, status="skipped", note=op)
   try:
     compiled = jax.jit(op).lower(*args).compile()
     row.rel_l2 = float(rel_l2(compiled(*args), ref))
-    row.ms = bench.time_fn(compiled, *args, repeats=repeats)
+    with bench.exclusive(lock):
+      row.ms = bench.time_fn(compiled, *args, repeats=repeats)
   except Exception as e:  # lowering, compilation or a run failed: report it, keep going
     row.note = one_line(e)
     return row
@@ -146,7 +150,7 @@ def load(path: str) -> list[Row]:
 
 
 def run(names: list[str], lengths: list[int], tokens: int, repeats: int, interpret: bool,
-        jsonl: str = "") -> list[Row]:
+        jsonl: str = "", lock: str = "") -> list[Row]:
   """Every backend in ``names`` at every T in this process, each row appended to ``jsonl`` when made."""
   print(f"{bench.device_name()}; jax {jax.__version__}; C = {probe.CHUNK}, K = V = {HEAD_DIM}, "
         f"T·BH = {tokens}; FLOPs counted 4·BH·T·C·K", flush=True)
@@ -156,7 +160,7 @@ def run(names: list[str], lengths: list[int], tokens: int, repeats: int, interpr
     args = inputs(bh, length)
     ref = jax.jit(probe.intra_chunk_reference)(*args)
     for name in names:
-      row = measure(name, ops[name], args, ref, length, bh, repeats)
+      row = measure(name, ops[name], args, ref, length, bh, repeats, lock)
       print(f"  {row.backend} T={row.length} BH={row.bh}: {row.ms} ms, rel L2 {row.rel_l2}, {row.status} "
             f"{row.note}", flush=True)
       append(jsonl, row)
@@ -165,7 +169,7 @@ def run(names: list[str], lengths: list[int], tokens: int, repeats: int, interpr
 
 
 def run_isolated(names: list[str], lengths: list[int], tokens: int, repeats: int, interpret: bool,
-                 timeout: float) -> list[Row]:
+                 timeout: float, lock: str = "") -> list[Row]:
   """``run`` for each backend in a child process limited to ``timeout`` seconds; the rows a child did
   not write (it crashed or hung) are error rows with its exit status and last stderr line."""
   rows = []
@@ -174,7 +178,7 @@ def run_isolated(names: list[str], lengths: list[int], tokens: int, repeats: int
       path = os.path.join(tmp, "rows.jsonl")
       command = [sys.executable, os.path.abspath(__file__), f"--backends={name}",
                  f"--lengths={','.join(map(str, lengths))}", f"--tokens={tokens}", f"--repeats={repeats}",
-                 f"--jsonl={path}", "--child", "--interpret" if interpret else "--nointerpret"]
+                 f"--jsonl={path}", f"--lock={lock}", "--child", "--interpret" if interpret else "--nointerpret"]
       try:
         child = subprocess.run(command, stderr=subprocess.PIPE, text=True, timeout=timeout)
         stderr, problem = child.stderr, f"child process exited with {child.returncode}"
@@ -212,9 +216,10 @@ def main(argv):
   if unknown:
     raise app.UsageError(f"unknown backends {sorted(unknown)}; choose from {BACKENDS}")
   if _CHILD.value or not _ISOLATE.value:
-    rows = run(_BACKENDS.value, lengths, tokens, _REPEATS.value, interpret, _JSONL.value)
+    rows = run(_BACKENDS.value, lengths, tokens, _REPEATS.value, interpret, _JSONL.value, _LOCK.value)
   else:  # the parent leaves the device alone (no JAX backend, no preallocated memory)
-    rows = run_isolated(_BACKENDS.value, lengths, tokens, _REPEATS.value, interpret, _CHILD_TIMEOUT.value)
+    rows = run_isolated(_BACKENDS.value, lengths, tokens, _REPEATS.value, interpret, _CHILD_TIMEOUT.value,
+                        _LOCK.value)
     for row in rows:
       append(_JSONL.value, row)
   if not _CHILD.value:
