@@ -6,10 +6,11 @@ raw q, k chunk (features.py's functions), the write-then-read recurrence of atte
     S_t = S_{t-1} + Phi(k_t) v_tᵀ,   z_t = z_{t-1} + Phi(k_t),
     o_t = Phi(q_t)ᵀ S_t / (Phi(q_t)ᵀ z_t + c eps)
 
-is computed in chunks of C tokens (intra-chunk causal block + fp32 state). The 6d-wide features
-never reach HBM: inside a kernel they are [C, d] channel arrays ``1, cos th, sin th, r, r cos th,
-r sin th`` and the state six [d, BV] tiles. Outside the kernels the state has SanatanState's layout,
-feature index ``6 a + channel``.
+is computed in chunks of C tokens (intra-chunk causal block + fp32 state), parallel over chunks
+(FLA's "chunk" layout): no program walks the chunks. The 6d-wide features never reach HBM: inside
+a kernel they are six [C, d] channel arrays ``1, cos th, sin th, r, r cos th, r sin th`` and the
+state six [d, BV] tiles. Outside the kernels the state has SanatanState's layout, feature index
+``6 a + channel``.
 
 With N chunks, the state at the start of chunk n follows
 
@@ -18,30 +19,29 @@ With N chunks, the state at the start of chunk n follows
 where W_n = sum Phi(k) vᵀ and w_n = sum Phi(k) run over chunk n's last run (its writes) and
 keep_n says the state's run continues through the chunk (0 at a new packed document). Forward:
 
-1. ``_state_kernel``, grid (batch, head, channel, value tile): one program carries one channel's
-   fp32 [d, BV] tile (and its z row) through the chunks in a loop, adding each chunk's writes
-   (features of that channel from the raw k), and writes the tile entering every chunk to HBM in
-   q's dtype (the dtype the output kernel's dots take it in), z in fp32. A step is one [d, C] x
-   [C, BV] dot; the grid has 6 dv / BV programs per (batch, head).
-2. ``_output_kernel``, grid (batch, head, chunk, value tile), fully parallel: the outputs of every
-   chunk from its start state and the intra-chunk block (``_outputs``), features recomputed from
-   the raw q, k.
+1. a kernel over the grid (batch, head, chunk, value tile) writes every chunk's (W_n, w_n) to
+   HBM (fp32, channel-major [6, dp, BV] and [6, dp]);
+2. plain JAX solves the recurrence for the state at every chunk start (``_through_chunks``: an
+   associative scan over the N chunks, so no sequential loop);
+3. a kernel over the same grid computes the outputs of every chunk from its start state and the
+   intra-chunk block (``_outputs``), features recomputed from the raw q, k.
 
 Backward (``jax.custom_vjp``). The forward stores its inputs, the output o (in v's dtype) and the
 fp32 denominator D_t = Phi(q_t)ᵀ z_t per token; no features and no chunk states. With
-dN = do / (D + c eps) and dD = -(do · o) / (D + c eps) (computed outside the kernels), the state
-kernel recomputes the start states and, walking the chunks in reverse over (q, dN, dD), gives the
-gradient of the state after every chunk, G_n = keep_n G_{n+1} + R_n with R_n = sum Phi(q) dNᵀ over
-chunk n's reads (G_N = dS_T; the walk's end is dS_0). A last kernel, again over (batch, head,
-chunk, value tile), computes d Phi(q) from the start state, d Phi(k) and dv from the gradient after
-the chunk (``_dphi_q``, ``_dphi_k_dv``) and chains them through the feature map inside the kernel
-(``jax.vjp`` of the same feature functions) into dq, dk, d omega and d lam_raw. Sums over value
-tiles (dq, dk) and over tiles and chunks (d omega, d lam_raw) are taken outside; the denominator
-does not depend on the value tile, so its gradient terms come from value tile 0 only.
+dN = do / (D + c eps) and dD = -(do · o) / (D + c eps) (computed outside the kernels), the start
+states are recomputed by phases 1-2; a kernel writes every chunk's contribution
+(R_n, r_n) = (sum Phi(q) dNᵀ, sum Phi(q) dD) over its tokens that read the state; the reverse
+recurrence G_n = keep_n G_{n+1} + R_n (G_N = dS_T) gives the gradient of the state after every
+chunk (and dS_0 = G_0); a last kernel, again over (batch, head, chunk, value tile), computes
+d Phi(q) from the start state, d Phi(k) and dv from the gradient after the chunk (``_dphi_q``,
+``_dphi_k_dv``) and chains them through the feature map inside the kernel (``jax.vjp`` of the same
+feature functions) into dq, dk, d omega and d lam_raw. Sums over value tiles (dq, dk) and over
+tiles and chunks (d omega, d lam_raw) are taken outside; the denominator does not depend on the
+value tile, so its gradient terms come from value tile 0 only.
 
-Chunk states cross HBM in the dtype the dots cast them to anyway (q's for the output kernel, v's
-for the gradient kernel, with dN and the state gradients in v's), so at bf16 at half width for no
-loss. The normalisers z and their gradients stay fp32.
+The start states S_n enter the output kernel in q's dtype and the gradient kernel in v's (and the
+state gradients and dN in v's): the dtypes their dots cast them to anyway, so at bf16 the chunk
+states cross HBM at half width for no loss. The normalisers z and their gradients stay fp32.
 
 Packed documents follow attention.py: ``runs`` (non-decreasing per row) mark maximal runs of equal
 segment ids; a token reads the carried state only in the state's run and a chunk hands on only its
@@ -89,39 +89,19 @@ class _Chunk(NamedTuple):
   run: jax.Array  # [C] int32
 
 
-def _angles_and_roots(u, omega, lam_raw, pos):
-  """(r, cos th, sin th) of a chunk of raw q or k [C, dp] (fp32): roots from the pre-rotation
-  angles (SPEC §1.1 step 3), th the rotated angle (step 4)."""
+def _feature_channels(u, omega, lam_raw, pos, valid):
+  """The six channels of Phi for a chunk of raw q or k [C, dp] (fp32), zero where not ``valid``.
+
+  Roots come from the pre-rotation angles (SPEC §1.1 step 3); the channel order is feature_map's.
+  """
   theta = features.angles(u)
   r = features.soft_roots(theta, omega)
   # features.rotate on a [C, d] chunk, written out: its [B, T, H, d] broadcasting would put 4-D
   # arrays (and 4-D reductions in the VJP) into the kernel, which the Triton lowering handles badly.
   rot = theta + pos[:, None].astype(_F32) * (features.LAMBDA_SCALE * jnp.tanh(lam_raw))
-  return r, jnp.cos(rot), jnp.sin(rot)
-
-
-def _feature_channels(u, omega, lam_raw, pos, valid):
-  """The six channels of Phi for a chunk of raw q or k [C, dp] (fp32), zero where not ``valid``;
-  the channel order is feature_map's."""
-  r, cos, sin = _angles_and_roots(u, omega, lam_raw, pos)
-  channels = (jnp.ones_like(r), cos, sin, r, r * cos, r * sin)
+  cos, sin = jnp.cos(rot), jnp.sin(rot)
+  channels = (jnp.ones_like(rot), cos, sin, r, r * cos, r * sin)
   return tuple(jnp.where(valid, x, 0.0) for x in channels)
-
-
-def _channel_weights(channel):
-  """Float flags (a, b, e0, e1, e2) of a traced channel index: channel = (a + b r)(e0 + e1 cos +
-  e2 sin). Flags, not scalar selects: the Triton lowering mishandles those in loop bodies."""
-  rooted = (channel >= CHANNELS // 2).astype(jnp.int32)
-  trig = channel - rooted * (CHANNELS // 2)
-  flag = lambda x: x.astype(_F32)
-  return (flag(1 - rooted), flag(rooted), flag(trig == 0), flag(trig == 1), flag(trig == 2))
-
-
-def _one_channel(u, omega, lam_raw, pos, valid, weights):
-  """One channel of Phi (``_channel_weights``) for a chunk of raw q or k [C, dp] (fp32)."""
-  r, cos, sin = _angles_and_roots(u, omega, lam_raw, pos)
-  a, b, e0, e1, e2 = weights
-  return jnp.where(valid, (a + b * r) * (e0 + e1 * cos + e2 * sin), 0.0)
 
 
 def _valid(n, cfg: KernelConfig, dp: int):
@@ -167,6 +147,14 @@ def _masked(phi, mask):
   return tuple(jnp.where(mask[:, None], a, 0) for a in phi)
 
 
+def _writes(phi_k, v, run, last_run):
+  """What a chunk hands on: sum over its last run's tokens of Phi(k) vᵀ (6 x [dp, BV]) and of
+  Phi(k) (6 x [1, dp]), fp32."""
+  phi_k = _masked(phi_k, run == last_run)
+  return (tuple(pu.dot(a, v, trans_a=True) for a in phi_k),
+          tuple(jnp.sum(a.astype(_F32), axis=0, keepdims=True) for a in phi_k))
+
+
 def _outputs(x: _Chunk, S, z, state_run, c_eps):
   """o [C, BV] (fp32) and the denominator D [C] of one chunk from the state (S, z) at its start:
   N = s v + Phi(q) S and D = rowsum(s) + Phi(q) z (state terms for tokens of the state's run),
@@ -185,6 +173,12 @@ def _load_state(S_ref, z_ref):
   S = tuple(S_ref[c] for c in range(CHANNELS))
   z = tuple(z_ref[c].reshape(1, -1) for c in range(CHANNELS))
   return S, z
+
+
+def _store_state(S_ref, z_ref, S, z):
+  for c in range(CHANNELS):
+    S_ref[c] = S[c]
+    z_ref[c] = z[c].reshape(-1)
 
 
 def _dphi_q(x: _Chunk, dN, dD, S, z, state_run, tile0):
@@ -214,6 +208,14 @@ def _dphi_k_dv(x: _Chunk, dN, dD, dS, dz, last_run, tile0):
   return dphi_k, dv
 
 
+def _read_grads(phi_q, run, state_run, dN, dD):
+  """What a chunk's reads add to the gradient of the state at its start: sum over the tokens of
+  the state's run of Phi(q) dNᵀ (6 x [dp, BV]) and of Phi(q) dD (6 x [1, dp]), fp32."""
+  reads = _masked(phi_q, run == state_run)
+  return (tuple(pu.dot(a, dN, trans_a=True) for a in reads),
+          tuple(jnp.sum(a.astype(_F32) * dD[:, None], axis=0, keepdims=True) for a in reads))
+
+
 def _runs(run_ref, n, C):
   """Chunk n's run ids [C], the run of the state entering it and its last run.
 
@@ -225,41 +227,13 @@ def _runs(run_ref, n, C):
   return run, jnp.where(n > 0, jnp.max(previous), jnp.min(previous)), jnp.max(run)
 
 
-def _state_kernel(u_ref, y_ref, w_ref, pos_ref, run_ref, omega_ref, lam_ref, S0_ref, z0_ref,
-                  S_ref, z_ref, S_end_ref, z_end_ref, *, cfg: KernelConfig, reverse: bool):
-  """One channel's state tile (channel = program 2, one value tile) carried across every chunk.
-
-  Forward (u = k, y = v, w = 1): S <- keep_n S + sum Phi_c(k_j) y_jᵀ and z <- keep_n z +
-  sum Phi_c(k_j) w_j over chunk n's last run, keep_n = (no new run starts in chunk n). Reverse
-  (u = q, y = dN, w = dD, chunks last to first): the same sums over chunk n's reads (tokens of the
-  entering state's run) give the state gradient, G_n = keep_n G_{n+1} + R_n. The tile held when
-  chunk n is reached goes to slot n (forward: S_n; reverse: G_{n+1}); the last one to the end refs.
-  """
-  C, dp = cfg.chunk, u_ref.shape[-1]
-  n_chunks = u_ref.shape[0] // C
-  weights = _channel_weights(pl.program_id(2))
-  omega, lam_raw = omega_ref[...], lam_ref[...]
-
-  def step(m, carry):
-    S, z = carry
-    n = n_chunks - 1 - m if reverse else m
-    run, state_run, last_run = _runs(run_ref, n, C)
-    pu.store_rows(S_ref, n * dp, S.astype(S_ref.dtype))
-    pu.store_rows(z_ref, n, z)
-    mine = (run == (state_run if reverse else last_run))[:, None]
-    u = pu.rows(u_ref, n * C, C).astype(_F32)
-    phi = _one_channel(u, omega, lam_raw, pu.rows(pos_ref, n * C, C),
-                       _valid(n, cfg, dp) & mine, weights)
-    keep = last_run == state_run
-    S = jnp.where(keep, S, 0.0) + pu.dot(phi.astype(u_ref.dtype), pu.rows(y_ref, n * C, C),
-                                         trans_a=True)
-    w = pu.rows(w_ref, n * C, C)
-    z = jnp.where(keep, z, 0.0) + jnp.sum(phi * w[:, None], axis=0, keepdims=True)
-    return S, z
-
-  S, z = jax.lax.fori_loop(0, n_chunks, step, (S0_ref[...], z0_ref[...]))
-  S_end_ref[...] = S
-  z_end_ref[...] = z
+def _writes_kernel(k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, W_ref, w_ref, *, cfg):
+  """Phase 1: chunk n's writes (W_n, w_n)."""
+  n, C = pl.program_id(2), cfg.chunk
+  phi_k, _ = _phi(k_ref, (omega_ref, lam_ref, pos_ref), n, cfg)
+  run, _, last_run = _runs(run_ref, n, C)
+  W, w = _writes(phi_k, pu.rows(v_ref, n * C, C), run, last_run)
+  _store_state(W_ref, w_ref, W, w)
 
 
 def _output_kernel(q_ref, k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, S_ref, z_ref,
@@ -271,6 +245,16 @@ def _output_kernel(q_ref, k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, S_
   o, den = _outputs(x, *_load_state(S_ref, z_ref), state_run, cfg.c_eps)
   pu.store_rows(o_ref, n * C, o.astype(o_ref.dtype))
   pu.store_rows(den_ref, n * C, den)
+
+
+def _read_grads_kernel(q_ref, pos_ref, run_ref, omega_ref, lam_ref, dN_ref, dD_ref, R_ref, r_ref,
+                       *, cfg):
+  """Backward phase 1: what chunk n's reads add to the gradient of the state at its start."""
+  n, C = pl.program_id(2), cfg.chunk
+  phi_q, _ = _phi(q_ref, (omega_ref, lam_ref, pos_ref), n, cfg)
+  run, state_run, _ = _runs(run_ref, n, C)
+  R, r = _read_grads(phi_q, run, state_run, pu.rows(dN_ref, n * C, C), pu.rows(dD_ref, n * C, C))
+  _store_state(R_ref, r_ref, R, r)
 
 
 def _grads_kernel(q_ref, k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, S_ref, z_ref,
@@ -297,8 +281,8 @@ def _grads_kernel(q_ref, k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, S_r
 
 def _specs(Tp, dp, cfg):
   """BlockSpecs over the grid (batch, head, chunk, value tile). Token arrays are whole rows (each
-  program reads and writes its chunk's rows); chunk states are ``_states``' S [B, H, 6, N dp, Vp]
-  and z [B, H, N, 6, dp]."""
+  program reads and writes its chunk's rows); chunk states are [B, H, N, 6, dp, Vp] and
+  [B, H, N, 6, dp]."""
   BV = cfg.block_v
   return dict(
       qk=pl.BlockSpec((None, Tp, None, dp), lambda b, h, n, j: (b, 0, h, 0)),
@@ -306,9 +290,11 @@ def _specs(Tp, dp, cfg):
       row=pl.BlockSpec((None, Tp), lambda b, h, n, j: (b, 0)),
       param=pl.BlockSpec((None, 1, dp), lambda b, h, n, j: (h, 0, 0)),
       token=pl.BlockSpec((None, Tp, None), lambda b, h, n, j: (b, 0, h)),
-      S=pl.BlockSpec((None, None, CHANNELS, dp, BV), lambda b, h, n, j: (b, h, 0, n, j)),
+      S=pl.BlockSpec((None, None, None, CHANNELS, dp, BV), lambda b, h, n, j: (b, h, n, 0, 0, j)),
       z=pl.BlockSpec((None, None, None, CHANNELS, dp), lambda b, h, n, j: (b, h, n, 0, 0)),
       # Per value tile: partial sums (or copies, for what does not depend on the tile).
+      tile_z=pl.BlockSpec((None, None, None, None, CHANNELS, dp),
+                          lambda b, h, n, j: (j, b, h, n, 0, 0)),
       tile_den=pl.BlockSpec((None, None, Tp, None), lambda b, h, n, j: (j, b, 0, h)),
       tile_qk=pl.BlockSpec((None, None, Tp, None, dp), lambda b, h, n, j: (j, b, 0, h, 0)),
       tile_param=pl.BlockSpec((None, None, None, None, 1, dp),
@@ -327,43 +313,51 @@ def _call(kernel, cfg, grid, in_specs, out_specs, out_shape, *args):
       compiler_params=pu.compiler_params(cfg.interpret, cfg.num_warps, cfg.num_stages))(*args)
 
 
-def _states(u, y, w, pos, run, omega, lam_raw, S0, z0, cfg, *, reverse: bool, dtype):
-  """``_state_kernel`` over the grid (batch, head, channel, value tile).
+def _keep(run_BxTp, C):
+  """keep_n [B, N]: chunk n's last run is the run of the state entering it (no reset inside)."""
+  B, Tp = run_BxTp.shape
+  last_BxN = run_BxTp.reshape(B, Tp // C, C)[:, :, -1]
+  entering_BxN = jnp.concatenate([run_BxTp[:, :1], last_BxN[:, :-1]], axis=1)
+  return last_BxN == entering_BxN
 
-  Args: u [B, Tp, H, dp] (k, or q for ``reverse``), y [B, Tp, H, Vp] (v or dN), w [B, Tp, H] fp32
-  (ones or dD), the edge tiles S0 [B, H, 6, dp, Vp] and z0 [B, H, 6, dp] (fp32).
-  Returns the tiles held at every chunk, S [B, H, 6, N dp, Vp] in ``dtype`` and z [B, H, N, 6, dp],
-  and at the end, S [B, H, 6, dp, Vp] and z [B, H, 6, dp] (fp32).
+
+def _through_chunks(keep_BxN, c_BxHxNx, edge_BxHx, reverse=False):
+  """Solves x_{n+1} = keep_n x_n + c_n from x_0 = ``edge`` (``reverse``: x_n = keep_n x_{n+1} +
+  c_n from x_N = ``edge``) by an associative scan over the chunk axis.
+
+  Returns x where the walk enters every chunk (x_n; reverse: x_{n+1}) [B, H, N, ...] and where it
+  leaves the last one (x_N; reverse: x_0) [B, H, ...], fp32.
   """
-  B, Tp, H, dp = u.shape
-  Vp, BV = y.shape[-1], cfg.block_v
-  N, n_tiles = Tp // cfg.chunk, Vp // BV
-  tile = lambda rows: pl.BlockSpec((None, None, None, rows, BV), lambda b, h, c, j: (b, h, c, 0, j))
-  # z does not depend on the value tile: every tile writes its own copy, tile 0's is kept.
-  z_tile = lambda rows: pl.BlockSpec((None, None, None, None, rows, dp),
-                                     lambda b, h, c, j: (j, b, h, c, 0, 0))
-  row = pl.BlockSpec((None, Tp), lambda b, h, c, j: (b, 0))
-  param = pl.BlockSpec((None, 1, dp), lambda b, h, c, j: (h, 0, 0))
-  in_specs = [pl.BlockSpec((None, Tp, None, dp), lambda b, h, c, j: (b, 0, h, 0)),
-              pl.BlockSpec((None, Tp, None, BV), lambda b, h, c, j: (b, 0, h, j)),
-              pl.BlockSpec((None, Tp, None), lambda b, h, c, j: (b, 0, h)),
-              row, row, param, param, tile(dp),
-              pl.BlockSpec((None, None, None, 1, dp), lambda b, h, c, j: (b, h, c, 0, 0))]
-  out_shape = (jax.ShapeDtypeStruct((B, H, CHANNELS, N * dp, Vp), dtype),
-               jax.ShapeDtypeStruct((n_tiles, B, H, CHANNELS, N, dp), _F32),
-               jax.ShapeDtypeStruct(S0.shape, _F32),
-               jax.ShapeDtypeStruct((n_tiles, B, H, CHANNELS, 1, dp), _F32))
-  kernel = functools.partial(_state_kernel, reverse=reverse)
-  S, z, S_end, z_end = _call(kernel, cfg, (B, H, CHANNELS, n_tiles), in_specs,
-                             [tile(N * dp), z_tile(N), tile(dp), z_tile(1)], out_shape,
-                             u, y, w, pos, run, omega, lam_raw, S0, z0[:, :, :, None])
-  return S, z[0].swapaxes(2, 3), S_end, z_end[0, :, :, :, 0]
+  B, _, N = c_BxHxNx.shape[:3]
+  keep = keep_BxN.astype(_F32).reshape(B, 1, N, *(1,) * (c_BxHxNx.ndim - 3))
+  first = N - 1 if reverse else 0
+  c = c_BxHxNx.at[:, :, first].add(keep[:, :, first] * edge_BxHx)
+  compose = lambda x, y: (x[0] * y[0], y[0] * x[1] + y[1])  # x_{n+1} = a x_n + c, composed
+  _, x = jax.lax.associative_scan(compose, (keep, c), reverse=reverse, axis=2)
+  edge = edge_BxHx[:, :, None]
+  if reverse:
+    return jnp.concatenate([x[:, :, 1:], edge], axis=2), x[:, :, 0]
+  return jnp.concatenate([edge, x[:, :, :-1]], axis=2), x[:, :, -1]
+
+
+def _chunk_states(k, v, pos, run, omega, lam_raw, S0, z0, cfg):
+  """Phases 1-2: S_n at every chunk start [B, H, N, 6, dp, Vp], S after the last chunk, and the
+  same two for z ([B, H, N, 6, dp], [B, H, 6, dp]); fp32."""
+  B, H, N, n_tiles = grid = _grid(k, v, cfg)
+  Tp, dp, Vp = k.shape[1], k.shape[-1], v.shape[-1]
+  s = _specs(Tp, dp, cfg)
+  out_shape = (jax.ShapeDtypeStruct((B, H, N, CHANNELS, dp, Vp), _F32),
+               jax.ShapeDtypeStruct((n_tiles, B, H, N, CHANNELS, dp), _F32))
+  W, w = _call(_writes_kernel, cfg, grid,
+               [s["qk"], s["v"], s["row"], s["row"], s["param"], s["param"]],
+               [s["S"], s["tile_z"]], out_shape, k, v, pos, run, omega, lam_raw)
+  keep = _keep(run, cfg.chunk)
+  return (*_through_chunks(keep, W, S0), *_through_chunks(keep, w[0], z0))
 
 
 def _forward(q, k, v, pos, run, omega, lam_raw, S0, z0, cfg):
   """(o, den [B, Tp, H], S, z) in kernel layout."""
-  S_start, z_start, S_end, z_end = _states(k, v, _ones(q), pos, run, omega, lam_raw, S0, z0, cfg,
-                                           reverse=False, dtype=q.dtype)
+  S_start, S_end, z_start, z_end = _chunk_states(k, v, pos, run, omega, lam_raw, S0, z0, cfg)
   grid = _grid(q, v, cfg)
   B, Tp, H, dp = q.shape
   s = _specs(Tp, dp, cfg)
@@ -373,13 +367,8 @@ def _forward(q, k, v, pos, run, omega, lam_raw, S0, z0, cfg):
       _output_kernel, cfg, grid,
       [s["qk"], s["qk"], s["v"], s["row"], s["row"], s["param"], s["param"], s["S"], s["z"]],
       [s["v"], s["tile_den"]], out_shape,
-      q, k, v, pos, run, omega, lam_raw, S_start, z_start)
+      q, k, v, pos, run, omega, lam_raw, S_start.astype(q.dtype), z_start)
   return o, den[0], S_end, z_end
-
-
-def _ones(q):
-  """The forward state walk's per-token weight w = 1 [B, Tp, H] (fp32)."""
-  return jnp.ones(q.shape[:3], _F32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
@@ -402,15 +391,29 @@ def _output_grads(do, o, den, c_eps):
   return do * inv_BxTxH[..., None], -jnp.sum(do * o.astype(_F32), axis=-1) * inv_BxTxH
 
 
+def _state_grads(q, v, pos, run, omega, lam_raw, dN, dD, dS_end, dz_end, cfg):
+  """Backward phases 1-2: (G_{n+1}, g_{n+1}) after every chunk, and (dS_0, dz_0)."""
+  B, H, N, n_tiles = grid = _grid(q, v, cfg)
+  Tp, dp, Vp = q.shape[1], q.shape[-1], v.shape[-1]
+  s = _specs(Tp, dp, cfg)
+  out_shape = (jax.ShapeDtypeStruct((B, H, N, CHANNELS, dp, Vp), _F32),
+               jax.ShapeDtypeStruct((n_tiles, B, H, N, CHANNELS, dp), _F32))
+  R, r = _call(_read_grads_kernel, cfg, grid,
+               [s["qk"], s["row"], s["row"], s["param"], s["param"], s["v"], s["token"]],
+               [s["S"], s["tile_z"]], out_shape, q, pos, run, omega, lam_raw, dN, dD)
+  keep = _keep(run, cfg.chunk)
+  dS, dS0 = _through_chunks(keep, R, dS_end, reverse=True)
+  dz, dz0 = _through_chunks(keep, r[0], dz_end, reverse=True)
+  return dS, dz, dS0, dz0
+
+
 def _attend_bwd(cfg, residuals, cotangents):
   q, k, v, pos, run, omega, lam_raw, S0, z0, o, den = residuals
   do, dS_end, dz_end = (x.astype(_F32) for x in cotangents)
   dN, dD = _output_grads(do, o, den, cfg.c_eps)
   dN = dN.astype(v.dtype)  # the dots take it in v's dtype
-  S, z, _, _ = _states(k, v, _ones(q), pos, run, omega, lam_raw, S0, z0, cfg, reverse=False,
-                       dtype=v.dtype)
-  dS, dz, dS0, dz0 = _states(q, dN, dD, pos, run, omega, lam_raw, dS_end, dz_end, cfg,
-                             reverse=True, dtype=v.dtype)
+  S, _, z, _ = _chunk_states(k, v, pos, run, omega, lam_raw, S0, z0, cfg)
+  dS, dz, dS0, dz0 = _state_grads(q, v, pos, run, omega, lam_raw, dN, dD, dS_end, dz_end, cfg)
   B, H, N, n_tiles = grid = _grid(q, v, cfg)
   Tp, dp = q.shape[1], q.shape[-1]
   s = _specs(Tp, dp, cfg)
@@ -423,7 +426,7 @@ def _attend_bwd(cfg, residuals, cotangents):
       [s["qk"], s["qk"], s["v"], s["row"], s["row"], s["param"], s["param"], s["S"], s["z"],
        s["S"], s["z"], s["v"], s["token"]],
       [s["tile_qk"], s["tile_qk"], s["v"], s["tile_param"], s["tile_param"]], out_shape,
-      q, k, v, pos, run, omega, lam_raw, S, z, dS, dz, dN, dD)
+      q, k, v, pos, run, omega, lam_raw, S.astype(v.dtype), z, dS.astype(v.dtype), dz, dN, dD)
   return (dq.sum(0).astype(q.dtype), dk.sum(0).astype(k.dtype), dv.astype(v.dtype), None, None,
           d_omega.sum((0, 1, 3)), d_lam.sum((0, 1, 3)), dS0, dz0)
 
