@@ -70,16 +70,17 @@ def _reference(seed, T, with_state, d, segments=False, rotate=True):
 @functools.cache
 def _case(seed, T, with_state, d, segments=False, rotate=True):
   """(inputs, state, options) of a case (cached: the kernel and the reference share them).
-  ``segments``: row 1 packs two documents (boundary mid-chunk, positions restarting); row 0 is one
-  document continuing the state's positions."""
+  ``segments``: row 1 packs four documents (boundaries mid-chunk at 12 and 20 and at the chunk
+  start 32, positions restarting); row 0 is one document continuing the state's positions."""
   inputs = _inputs(seed, T, d=d)
   state = _prefix_state(100 + seed, d=d) if with_state else None
   if not segments:
     return inputs, state, dict(rotate=rotate)
   segment_ids = np.zeros((2, T), np.int32)
-  segment_ids[1, 12:] = 1
   positions = np.tile(np.arange(T, dtype=np.int32), (2, 1)) + 5
-  positions[1, 12:] = np.arange(T - 12)
+  for start in (12, 20, 32):
+    segment_ids[1, start:] += 1
+    positions[1, start:] = np.arange(T - start)
   return inputs, state, dict(segment_ids=jnp.asarray(segment_ids),
                              positions=jnp.asarray(positions), rotate=rotate)
 
