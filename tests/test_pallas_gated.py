@@ -90,7 +90,7 @@ def _assert_same(got, want, what):
 @pytest.mark.parametrize("T,gate,normalize,with_state,tuning", [
     (37, "head", False, True, {}),
     (37, "channel", False, True, {"sub_chunk": 8}),  # off-diagonal sub-chunk blocks
-    (16, None, True, False, {}),
+    (16, None, True, False, {"scan": "xla"}),  # phase 2 by XLA's associative scan
     (64, "channel", True, True, {"block_v": 4}),  # V = 5 + ones column -> two value tiles
 ])
 def test_pallas_equals_reference_with_gradients_for_partial_chunks(T, gate, normalize, with_state,
@@ -128,8 +128,8 @@ def test_pallas_two_pieces_with_state_equal_whole():
 def test_kernels_lower_to_triton_for_an_h200_with_bfloat16_inputs(gate_shape):
   """Forward and backward kernels, at the default chunk, warps and sub-chunk, pass the Pallas
   Triton lowering (power-of-two blocks, supported primitives) for an abstract H200, with head and
-  value dims that need padding: two forward kernels (chunk writes, outputs) and two backward ones
-  (writes and the reads' gradient, then dq/dk/dv)."""
+  value dims that need padding: three forward kernels (chunk writes, the state scan, outputs) and
+  four backward ones (writes and the reads' gradient, two state scans, then dq/dk/dv)."""
   B, T, H, K, V = 1, 40, 2, 24, 40
   bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
   gate = jax.ShapeDtypeStruct((B, T, H) if gate_shape == "head" else (B, T, H, K), jnp.float32)
@@ -140,7 +140,7 @@ def test_kernels_lower_to_triton_for_an_h200_with_bfloat16_inputs(gate_shape):
 
   lowered = pallas_utils.lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2, 3)), bf16(B, T, H, K),
                                        bf16(B, T, H, K), bf16(B, T, H, V), gate)
-  assert lowered.as_text().count("xla.gpu.triton") == 4
+  assert lowered.as_text().count("xla.gpu.triton") == 7
 
 
 def test_compiling_off_gpu_and_bad_chunk_sizes_raise_clear_errors():

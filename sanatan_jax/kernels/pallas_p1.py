@@ -21,8 +21,9 @@ keep_n says the state's run continues through the chunk (0 at a new packed docum
 
 1. a kernel over the grid (batch, head, chunk, value tile) writes every chunk's (W_n, w_n) to
    HBM (fp32, channel-major [6, dp, BV] and [6, dp]);
-2. plain JAX solves the recurrence for the state at every chunk start (``_through_chunks``: an
-   associative scan over the N chunks, so no sequential loop);
+2. ``chunk_scan`` solves the recurrence for the state at every chunk start (``scan="pallas"``: one
+   kernel whose programs each carry a tile of the state through the chunks, reading every W_n once
+   and writing every S_n once, in q's dtype; ``"xla"``: an associative scan);
 3. a kernel over the same grid computes the outputs of every chunk from its start state and the
    intra-chunk block (``_outputs``), features recomputed from the raw q, k.
 
@@ -57,6 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from lmcore.kernels import chunk_scan
 from lmcore.kernels import pallas_utils as pu
 from lmcore.mixers.base import default_positions
 from sanatan_jax import attention, features
@@ -78,6 +80,7 @@ class KernelConfig(NamedTuple):
   interpret: bool
   num_warps: int
   num_stages: int
+  scan: str
 
 
 class _Chunk(NamedTuple):
@@ -321,28 +324,25 @@ def _keep(run_BxTp, C):
   return last_BxN == entering_BxN
 
 
-def _through_chunks(keep_BxN, c_BxHxNx, edge_BxHx, reverse=False):
-  """Solves x_{n+1} = keep_n x_n + c_n from x_0 = ``edge`` (``reverse``: x_n = keep_n x_{n+1} +
-  c_n from x_N = ``edge``) by an associative scan over the chunk axis.
+def _through_chunks(keep_BxN, W, w, S_edge, z_edge, cfg, *, reverse=False, dtype=_F32):
+  """Phase 2 (``chunk_scan``): S and z held at every chunk (forward: entering it; reverse: after it)
+  and where the walk ends, from the per-chunk terms W [B, H, N, 6, dp, Vp], w [B, H, N, 6, dp].
 
-  Returns x where the walk enters every chunk (x_n; reverse: x_{n+1}) [B, H, N, ...] and where it
-  leaves the last one (x_N; reverse: x_0) [B, H, ...], fp32.
+  S follows ``cfg.scan`` and comes in ``dtype``; the small z always by XLA, fp32.
   """
-  B, _, N = c_BxHxNx.shape[:3]
-  keep = keep_BxN.astype(_F32).reshape(B, 1, N, *(1,) * (c_BxHxNx.ndim - 3))
-  first = N - 1 if reverse else 0
-  c = c_BxHxNx.at[:, :, first].add(keep[:, :, first] * edge_BxHx)
-  compose = lambda x, y: (x[0] * y[0], y[0] * x[1] + y[1])  # x_{n+1} = a x_n + c, composed
-  _, x = jax.lax.associative_scan(compose, (keep, c), reverse=reverse, axis=2)
-  edge = edge_BxHx[:, :, None]
-  if reverse:
-    return jnp.concatenate([x[:, :, 1:], edge], axis=2), x[:, :, 0]
-  return jnp.concatenate([edge, x[:, :, :-1]], axis=2), x[:, :, -1]
+  B, H, N, _, dp, Vp = W.shape
+  keep = jnp.broadcast_to(keep_BxN.astype(_F32)[:, None, :, None], (B, H, N, CHANNELS * dp))
+  S, S_end = chunk_scan.chunk_scan(
+      W.reshape(B, H, N, CHANNELS * dp, Vp), keep, S_edge.reshape(B, H, CHANNELS * dp, Vp),
+      reverse=reverse, out_dtype=dtype, implementation=cfg.scan, interpret=cfg.interpret)
+  z, z_end = chunk_scan.chunk_scan(w, keep[..., :CHANNELS], z_edge, reverse=reverse,
+                                   implementation="xla")
+  return S.reshape(W.shape), S_end.reshape(S_edge.shape), z, z_end
 
 
-def _chunk_states(k, v, pos, run, omega, lam_raw, S0, z0, cfg):
-  """Phases 1-2: S_n at every chunk start [B, H, N, 6, dp, Vp], S after the last chunk, and the
-  same two for z ([B, H, N, 6, dp], [B, H, 6, dp]); fp32."""
+def _chunk_states(k, v, pos, run, omega, lam_raw, S0, z0, cfg, dtype):
+  """Phases 1-2: S_n at every chunk start [B, H, N, 6, dp, Vp] (in ``dtype``), S after the last
+  chunk, and the same two for z ([B, H, N, 6, dp], [B, H, 6, dp]); fp32 otherwise."""
   B, H, N, n_tiles = grid = _grid(k, v, cfg)
   Tp, dp, Vp = k.shape[1], k.shape[-1], v.shape[-1]
   s = _specs(Tp, dp, cfg)
@@ -351,13 +351,13 @@ def _chunk_states(k, v, pos, run, omega, lam_raw, S0, z0, cfg):
   W, w = _call(_writes_kernel, cfg, grid,
                [s["qk"], s["v"], s["row"], s["row"], s["param"], s["param"]],
                [s["S"], s["tile_z"]], out_shape, k, v, pos, run, omega, lam_raw)
-  keep = _keep(run, cfg.chunk)
-  return (*_through_chunks(keep, W, S0), *_through_chunks(keep, w[0], z0))
+  return _through_chunks(_keep(run, cfg.chunk), W, w[0], S0, z0, cfg, dtype=dtype)
 
 
 def _forward(q, k, v, pos, run, omega, lam_raw, S0, z0, cfg):
   """(o, den [B, Tp, H], S, z) in kernel layout."""
-  S_start, S_end, z_start, z_end = _chunk_states(k, v, pos, run, omega, lam_raw, S0, z0, cfg)
+  S_start, S_end, z_start, z_end = _chunk_states(k, v, pos, run, omega, lam_raw, S0, z0, cfg,
+                                                 q.dtype)
   grid = _grid(q, v, cfg)
   B, Tp, H, dp = q.shape
   s = _specs(Tp, dp, cfg)
@@ -367,7 +367,7 @@ def _forward(q, k, v, pos, run, omega, lam_raw, S0, z0, cfg):
       _output_kernel, cfg, grid,
       [s["qk"], s["qk"], s["v"], s["row"], s["row"], s["param"], s["param"], s["S"], s["z"]],
       [s["v"], s["tile_den"]], out_shape,
-      q, k, v, pos, run, omega, lam_raw, S_start.astype(q.dtype), z_start)
+      q, k, v, pos, run, omega, lam_raw, S_start, z_start)
   return o, den[0], S_end, z_end
 
 
@@ -401,9 +401,8 @@ def _state_grads(q, v, pos, run, omega, lam_raw, dN, dD, dS_end, dz_end, cfg):
   R, r = _call(_read_grads_kernel, cfg, grid,
                [s["qk"], s["row"], s["row"], s["param"], s["param"], s["v"], s["token"]],
                [s["S"], s["tile_z"]], out_shape, q, pos, run, omega, lam_raw, dN, dD)
-  keep = _keep(run, cfg.chunk)
-  dS, dS0 = _through_chunks(keep, R, dS_end, reverse=True)
-  dz, dz0 = _through_chunks(keep, r[0], dz_end, reverse=True)
+  dS, dS0, dz, dz0 = _through_chunks(_keep(run, cfg.chunk), R, r[0], dS_end, dz_end, cfg,
+                                     reverse=True, dtype=v.dtype)
   return dS, dz, dS0, dz0
 
 
@@ -412,7 +411,7 @@ def _attend_bwd(cfg, residuals, cotangents):
   do, dS_end, dz_end = (x.astype(_F32) for x in cotangents)
   dN, dD = _output_grads(do, o, den, cfg.c_eps)
   dN = dN.astype(v.dtype)  # the dots take it in v's dtype
-  S, _, z, _ = _chunk_states(k, v, pos, run, omega, lam_raw, S0, z0, cfg)
+  S, _, z, _ = _chunk_states(k, v, pos, run, omega, lam_raw, S0, z0, cfg, v.dtype)
   dS, dz, dS0, dz0 = _state_grads(q, v, pos, run, omega, lam_raw, dN, dD, dS_end, dz_end, cfg)
   B, H, N, n_tiles = grid = _grid(q, v, cfg)
   Tp, dp = q.shape[1], q.shape[-1]
@@ -426,7 +425,7 @@ def _attend_bwd(cfg, residuals, cotangents):
       [s["qk"], s["qk"], s["v"], s["row"], s["row"], s["param"], s["param"], s["S"], s["z"],
        s["S"], s["z"], s["v"], s["token"]],
       [s["tile_qk"], s["tile_qk"], s["v"], s["tile_param"], s["tile_param"]], out_shape,
-      q, k, v, pos, run, omega, lam_raw, S.astype(v.dtype), z, dS.astype(v.dtype), dz, dN, dD)
+      q, k, v, pos, run, omega, lam_raw, S, z, dS, dz, dN, dD)
   return (dq.sum(0).astype(q.dtype), dk.sum(0).astype(k.dtype), dv.astype(v.dtype), None, None,
           d_omega.sum((0, 1, 3)), d_lam.sum((0, 1, 3)), dS0, dz0)
 
@@ -465,7 +464,7 @@ def sanatan_p1_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
                       state: attention.SanatanState | None = None,
                       chunk_size: int | None = None, rotate: bool = True,
                       interpret: bool | None = None, block_v: int = 64,
-                      num_warps: int = 8, num_stages: int = 2
+                      num_warps: int = 8, num_stages: int = 2, scan: str = "pallas"
                       ) -> tuple[jax.Array, attention.SanatanState]:
   """SANATAN p = 1, 6 channels (SPEC §1.2) by the Pallas kernels; same function as
   ``sanatan_attention(..., p=1, channels=6)``.
@@ -481,6 +480,7 @@ def sanatan_p1_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
     interpret: run the kernels interpreted; None means "unless on a GPU".
     block_v, num_warps, num_stages: GPU tuning knobs (value tile width, Triton warps and stages);
       the defaults were the fastest found on the H200 at T = 8192.
+    scan: how phase 2 solves the between-chunk recurrence, "pallas" or "xla" (``chunk_scan``).
 
   Returns:
     o [B, T, H, dv] in v's dtype and the SanatanState after the last token (fp32 S, z).
@@ -500,7 +500,7 @@ def sanatan_p1_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
   Tp, Vp = pu.round_up(T, C), pu.round_up(V, BV)
   cfg = KernelConfig(chunk=C, block_v=BV, head_dim=d, length=T,
                      c_eps=features.score_scale(CHANNELS, "clean", d) * attention.EPS,
-                     interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+                     interpret=interpret, num_warps=num_warps, num_stages=num_stages, scan=scan)
   pad_qk = lambda x: pu.pad_axis(pu.pad_axis(x, 1, Tp), 3, dp)
   pos = positions.astype(jnp.int32) if rotate else jnp.zeros((B, T), jnp.int32)
   run = attention.segment_runs(segment_ids, B, T)

@@ -7,10 +7,11 @@ exp(b_C) the decay over chunk n (b_C its total log gate)::
     S_{n+1} = diag(a_n) S_n + W_n,     W_n = sum_j (k_j ⊙ exp(b_C - b_j)) v_jᵀ
 
 in three phases (FLA's "chunk" form): (1) a kernel over (batch, head, chunk, value tile) writes
-every chunk's W_n [K, V] (fp32) to HBM; (2) XLA runs the recurrence above for all chunks by an
-associative scan over N (log-depth: N K V multiply-adds per level); (3) a kernel over the same grid
-computes each chunk's outputs from S_n and its intra-chunk block. Every chunk runs in parallel, so
-the GPU fills even at small batch x heads.
+every chunk's W_n [K, V] (fp32) to HBM; (2) ``chunk_scan`` runs the recurrence above through the
+chunks (``scan="pallas"``: one kernel, each program carrying a tile of the state; ``"xla"``: an
+associative scan) and hands on every S_n in the inputs' dtype, the dtype the later dots take it
+in; (3) a kernel over the same grid computes each chunk's outputs from S_n and its intra-chunk
+block. Phases 1 and 3 run every chunk in parallel, so the GPU fills even at small batch x heads.
 
 A scalar gate per head makes the intra-chunk scores one matmul times a decay matrix; a
 per-key-channel gate uses secondary chunking (sub-chunks of ``SUB_CHUNK`` tokens): blocks below
@@ -26,7 +27,7 @@ starts inside chunk n).
 Backward (``jax.custom_vjp``): the forward saves only its inputs; the chunk states are recomputed.
 With R_n = sum_i (q_i ⊙ exp(b_i)) do_iᵀ over the tokens reading S_n, the state gradients follow
 dS_N = dL/dS_T, dS_n = diag(a_n) dS_{n+1} + R_n. One kernel writes W_n and R_n per chunk, two
-associative scans give every S_n and dS_n, and one kernel per chunk computes dq (from S_n), dk and
+chunk scans give every S_n and dS_n, and one kernel per chunk computes dq (from S_n), dk and
 dv (from dS_{n+1}). The gate gradient needs no kernel: with B the cumulative log gate, the output
 depends on B only through q ⊙ exp(B), k ⊙ exp(-B) and the final state's exp(B_T), so
 dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ S_T ⊙ dS_T summed over values at t = T) and dg is the reverse
@@ -49,6 +50,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from lmcore.kernels import chunk_scan
 from lmcore.kernels import pallas_utils as pu
 from lmcore.kernels.gated_linear_attention import api
 
@@ -72,6 +74,7 @@ class KernelConfig(NamedTuple):
   interpret: bool
   num_warps: int
   num_stages: int
+  scan: str
 
 
 class _Sub(NamedTuple):
@@ -332,27 +335,17 @@ def _chunk_decays(g, doc, C):
   return jnp.moveaxis(decay_BxNxHxG, 1, 2)[..., None]
 
 
-def _compose(first, then):
-  """The affine map x -> a x + s of ``first`` followed by that of ``then`` (an associative op)."""
-  (a1, s1), (a2, s2) = first, then
-  return a1 * a2, a2 * s1 + s2
-
-
-def _scan_states(decay_BxHxNxGx1, x_BxHxNxKxV, edge_BxHxKxV, *, reverse: bool):
-  """Phase 2, the inter-chunk recurrence for every chunk at once (associative scan over N).
+def _scan_states(decay_BxHxNxGx1, x_BxHxNxKxV, edge_BxHxKxV, cfg, *, reverse: bool, dtype):
+  """Phase 2, the inter-chunk recurrence (``chunk_scan``, ``cfg.scan``).
 
   Forward: S_0 = edge, S_{n+1} = a_n S_n + x_n (x = the chunks' writes W); reverse: dS_N = edge,
-  dS_n = a_n dS_{n+1} + x_n (x = the chunks' reads' gradients R). Returns the N + 1 states
-  [B, H, N + 1, K, V]: before every chunk and after the last. The edge enters the scan as one more
-  map x -> edge, first in the direction of the recurrence.
+  dS_n = a_n dS_{n+1} + x_n (x = the chunks' reads' gradients R). Returns the state held at every
+  chunk [B, H, N, K, V] in ``dtype`` (forward: S_n; reverse: dS_{n+1}) and where the walk ends
+  (S_N; reverse: dS_0) [B, H, K, V] fp32.
   """
-  edge = (jnp.ones_like(decay_BxHxNxGx1[:, :, :1]), edge_BxHxKxV[:, :, None])
-  maps = [edge, (decay_BxHxNxGx1, x_BxHxNxKxV)]
-  if reverse:
-    maps.reverse()
-  a, s = (jnp.concatenate(parts, axis=2) for parts in zip(*maps))
-  _, states = jax.lax.associative_scan(_compose, (a, s), reverse=reverse, axis=2)
-  return states
+  a_BxHxNxK = jnp.broadcast_to(decay_BxHxNxGx1[..., 0], x_BxHxNxKxV.shape[:4])
+  return chunk_scan.chunk_scan(x_BxHxNxKxV, a_BxHxNxK, edge_BxHxKxV, reverse=reverse,
+                               out_dtype=dtype, implementation=cfg.scan, interpret=cfg.interpret)
 
 
 def _chunk_grid(q, v, cfg):
@@ -361,20 +354,20 @@ def _chunk_grid(q, v, cfg):
 
 
 def _forward(q, k, v, g, doc, S0, cfg):
-  """(o [B, Tp, H, V], S_N [B, H, K, V]), fp32, by phases 1 to 3 (``states``: [B, H, N + 1, K, V],
-  the state before every chunk and after the last)."""
+  """(o [B, Tp, H, V], S_N [B, H, K, V]), fp32, by phases 1 to 3."""
   B, Tp, H, K = q.shape
   grid = _chunk_grid(q, v, cfg)
   s = _chunk_specs(K, g.shape[-1], cfg)
   per_chunk = jax.ShapeDtypeStruct((B, H, grid[2], K, v.shape[-1]), _F32)
   W_BxHxNxKxV = _call(_writes_kernel, cfg, grid, [s["q"], s["v"], s["g"], s["doc"]], s["state"],
                       per_chunk, k, v, g, doc)
-  states = _scan_states(_chunk_decays(g, doc, cfg.chunk), W_BxHxNxKxV, S0, reverse=False)
+  S_BxHxNxKxV, S_end = _scan_states(_chunk_decays(g, doc, cfg.chunk), W_BxHxNxKxV, S0, cfg,
+                                    reverse=False, dtype=q.dtype)
   o = _call(_outputs_kernel, cfg, grid,
             [s["q"], s["q"], s["v"], s["g"], s["doc"], s["prev_doc"], s["state"]], s["v"],
             jax.ShapeDtypeStruct((B, Tp, H, v.shape[-1]), _F32),
-            q, k, v, g, doc, doc, states[:, :, :-1])
-  return o, states[:, :, -1]
+            q, k, v, g, doc, doc, S_BxHxNxKxV)
+  return o, S_end
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -401,16 +394,16 @@ def _gla_bwd(cfg, residuals, cotangents):
       [s["q"], s["q"], s["v"], s["g"], s["doc"], s["prev_doc"], s["v"]], [s["state"], s["state"]],
       (per_chunk, per_chunk), q, k, v, g, doc, doc, do)
   decay = _chunk_decays(g, doc, cfg.chunk)
-  states = _scan_states(decay, W_BxHxNxKxV, S0, reverse=False)
-  dstates = _scan_states(decay, R_BxHxNxKxV, dS_end, reverse=True)
+  S_BxHxNxKxV, S_end = _scan_states(decay, W_BxHxNxKxV, S0, cfg, reverse=False, dtype=q.dtype)
+  dS_BxHxNxKxV, dS0 = _scan_states(decay, R_BxHxNxKxV, dS_end, cfg, reverse=True, dtype=q.dtype)
   partial = jax.ShapeDtypeStruct((grid[3], B, Tp, H, K), _F32)
   dq, dk, dv = _call(
       _grads_kernel, cfg, grid,
       [s["q"], s["q"], s["v"], s["g"], s["doc"], s["prev_doc"], s["v"], s["state"], s["state"]],
       [s["partial"], s["partial"], s["v"]],
       (partial, partial, jax.ShapeDtypeStruct((B, Tp, H, V), _F32)),
-      q, k, v, g, doc, doc, do, states[:, :, :-1], dstates[:, :, 1:])
-  return _input_grads(q, k, v, g, (dq, dk, dv, dstates[:, :, 0]), states[:, :, -1], dS_end)
+      q, k, v, g, doc, doc, do, S_BxHxNxKxV, dS_BxHxNxKxV)
+  return _input_grads(q, k, v, g, (dq, dk, dv, dS0), S_end, dS_end)
 
 
 _gla.defvjp(_gla_fwd, _gla_bwd)
@@ -418,13 +411,14 @@ _gla.defvjp(_gla_fwd, _gla_bwd)
 
 def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: float, doc_BxT,
             chunk_size: int = CHUNK, interpret: bool | None = None, block_v: int = 64,
-            sub_chunk: int = SUB_CHUNK, num_warps: int = 8, num_stages: int = 2):
+            sub_chunk: int = SUB_CHUNK, num_warps: int = 8, num_stages: int = 2,
+            scan: str = "pallas"):
   """The Pallas backend with xla.chunked's contract: (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32).
 
   Pads T to whole chunks and K, V to power-of-two blocks (zeros: they leave state and outputs
   unchanged), runs the kernels and slices the padding off; G = 1 (scalar gate) or K (per channel).
-  ``block_v``, ``sub_chunk`` (per-channel gates only), ``num_warps`` and ``num_stages`` are GPU
-  tuning knobs (defaults: the measured best, see the module docstring); compiled kernels need
+  ``block_v``, ``sub_chunk`` (per-channel gates only), ``num_warps``, ``num_stages`` and ``scan``
+  (phase 2: "pallas" or "xla") are GPU tuning knobs (defaults: the measured best, see the module docstring); compiled kernels need
   chunk, sub-chunk and blocks of at least 16.
   """
   interpret = pu.resolve_interpret(interpret)
@@ -439,7 +433,7 @@ def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: fl
   per_channel = G > 1
   cfg = KernelConfig(chunk=C, sub_chunk=min(sub_chunk, C) if per_channel else C, block_v=BV,
                      scale=float(scale), interpret=interpret,
-                     num_warps=num_warps, num_stages=num_stages)
+                     num_warps=num_warps, num_stages=num_stages, scan=scan)
   pad = lambda x, sizes: functools.reduce(lambda y, a: pu.pad_axis(y, a, sizes[a]), sizes, x)
   q = pad(q_BxTxHxK, {1: Tp, 3: Kp})
   k = pad(k_BxTxHxK, {1: Tp, 3: Kp})
