@@ -9,7 +9,7 @@ from lmcore.kernels import pallas_utils
 from lmcore.kernels.chunk_scan import chunk_scan
 
 
-def _inputs(B=2, H=3, N=5, R=24, V=4, seed=0):
+def _inputs(B=2, H=3, N=12, R=24, V=4, seed=0):
   """c, a (some rows reset to 0, some chunks fully), edge; fp32."""
   rng = np.random.default_rng(seed)
   a = rng.uniform(0.5, 1.0, size=(B, H, N, R))
@@ -30,12 +30,15 @@ def _loop(c, a, edge, reverse):
   return jnp.stack(held, axis=2), x
 
 
-@pytest.mark.parametrize("implementation,tiles", [("xla", {}), ("pallas", {}),
-                                                  ("pallas", {"block_rows": 4, "block_v": 2}),
-                                                  ("pallas", {"block_rows": 32})])
+@pytest.mark.parametrize("implementation,tiles,N", [
+    ("xla", {}, 12),
+    ("pallas", {}, 12),  # 4 chunks per loop step (gcd of N and unroll 8)
+    ("pallas", {"block_rows": 4, "block_v": 2, "unroll": 2}, 12),
+    ("pallas", {"block_rows": 32}, 5),  # an odd number of chunks: one per step
+])
 @pytest.mark.parametrize("reverse", [False, True])
-def test_chunk_scan_equals_the_loop(implementation, tiles, reverse):
-  c, a, edge = _inputs()
+def test_chunk_scan_equals_the_loop(implementation, tiles, N, reverse):
+  c, a, edge = _inputs(N=N)
   held, end = chunk_scan(c, a, edge, reverse=reverse, implementation=implementation, **tiles)
   want_held, want_end = _loop(c, a, edge, reverse)
   np.testing.assert_allclose(held, want_held, rtol=1e-5, atol=1e-5)
@@ -54,6 +57,8 @@ def test_bad_tiles_and_names_raise_clear_errors():
   c, a, edge = _inputs()
   with pytest.raises(ValueError, match="block_rows must be a power of two, got 3"):
     chunk_scan(c, a, edge, block_rows=3)
+  with pytest.raises(ValueError, match="unroll must be a power of two, got 6"):
+    chunk_scan(c, a, edge, unroll=6)
   with pytest.raises(ValueError, match="unknown implementation 'assoc'"):
     chunk_scan(c, a, edge, implementation="assoc")
 

@@ -10,8 +10,8 @@ decay, 0 where a new document starts inside it)::
 n, and the x the walk ends with (forward: x_N; reverse: x_0), fp32. Two implementations:
 
 * ``"pallas"``: a kernel over the grid (batch, head, row tile, value tile); each program carries one
-  fp32 [BR, BV] tile through the N chunks in a loop (loads depend on the loop index only, so Triton
-  can prefetch them) and writes the held tile of every chunk in ``out_dtype``. HBM traffic: c read
+  fp32 [BR, BV] tile through the N chunks in a loop, loading several chunks' terms per step, and
+  writes the held tile of every chunk in ``out_dtype``. HBM traffic: c read
   once in fp32, x written once in ``out_dtype``: the bandwidth floor of the recurrence.
 * ``"xla"``: ``jax.lax.associative_scan`` over the chunk axis (log-depth, several passes over c).
 """
@@ -31,29 +31,40 @@ IMPLEMENTATIONS = ("pallas", "xla")
 _F32 = jnp.float32
 
 
-def _scan_kernel(c_ref, a_ref, edge_ref, x_ref, end_ref, *, reverse: bool):
-  """One [BR, BV] tile through the chunks: c_ref [N, BR, BV], a_ref [N, BR], x_ref [N, BR, BV]."""
-  n_chunks = c_ref.shape[0]
+def _scan_kernel(c_ref, a_ref, edge_ref, x_ref, end_ref, *, reverse: bool, unroll: int):
+  """One [BR, BV] tile through the chunks: c_ref [N, BR, BV], a_ref [N, BR], x_ref [N, BR, BV].
+
+  Each loop step takes ``unroll`` chunks and loads all their terms before the first multiply-add,
+  so that many loads are in flight at once: a step's time is one memory latency, not ``unroll``.
+  """
+  n_steps = c_ref.shape[0] // unroll
 
   def step(m, x):
-    n = n_chunks - 1 - m if reverse else m
-    x_ref[n] = x.astype(x_ref.dtype)
-    return a_ref[n][:, None] * x + c_ref[n]
+    block = n_steps - 1 - m if reverse else m
+    chunks = [block * unroll + u for u in range(unroll)]
+    if reverse:
+      chunks.reverse()
+    terms = [(a_ref[n][:, None], c_ref[n]) for n in chunks]
+    for n, (a, c) in zip(chunks, terms):
+      x_ref[n] = x.astype(x_ref.dtype)
+      x = a * x + c
+    return x
 
-  end_ref[...] = jax.lax.fori_loop(0, n_chunks, step, edge_ref[...])
+  end_ref[...] = jax.lax.fori_loop(0, n_steps, step, edge_ref[...])
 
 
-def _pallas(c, a, edge, *, reverse, out_dtype, block_rows, block_v, interpret, num_warps,
+def _pallas(c, a, edge, *, reverse, out_dtype, block_rows, block_v, unroll, interpret, num_warps,
             num_stages):
   B, H, N, R, V = c.shape
-  for name, size in (("block_rows", block_rows), ("block_v", block_v)):
+  for name, size in (("block_rows", block_rows), ("block_v", block_v), ("unroll", unroll)):
     if size < 1 or size & (size - 1):
       raise ValueError(f"chunk_scan: {name} must be a power of two, got {size}")
   BR, BV = math.gcd(R, block_rows), math.gcd(V, block_v)  # the largest power-of-two tiles that fit
   stack = pl.BlockSpec((None, None, N, BR, BV), lambda b, h, r, j: (b, h, 0, r, j))
   tile = pl.BlockSpec((None, None, BR, BV), lambda b, h, r, j: (b, h, r, j))
   return pl.pallas_call(
-      functools.partial(_scan_kernel, reverse=reverse), grid=(B, H, R // BR, V // BV),
+      functools.partial(_scan_kernel, reverse=reverse, unroll=math.gcd(N, unroll)),
+      grid=(B, H, R // BR, V // BV),
       in_specs=[stack, pl.BlockSpec((None, None, N, BR), lambda b, h, r, j: (b, h, 0, r)), tile],
       out_specs=[stack, tile],
       out_shape=(jax.ShapeDtypeStruct(c.shape, out_dtype), jax.ShapeDtypeStruct(edge.shape, _F32)),
@@ -75,7 +86,8 @@ def _xla(c, a, edge, *, reverse, out_dtype):
 
 def chunk_scan(c_BxHxNxRxV: jax.Array, a_BxHxNxR: jax.Array, edge_BxHxRxV: jax.Array, *,
                reverse: bool = False, out_dtype=_F32, implementation: str = "pallas",
-               block_rows: int = 32, block_v: int = 64, interpret: bool | None = None,
+               block_rows: int = 32, block_v: int = 64, unroll: int = 8,
+               interpret: bool | None = None,
                num_warps: int = 4, num_stages: int = 3) -> tuple[jax.Array, jax.Array]:
   """The recurrence of the module docstring.
 
@@ -84,8 +96,9 @@ def chunk_scan(c_BxHxNxRxV: jax.Array, a_BxHxNxR: jax.Array, edge_BxHxRxV: jax.A
     reverse: walk the chunks last to first.
     out_dtype: dtype of the held states (the dtype their consumers' dots take them in).
     implementation: "pallas" (compiled on GPU, interpreted elsewhere) or "xla".
-    block_rows, block_v, num_warps, num_stages: the Pallas kernel's largest tiles (powers of two;
-      smaller where R or V has fewer factors of two) and Triton settings.
+    block_rows, block_v, unroll, num_warps, num_stages: the Pallas kernel's largest tiles and
+      chunks per loop step (powers of two; smaller where R, V or N has fewer factors of two) and
+      Triton settings.
 
   Returns:
     held [B, H, N, R, V] in ``out_dtype`` and end [B, H, R, V] fp32.
@@ -98,4 +111,5 @@ def chunk_scan(c_BxHxNxRxV: jax.Array, a_BxHxNxR: jax.Array, edge_BxHxRxV: jax.A
     return _xla(c, a, edge, reverse=reverse, out_dtype=out_dtype)
   interpret = pu.resolve_interpret(interpret)
   return _pallas(c, a, edge, reverse=reverse, out_dtype=out_dtype, block_rows=block_rows,
-                 block_v=block_v, interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+                 block_v=block_v, unroll=unroll, interpret=interpret, num_warps=num_warps,
+                 num_stages=num_stages)
