@@ -68,6 +68,7 @@ def _assert_same(got, want, what):
     # key dim padded 6 -> 8; dv + 1 = 6 columns in two value tiles of 4
     (37, True, 6, "full", {"block_v": 4}),
     (70, True, 8, "compact", {}),
+    (64, True, 8, "compact", {}),  # four chunks: one unrolled step of the state walk
 ])
 def test_pallas_equals_parallel_with_gradients_for_partial_chunks(T, with_state, d, feature,
                                                                   tuning):
@@ -79,10 +80,11 @@ def test_pallas_equals_parallel_with_gradients_for_partial_chunks(T, with_state,
   _assert_same(got, want, f"T={T} state={with_state} d={d} {feature} {tuning}")
 
 
-def test_pallas_honours_segment_ids():
+@pytest.mark.parametrize("T", [37, 64])
+def test_pallas_honours_segment_ids(T):
   """Row 1 packs four documents: a boundary mid-chunk, one exactly at a chunk start (16) and a
-  one-token document; the incoming state continues the first document of each row."""
-  T = 37
+  one-token document; the incoming state continues the first document of each row. T = 64: four
+  chunks, walked in one unrolled step."""
   segment_ids = np.zeros((2, T), np.int32)
   segment_ids[1, 5:] = 1
   segment_ids[1, 16:] = 2
