@@ -52,7 +52,6 @@ pair (i < j) to both rows (i, j) and (j, i).
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -64,7 +63,6 @@ from based_jax import linear_attention, taylor
 from lmcore.kernels import pallas_utils as pu
 
 _F32 = jnp.float32
-STATE_UNROLL = 8  # chunks per step of the state walk (fewer where N has fewer factors of two)
 
 
 class KernelConfig(NamedTuple):
@@ -137,7 +135,6 @@ def _state_kernel(x_ref, w_ref, y_ref, run_ref, X0_ref, c0_ref, X_ref, c_ref, Xe
   """
   C, dp, d = cfg.chunk, X0_ref.shape[0], cfg.key_dim
   n_chunks = x_ref.shape[0] // C
-  unroll = math.gcd(n_chunks, STATE_UNROLL)
   dt = x_ref.dtype
   g = pl.program_id(2)
   owns_constant = (g == d).astype(_F32)
@@ -145,32 +142,23 @@ def _state_kernel(x_ref, w_ref, y_ref, run_ref, X0_ref, c0_ref, X_ref, c_ref, Xe
   # Triton lowering of JAX 0.11 handed the loop body the bool where the float belongs.
   scale = 0.5 / d + owns_constant * (d ** -0.5 - 0.5 / d) if reverse else 1.0
 
-  def chunk_terms(n):
-    """(keep, the chunk's tile, its constant row): independent of the carried state."""
+  def step(m, carry):
+    X, c = carry
+    n = n_chunks - 1 - m if reverse else m
     run, state_run, last_run = _chunk_runs(run_ref, n, C)
+    pu.store_rows(X_ref, n * dp, X.astype(X_ref.dtype))
+    pu.store_rows(c_ref, n, c.astype(c_ref.dtype))
     mine = (run == (state_run if reverse else last_run))[:, None]
     w = pu.rows(w_ref, n * C, C).astype(_F32)
     xw = jnp.where(mine, scale * pu.rows(x_ref, n * C, C).astype(_F32) * w, 0.0)
     y = pu.rows(y_ref, n * C, C)
     wy = jnp.where(mine, w * y.astype(_F32), 0.0)
-    return (last_run == state_run, pu.dot(xw.astype(dt), y.astype(dt), trans_a=True),
-            owns_constant * jnp.sum(wy, axis=0, keepdims=True))
-
-  def step(m, carry):
-    """``unroll`` chunks: their terms first (loads and dots in flight together), then the chain."""
-    X, c = carry
-    block = n_chunks // unroll - 1 - m if reverse else m
-    chunks = [block * unroll + u for u in range(unroll)]
-    if reverse:
-      chunks.reverse()
-    for n, (keep, dX, dc) in zip(chunks, [chunk_terms(n) for n in chunks]):
-      pu.store_rows(X_ref, n * dp, X.astype(X_ref.dtype))
-      pu.store_rows(c_ref, n, c.astype(c_ref.dtype))
-      X = jnp.where(keep, X, 0.0) + dX
-      c = jnp.where(keep, c, 0.0) + dc
+    keep = last_run == state_run
+    X = jnp.where(keep, X, 0.0) + pu.dot(xw.astype(dt), y.astype(dt), trans_a=True)
+    c = jnp.where(keep, c, 0.0) + owns_constant * jnp.sum(wy, axis=0, keepdims=True)
     return X, c
 
-  X, c = jax.lax.fori_loop(0, n_chunks // unroll, step, (X0_ref[...], c0_ref[...]))
+  X, c = jax.lax.fori_loop(0, n_chunks, step, (X0_ref[...], c0_ref[...]))
   Xend_ref[...] = X
   cend_ref[...] = c
 
