@@ -126,7 +126,7 @@ def gated_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array,
       backend (``resolve_implementation``: "pallas" on GPU, "chunked" elsewhere).
     state: the state before the first token; None means zeros (start of a sequence).
     chunk_size: tokens per chunk of the chunked forms, a power of two; None: the implementation's
-      measured best (``xla.CHUNK`` = 64, ``pallas.CHUNK`` = 32; the TPU kernel's own).
+      measured best (``xla.CHUNK`` = 64, ``pallas.CHUNK`` = 16; the TPU kernel's own).
     normalize: divide by the decayed key sum (see the module docstring); the state then carries z.
     eps: added to the normaliser.
     scale: multiplies the scores q · k.

@@ -35,10 +35,11 @@ cumulative sum of dB. With several value tiles each program returns partial dq, 
 values) that are added outside.
 
 Defaults are the best measured on an H200 (B·T = 16384, H = 12, K = V = 64, per-channel gates,
-bf16, fwd+bwd ms at T = 2048 / 8192 / 32768): chunk 32, 8 warps, sub-chunk 16: 2.36 / 2.32 / 4.60
-(FLA's chunk_gla 2.60 / 2.42 / 4.00; XLA chunked 5.55 / 7.39 / 12.21); chunk 16: 2.48 / 2.81 /
-4.45; chunk 64: 4.86 / 4.80 at 8 warps, 10.36 / 10.49 / 20.19 at 4; sub-chunk 32 or 64: 15-21 at
-T = 8192.
+bf16, fwd+bwd ms at T = 2048 / 8192 / 32768; docs/BENCHMARKS.md). With the Pallas chunk scan:
+chunk 16, 8 warps, sub-chunk 16: 2.00 / 1.89 / 3.96; chunk 32: 2.00 / 2.02 / 4.09 (FLA's chunk_gla
+2.60 / 2.42 / 4.00; XLA chunked 5.51 / 6.83 / 12.06). With XLA's associative scan instead: chunk
+32 2.36 / 2.28 / 4.20, chunk 16 2.47 / 2.25 / 4.31. Earlier (XLA scan): chunk 64 4.86 / 4.80 at 8
+warps, 10.36 / 10.49 / 20.19 at 4; sub-chunk 32 or 64: 15-21 at T = 8192.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from lmcore.kernels import pallas_utils as pu
 from lmcore.kernels.gated_linear_attention import api
 
 # Chunk and sub-chunk (with 8 warps): the best measured on an H200, see the module docstring.
-CHUNK = 32
+CHUNK = 16
 SUB_CHUNK = 16
 _F32 = jnp.float32
 
