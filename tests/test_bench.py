@@ -2,6 +2,9 @@
 
 import fcntl
 import json
+import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import pytest
@@ -71,3 +74,15 @@ def test_tuning_settings_compute_the_default_kernels_function():
       assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5, (op_name, name)
   with pytest.raises(ValueError, match="no tuning settings for op 'taylor'"):
     bench.tuning_cases("taylor", 1, 64, "float32")
+
+
+def test_chunk_scan_benchmark_times_every_setting_and_appends_its_table(tmp_path):
+  """scripts/bench_chunk_scan.py on CPU (interpreted): one row per setting, timed, then one dated block."""
+  out = tmp_path / "BENCH.md"
+  script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "bench_chunk_scan.py")
+  subprocess.run([sys.executable, script, "--stacks=gated", "--lengths=32", "--tokens=32", "--repeats=1",
+                  f"--out={out}"], check=True, capture_output=True, text=True)
+  rows = [line for line in out.read_text().splitlines() if line.startswith("| gated | 32 | 1 |")]
+  assert len(rows) == 8
+  assert all(" — " not in row and row.split(" | ")[4] != "—" for row in rows), rows
+  assert "(chunk scan)" in out.read_text()

@@ -11,7 +11,9 @@ n, and the x the walk ends with (forward: x_N; reverse: x_0), fp32. Two implemen
 
 * ``"pallas"``: a kernel over the grid (batch, head, row tile, value tile); each program carries one
   fp32 [BR, BV] tile through the N chunks in a loop, loading several chunks' terms per step, and
-  writes the held tile of every chunk in ``out_dtype``. HBM traffic: c read
+  writes the held tile of every chunk in ``out_dtype``. Default tiles [8, 64] and 16 chunks per
+  step: the best, or within 5% of it, at every length for the SANATAN and gated stacks on an H200
+  (``scripts/bench_chunk_scan.py``, docs/BENCHMARKS.md; 1.5-2.7 TB/s against XLA's 0.6-0.8). HBM traffic: c read
   once in fp32, x written once in ``out_dtype``: the bandwidth floor of the recurrence.
 * ``"xla"``: ``jax.lax.associative_scan`` over the chunk axis (log-depth, several passes over c).
 """
@@ -86,7 +88,7 @@ def _xla(c, a, edge, *, reverse, out_dtype):
 
 def chunk_scan(c_BxHxNxRxV: jax.Array, a_BxHxNxR: jax.Array, edge_BxHxRxV: jax.Array, *,
                reverse: bool = False, out_dtype=_F32, implementation: str = "pallas",
-               block_rows: int = 32, block_v: int = 64, unroll: int = 8,
+               block_rows: int = 8, block_v: int = 64, unroll: int = 16,
                interpret: bool | None = None,
                num_warps: int = 4, num_stages: int = 3) -> tuple[jax.Array, jax.Array]:
   """The recurrence of the module docstring.

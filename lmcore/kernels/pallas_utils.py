@@ -49,7 +49,7 @@ def default_implementation() -> str:
   XLA "chunked".
 
   Measured on one H200 (docs/BENCHMARKS.md, session 4), fwd+bwd over our XLA path at T = 2048 /
-  8192 / 32768: SANATAN p = 1 1.33× / 2.14× / 3.86×, gated 2.73× / 3.59× / 3.05× (Taylor 2.10× /
+  8192 / 32768: SANATAN p = 1 1.44× / 2.27× / 3.84×, gated 2.68× / 3.49× / 3.52× (Taylor 2.10× /
   3.71× / 5.92×, SANATAN p = 2 blocked 1.21× / 2.60× / 4.73×). TPUs keep XLA: libtpu has never
   compiled the Mosaic kernels (no TPU was lent), so they are neither verified nor timed there.
   """

@@ -64,8 +64,9 @@ from lmcore.mixers.base import default_positions
 from sanatan_jax import attention, features
 
 CHANNELS = 6
-# Fastest on the H200 at T = 8192 (fwd+bwd 8.07 ms with the chunk scan, C = 16 8.58; with XLA's scan
-# 9.6, C = 16 11.2, C = 64 13.4; C = 64 overflows shared memory in fp32).
+# Fastest on the H200 at T = 8192 (fwd+bwd 8.07 ms with the chunk scan's first tiles, C = 16 8.58,
+# 7.61 at its final tiles; with XLA's scan 9.6, C = 16 11.2, C = 64 13.4; C = 64 overflows shared
+# memory in fp32).
 DEFAULT_CHUNK = 32
 _F32 = jnp.float32
 

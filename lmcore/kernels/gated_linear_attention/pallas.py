@@ -35,11 +35,12 @@ cumulative sum of dB. With several value tiles each program returns partial dq, 
 values) that are added outside.
 
 Defaults are the best measured on an H200 (B·T = 16384, H = 12, K = V = 64, per-channel gates,
-bf16, fwd+bwd ms at T = 2048 / 8192 / 32768; docs/BENCHMARKS.md). With the Pallas chunk scan:
-chunk 16, 8 warps, sub-chunk 16: 2.00 / 1.89 / 3.96; chunk 32: 2.00 / 2.02 / 4.09 (FLA's chunk_gla
-2.60 / 2.42 / 4.00; XLA chunked 5.51 / 6.83 / 12.06). With XLA's associative scan instead: chunk
-32 2.36 / 2.28 / 4.20, chunk 16 2.47 / 2.25 / 4.31. Earlier (XLA scan): chunk 64 4.86 / 4.80 at 8
-warps, 10.36 / 10.49 / 20.19 at 4; sub-chunk 32 or 64: 15-21 at T = 8192.
+bf16, fwd+bwd ms at T = 2048 / 8192 / 32768; docs/BENCHMARKS.md, session 4): chunk 16, 8 warps,
+sub-chunk 16, the Pallas chunk scan: 2.05 / 1.96 / 3.41 (XLA chunked 5.50 / 6.85 / 11.99; FLA's
+chunk_gla 2.62 / 2.60 / 4.22). With the scan's first tiles, chunk 32 was 2.00 / 2.02 / 4.09 against
+chunk 16's 1.99 / 1.93 / 3.97; with XLA's associative scan, chunk 32 2.36 / 2.28 / 4.20, chunk 16
+2.47 / 2.25 / 4.31. Earlier (XLA scan): chunk 64 4.86 / 4.80 at 8 warps, 10.36 / 10.49 / 20.19 at
+4; sub-chunk 32 or 64: 15-21 at T = 8192.
 """
 
 from __future__ import annotations
