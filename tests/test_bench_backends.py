@@ -61,6 +61,7 @@ def test_mosaic_kernel_lowers_for_a_cuda_gpu(scores_in_smem):
   assert "mosaic_gpu_v2" in pallas_utils.lower_for_gpu(fn, arg, arg, arg).as_text()
 
 
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 def test_triton_kernel_lowers_for_a_cuda_gpu():
   arg = jax.ShapeDtypeStruct((BH, T, 64), jnp.bfloat16)
   assert "xla.gpu.triton" in pallas_utils.lower_for_gpu(probe.intra_chunk_triton, arg, arg, arg).as_text()
