@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernel_cases import gated_inputs, normal
 from lmcore.kernels import LinearAttentionState, gated_linear_attention
 from lmcore.kernels.gated_linear_attention import api, reference, xla
 from lmcore.numerics import relative_l2
@@ -24,18 +25,12 @@ _op = jax.jit(gated_linear_attention,
 def _inputs(seed, T, gate, normalize, *, B=2, H=2, K=8, V=5, decay=(0.01, 2.0), with_state=True):
   """q, k, v, log_forget, state; positive q, k when normalised (as feature maps produce)."""
   rng = np.random.default_rng(seed)
-  arr = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
-  q, k, v = arr(B, T, H, K), arr(B, T, H, K), arr(B, T, H, V)
-  if normalize:
-    q, k = jnp.exp(0.5 * q), jnp.exp(0.5 * k)
-  gate_shape = {"head": (B, T, H), "channel": (B, T, H, K)}.get(gate)
-  log_forget = (None if gate is None
-                else jnp.asarray(-rng.uniform(*decay, size=gate_shape), jnp.float32))
+  q, k, v, log_forget = gated_inputs(rng, T, gate, normalize, B=B, H=H, K=K, V=V, decay=decay)
   state = None
   if with_state:
     z = jnp.asarray(rng.uniform(0.5, 2.0, size=(B, H, K)) if normalize else np.zeros((B, H, K)),
                     jnp.float32)
-    state = LinearAttentionState(arr(B, H, K, V), z)
+    state = LinearAttentionState(normal(rng, B, H, K, V), z)
   return q, k, v, log_forget, state
 
 

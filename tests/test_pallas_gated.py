@@ -14,15 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernel_cases import (CHUNK, FAST_COMPILE, RTOL, assert_close, document_ids,
+                          gated_abstract_inputs, gated_inputs, normal, normals, run_gated)
 from lmcore.kernels import LinearAttentionState, gated_linear_attention
 from lmcore.kernels import pallas_utils
 from lmcore.kernels.gated_linear_attention import pallas
 from lmcore.numerics import relative_l2
-
-CHUNK = 16
-RTOL = 1e-5
-# These tests check the math, not code generation: skip LLVM's expensive passes on a shared CPU.
-_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def _inputs(seed, T, gate, normalize, *, B=2, H=2, K=8, V=5, with_state=True):
@@ -36,55 +33,21 @@ def _inputs(seed, T, gate, normalize, *, B=2, H=2, K=8, V=5, with_state=True):
   tokens later: strong decays would hide errors in the state carried across chunks.
   """
   rng = np.random.default_rng(seed)
-  arr = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
-  q, k, v = arr(B, T, H, K), arr(B, T, H, K), arr(B, T, H, V)
-  if normalize:
-    q, k = jnp.exp(0.5 * q), jnp.exp(0.5 * k)
-  gate_shape = {"head": (B, T, H), "channel": (B, T, H, K)}.get(gate)
-  log_forget = None
-  if gate is not None:
-    log_forget = jnp.asarray(-rng.uniform(0.01, 0.3, gate_shape), jnp.float32)
+  q, k, v, log_forget = gated_inputs(rng, T, gate, normalize, B=B, H=H, K=K, V=V)
   z = jnp.asarray(rng.uniform(0.5, 2.0, (B, H, K)), jnp.float32)
   z = z if normalize else jnp.zeros_like(z)
-  state = LinearAttentionState(arr(B, H, K, V), z) if with_state else None
-  segment_ids = np.zeros((B, T), np.int32)
-  for start in (T // 3, CHUNK + 4, 2 * CHUNK):
-    segment_ids[1, start:] += 1
-  projections = (arr(B, T, H, V), arr(B, H, K, V), arr(B, H, K))
-  return (q, k, v, log_forget, state), jnp.asarray(segment_ids), projections
-
-
-def _run(fn, inputs, projections, **options):
-  """Outputs, final state and gradients of a random projection of both w.r.t. every input."""
-  q, k, v, log_forget, state = inputs
-  B, T, H, K = q.shape
-  state = state or LinearAttentionState.zeros(B, H, K, v.shape[-1])
-  gate = jnp.zeros((B, T, H)) if log_forget is None else log_forget
-
-  def loss(q, k, v, gate, state):
-    o, new = fn(q, k, v, None if log_forget is None else gate, state=state, chunk_size=CHUNK,
-                **options)
-    do, dS, dz = projections
-    return (o * do).sum() + (new.S * dS).sum() + (new.z * dz).sum(), (o, new)
-
-  grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)
-  (_, (o, new)), grads = jax.jit(grad, compiler_options=_FAST_COMPILE)(q, k, v, gate, state)
-  return {"o": o, "S": new.S, "z": new.z, "dq": grads[0], "dk": grads[1], "dv": grads[2],
-          "dlog_forget": grads[3], "dS0": grads[4].S, "dz0": grads[4].z}
+  state = LinearAttentionState(normal(rng, B, H, K, V), z) if with_state else None
+  segment_ids = document_ids(B, T, (T // 3, CHUNK + 4, 2 * CHUNK))
+  projections = normals(rng, (B, T, H, V), (B, H, K, V), (B, H, K))
+  return (q, k, v, log_forget, state), segment_ids, projections
 
 
 @functools.cache
 def _reference(seed, T, gate, normalize, with_state=True, segments=False):
-  """``_run`` of the token-by-token reference on ``_inputs(seed, T, ...)``, computed once."""
+  """``run_gated`` of the token-by-token reference on ``_inputs(seed, T, ...)``, computed once."""
   inputs, segment_ids, projections = _inputs(seed, T, gate, normalize, with_state=with_state)
-  return _run(functools.partial(gated_linear_attention, implementation="reference"), inputs,
-              projections, normalize=normalize, segment_ids=segment_ids if segments else None)
-
-
-def _assert_same(got, want, what):
-  errors = {name: relative_l2(got[name], want[name]) for name in want}
-  bad = {name: e for name, e in errors.items() if e > RTOL}
-  assert not bad, f"{what}: relative L2 errors above {RTOL}: {bad}"
+  return run_gated(functools.partial(gated_linear_attention, implementation="reference"), inputs,
+                   projections, normalize=normalize, segment_ids=segment_ids if segments else None)
 
 
 @pytest.mark.parametrize("T,gate,normalize,with_state,tuning", [
@@ -96,25 +59,25 @@ def _assert_same(got, want, what):
 def test_pallas_equals_reference_with_gradients_for_partial_chunks(T, gate, normalize, with_state,
                                                                    tuning):
   inputs, _, projections = _inputs(T, T, gate, normalize, with_state=with_state)
-  got = _run(functools.partial(pallas.gated_linear_attention_pallas, **tuning), inputs,
-             projections, normalize=normalize)
+  got = run_gated(functools.partial(pallas.gated_linear_attention_pallas, **tuning), inputs,
+                  projections, normalize=normalize)
   want = _reference(T, T, gate, normalize, with_state)
-  _assert_same(got, want, f"T={T} gate={gate} normalize={normalize} {tuning}")
+  assert_close(got, want, f"T={T} gate={gate} normalize={normalize} {tuning}")
 
 
 @pytest.mark.parametrize("gate", ["head", "channel"])
 def test_pallas_resets_state_at_segment_boundaries_like_reference(gate):
   """Row 1 holds four documents (see ``_inputs``); row 0 one continuing the state."""
   inputs, segment_ids, projections = _inputs(7, 37, gate, True)
-  got = _run(functools.partial(pallas.gated_linear_attention_pallas, sub_chunk=8),
-             inputs, projections, normalize=True, segment_ids=segment_ids)
-  _assert_same(got, _reference(7, 37, gate, True, segments=True), f"segments, gate={gate}")
+  got = run_gated(functools.partial(pallas.gated_linear_attention_pallas, sub_chunk=8),
+                  inputs, projections, normalize=True, segment_ids=segment_ids)
+  assert_close(got, _reference(7, 37, gate, True, segments=True), f"segments, gate={gate}")
 
 
 def test_pallas_two_pieces_with_state_equal_whole():
   (q, k, v, log_forget, state), _, _ = _inputs(21, 37, "channel", True)
   call = jax.jit(functools.partial(pallas.gated_linear_attention_pallas, chunk_size=CHUNK,
-                                   normalize=True), compiler_options=_FAST_COMPILE)
+                                   normalize=True), compiler_options=FAST_COMPILE)
   o, whole = call(q, k, v, log_forget, state=state)
   first, second = slice(0, 21), slice(21, None)  # both pieces end in a partial chunk
   o1, mid = call(q[:, first], k[:, first], v[:, first], log_forget[:, first], state=state)
@@ -130,16 +93,12 @@ def test_kernels_lower_to_triton_for_an_h200_with_bfloat16_inputs(gate_shape):
   Triton lowering (power-of-two blocks, supported primitives) for an abstract H200, with head and
   value dims that need padding: three forward kernels (chunk writes, the state scan, outputs) and
   four backward ones (writes and the reads' gradient, two state scans, then dq/dk/dv)."""
-  B, T, H, K, V = 1, 40, 2, 24, 40
-  bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-  gate = jax.ShapeDtypeStruct((B, T, H) if gate_shape == "head" else (B, T, H, K), jnp.float32)
-
   def loss(q, k, v, log_forget):
     o, new = pallas.gated_linear_attention_pallas(q, k, v, log_forget, interpret=False)
     return o.astype(jnp.float32).sum() + new.S.sum()
 
-  lowered = pallas_utils.lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2, 3)), bf16(B, T, H, K),
-                                       bf16(B, T, H, K), bf16(B, T, H, V), gate)
+  lowered = pallas_utils.lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2, 3)),
+                                       *gated_abstract_inputs(gate_shape, T=40)[:4])
   assert lowered.as_text().count("xla.gpu.triton") == 7
 
 

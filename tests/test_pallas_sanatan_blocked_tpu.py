@@ -15,62 +15,23 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from kernel_cases import (assert_close, clipped_scores, packed_documents, run_blocked,
+                          sanatan_abstract_inputs, sanatan_inputs)
 from lmcore.kernels import pallas_utils
-from lmcore.numerics import relative_l2
 from sanatan_jax import sanatan_attention
-from sanatan_jax.attention import sanatan_features
 from sanatan_jax.kernels import pallas_blocked_tpu
-
-RTOL = 1e-5
-# These tests check the math, not code generation: skip LLVM's expensive passes on a shared CPU.
-_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-_GRAD_NAMES = ("dq", "dk", "dv", "domega", "dlam_raw")
-
-
-def _inputs(seed, T, *, B=2, H=2, d=8, dv=5):
-  """q, k, v, omega, lam_raw with |u| spread across both edges of the root saturation band."""
-  rng = np.random.default_rng(seed)
-  spread = lambda *s: rng.normal(size=s) * np.exp(rng.uniform(np.log(0.01), np.log(50.0), size=s))
-  arrays = (spread(B, T, H, d), spread(B, T, H, d), rng.normal(size=(B, T, H, dv)),
-            np.pi / 4 + 0.3 * rng.normal(size=(H, d)), 2.0 * rng.normal(size=(H, d)))
-  return tuple(jnp.asarray(x, jnp.float32) for x in arrays)
-
-
-def _documents(B, T, start):
-  """Segment ids and positions: row 1 holds a second document from ``start`` (positions restart),
-  row 0 one document whose positions start at 5."""
-  segment_ids = np.zeros((B, T), np.int32)
-  segment_ids[1, start:] = 1
-  positions = np.tile(np.arange(T, dtype=np.int32), (B, 1)) + 5
-  positions[1, start:] = np.arange(T - start)
-  return dict(segment_ids=jnp.asarray(segment_ids), positions=jnp.asarray(positions))
-
-
-def _run(fn, inputs, seed=99, **options):
-  """The output and the gradients of a random projection of it w.r.t. q, k, v, omega, lam_raw."""
-  do = jnp.asarray(np.random.default_rng(seed).normal(size=inputs[2].shape), jnp.float32)
-
-  def outputs_and_grads(*args):
-    o, vjp = jax.vjp(lambda *a: fn(*a, **options), *args)
-    return o, vjp(do)
-
-  o, grads = jax.jit(outputs_and_grads, compiler_options=_FAST_COMPILE)(*inputs)
-  return {"o": o, **dict(zip(_GRAD_NAMES, grads))}
 
 
 def _assert_same_as_parallel(inputs, what, interpret=True, block_q=8, block_k=8, **options):
   kernel = functools.partial(pallas_blocked_tpu.sanatan_blocked_tpu, interpret=interpret,
                              block_q=block_q, block_k=block_k)
-  got = _run(kernel, inputs, **options)
-  want = _run(lambda *a, **o: sanatan_attention(*a, implementation="parallel", **o)[0], inputs,
-              **options)
-  errors = {name: relative_l2(got[name], want[name]) for name in want}
-  bad = {name: e for name, e in errors.items() if e > RTOL}
-  assert not bad, f"{what}: relative L2 errors above {RTOL}: {bad}"
+  got = run_blocked(kernel, inputs, **options)
+  want = run_blocked(lambda *a, **o: sanatan_attention(*a, implementation="parallel", **o)[0],
+                     inputs, **options)
+  assert_close(got, want, what)
 
 
 @pytest.mark.parametrize("p,channels,three_channel,T,d,blocks,documents,rotate", [
@@ -80,10 +41,10 @@ def _assert_same_as_parallel(inputs, what, interpret=True, block_q=8, block_k=8,
 ])
 def test_tpu_kernels_equal_parallel_with_gradients(p, channels, three_channel, T, d, blocks,
                                                    documents, rotate):
-  inputs = _inputs(10 * p + channels + T, T, d=d)
+  inputs = sanatan_inputs(10 * p + channels + T, T, d=d)
   options = dict(p=p, channels=channels, three_channel=three_channel, rotate=rotate)
   if documents:
-    options.update(_documents(2, T, start=12))  # the boundary sits inside a block
+    options.update(packed_documents(2, T, (12,)))  # the boundary sits inside a block
   _assert_same_as_parallel(inputs, f"p={p} {channels}ch {three_channel} T={T} blocks={blocks}",
                            block_q=blocks[0], block_k=blocks[1], **options)
 
@@ -92,28 +53,16 @@ def test_four_channel_inputs_above_reach_the_clip():
   """The 4-channel case above has negative total scores (clipped to 0 before the power), so it
   tests the clip and its gradient."""
   T = 29
-  q, k, _, omega, lam_raw = _inputs(10 * 3 + 4 + T, T, d=4)
-  positions = jnp.broadcast_to(jnp.arange(T), (2, T))
-  phi_q, phi_k = sanatan_features(q, k, omega, lam_raw, positions, channels=4)
-  s_BxHxTxT = jnp.einsum("bthf,bshf->bhts", phi_q, phi_k)
-  assert int(jnp.sum(jnp.tril(jnp.ones((T, T), bool)) & (s_BxHxTxT < 0))) >= 10
+  assert clipped_scores(10 * 3 + 4 + T, T) >= 10
 
 
 def test_tpu_simulator_runs_the_kernels_like_the_parallel_form():
   """The TPU simulator: two query blocks of 16 and four key blocks of 8 (two of them after the
   first query block: skipped, their copies clamped), two documents."""
   T = 20
-  _assert_same_as_parallel(_inputs(4, T, B=2, H=1), "TPU simulator",
+  _assert_same_as_parallel(sanatan_inputs(4, T, B=2, H=1), "TPU simulator",
                            interpret=pltpu.InterpretParams(), block_q=16, block_k=8, p=2,
-                           **_documents(2, T, start=9))
-
-
-def _abstract_inputs(B=1, T=200, H=2, d=24, dv=40):
-  """bf16 q, k, v with head dims that need padding and a partial block; fp32 parameters."""
-  bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-  param = jax.ShapeDtypeStruct((H, d), jnp.float32)
-  return (bf16(B, T, H, d), bf16(B, T, H, d), bf16(B, T, H, dv), param, param,
-          jax.ShapeDtypeStruct((B, T), jnp.int32))
+                           **packed_documents(2, T, (9,)))
 
 
 def _grad(implementation, **options):
@@ -133,17 +82,17 @@ def test_pallas_implementation_lowers_to_mosaic_for_a_tpu_with_bfloat16_inputs(
   map and its VJP) for an abstract TPU. Mosaic's layout passes and compilation run in libtpu and
   are not checked here."""
   grad = _grad("pallas", p=p, channels=channels, three_channel=three_channel)
-  lowered = pallas_utils.lower_for_tpu(grad, *_abstract_inputs())
+  lowered = pallas_utils.lower_for_tpu(grad, *sanatan_abstract_inputs())
   assert lowered.as_text().count("tpu_custom_call") == 3
 
 
 def test_default_implementation_on_tpu_is_still_xla():
-  lowered = pallas_utils.lower_for_tpu(_grad(None, p=2), *_abstract_inputs())
+  lowered = pallas_utils.lower_for_tpu(_grad(None, p=2), *sanatan_abstract_inputs())
   assert lowered.as_text().count("tpu_custom_call") == 0
 
 
 def test_compiling_off_tpu_and_bad_options_raise_clear_errors():
-  q, k, v, omega, lam_raw = _inputs(3, 9)
+  q, k, v, omega, lam_raw = sanatan_inputs(3, 9)
   kernel = pallas_blocked_tpu.sanatan_blocked_tpu
   with pytest.raises(NotImplementedError, match="implementation='blocked'"):
     kernel(q, k, v, omega, lam_raw, interpret=False)

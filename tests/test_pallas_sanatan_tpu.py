@@ -16,15 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernel_cases import (CHUNK, assert_close, normal, normals, packed_documents, run_sanatan,
+                          sanatan_abstract_inputs)
 from lmcore.kernels import pallas_utils
-from lmcore.numerics import relative_l2
 from sanatan_jax import SanatanState, sanatan_attention
 from sanatan_jax.kernels import pallas_p1_tpu
-
-CHUNK = 16
-RTOL = 1e-5
-# These tests check the math, not code generation: skip LLVM's expensive passes on a shared CPU.
-_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def _inputs(seed, T, *, with_state, B=2, H=2, d=8, dv=5):
@@ -32,7 +28,7 @@ def _inputs(seed, T, *, with_state, B=2, H=2, d=8, dv=5):
   projections of o, S, z. |u| spreads across both edges of the root saturation band; row 1 packs
   a second document from token 12 (mid-chunk), whose positions restart at 0."""
   rng = np.random.default_rng(seed)
-  arr = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  arr = functools.partial(normal, rng)
   spread = lambda *s: arr(*s) * np.exp(rng.uniform(np.log(0.01), np.log(50.0), size=s))
   inputs = (spread(B, T, H, d), spread(B, T, H, d), arr(B, T, H, dv),
             np.pi / 4 + 0.3 * arr(H, d), 2.0 * arr(H, d))
@@ -43,32 +39,8 @@ def _inputs(seed, T, *, with_state, B=2, H=2, d=8, dv=5):
     state = SanatanState(3.0 * arr(B, H, F, dv), jnp.asarray(rng.uniform(1, 5, (B, H, F)),
                                                               jnp.float32),
                          jnp.full((B,), 5, jnp.int32))
-  segment_ids = np.zeros((B, T), np.int32)
-  segment_ids[1, 12:] = 1
-  positions = np.tile(np.arange(T, dtype=np.int32), (B, 1)) + (5 if with_state else 0)
-  positions[1, 12:] = np.arange(T - 12)
-  documents = dict(segment_ids=jnp.asarray(segment_ids), positions=jnp.asarray(positions))
-  projections = (arr(B, T, H, dv), arr(B, H, F, dv), arr(B, H, F))
-  return inputs, state, documents, projections
-
-
-def _run(fn, inputs, state, projections, **options):
-  """Outputs, final state and gradients of a random projection of both w.r.t. every input."""
-  q, k, v, omega, lam_raw = inputs
-  B, T, H, d = q.shape
-  F, dv = 6 * d, v.shape[-1]
-  position = jnp.zeros((B,), jnp.int32) if state is None else state.position
-  S0, z0 = (jnp.zeros((B, H, F, dv)), jnp.zeros((B, H, F))) if state is None else state[:2]
-
-  def loss(q, k, v, omega, lam_raw, S0, z0):
-    o, new = fn(q, k, v, omega, lam_raw, state=SanatanState(S0, z0, position), **options)
-    do, dS, dz = projections
-    return (o * do).sum() + (new.S * dS).sum() + (new.z * dz).sum(), (o, new)
-
-  grad = jax.value_and_grad(loss, argnums=tuple(range(7)), has_aux=True)
-  (_, (o, new)), grads = jax.jit(grad, compiler_options=_FAST_COMPILE)(*inputs, S0, z0)
-  names = ("dq", "dk", "dv", "domega", "dlam_raw", "dS0", "dz0")
-  return {"o": o, "S": new.S, "z": new.z, "position": new.position, **dict(zip(names, grads))}
+  docs = packed_documents(B, T, (12,), first_position=5 if with_state else 0)
+  return inputs, state, docs, normals(rng, (B, T, H, dv), (B, H, F, dv), (B, H, F))
 
 
 @pytest.mark.parametrize("T,with_state,d,documents,rotate,tuning", [
@@ -82,23 +54,11 @@ def test_tpu_kernels_equal_recurrent_with_gradients_for_partial_chunks_and_docum
   options = dict(rotate=rotate, **(docs if documents else {}))
   kernel = functools.partial(pallas_p1_tpu.sanatan_p1_tpu, chunk_size=CHUNK, interpret=True,
                              **tuning)
-  got = _run(kernel, inputs, state, projections, **options)
-  want = _run(functools.partial(sanatan_attention, implementation="recurrent"), inputs, state,
-              projections, **options)
-  np.testing.assert_array_equal(got["position"], want["position"])
-  errors = {name: relative_l2(got[name], want[name]) for name in want if name != "position"}
-  bad = {name: e for name, e in errors.items() if e > RTOL}
-  what = f"T={T} state={with_state} d={d} documents={documents} rotate={rotate} {tuning}"
-  assert not bad, f"{what}: relative L2 errors above {RTOL}: {bad}"
-
-
-def _abstract_inputs(B=1, T=200, H=2, d=24, dv=40):
-  """bf16 q, k, v with head dims that need padding and a partial chunk; fp32 omega, lam_raw;
-  segment ids."""
-  bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-  param = jax.ShapeDtypeStruct((H, d), jnp.float32)
-  return (bf16(B, T, H, d), bf16(B, T, H, d), bf16(B, T, H, dv), param, param,
-          jax.ShapeDtypeStruct((B, T), jnp.int32))
+  got = run_sanatan(kernel, inputs, state, projections, **options)
+  want = run_sanatan(functools.partial(sanatan_attention, implementation="recurrent"), inputs,
+                     state, projections, **options)
+  assert_close(got, want,
+               f"T={T} state={with_state} d={d} documents={documents} rotate={rotate} {tuning}")
 
 
 def _loss(implementation):
@@ -115,12 +75,12 @@ def test_pallas_implementation_lowers_to_mosaic_for_a_tpu_with_bfloat16_inputs()
   shapes, supported primitives) for an abstract TPU. Mosaic's layout passes and compilation run
   in libtpu and are not checked here."""
   grad = jax.grad(_loss("pallas"), argnums=(0, 1, 2, 3, 4))
-  lowered = pallas_utils.lower_for_tpu(grad, *_abstract_inputs())
+  lowered = pallas_utils.lower_for_tpu(grad, *sanatan_abstract_inputs())
   assert lowered.as_text().count("tpu_custom_call") == 3
 
 
 def test_default_implementation_on_tpu_is_still_xla():
-  lowered = pallas_utils.lower_for_tpu(_loss(None), *_abstract_inputs())
+  lowered = pallas_utils.lower_for_tpu(_loss(None), *sanatan_abstract_inputs())
   assert lowered.as_text().count("tpu_custom_call") == 0
 
 

@@ -17,20 +17,16 @@ from flax import nnx
 from based_jax import TaylorLinearAttention, TaylorState, taylor_features, taylor_linear_attention
 from based_jax.kernels import taylor_linear_attention_pallas
 from based_jax.linear_attention import zero_state
+from kernel_cases import (CHUNK, RTOL, assert_close, document_ids, normals, run_taylor,
+                          taylor_abstract_inputs)
 from lmcore.kernels import pallas_utils
 from lmcore.numerics import relative_l2
 
-CHUNK = 16
-RTOL = 1e-5
-# These tests check the math, not code generation: skip LLVM's expensive passes on a shared CPU.
-_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 _parallel = functools.partial(taylor_linear_attention, implementation="parallel")
 
 
 def _inputs(seed, T, *, B=2, H=2, d=8, dv=5):
-  rng = np.random.default_rng(seed)
-  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
-  return normal(B, T, H, d), normal(B, T, H, d), normal(B, T, H, dv)
+  return normals(np.random.default_rng(seed), (B, T, H, d), (B, T, H, d), (B, T, H, dv))
 
 
 def _prefix_state(seed, feature, *, B=2, H=2, d=8, dv=5):
@@ -40,27 +36,10 @@ def _prefix_state(seed, feature, *, B=2, H=2, d=8, dv=5):
   return TaylorState(jnp.einsum("bthf,bthv->bhfv", phi, v), phi.sum(1))
 
 
-def _run(fn, inputs, state, feature, segment_ids=None, seed=99, **options):
-  """Outputs, final state and gradients of a random projection of both w.r.t. q, k, v, S0, z0."""
-  q, k, v = inputs
-  rng = np.random.default_rng(seed)
-  do, dS, dz = (jnp.asarray(rng.normal(size=x.shape), jnp.float32) for x in (v, *state))
-
-  def loss(q, k, v, S0, z0):
-    o, new = fn(q, k, v, state=TaylorState(S0, z0), feature=feature, chunk_size=CHUNK,
-                segment_ids=segment_ids, **options)
-    return (o * do).sum() + (new.S * dS).sum() + (new.z * dz).sum(), (o, new)
-
-  grad = jax.value_and_grad(loss, argnums=tuple(range(5)), has_aux=True)
-  (_, (o, new)), grads = jax.jit(grad, compiler_options=_FAST_COMPILE)(*inputs, *state)
-  names = ("dq", "dk", "dv", "dS0", "dz0")
-  return {"o": o, "S": new.S, "z": new.z, **dict(zip(names, grads))}
-
-
-def _assert_same(got, want, what):
-  errors = {name: relative_l2(got[name], want[name]) for name in want}
-  bad = {name: e for name, e in errors.items() if e > RTOL}
-  assert not bad, f"{what}: relative L2 errors above {RTOL}: {bad}"
+def _run(fn, inputs, state, feature, segment_ids=None):
+  """``run_taylor`` with random projections drawn from seed 99."""
+  projections = normals(np.random.default_rng(99), inputs[2].shape, *(x.shape for x in state))
+  return run_taylor(fn, inputs, state, projections, feature=feature, segment_ids=segment_ids)
 
 
 @pytest.mark.parametrize("T,with_state,d,feature,tuning", [
@@ -77,7 +56,7 @@ def test_pallas_equals_parallel_with_gradients_for_partial_chunks(T, with_state,
            else zero_state(2, 2, d, 5, feature))
   got = _run(functools.partial(taylor_linear_attention_pallas, **tuning), inputs, state, feature)
   want = _run(_parallel, inputs, state, feature)
-  _assert_same(got, want, f"T={T} state={with_state} d={d} {feature} {tuning}")
+  assert_close(got, want, f"T={T} state={with_state} d={d} {feature} {tuning}")
 
 
 @pytest.mark.parametrize("T", [37, 64])
@@ -85,15 +64,11 @@ def test_pallas_honours_segment_ids(T):
   """Row 1 packs four documents: a boundary mid-chunk, one exactly at a chunk start (16) and a
   one-token document; the incoming state continues the first document of each row. T = 64: four
   chunks, walked in one unrolled step."""
-  segment_ids = np.zeros((2, T), np.int32)
-  segment_ids[1, 5:] = 1
-  segment_ids[1, 16:] = 2
-  segment_ids[1, 17:] = 3
-  options = dict(segment_ids=jnp.asarray(segment_ids))
+  options = dict(segment_ids=document_ids(2, T, (5, 16, 17)))
   inputs, state = _inputs(7, T), _prefix_state(8, "compact")
   got = _run(taylor_linear_attention_pallas, inputs, state, "compact", **options)
   want = _run(_parallel, inputs, state, "compact", **options)
-  _assert_same(got, want, "segments")
+  assert_close(got, want, "segments")
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -101,15 +76,12 @@ def test_kernels_lower_to_triton_for_an_h200_with_bfloat16_inputs():
   """Forward and backward kernels pass the Pallas Triton lowering (power-of-two blocks, supported
   primitives, the in-kernel feature groups) for an abstract H200, with a partial chunk and the
   BASED head shape (d' = 16, dv = 64, so dv + 1 = 65 columns in three value tiles)."""
-  B, T, H, d, dv = 1, 40, 2, 16, 64
-  bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-
   def loss(q, k, v):
     o, new = taylor_linear_attention_pallas(q, k, v, interpret=False)
     return o.astype(jnp.float32).sum() + new.S.sum() + new.z.sum()
 
-  lowered = pallas_utils.lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2)), bf16(B, T, H, d),
-                                       bf16(B, T, H, d), bf16(B, T, H, dv))
+  lowered = pallas_utils.lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2)),
+                                       *taylor_abstract_inputs(T=40)[:3])
   # Forward: states + outputs; backward: recomputed states, reverse states, gradients.
   assert lowered.as_text().count("xla.gpu.triton") == 5
 

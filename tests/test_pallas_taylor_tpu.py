@@ -20,13 +20,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from based_jax import TaylorState, taylor_features, taylor_linear_attention
 from based_jax.kernels import pallas_taylor_tpu
+from kernel_cases import assert_close, document_ids, normal, run_taylor, taylor_abstract_inputs
 from lmcore.kernels import pallas_utils
-from lmcore.numerics import relative_l2
 
-CHUNK = 16
-RTOL = 1e-5
-# These tests check the math, not code generation: skip LLVM's expensive passes on a shared CPU.
-_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 _parallel = functools.partial(taylor_linear_attention, implementation="parallel")
 
 
@@ -36,53 +32,29 @@ def _inputs(seed, T, feature, *, B=2, H=2, d=8, dv=5):
   The state sums phi(k) v^T over a random 9-token prefix; a full one also gets an antisymmetric
   quadratic part, which no query reads but the final state keeps.
   """
-  rng = np.random.default_rng(seed)
-  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
-  q, k, v = normal(B, T, H, d), normal(B, T, H, d), normal(B, T, H, dv)
-  phi = taylor_features(normal(B, 9, H, d), feature)
-  S = jnp.einsum("bthf,bthv->bhfv", phi, normal(B, 9, H, dv))
+  arr = functools.partial(normal, np.random.default_rng(seed))
+  q, k, v = arr(B, T, H, d), arr(B, T, H, d), arr(B, T, H, dv)
+  phi = taylor_features(arr(B, 9, H, d), feature)
+  S = jnp.einsum("bthf,bthv->bhfv", phi, arr(B, 9, H, dv))
   if feature == "full":
-    noise = normal(B, H, d, d, dv)
+    noise = arr(B, H, d, d, dv)
     S = S.at[:, :, 1 + d:].add((noise - jnp.swapaxes(noise, 2, 3)).reshape(B, H, d * d, dv))
   state = TaylorState(S, phi.sum(1))
-  projections = (normal(B, T, H, dv), normal(*S.shape), normal(*state.z.shape))
+  projections = (arr(B, T, H, dv), arr(*S.shape), arr(*state.z.shape))
   return (q, k, v), state, projections
-
-
-def _run(fn, inputs, state, projections, **options):
-  """Outputs, final state and gradients of a random projection of both w.r.t. q, k, v, S0, z0."""
-
-  def loss(q, k, v, S0, z0):
-    o, new = fn(q, k, v, state=TaylorState(S0, z0), chunk_size=CHUNK, **options)
-    do, dS, dz = projections
-    return (o * do).sum() + (new.S * dS).sum() + (new.z * dz).sum(), (o, new)
-
-  grad = jax.value_and_grad(loss, argnums=tuple(range(5)), has_aux=True)
-  (_, (o, new)), grads = jax.jit(grad, compiler_options=_FAST_COMPILE)(*inputs, *state)
-  return {"o": o, "S": new.S, "z": new.z,
-          **dict(zip(("dq", "dk", "dv", "dS0", "dz0"), grads))}
-
-
-def _segments(T):
-  """Row 0 one document; row 1 four: a boundary mid-chunk, one exactly at a chunk start (16) and a
-  one-token document."""
-  segment_ids = np.zeros((2, T), np.int32)
-  segment_ids[1, 5:] = 1
-  segment_ids[1, 16:] = 2
-  segment_ids[1, 17:] = 3
-  return jnp.asarray(segment_ids)
 
 
 def _assert_same_as_parallel(T, feature, segments, interpret, H=2, **tuning):
   inputs, state, projections = _inputs(T, T, feature, H=H)
-  options = dict(feature=feature, segment_ids=_segments(T) if segments else None)
+  # Row 0 one document; row 1 four: a boundary mid-chunk, one exactly at a chunk start (16) and a
+  # one-token document.
+  options = dict(feature=feature,
+                 segment_ids=document_ids(2, T, (5, 16, 17)) if segments else None)
   kernels = functools.partial(pallas_taylor_tpu.taylor_linear_attention_tpu, interpret=interpret,
                               **tuning)
-  got = _run(kernels, inputs, state, projections, **options)
-  want = _run(_parallel, inputs, state, projections, **options)
-  errors = {name: relative_l2(got[name], want[name]) for name in want}
-  bad = {name: e for name, e in errors.items() if e > RTOL}
-  assert not bad, f"T={T} {feature} segments={segments} {tuning}: errors above {RTOL}: {bad}"
+  got = run_taylor(kernels, inputs, state, projections, **options)
+  want = run_taylor(_parallel, inputs, state, projections, **options)
+  assert_close(got, want, f"T={T} {feature} segments={segments} {tuning}")
 
 
 @pytest.mark.parametrize("T,feature,segments,tuning", [
@@ -116,13 +88,6 @@ def test_feature_block_is_the_compact_taylor_feature_map_and_full_maps_to_it():
                              atol=1e-7)
 
 
-def _abstract_inputs(B=1, T=200, H=2, d=16, dv=64):
-  """bf16 q, k, v of the BASED head shape (d' = 16, dv = 64), a partial chunk, segment ids."""
-  bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-  return (bf16(B, T, H, d), bf16(B, T, H, d), bf16(B, T, H, dv),
-          jax.ShapeDtypeStruct((B, T), jnp.int32))
-
-
 def _loss(implementation):
   def loss(q, k, v, segment_ids=None):
     o, new = taylor_linear_attention(q, k, v, implementation=implementation,
@@ -136,12 +101,12 @@ def test_pallas_implementation_lowers_to_mosaic_for_a_tpu_with_bfloat16_inputs()
   pass the Pallas TPU lowering ((8, 128) block shapes, supported primitives) for an abstract TPU.
   Mosaic's layout passes and compilation run in libtpu and are not checked here."""
   grad = jax.grad(_loss("pallas"), argnums=(0, 1, 2))
-  lowered = pallas_utils.lower_for_tpu(grad, *_abstract_inputs())
+  lowered = pallas_utils.lower_for_tpu(grad, *taylor_abstract_inputs())
   assert lowered.as_text().count("tpu_custom_call") == 3
 
 
 def test_auto_implementation_on_tpu_stays_xla():
-  lowered = pallas_utils.lower_for_tpu(_loss("auto"), *_abstract_inputs()[:3])
+  lowered = pallas_utils.lower_for_tpu(_loss("auto"), *taylor_abstract_inputs()[:3])
   assert lowered.as_text().count("tpu_custom_call") == 0
 
 
