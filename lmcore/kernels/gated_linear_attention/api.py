@@ -135,9 +135,20 @@ def gated_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array,
       ``state`` belongs to the first token's segment.
   """
   _check_shapes(q, k, v, log_forget, state, segment_ids)
+  return run_backend(_backend(implementation, chunk_size), q, k, v, log_forget, state,
+                     normalize=normalize, eps=eps, scale=scale, segment_ids=segment_ids)
+
+
+def run_backend(backend, q: jax.Array, k: jax.Array, v: jax.Array, log_forget: jax.Array | None,
+                state: LinearAttentionState | None, *, normalize: bool, eps: float, scale: float,
+                segment_ids: jax.Array | None) -> tuple[jax.Array, LinearAttentionState]:
+  """``gated_linear_attention`` around one chunked form, ``backend(q, k, v, g_BxTxHxG, S0_BxHxKxV,
+  scale=, doc_BxT=) -> (o fp32, S_T fp32)`` (XLA's or a kernel's): fills in the zero state, no
+  decay and one document, and with ``normalize`` appends the ones column whose output divides o
+  (the state's last column is then z). Inputs as ``gated_linear_attention``'s, already checked.
+  """
   batch_size, length, n_heads, key_dim = q.shape
   value_dim = v.shape[-1]
-  backend = _backend(implementation, chunk_size)
   if state is None:
     state = LinearAttentionState.zeros(batch_size, n_heads, key_dim, value_dim)
   if log_forget is None:

@@ -457,24 +457,11 @@ def gated_linear_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array,
                                   ) -> tuple[jax.Array, api.LinearAttentionState]:
   """``api.gated_linear_attention`` computed by the Pallas kernels; same arguments and results.
 
-  ``tuning`` passes ``block_v``, ``sub_chunk``, ``num_warps``, ``num_stages`` to ``chunked``.
-  Normalisation appends a ones column to v, as api.py does (the state's last column is then z).
+  ``tuning`` passes ``block_v``, ``sub_chunk``, ``num_warps``, ``num_stages``, ``scan`` to
+  ``chunked``.
+  Zero state, no decay and one document by default, and normalisation: ``api.run_backend``.
   """
   api._check_shapes(q, k, v, log_forget, state, segment_ids)
-  B, T, H, K = q.shape
-  V = v.shape[-1]
-  if state is None:
-    state = api.LinearAttentionState.zeros(B, H, K, V)
-  g = jnp.zeros((B, T, H, 1), _F32) if log_forget is None else log_forget.astype(_F32)
-  g = g[..., None] if g.ndim == 3 else g
-  doc = jnp.zeros((B, T), jnp.int32) if segment_ids is None else api.document_index(segment_ids)
-  S0 = state.S.astype(_F32)
-  if normalize:
-    v = jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)
-    S0 = jnp.concatenate([S0, state.z.astype(_F32)[..., None]], axis=-1)
-  o, S = chunked(q, k, v, g, S0, scale=scale, doc_BxT=doc, chunk_size=chunk_size,
-                 interpret=interpret, **tuning)
-  if not normalize:
-    return o.astype(q.dtype), api.LinearAttentionState(S, jnp.zeros_like(state.z, _F32))
-  o = o[..., :V] / (o[..., V:] + eps)
-  return o.astype(q.dtype), api.LinearAttentionState(S[..., :V], S[..., V])
+  backend = functools.partial(chunked, chunk_size=chunk_size, interpret=interpret, **tuning)
+  return api.run_backend(backend, q, k, v, log_forget, state, normalize=normalize, eps=eps,
+                         scale=scale, segment_ids=segment_ids)
