@@ -342,18 +342,25 @@ def _through_chunks(keep_BxN, W, w, S_edge, z_edge, cfg, *, reverse=False, dtype
   return S.reshape(W.shape), S_end.reshape(S_edge.shape), z, z_end
 
 
-def _chunk_states(k, v, pos, run, omega, lam_raw, S0, z0, cfg, dtype):
-  """Phases 1-2: S_n at every chunk start [B, H, N, 6, dp, Vp] (in ``dtype``), S after the last
-  chunk, and the same two for z ([B, H, N, 6, dp], [B, H, 6, dp]); fp32 otherwise."""
-  B, H, N, n_tiles = grid = _grid(k, v, cfg)
-  Tp, dp, Vp = k.shape[1], k.shape[-1], v.shape[-1]
+def _per_chunk_sums(kernel, spec_names, u, v, cfg, *args):
+  """A kernel's per-chunk state terms over the chunk grid: [B, H, N, 6, dp, Vp] and the z terms
+  [B, H, N, 6, dp] (value tile 0's copy), fp32. ``u`` (q or k) and ``v`` give the grid."""
+  B, H, N, n_tiles = grid = _grid(u, v, cfg)
+  Tp, dp, Vp = u.shape[1], u.shape[-1], v.shape[-1]
   s = _specs(Tp, dp, cfg)
   out_shape = (jax.ShapeDtypeStruct((B, H, N, CHANNELS, dp, Vp), _F32),
                jax.ShapeDtypeStruct((n_tiles, B, H, N, CHANNELS, dp), _F32))
-  W, w = _call(_writes_kernel, cfg, grid,
-               [s["qk"], s["v"], s["row"], s["row"], s["param"], s["param"]],
-               [s["S"], s["tile_z"]], out_shape, k, v, pos, run, omega, lam_raw)
-  return _through_chunks(_keep(run, cfg.chunk), W, w[0], S0, z0, cfg, dtype=dtype)
+  W, w = _call(kernel, cfg, grid, [s[name] for name in spec_names], [s["S"], s["tile_z"]],
+               out_shape, *args)
+  return W, w[0]
+
+
+def _chunk_states(k, v, pos, run, omega, lam_raw, S0, z0, cfg, dtype):
+  """Phases 1-2: S_n at every chunk start [B, H, N, 6, dp, Vp] (in ``dtype``), S after the last
+  chunk, and the same two for z ([B, H, N, 6, dp], [B, H, 6, dp]); fp32 otherwise."""
+  W, w = _per_chunk_sums(_writes_kernel, ("qk", "v", "row", "row", "param", "param"), k, v, cfg,
+                         k, v, pos, run, omega, lam_raw)
+  return _through_chunks(_keep(run, cfg.chunk), W, w, S0, z0, cfg, dtype=dtype)
 
 
 def _forward(q, k, v, pos, run, omega, lam_raw, S0, z0, cfg):
@@ -395,15 +402,9 @@ def _output_grads(do, o, den, c_eps):
 
 def _state_grads(q, v, pos, run, omega, lam_raw, dN, dD, dS_end, dz_end, cfg):
   """Backward phases 1-2: (G_{n+1}, g_{n+1}) after every chunk, and (dS_0, dz_0)."""
-  B, H, N, n_tiles = grid = _grid(q, v, cfg)
-  Tp, dp, Vp = q.shape[1], q.shape[-1], v.shape[-1]
-  s = _specs(Tp, dp, cfg)
-  out_shape = (jax.ShapeDtypeStruct((B, H, N, CHANNELS, dp, Vp), _F32),
-               jax.ShapeDtypeStruct((n_tiles, B, H, N, CHANNELS, dp), _F32))
-  R, r = _call(_read_grads_kernel, cfg, grid,
-               [s["qk"], s["row"], s["row"], s["param"], s["param"], s["v"], s["token"]],
-               [s["S"], s["tile_z"]], out_shape, q, pos, run, omega, lam_raw, dN, dD)
-  dS, dS0, dz, dz0 = _through_chunks(_keep(run, cfg.chunk), R, r[0], dS_end, dz_end, cfg,
+  R, r = _per_chunk_sums(_read_grads_kernel, ("qk", "row", "row", "param", "param", "v", "token"),
+                         q, v, cfg, q, pos, run, omega, lam_raw, dN, dD)
+  dS, dS0, dz, dz0 = _through_chunks(_keep(run, cfg.chunk), R, r, dS_end, dz_end, cfg,
                                      reverse=True, dtype=v.dtype)
   return dS, dz, dS0, dz0
 
