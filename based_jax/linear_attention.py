@@ -95,7 +95,8 @@ def taylor_linear_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "parallel",
     state: TaylorState | None = None, eps: float = 1e-12, feature: Feature = "compact",
     chunk_size: int = 64, decay: jax.Array | None = None, dt: jax.Array | None = None,
-    segment_ids: jax.Array | None = None) -> tuple[jax.Array, TaylorState]:
+    segment_ids: jax.Array | None = None, kernel_precision: str = "input"
+    ) -> tuple[jax.Array, TaylorState]:
   """Causal normalised Taylor linear attention (module docstring).
 
   Args:
@@ -113,19 +114,24 @@ def taylor_linear_attention(
     decay: per-head rates gamma [H] (e.g. ``default_decay_rates(H)``), or None for no decay.
     dt: per-position, per-head query scale [B, T, H], or None for 1.
     segment_ids: packed-document ids [B, T] (parallel, recurrent and pallas only).
+    kernel_precision: the Pallas GPU kernels' dot operands, "input" (the inputs' dtype), "tf32"
+      or "float32" (fp32 throughout, fp32 o; ``pallas_utils.PRECISIONS``). Other implementations
+      ignore it.
 
   Returns:
-    ``(o, new_state)``: o [B, T, H, dv] in v's dtype; the fp32 state after the last token.
+    ``(o, new_state)``: o [B, T, H, dv] in v's dtype (fp32 from the kernels at kernel_precision
+    "tf32"/"float32"); the fp32 state after the last token.
   """
   batch, length, heads, key_dim = q.shape
   implementation = resolve_implementation(implementation, decay=decay is not None or dt is not None,
                                           segments=segment_ids is not None)
   _check_args(q, k, v, implementation, decay, dt, segment_ids)
+  options = pallas_utils.kernel_options(kernel_precision, "taylor_linear_attention")
   if implementation == "pallas":
     kernels = (pallas_taylor_tpu.taylor_linear_attention_tpu if pallas_utils.backend() == "tpu"
                else pallas_taylor.taylor_linear_attention_pallas)
     return kernels(q, k, v, state=state, eps=eps, feature=feature, chunk_size=chunk_size,
-                   segment_ids=segment_ids)
+                   segment_ids=segment_ids, **options)
   if state is None:
     state = zero_state(batch, heads, key_dim, v.shape[-1], feature)
   state = TaylorState(*(x.astype(jnp.float32) for x in state))

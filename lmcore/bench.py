@@ -31,6 +31,7 @@ CHUNK = 64
 TPU_CHUNK = 128  # the Mosaic kernels' smallest compiled chunk
 PARALLEL_MAX_SCORES = 2 ** 33  # skip the materialised form beyond ~8.6e9 score entries
 GATED_PARALLEL_MAX_SCORES = 2 ** 24  # the gated one's scores are K = 64 times wider (see gated_cases)
+FP32_PRECISIONS = ("tf32", "float32")  # kernel_precision cases for bf16 inputs (_precision_cases)
 
 
 @dataclasses.dataclass
@@ -113,6 +114,16 @@ def _pallas_name() -> str:
   return "pallas (tpu)" if pallas_utils.backend() == "tpu" else "pallas"
 
 
+def _precision_cases(pallas_case: Callable[[str], Callable], dtype) -> dict:
+  """``pallas (tf32)`` and ``pallas (float32)``, ``pallas_case(precision)``: the GPU kernel on fp32
+  copies of low-precision inputs (issue 7's bf16 agreement); none for fp32 inputs or on a TPU."""
+  from lmcore.kernels import pallas_utils
+
+  if jnp.dtype(dtype) == jnp.float32 or pallas_utils.backend() == "tpu":
+    return {}
+  return {f"pallas ({precision})": pallas_case(precision) for precision in FP32_PRECISIONS}
+
+
 def _sanatan_args(batch, length, dtype):
   """q, k, v, omega, lam_raw of the SANATAN cases (q, k scaled as after the 1/sqrt(d) projection)."""
   keys = jax.random.split(jax.random.key(0), 5)
@@ -131,13 +142,16 @@ def sanatan_cases(batch, length, dtype):
   def op(impl):
     return lambda q, k, v, w, l: sanatan_attention(q, k, v, w, l, implementation=impl, chunk_size=CHUNK)[0]
 
-  cases = {**_sanatan_pallas(), "chunked (xla)": op("chunked")}
+  kernel = lambda precision: lambda q, k, v, w, l: pallas_p1.sanatan_p1_pallas(
+      q, k, v, w, l, precision=precision)[0]
+  cases = {**_sanatan_pallas(), **_precision_cases(kernel, dtype), "chunked (xla)": op("chunked")}
   if batch * HEADS * length * length <= PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = op("parallel")
   F = 6 * HEAD_DIM
   flops = {impl: chunked_flops(batch, length, HEADS, F, HEAD_DIM) for impl in cases}
-  if "pallas" in cases:  # the Triton kernel's own chunk
-    flops["pallas"] = chunked_flops(batch, length, HEADS, F, HEAD_DIM, chunk=pallas_p1.DEFAULT_CHUNK)
+  for impl in cases:  # the Triton kernel's own chunk
+    if impl.startswith("pallas") and impl != "pallas (tpu)":
+      flops[impl] = chunked_flops(batch, length, HEADS, F, HEAD_DIM, chunk=pallas_p1.DEFAULT_CHUNK)
   if "pallas (tpu)" in cases:  # compiled Mosaic chunks are >= 128 tokens
     flops["pallas (tpu)"] = chunked_flops(batch, length, HEADS, F, HEAD_DIM, chunk=TPU_CHUNK)
   flops["parallel (reference)"] = parallel_flops(batch, length, HEADS, F, HEAD_DIM)
@@ -159,10 +173,13 @@ def sanatan_p2_cases(batch, length, dtype):
   each credited the causal half of the scores and mixing, 2·T²·(F + V)/2 per head with F = 6d."""
   from sanatan_jax import sanatan_attention
 
-  def op(impl):
-    return lambda q, k, v, w, l: sanatan_attention(q, k, v, w, l, p=2, implementation=impl)[0]
+  def op(impl, **options):
+    return lambda q, k, v, w, l: sanatan_attention(q, k, v, w, l, p=2, implementation=impl,
+                                                   **options)[0]
 
-  cases = {_pallas_name(): op("pallas"), "blocked (xla)": op("blocked")}
+  kernel = lambda precision: op("pallas", kernel_precision=precision)
+  cases = {_pallas_name(): op("pallas"), **_precision_cases(kernel, dtype),
+           "blocked (xla)": op("blocked")}
   if batch * HEADS * length * length <= PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = op("parallel")
   flops = parallel_flops(batch, length, HEADS, 6 * HEAD_DIM, HEAD_DIM)
@@ -182,14 +199,17 @@ def gated_cases(batch, length, dtype):
   def op(impl):
     return lambda q, k, v, g: gated_linear_attention(q, k, v, g, implementation=impl, chunk_size=CHUNK)[0]
 
-  cases = {**_gated_pallas(), "chunked (xla)": op("chunked")}
+  kernel = lambda precision: lambda q, k, v, g: pallas.gated_linear_attention_pallas(
+      q, k, v, g, precision=precision)[0]
+  cases = {**_gated_pallas(), **_precision_cases(kernel, dtype), "chunked (xla)": op("chunked")}
   # Per-channel gates make the parallel form's scores K wide; on the H200, XLA compiled it at
   # B·H·T² = 4e8 (T = 2048) for more than 9 minutes, so it is timed on small cases only.
   if batch * HEADS * length * length <= GATED_PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = op("parallel")
   flops = {name: chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM) for name in cases}
-  if "pallas" in cases:  # the Triton kernel's own chunk
-    flops["pallas"] = chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM, chunk=pallas.CHUNK)
+  for name in cases:  # the Triton kernel's own chunk
+    if name.startswith("pallas") and name != "pallas (tpu)":
+      flops[name] = chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM, chunk=pallas.CHUNK)
   if "pallas (tpu)" in cases:  # compiled Mosaic chunks are >= 128 tokens
     flops["pallas (tpu)"] = chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM, chunk=TPU_CHUNK)
   flops["parallel (reference)"] = parallel_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM)
@@ -215,15 +235,18 @@ def taylor_cases(batch, length, dtype):
   args = (_randn(keys[0], qk_shape, dtype, 0.5), _randn(keys[1], qk_shape, dtype, 0.5),
           _randn(keys[2], (batch, length, TAYLOR_HEADS, HEAD_DIM), dtype))
 
-  def op(impl):
-    return lambda q, k, v: taylor_linear_attention(q, k, v, implementation=impl, chunk_size=CHUNK)[0]
+  def op(impl, **options):
+    return lambda q, k, v: taylor_linear_attention(q, k, v, implementation=impl, chunk_size=CHUNK,
+                                                   **options)[0]
 
   pallas_name = _pallas_name()
-  cases = {pallas_name: op("pallas"), "chunked (xla)": op("chunked")}
+  kernel = lambda precision: op("pallas", kernel_precision=precision)
+  cases = {pallas_name: op("pallas"), **_precision_cases(kernel, dtype),
+           "chunked (xla)": op("chunked")}
   if batch * TAYLOR_HEADS * length * length <= PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = op("parallel")
   F = 1 + TAYLOR_DIM + TAYLOR_DIM * (TAYLOR_DIM + 1) // 2  # the compact feature width, 153
-  flops = {impl: chunked_flops(batch, length, TAYLOR_HEADS, F, HEAD_DIM) for impl in (pallas_name, "chunked (xla)")}
+  flops = {impl: chunked_flops(batch, length, TAYLOR_HEADS, F, HEAD_DIM) for impl in cases}
   if pallas_name == "pallas (tpu)":  # compiled Mosaic chunks are >= 128 tokens
     flops[pallas_name] = chunked_flops(batch, length, TAYLOR_HEADS, F, HEAD_DIM, chunk=TPU_CHUNK)
   flops["parallel (reference)"] = parallel_flops(batch, length, TAYLOR_HEADS, TAYLOR_DIM + 2, HEAD_DIM)

@@ -295,7 +295,8 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
                       segment_ids: jax.Array | None = None, p: int = 1, channels: int = 6,
                       three_channel: str = "clean", implementation: str | None = "parallel",
                       state: SanatanState | None = None, chunk_size: int = 64,
-                      block_size: int = 128, rotate: bool = True
+                      block_size: int = 128, rotate: bool = True,
+                      kernel_precision: str = "input"
                       ) -> tuple[jax.Array, SanatanState | None]:
   """SANATAN attention of SPEC §1.1 (steps 2-6) for every head.
 
@@ -310,9 +311,13 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
     state: a SanatanState to continue from (p = 1, 6ch only).
     chunk_size, block_size: tile lengths of "chunked" and "blocked".
     rotate: False drops the temporal rotation (the "no lambda" ablation).
+    kernel_precision: the Pallas GPU kernels' dot operands, "input" (the inputs' dtype), "tf32"
+      or "float32" (fp32 throughout, fp32 o; ``pallas_utils.PRECISIONS``). Other implementations
+      ignore it.
 
   Returns:
-    o [B, T, H, dv] in v's dtype, and the state after the last token for p = 1 with 6 channels
+    o [B, T, H, dv] in v's dtype (fp32 from the kernels at kernel_precision "tf32"/"float32"),
+    and the state after the last token for p = 1 with 6 channels
     (every implementation), else None.
   """
   B, T, H, d = q.shape
@@ -322,16 +327,18 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
   _check_state(state, p, channels, (B, H, width, dv))
   validate_options(p=p, channels=channels, three_channel=three_channel,
                    implementation=implementation)
+  options = pallas_utils.kernel_options(kernel_precision, "sanatan_attention")
   if implementation == "pallas" and has_constant_state(p, channels):
     kernels = (pallas_p1_tpu.sanatan_p1_tpu if pallas_utils.backend() == "tpu"
                else pallas_p1.sanatan_p1_pallas)
     return kernels(q, k, v, omega, lam_raw, positions=positions, segment_ids=segment_ids,
-                   state=state, rotate=rotate)
+                   state=state, rotate=rotate, **options)
   if implementation == "pallas":
     blocked = (pallas_blocked_tpu.sanatan_blocked_tpu if pallas_utils.backend() == "tpu"
                else pallas_blocked.sanatan_blocked_pallas)
     return blocked(q, k, v, omega, lam_raw, positions=positions, segment_ids=segment_ids, p=p,
-                   channels=channels, three_channel=three_channel, rotate=rotate), None
+                   channels=channels, three_channel=three_channel, rotate=rotate,
+                   **options), None
   if positions is None:
     positions = default_positions(B, T, None if state is None else state.position)
   run_BxT = segment_runs(segment_ids, B, T)

@@ -75,6 +75,7 @@ class KernelConfig(NamedTuple):
   interpret: bool
   num_warps: int
   num_stages: int
+  precision: str
 
 
 def _sigma(g: int, d: int) -> float:
@@ -215,13 +216,6 @@ def _grad_kernel(q_ref, k_ref, v_ref, dN_ref, run_ref, X_ref, dX_ref, dc_ref,
   dv_ref[...] = dv
 
 
-def _call(kernel, cfg, grid, in_specs, out_specs, out_shape, *args):
-  return pl.pallas_call(
-      kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      interpret=cfg.interpret,
-      compiler_params=pu.compiler_params(cfg.interpret, cfg.num_warps, cfg.num_stages))(*args)
-
-
 def _with_group_column(x_BxTxHxK, cfg: KernelConfig):
   """[x[..., :d'], 1] [B, Tp, H, d' + 1]: the per-token weight w of each group (0 past T)."""
   B, Tp, H, _ = x_BxTxHxK.shape
@@ -244,10 +238,10 @@ def _states(x, y, run, X0, c0, cfg: KernelConfig, *, reverse: bool):
   out_shape = (jax.ShapeDtypeStruct((B, H, G, N * dp, Vp), x.dtype),
                jax.ShapeDtypeStruct((B, H, G, N, Vp), x.dtype),
                jax.ShapeDtypeStruct(X0.shape, _F32), jax.ShapeDtypeStruct(c0.shape, _F32))
-  kernel = functools.partial(_state_kernel, cfg=cfg, reverse=reverse)
-  return _call(kernel, cfg, (B, H, G, Vp // BV), in_specs,
-               [tile(N * dp), tile(N), tile(dp), tile(1)], out_shape,
-               x, _with_group_column(x, cfg), y, run, X0, c0)
+  kernel = functools.partial(_state_kernel, reverse=reverse)
+  return pu.call(kernel, cfg, (B, H, G, Vp // BV), in_specs,
+                 [tile(N * dp), tile(N), tile(dp), tile(1)], out_shape,
+                 x, _with_group_column(x, cfg), y, run, X0, c0)
 
 
 def _chunk_specs(Tp, dp, cfg: KernelConfig):
@@ -269,10 +263,10 @@ def _forward(q, k, v, run, X0, c0, cfg: KernelConfig):
   Vp = v.shape[-1]
   X, c, X_end, c_end = _states(k, v, run, X0, c0, cfg, reverse=False)
   s = _chunk_specs(Tp, dp, cfg)
-  o = _call(functools.partial(_output_kernel, cfg=cfg), cfg,
-            (B, H, Tp // cfg.chunk, Vp // cfg.block_v),
-            [s["qk"], s["qk"], s["v"], s["run"], s["X"], s["c"]], s["v"],
-            jax.ShapeDtypeStruct((B, Tp, H, Vp), _F32), q, k, v, run, X, c)
+  o = pu.call(_output_kernel, cfg,
+              (B, H, Tp // cfg.chunk, Vp // cfg.block_v),
+              [s["qk"], s["qk"], s["v"], s["run"], s["X"], s["c"]], s["v"],
+              jax.ShapeDtypeStruct((B, Tp, H, Vp), _F32), q, k, v, run, X, c)
   return o, X_end, c_end
 
 
@@ -295,8 +289,8 @@ def _fused_bwd(cfg, residuals, cotangents):
   dX, dc, dX0, dc0 = _states(q, dN, run, dX_end, dc_end, cfg, reverse=True)
   s = _chunk_specs(Tp, dp, cfg)
   partial = jax.ShapeDtypeStruct((n_tiles, B, Tp, H, dp), _F32)
-  dq, dk, dv = _call(
-      functools.partial(_grad_kernel, cfg=cfg), cfg, (B, H, Tp // cfg.chunk, n_tiles),
+  dq, dk, dv = pu.call(
+      _grad_kernel, cfg, (B, H, Tp // cfg.chunk, n_tiles),
       [s["qk"], s["qk"], s["v"], s["v"], s["run"], s["X"], s["X"], s["c"]],
       [s["partial"], s["partial"], s["v"]],
       (partial, partial, jax.ShapeDtypeStruct(v.shape, _F32)),
@@ -363,7 +357,8 @@ def taylor_linear_attention_pallas(
     state: linear_attention.TaylorState | None = None, eps: float = 1e-12,
     feature: taylor.Feature = "compact", chunk_size: int = 64,
     segment_ids: jax.Array | None = None, interpret: bool | None = None, block_v: int = 32,
-    num_warps: int = 4, num_stages: int = 2) -> tuple[jax.Array, linear_attention.TaylorState]:
+    num_warps: int = 4, num_stages: int = 2, precision: str = "input"
+    ) -> tuple[jax.Array, linear_attention.TaylorState]:
   """``taylor_linear_attention`` (no decay ablation) computed by the Pallas kernels; same results.
 
   Args:
@@ -377,9 +372,11 @@ def taylor_linear_attention_pallas(
     interpret: run the kernels interpreted; None means "unless on a GPU".
     block_v, num_warps, num_stages: GPU tuning knobs (value tile width over dv + 1 columns,
       Triton warps and stages).
+    precision: "input" (dots take operands in the inputs' dtype), "tf32" or "float32" (the
+      kernels run on fp32 copies and return fp32; ``pu.PRECISIONS``).
 
   Returns:
-    o [B, T, H, dv] in v's dtype; the fp32 TaylorState after the last token.
+    o [B, T, H, dv] in v's dtype (fp32 unless ``precision`` is "input"); the fp32 TaylorState after the last token.
   """
   interpret = pu.resolve_interpret(interpret)
   pu.check_backend(interpret, "taylor_linear_attention(implementation='pallas')",
@@ -387,6 +384,8 @@ def taylor_linear_attention_pallas(
   if chunk_size < 1 or chunk_size & (chunk_size - 1):
     raise ValueError(f"taylor_linear_attention(implementation='pallas'): chunk_size must be a "
                      f"power of two, got {chunk_size}")
+  pu.check_precision(precision, "taylor_linear_attention(implementation='pallas')")
+  q, k, v = pu.operands(precision, q, k, v)
   B, T, H, d = q.shape
   V = v.shape[-1]
   if state is None:
@@ -395,7 +394,7 @@ def taylor_linear_attention_pallas(
   dp, BV = pu.block_size(d, interpret), min(pu.block_size(V + 1, interpret), block_v)
   Tp, Vp = pu.round_up(T, C), pu.round_up(V + 1, BV)
   cfg = KernelConfig(chunk=C, block_v=BV, key_dim=d, length=T, interpret=interpret,
-                     num_warps=num_warps, num_stages=num_stages)
+                     num_warps=num_warps, num_stages=num_stages, precision=precision)
   run = (jnp.zeros((B, T), jnp.int32) if segment_ids is None
          else linear_attention.segment_runs(segment_ids))
   v_aug = jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)

@@ -9,6 +9,7 @@ channels are zeros that the kernels mask or that contribute nothing.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 MIN_DOT = 16  # the smallest side of a Triton tensor-core dot
+# The GPU kernels' ``precision``: "input" (dots take operands in the inputs' dtype: bf16 inputs,
+# bf16 operands and outputs), "tf32" and "float32" (the kernels run on fp32 copies of the inputs
+# and return fp32, so features, scores, chunk states, outputs and the output gradients the backward
+# receives stay fp32; fp32 dots on TF32 tensor cores, or IEEE). With bf16 inputs only the input
+# gradients are rounded to bf16 (JAX gives a cotangent its primal's dtype).
+PRECISIONS = ("input", "tf32", "float32")
 
 
 _ASSUMED_BACKEND: list[str] = []
@@ -116,14 +123,66 @@ def round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
 
 
+def check_precision(precision: str, op: str) -> None:
+  if precision not in PRECISIONS:
+    raise ValueError(f"{op}: unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
+
+
+def kernel_options(precision: str, op: str) -> dict:
+  """The keyword arguments that run an op's kernel at ``precision``: ``{"precision": ...}`` for
+  the GPU (Triton) kernels; the TPU (Mosaic) kernels take operands in the inputs' dtype only, so
+  there anything but "input" raises ValueError."""
+  check_precision(precision, op)
+  if backend() != "tpu":
+    return {"precision": precision}
+  if precision != "input":
+    raise ValueError(f"{op}: kernel_precision={precision!r} is for the GPU kernels; the TPU "
+                     f"kernels compute in the inputs' dtype: use kernel_precision='input', or pass "
+                     f"fp32 inputs")
+  return {}
+
+
+def operands(precision: str, *xs: jax.Array) -> tuple[jax.Array, ...]:
+  """The arrays a kernel runs on: ``xs`` unchanged for "input", else fp32 copies (the custom VJP's
+  gradients are cast back to each input's dtype by the copy's own transpose)."""
+  return xs if precision == "input" else tuple(x.astype(jnp.float32) for x in xs)
+
+
+# The precision of fp32 dots in the kernel being traced ("tf32" or IEEE), set by ``call``.
+_FP32_DOTS: list[str] = []
+
+
+@contextlib.contextmanager
+def _fp32_dots(precision: str):
+  _FP32_DOTS.append(precision)
+  try:
+    yield
+  finally:
+    _FP32_DOTS.pop()
+
+
+def call(kernel, cfg, grid, in_specs, out_specs, out_shape, *args):
+  """``pl.pallas_call`` of ``kernel(*refs, cfg=cfg)`` over ``grid`` with cfg's interpret flag,
+  Triton warps and stages; its fp32 dots (``dot``) are traced at cfg's ``precision``."""
+  with _fp32_dots(cfg.precision):
+    return pl.pallas_call(
+        functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, interpret=cfg.interpret,
+        compiler_params=compiler_params(cfg.interpret, cfg.num_warps, cfg.num_stages))(*args)
+
+
 def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
   """``a @ b`` (optionally transposing a 2-D operand) accumulated in fp32 inside a kernel.
 
-  fp32 operands use IEEE precision: Triton's default for fp32 dots is TF32, whose 10-bit mantissa
-  would make the kernels disagree with the XLA references far beyond the tests' tolerances.
+  fp32 operands use IEEE precision unless the kernel runs at precision "tf32" (Triton lowers
+  ``Precision.DEFAULT`` to TF32; its 10-bit mantissa is far outside the fp32 tests' tolerances,
+  and 8x finer than bf16's).
   """
   contract = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-  precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  precision = None
+  if a.dtype == jnp.float32:
+    tf32 = _FP32_DOTS and _FP32_DOTS[-1] == "tf32"
+    precision = jax.lax.Precision.DEFAULT if tf32 else jax.lax.Precision.HIGHEST
   return jax.lax.dot_general(a, b, contract, precision=precision,
                              preferred_element_type=jnp.float32)
 

@@ -71,6 +71,7 @@ class KernelConfig(NamedTuple):
   interpret: bool
   num_warps: int
   num_stages: int
+  precision: str
 
 
 class _Block(NamedTuple):
@@ -221,13 +222,6 @@ def _specs(Tp, dp, Vp, size: int, reverse: bool):
       partial=pl.BlockSpec((None, None, None, 1, dp), lambda n, b, h: (b, h, n, 0, 0)))
 
 
-def _call(kernel, cfg, grid, in_specs, out_specs, out_shape, *args):
-  return pl.pallas_call(
-      functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs, out_specs=out_specs,
-      out_shape=out_shape, interpret=cfg.interpret,
-      compiler_params=pu.compiler_params(cfg.interpret, cfg.num_warps, cfg.num_stages))(*args)
-
-
 def _input_specs(s):
   return [s["qk"], s["qk"], s["v"], s["row"], s["row"], s["param"], s["param"]]
 
@@ -237,8 +231,8 @@ def _forward(q, k, v, pos, run, omega, lam_raw, cfg):
   B, Tp, H, dp = q.shape
   s = _specs(Tp, dp, v.shape[-1], cfg.block_q, reverse=True)
   out_shape = (jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((B, Tp, H), _F32))
-  return _call(_forward_kernel, cfg, (Tp // cfg.block_q, B, H), _input_specs(s),
-               [s["block_v"], s["block_token"]], out_shape, q, k, v, pos, run, omega, lam_raw)
+  return pu.call(_forward_kernel, cfg, (Tp // cfg.block_q, B, H), _input_specs(s),
+                 [s["block_v"], s["block_token"]], out_shape, q, k, v, pos, run, omega, lam_raw)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -264,12 +258,12 @@ def _fused_bwd(cfg, residuals, do):
   partial = lambda size: jax.ShapeDtypeStruct((B, H, Tp // size, 1, dp), _F32)
 
   s = _specs(Tp, dp, Vp, cfg.block_q, reverse=True)
-  dq, d_omega_q, d_lam_q = _call(
+  dq, d_omega_q, d_lam_q = pu.call(
       _dq_kernel, cfg, (Tp // cfg.block_q, B, H), _input_specs(s) + [s["v"], s["token"]],
       [s["block_qk"], s["partial"], s["partial"]],
       (rows(dp), partial(cfg.block_q), partial(cfg.block_q)), *args)
   s = _specs(Tp, dp, Vp, cfg.block_k, reverse=False)
-  dk, dv, d_omega_k, d_lam_k = _call(
+  dk, dv, d_omega_k, d_lam_k = pu.call(
       _dkv_kernel, cfg, (Tp // cfg.block_k, B, H), _input_specs(s) + [s["v"], s["token"]],
       [s["block_qk"], s["block_v"], s["partial"], s["partial"]],
       (rows(dp), rows(Vp), partial(cfg.block_k), partial(cfg.block_k)), *args)
@@ -296,7 +290,8 @@ def sanatan_blocked_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.
                            segment_ids: jax.Array | None = None, p: int = 2, channels: int = 6,
                            three_channel: str = "clean", rotate: bool = True,
                            interpret: bool | None = None, block_q: int = 32, block_k: int = 32,
-                           num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+                           num_warps: int = 4, num_stages: int = 2,
+                           precision: str = "input") -> jax.Array:
   """SANATAN attention at any power p and channel variant (SPEC §1.1) by the blocked Pallas
   kernels; the output of ``sanatan_attention(..., implementation="blocked")``. No state: the
   kernels run whole sequences (p >= 2 and the 4/3-channel ablations have no constant-size state).
@@ -312,14 +307,18 @@ def sanatan_blocked_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.
     block_q, block_k: query and key block lengths, powers of two (>= 16 when compiled; capped at
       the next power of two >= T).
     num_warps, num_stages: Triton tuning knobs.
+    precision: "input" (dots take operands in the inputs' dtype), "tf32" or "float32" (the
+      kernels run on fp32 copies and return fp32; ``pu.PRECISIONS``).
 
   Returns:
-    o [B, T, H, dv] in v's dtype.
+    o [B, T, H, dv] in v's dtype (fp32 unless ``precision`` is "input").
   """
   interpret = pu.resolve_interpret(interpret)
   pu.check_backend(interpret, "sanatan_blocked_pallas",
                    "sanatan_attention(implementation='blocked')")
   check_options(p, channels, three_channel, block_q, block_k)
+  pu.check_precision(precision, "sanatan_blocked_pallas")
+  q, k, v = pu.operands(precision, q, k, v)
   B, T, H, d = q.shape
   V = v.shape[-1]
   if positions is None:
@@ -330,7 +329,7 @@ def sanatan_blocked_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.
   Tp = pu.round_up(T, max(BQ, BK))
   cfg = KernelConfig(block_q=BQ, block_k=BK, head_dim=d, length=T, p=p, channels=channels,
                      three_channel=three_channel, interpret=interpret, num_warps=num_warps,
-                     num_stages=num_stages)
+                     num_stages=num_stages, precision=precision)
   pad_qk = lambda x: pu.pad_axis(pu.pad_axis(x, 1, Tp), 3, dp)
   pos = positions.astype(jnp.int32) if rotate else jnp.zeros((B, T), jnp.int32)
   # Edge-padding keeps padded tokens in the last run; causality hides them from real queries.

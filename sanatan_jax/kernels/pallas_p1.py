@@ -83,6 +83,7 @@ class KernelConfig(NamedTuple):
   num_warps: int
   num_stages: int
   scan: str
+  precision: str
 
 
 class _Chunk(NamedTuple):
@@ -311,13 +312,6 @@ def _grid(q, v, cfg):
   return B, H, Tp // cfg.chunk, v.shape[-1] // cfg.block_v
 
 
-def _call(kernel, cfg, grid, in_specs, out_specs, out_shape, *args):
-  return pl.pallas_call(
-      functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs, out_specs=out_specs,
-      out_shape=out_shape, interpret=cfg.interpret,
-      compiler_params=pu.compiler_params(cfg.interpret, cfg.num_warps, cfg.num_stages))(*args)
-
-
 def _keep(run_BxTp, C):
   """keep_n [B, N]: chunk n's last run is the run of the state entering it (no reset inside)."""
   B, Tp = run_BxTp.shape
@@ -350,8 +344,8 @@ def _per_chunk_sums(kernel, spec_names, u, v, cfg, *args):
   s = _specs(Tp, dp, cfg)
   out_shape = (jax.ShapeDtypeStruct((B, H, N, CHANNELS, dp, Vp), _F32),
                jax.ShapeDtypeStruct((n_tiles, B, H, N, CHANNELS, dp), _F32))
-  W, w = _call(kernel, cfg, grid, [s[name] for name in spec_names], [s["S"], s["tile_z"]],
-               out_shape, *args)
+  W, w = pu.call(kernel, cfg, grid, [s[name] for name in spec_names], [s["S"], s["tile_z"]],
+                 out_shape, *args)
   return W, w[0]
 
 
@@ -372,7 +366,7 @@ def _forward(q, k, v, pos, run, omega, lam_raw, S0, z0, cfg):
   s = _specs(Tp, dp, cfg)
   out_shape = (jax.ShapeDtypeStruct(v.shape, v.dtype),
                jax.ShapeDtypeStruct((grid[-1], B, Tp, H), _F32))
-  o, den = _call(
+  o, den = pu.call(
       _output_kernel, cfg, grid,
       [s["qk"], s["qk"], s["v"], s["row"], s["row"], s["param"], s["param"], s["S"], s["z"]],
       [s["v"], s["tile_den"]], out_shape,
@@ -423,7 +417,7 @@ def _attend_bwd(cfg, residuals, cotangents):
   partial_param = jax.ShapeDtypeStruct((n_tiles, B, H, N, 1, dp), _F32)
   out_shape = (partial_qk, partial_qk, jax.ShapeDtypeStruct(v.shape, _F32), partial_param,
                partial_param)
-  dq, dk, dv, d_omega, d_lam = _call(
+  dq, dk, dv, d_omega, d_lam = pu.call(
       _grads_kernel, cfg, grid,
       [s["qk"], s["qk"], s["v"], s["row"], s["row"], s["param"], s["param"], s["S"], s["z"],
        s["S"], s["z"], s["v"], s["token"]],
@@ -467,8 +461,8 @@ def sanatan_p1_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
                       state: attention.SanatanState | None = None,
                       chunk_size: int | None = None, rotate: bool = True,
                       interpret: bool | None = None, block_v: int = 64,
-                      num_warps: int = 8, num_stages: int = 2, scan: str = "pallas"
-                      ) -> tuple[jax.Array, attention.SanatanState]:
+                      num_warps: int = 8, num_stages: int = 2, scan: str = "pallas",
+                      precision: str = "input") -> tuple[jax.Array, attention.SanatanState]:
   """SANATAN p = 1, 6 channels (SPEC §1.2) by the Pallas kernels; same function as
   ``sanatan_attention(..., p=1, channels=6)``.
 
@@ -484,9 +478,11 @@ def sanatan_p1_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
     block_v, num_warps, num_stages: GPU tuning knobs (value tile width, Triton warps and stages);
       the defaults were the fastest found on the H200 at T = 8192.
     scan: how phase 2 solves the between-chunk recurrence, "pallas" or "xla" (``chunk_scan``).
+    precision: "input" (dots take operands in the inputs' dtype), "tf32" or "float32" (the
+      kernels run on fp32 copies and return fp32; ``pu.PRECISIONS``).
 
   Returns:
-    o [B, T, H, dv] in v's dtype and the SanatanState after the last token (fp32 S, z).
+    o [B, T, H, dv] in v's dtype (fp32 unless ``precision`` is "input") and the SanatanState after the last token (fp32 S, z).
   """
   interpret = pu.resolve_interpret(interpret)
   pu.check_backend(interpret, "sanatan_p1_pallas", "sanatan_attention(implementation='chunked')")
@@ -494,6 +490,8 @@ def sanatan_p1_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
   if chunk_size < 1 or chunk_size & (chunk_size - 1):
     raise ValueError(f"sanatan_p1_pallas: chunk_size must be a power of two, got {chunk_size}")
   _check(q, v, state)
+  pu.check_precision(precision, "sanatan_p1_pallas")
+  q, k, v = pu.operands(precision, q, k, v)
   B, T, H, d = q.shape
   V = v.shape[-1]
   if positions is None:
@@ -503,7 +501,8 @@ def sanatan_p1_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
   Tp, Vp = pu.round_up(T, C), pu.round_up(V, BV)
   cfg = KernelConfig(chunk=C, block_v=BV, head_dim=d, length=T,
                      c_eps=features.score_scale(CHANNELS, "clean", d) * attention.EPS,
-                     interpret=interpret, num_warps=num_warps, num_stages=num_stages, scan=scan)
+                     interpret=interpret, num_warps=num_warps, num_stages=num_stages, scan=scan,
+                     precision=precision)
   pad_qk = lambda x: pu.pad_axis(pu.pad_axis(x, 1, Tp), 3, dp)
   pos = positions.astype(jnp.int32) if rotate else jnp.zeros((B, T), jnp.int32)
   run = attention.segment_runs(segment_ids, B, T)

@@ -79,14 +79,15 @@ def resolve_implementation(implementation: str | None) -> str:
   return implementation
 
 
-def _backend(implementation: str | None, chunk_size: int | None):
+def _backend(implementation: str | None, chunk_size: int | None, kernel_precision: str = "input"):
   """The implementation function; unknown names list the valid ones. A None chunk_size leaves each
   chunked implementation its own default."""
   implementation = resolve_implementation(implementation)
   chunk = {} if chunk_size is None else {"chunk_size": chunk_size}
+  options = pallas_utils.kernel_options(kernel_precision, "gated_linear_attention")
   if implementation == "pallas":
     kernels = pallas_tpu if pallas_utils.backend() == "tpu" else pallas
-    return functools.partial(kernels.chunked, **chunk)
+    return functools.partial(kernels.chunked, **chunk, **options)
   if implementation in ("reference", "recurrent"):
     return reference.recurrent
   if implementation == "parallel":
@@ -113,7 +114,7 @@ def gated_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                            state: LinearAttentionState | None = None,
                            chunk_size: int | None = None,
                            normalize: bool = False, eps: float = 1e-6, scale: float = 1.0,
-                           segment_ids: jax.Array | None = None
+                           segment_ids: jax.Array | None = None, kernel_precision: str = "input"
                            ) -> tuple[jax.Array, LinearAttentionState]:
   """Gated (optionally normalised) linear attention; returns (o [B, T, H, V] in q's dtype, state).
 
@@ -133,20 +134,35 @@ def gated_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     segment_ids: optional int [B, T]; where the id changes between consecutive tokens the state is
       reset and no token sees another segment (packed documents, SPEC §6.4). The incoming
       ``state`` belongs to the first token's segment.
+    kernel_precision: the Pallas GPU kernel's dot operands, "input" (the inputs' dtype), "tf32" or
+      "float32" (fp32 throughout, and o in fp32; ``pallas_utils.PRECISIONS``). Other
+      implementations ignore it.
   """
   _check_shapes(q, k, v, log_forget, state, segment_ids)
-  return run_backend(_backend(implementation, chunk_size), q, k, v, log_forget, state,
-                     normalize=normalize, eps=eps, scale=scale, segment_ids=segment_ids)
+  implementation = resolve_implementation(implementation)
+  precision = kernel_precision if implementation == "pallas" else "input"
+  return run_backend(_backend(implementation, chunk_size, kernel_precision), q, k, v, log_forget,
+                     state, normalize=normalize, eps=eps, scale=scale, segment_ids=segment_ids,
+                     out_dtype=output_dtype(q, precision))
+
+
+def output_dtype(q: jax.Array, kernel_precision: str):
+  """The dtype of o: q's, or fp32 when the kernels run in fp32 (``kernel_precision`` other than
+  "input", ``pallas_utils.PRECISIONS``)."""
+  return q.dtype if kernel_precision == "input" else jnp.float32
 
 
 def run_backend(backend, q: jax.Array, k: jax.Array, v: jax.Array, log_forget: jax.Array | None,
                 state: LinearAttentionState | None, *, normalize: bool, eps: float, scale: float,
-                segment_ids: jax.Array | None) -> tuple[jax.Array, LinearAttentionState]:
+                segment_ids: jax.Array | None, out_dtype=None
+                ) -> tuple[jax.Array, LinearAttentionState]:
   """``gated_linear_attention`` around one chunked form, ``backend(q, k, v, g_BxTxHxG, S0_BxHxKxV,
   scale=, doc_BxT=) -> (o fp32, S_T fp32)`` (XLA's or a kernel's): fills in the zero state, no
   decay and one document, and with ``normalize`` appends the ones column whose output divides o
-  (the state's last column is then z). Inputs as ``gated_linear_attention``'s, already checked.
+  (the state's last column is then z). Inputs as ``gated_linear_attention``'s, already checked;
+  o comes in ``out_dtype`` (None: q's).
   """
+  out_dtype = q.dtype if out_dtype is None else out_dtype
   batch_size, length, n_heads, key_dim = q.shape
   value_dim = v.shape[-1]
   if state is None:
@@ -164,6 +180,6 @@ def run_backend(backend, q: jax.Array, k: jax.Array, v: jax.Array, log_forget: j
     S0 = jnp.concatenate([S0, state.z.astype(jnp.float32)[..., None]], axis=-1)
   o, S = backend(q, k, v, g_BxTxHxG, S0, scale=scale, doc_BxT=doc_BxT)
   if not normalize:
-    return o.astype(q.dtype), LinearAttentionState(S, jnp.zeros_like(state.z, jnp.float32))
+    return o.astype(out_dtype), LinearAttentionState(S, jnp.zeros_like(state.z, jnp.float32))
   o = o[..., :value_dim] / (o[..., value_dim:] + eps)
-  return o.astype(q.dtype), LinearAttentionState(S[..., :value_dim], S[..., value_dim])
+  return o.astype(out_dtype), LinearAttentionState(S[..., :value_dim], S[..., value_dim])

@@ -77,6 +77,7 @@ class KernelConfig(NamedTuple):
   num_warps: int
   num_stages: int
   scan: str
+  precision: str
 
 
 class _Sub(NamedTuple):
@@ -240,13 +241,6 @@ def _dkv_chunk(subs, dS, b_end, last_doc):
   return out
 
 
-def _call(kernel, cfg, grid, in_specs, out_specs, out_shape, *args):
-  return pl.pallas_call(
-      functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs, out_specs=out_specs,
-      out_shape=out_shape, interpret=cfg.interpret,
-      compiler_params=pu.compiler_params(cfg.interpret, cfg.num_warps, cfg.num_stages))(*args)
-
-
 def _input_grads(q, k, v, g, kernel_grads, S_end, dS_end):
   """The VJP's cotangents from the kernels' dq, dk (partial sums per value tile), dv and dS_0."""
   dq, dk, dv, dS0 = kernel_grads
@@ -361,14 +355,14 @@ def _forward(q, k, v, g, doc, S0, cfg):
   grid = _chunk_grid(q, v, cfg)
   s = _chunk_specs(K, g.shape[-1], cfg)
   per_chunk = jax.ShapeDtypeStruct((B, H, grid[2], K, v.shape[-1]), _F32)
-  W_BxHxNxKxV = _call(_writes_kernel, cfg, grid, [s["q"], s["v"], s["g"], s["doc"]], s["state"],
-                      per_chunk, k, v, g, doc)
+  W_BxHxNxKxV = pu.call(_writes_kernel, cfg, grid, [s["q"], s["v"], s["g"], s["doc"]],
+                        s["state"], per_chunk, k, v, g, doc)
   S_BxHxNxKxV, S_end = _scan_states(_chunk_decays(g, doc, cfg.chunk), W_BxHxNxKxV, S0, cfg,
                                     reverse=False, dtype=q.dtype)
-  o = _call(_outputs_kernel, cfg, grid,
-            [s["q"], s["q"], s["v"], s["g"], s["doc"], s["prev_doc"], s["state"]], s["v"],
-            jax.ShapeDtypeStruct((B, Tp, H, v.shape[-1]), _F32),
-            q, k, v, g, doc, doc, S_BxHxNxKxV)
+  o = pu.call(_outputs_kernel, cfg, grid,
+              [s["q"], s["q"], s["v"], s["g"], s["doc"], s["prev_doc"], s["state"]], s["v"],
+              jax.ShapeDtypeStruct((B, Tp, H, v.shape[-1]), _F32),
+              q, k, v, g, doc, doc, S_BxHxNxKxV)
   return o, S_end
 
 
@@ -391,7 +385,7 @@ def _gla_bwd(cfg, residuals, cotangents):
   grid = _chunk_grid(q, v, cfg)
   s = _chunk_specs(K, g.shape[-1], cfg)
   per_chunk = jax.ShapeDtypeStruct((B, H, grid[2], K, V), _F32)
-  W_BxHxNxKxV, R_BxHxNxKxV = _call(
+  W_BxHxNxKxV, R_BxHxNxKxV = pu.call(
       _writes_and_reads_grad_kernel, cfg, grid,
       [s["q"], s["q"], s["v"], s["g"], s["doc"], s["prev_doc"], s["v"]], [s["state"], s["state"]],
       (per_chunk, per_chunk), q, k, v, g, doc, doc, do)
@@ -399,7 +393,7 @@ def _gla_bwd(cfg, residuals, cotangents):
   S_BxHxNxKxV, S_end = _scan_states(decay, W_BxHxNxKxV, S0, cfg, reverse=False, dtype=q.dtype)
   dS_BxHxNxKxV, dS0 = _scan_states(decay, R_BxHxNxKxV, dS_end, cfg, reverse=True, dtype=q.dtype)
   partial = jax.ShapeDtypeStruct((grid[3], B, Tp, H, K), _F32)
-  dq, dk, dv = _call(
+  dq, dk, dv = pu.call(
       _grads_kernel, cfg, grid,
       [s["q"], s["q"], s["v"], s["g"], s["doc"], s["prev_doc"], s["v"], s["state"], s["state"]],
       [s["partial"], s["partial"], s["v"]],
@@ -414,19 +408,22 @@ _gla.defvjp(_gla_fwd, _gla_bwd)
 def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: float, doc_BxT,
             chunk_size: int = CHUNK, interpret: bool | None = None, block_v: int = 64,
             sub_chunk: int = SUB_CHUNK, num_warps: int = 8, num_stages: int = 2,
-            scan: str = "pallas"):
+            scan: str = "pallas", precision: str = "input"):
   """The Pallas backend with xla.chunked's contract: (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32).
 
   Pads T to whole chunks and K, V to power-of-two blocks (zeros: they leave state and outputs
   unchanged), runs the kernels and slices the padding off; G = 1 (scalar gate) or K (per channel).
   ``block_v``, ``sub_chunk`` (per-channel gates only), ``num_warps``, ``num_stages`` and ``scan``
-  (phase 2: "pallas" or "xla") are GPU tuning knobs (defaults: the measured best, see the module docstring); compiled kernels need
+  (phase 2: "pallas" or "xla") are GPU tuning knobs, and ``precision`` the dots' operands ("input":
+  the inputs' dtype; "tf32" or "float32": fp32 copies, ``pu.PRECISIONS``) (defaults: the measured best, see the module docstring); compiled kernels need
   chunk, sub-chunk and blocks of at least 16.
   """
   interpret = pu.resolve_interpret(interpret)
   pu.check_backend(interpret, "gated_linear_attention", "implementation='chunked' (XLA)")
   if chunk_size < 1 or chunk_size & (chunk_size - 1):
     raise ValueError(f"gated_linear_attention: chunk_size must be a power of two, got {chunk_size}")
+  pu.check_precision(precision, "gated_linear_attention")
+  q_BxTxHxK, k_BxTxHxK, v_BxTxHxV = pu.operands(precision, q_BxTxHxK, k_BxTxHxK, v_BxTxHxV)
   B, T, H, K = q_BxTxHxK.shape
   V, G = v_BxTxHxV.shape[-1], g_BxTxHxG.shape[-1]
   C = max(chunk_size, 1 if interpret else pu.MIN_DOT)
@@ -435,7 +432,7 @@ def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: fl
   per_channel = G > 1
   cfg = KernelConfig(chunk=C, sub_chunk=min(sub_chunk, C) if per_channel else C, block_v=BV,
                      scale=float(scale), interpret=interpret,
-                     num_warps=num_warps, num_stages=num_stages, scan=scan)
+                     num_warps=num_warps, num_stages=num_stages, scan=scan, precision=precision)
   pad = lambda x, sizes: functools.reduce(lambda y, a: pu.pad_axis(y, a, sizes[a]), sizes, x)
   q = pad(q_BxTxHxK, {1: Tp, 3: Kp})
   k = pad(k_BxTxHxK, {1: Tp, 3: Kp})
@@ -453,15 +450,18 @@ def gated_linear_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array,
                                   chunk_size: int = CHUNK, normalize: bool = False,
                                   eps: float = 1e-6, scale: float = 1.0,
                                   segment_ids: jax.Array | None = None,
-                                  interpret: bool | None = None, **tuning
-                                  ) -> tuple[jax.Array, api.LinearAttentionState]:
+                                  interpret: bool | None = None, precision: str = "input",
+                                  **tuning) -> tuple[jax.Array, api.LinearAttentionState]:
   """``api.gated_linear_attention`` computed by the Pallas kernels; same arguments and results.
 
+  ``precision`` (``pu.PRECISIONS``): o in q's dtype for "input", else fp32 (see ``chunked``).
   ``tuning`` passes ``block_v``, ``sub_chunk``, ``num_warps``, ``num_stages``, ``scan`` to
   ``chunked``.
   Zero state, no decay and one document by default, and normalisation: ``api.run_backend``.
   """
   api._check_shapes(q, k, v, log_forget, state, segment_ids)
-  backend = functools.partial(chunked, chunk_size=chunk_size, interpret=interpret, **tuning)
+  backend = functools.partial(chunked, chunk_size=chunk_size, interpret=interpret,
+                              precision=precision, **tuning)
   return api.run_backend(backend, q, k, v, log_forget, state, normalize=normalize, eps=eps,
-                         scale=scale, segment_ids=segment_ids)
+                         scale=scale, segment_ids=segment_ids,
+                         out_dtype=api.output_dtype(q, precision))
