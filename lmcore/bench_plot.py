@@ -15,7 +15,8 @@ def tokens_per_s(row: Row) -> float | None:
 
 def plot_tokens_per_s(rows: list[Row], path: str, title: str = "") -> None:
   """fwd+bwd tokens/s vs T (log2 x, log y), one panel per op, one line per implementation (in order of
-  appearance), softmax as a dashed reference line in every panel; saved as a PNG."""
+  appearance, one colour per implementation name across panels), softmax as a dashed reference line
+  in every panel; saved as a PNG."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -23,6 +24,8 @@ def plot_tokens_per_s(rows: list[Row], path: str, title: str = "") -> None:
   timed = [r for r in rows if tokens_per_s(r)]
   softmax = [r for r in timed if r.op == "softmax"]
   ops = list(dict.fromkeys(r.op for r in timed if r.op != "softmax")) or ["softmax"]
+  impls = dict.fromkeys(r.impl for r in timed if r.op != "softmax")
+  colour = {impl: f"C{i % 10}" for i, impl in enumerate(impls)}
   cols = len(ops) if len(ops) <= 3 else math.ceil(math.sqrt(len(ops)))  # 4 panels: 2×2
   nrows = math.ceil(len(ops) / cols)
   fig, axes = plt.subplots(nrows, cols, figsize=(4.8 * cols, 3.8 * nrows), squeeze=False)
@@ -34,7 +37,8 @@ def plot_tokens_per_s(rows: list[Row], path: str, title: str = "") -> None:
       op_rows = [r for r in timed if r.op == op]
       for impl in dict.fromkeys(r.impl for r in op_rows):
         series = sorted((r for r in op_rows if r.impl == impl), key=lambda r: r.length)
-        ax.plot([r.length for r in series], [tokens_per_s(r) for r in series], marker="o", label=impl)
+        ax.plot([r.length for r in series], [tokens_per_s(r) for r in series], marker="o",
+                color=colour[impl], label=impl)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sequence length T")
