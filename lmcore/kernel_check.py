@@ -8,7 +8,9 @@ precision (GPUs otherwise use TF32 for fp32 dots), so a bf16 row measures the ke
 A row passes when its largest error is within the limit of its dtype (1e-5 in fp32; issue 7: 2e-3 in
 bf16). For scale, a bf16 row also reports the XLA reference's own largest error in bf16 and the
 rounding floor: the largest error of the fp32 reference's own results merely rounded to bf16, which no
-bf16 kernel can go below.
+bf16 kernel can go below. (A kernel with bf16 outputs also gets a bf16 output gradient, which puts its
+input gradients about √2 times the floor away even with exact arithmetic; the ``pallas (tf32)`` and
+``pallas (float32)`` cases, ``kernel_precision`` other than "input", return fp32 and reach the floor.)
 """
 
 from __future__ import annotations
