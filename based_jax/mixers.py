@@ -21,6 +21,7 @@ from based_jax.linear_attention import (TaylorState, default_decay_rates, taylor
 from based_jax.sliding_window import (WindowState, rotary, sliding_window_attention,
                                       zero_window_state)
 from based_jax.taylor import feature_width
+from lmcore.kernels import pallas_utils
 from lmcore.mixers.base import InitSpec, default_positions, dense, float_bytes
 
 
@@ -51,9 +52,13 @@ class TaylorLinearAttention(nnx.Module):
     feature: Literal["full", "compact"] = "compact"
     implementation: Literal["parallel", "chunked", "recurrent", "pallas", "auto"] = "chunked"
     chunk_size: int = 64
+    kernel_precision: str = "input"  # "pallas" only: "tf32"/"float32" run the kernels in fp32
     eps: float = 1e-12
     decay: bool = False
     decode_implementation: Literal["parallel", "chunked", "recurrent"] = "recurrent"
+
+    def __post_init__(self):
+      pallas_utils.check_precision(self.kernel_precision, "Taylor kernel_precision")
 
   def __init__(self, config: Config, *, d_model: int, init: InitSpec = InitSpec(),
                dtype=jnp.float32, rngs: nnx.Rngs):
@@ -83,7 +88,8 @@ class TaylorLinearAttention(nnx.Module):
         implementation=cfg.decode_implementation if length == 1 else cfg.implementation,
         state=state, eps=cfg.eps, feature=cfg.feature, chunk_size=cfg.chunk_size,
         decay=default_decay_rates(cfg.n_heads) if cfg.decay else None,
-        dt=self.dt_proj(x_BxTxD) if cfg.decay else None, segment_ids=segment_ids_BxT)
+        dt=self.dt_proj(x_BxTxD) if cfg.decay else None, segment_ids=segment_ids_BxT,
+        kernel_precision=cfg.kernel_precision)
     return self.out_proj(o_BxTxHxV.reshape(batch, length, self.d_model)), state
 
   def init_state(self, batch_size: int, max_len: int | None = None) -> TaylorState:

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lmcore.kernels import pallas_utils
 from lmcore.mixers.base import InitSpec, dense, float_bytes
 from sanatan_jax import features
 from sanatan_jax.attention import (IMPLEMENTATIONS, SanatanState, has_constant_state,
@@ -43,6 +44,7 @@ class SanatanMixer(nnx.Module):
     implementation: str = "parallel"
     chunk_size: int = 64
     block_size: int = 128
+    kernel_precision: str = "input"  # "pallas" only: "tf32"/"float32" run the kernels in fp32
     learn_omega: bool = True
     rotate: bool = True
     decode_implementation: str = "recurrent"
@@ -53,6 +55,7 @@ class SanatanMixer(nnx.Module):
       if self.decode_implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown decode_implementation {self.decode_implementation!r}; "
                          f"valid: {', '.join(IMPLEMENTATIONS)}")
+      pallas_utils.check_precision(self.kernel_precision, "SANATAN kernel_precision")
 
     @property
     def dv(self) -> int:
@@ -97,7 +100,8 @@ class SanatanMixer(nnx.Module):
         positions=positions_BxT, segment_ids=segment_ids_BxT, p=cfg.p, channels=cfg.channels,
         three_channel=cfg.three_channel,
         implementation=cfg.decode_implementation if decoding else cfg.implementation,
-        state=state, chunk_size=cfg.chunk_size, block_size=cfg.block_size, rotate=cfg.rotate)
+        state=state, chunk_size=cfg.chunk_size, block_size=cfg.block_size, rotate=cfg.rotate,
+        kernel_precision=cfg.kernel_precision)
     return self.wo(o_BxTxHxV.reshape(B, T, cfg.n_heads * cfg.dv)), new_state
 
   def _check_has_state(self) -> None:

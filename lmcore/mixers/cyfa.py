@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lmcore.kernels import LinearAttentionState, gated_linear_attention
+from lmcore.kernels import LinearAttentionState, gated_linear_attention, pallas_utils
 from lmcore.mixers.base import InitSpec, dense
 from lmcore.mixers.common import (HeadRMSNorm, implementation_for, linear_state_bytes,
                                   merge_heads, split_heads)
@@ -73,6 +73,10 @@ class CyFA(nnx.Module):
     norm_eps: float = 1e-5
     implementation: str = "chunked"
     chunk_size: int | None = None  # None: the implementation's default (XLA 64, Pallas 32)
+    kernel_precision: str = "input"  # "pallas" only: "tf32"/"float32" run the kernels in fp32
+
+    def __post_init__(self):
+      pallas_utils.check_precision(self.kernel_precision, "CyFA kernel_precision")
 
   def __init__(self, config: Config, *, d_model: int, init: InitSpec, dtype=jnp.float32,
                rngs: nnx.Rngs):
@@ -127,7 +131,7 @@ class CyFA(nnx.Module):
     o_BxTxHxV, new_state = gated_linear_attention(
         q, self._written_keys(k, gates), v, gates.log_forget, state=state,
         implementation=implementation_for(c.implementation, T), chunk_size=c.chunk_size,
-        segment_ids=segment_ids_BxT)
+        segment_ids=segment_ids_BxT, kernel_precision=c.kernel_precision)
     gate = None if self.wg is None else split_heads(self.wg(x_BxTxD), c.n_heads)
     y_BxTxD = self.wo(merge_heads(self.norm(o_BxTxHxV, gate)))
     return y_BxTxD.astype(x_BxTxD.dtype), new_state, gates

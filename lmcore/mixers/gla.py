@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lmcore.kernels import LinearAttentionState, gated_linear_attention
+from lmcore.kernels import LinearAttentionState, gated_linear_attention, pallas_utils
 from lmcore.mixers.base import InitSpec, dense
 from lmcore.mixers.common import (HeadRMSNorm, implementation_for, linear_state_bytes,
                                   merge_heads, split_heads)
@@ -39,7 +39,11 @@ class GLA(nnx.Module):
     gate_logit_normalizer: float = 16.0
     implementation: str = "chunked"
     chunk_size: int | None = None  # None: the implementation's default (XLA 64, Pallas 32)
+    kernel_precision: str = "input"  # "pallas" only: "tf32"/"float32" run the kernels in fp32
     norm_eps: float = 1e-5
+
+    def __post_init__(self):
+      pallas_utils.check_precision(self.kernel_precision, "GLA kernel_precision")
 
   def __init__(self, config: Config, *, d_model: int, init: InitSpec, dtype=jnp.float32,
                rngs: nnx.Rngs):
@@ -77,6 +81,7 @@ class GLA(nnx.Module):
     o_BxTxHxV, new_state = gated_linear_attention(
         q, k, v, self.log_forget(x_BxTxD), state=state, scale=self.head_k_dim**-0.5,
         implementation=implementation_for(self.config.implementation, T),
-        chunk_size=self.config.chunk_size, segment_ids=segment_ids_BxT)
+        chunk_size=self.config.chunk_size, segment_ids=segment_ids_BxT,
+        kernel_precision=self.config.kernel_precision)
     y_BxTxD = self.wo(merge_heads(self.norm(o_BxTxHxV, g)))
     return y_BxTxD.astype(x_BxTxD.dtype), new_state

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lmcore.kernels import LinearAttentionState, gated_linear_attention
+from lmcore.kernels import LinearAttentionState, gated_linear_attention, pallas_utils
 from lmcore.kernels.gated_linear_attention import document_index
 from lmcore.mixers.base import InitSpec, default_positions, dense, float_bytes
 from lmcore.mixers.common import implementation_for, linear_state_bytes, merge_heads, split_heads
@@ -38,7 +38,11 @@ class LinearAttentionConfig:
   head_dim: int = 64
   implementation: str = "chunked"
   chunk_size: int | None = None  # None: the implementation's default (XLA 64, Pallas 32)
+  kernel_precision: str = "input"  # "pallas" only: "tf32"/"float32" run the kernels in fp32
   eps: float = 1e-6
+
+  def __post_init__(self):
+    pallas_utils.check_precision(self.kernel_precision, "linear attention kernel_precision")
 
 
 class _NormalisedLinearAttention(nnx.Module):
@@ -64,7 +68,7 @@ class _NormalisedLinearAttention(nnx.Module):
     o_BxTxHxd, new_state = gated_linear_attention(
         phi_q.astype(v.dtype), phi_k.astype(v.dtype), v, log_forget, state=state,
         normalize=True, eps=c.eps, implementation=implementation_for(c.implementation, v.shape[1]),
-        chunk_size=c.chunk_size, segment_ids=segment_ids_BxT)
+        chunk_size=c.chunk_size, segment_ids=segment_ids_BxT, kernel_precision=c.kernel_precision)
     return self.wo(merge_heads(o_BxTxHxd)).astype(x_BxTxD.dtype), new_state
 
 
