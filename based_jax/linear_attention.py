@@ -126,8 +126,9 @@ def taylor_linear_attention(
   implementation = resolve_implementation(implementation, decay=decay is not None or dt is not None,
                                           segments=segment_ids is not None)
   _check_args(q, k, v, implementation, decay, dt, segment_ids)
-  options = pallas_utils.kernel_options(kernel_precision, "taylor_linear_attention")
+  pallas_utils.check_precision(kernel_precision, "taylor_linear_attention")
   if implementation == "pallas":
+    options = pallas_utils.kernel_options(kernel_precision, "taylor_linear_attention")
     kernels = (pallas_taylor_tpu.taylor_linear_attention_tpu if pallas_utils.backend() == "tpu"
                else pallas_taylor.taylor_linear_attention_pallas)
     return kernels(q, k, v, state=state, eps=eps, feature=feature, chunk_size=chunk_size,

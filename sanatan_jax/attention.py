@@ -327,14 +327,15 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
   _check_state(state, p, channels, (B, H, width, dv))
   validate_options(p=p, channels=channels, three_channel=three_channel,
                    implementation=implementation)
-  options = pallas_utils.kernel_options(kernel_precision, "sanatan_attention")
-  if implementation == "pallas" and has_constant_state(p, channels):
-    kernels = (pallas_p1_tpu.sanatan_p1_tpu if pallas_utils.backend() == "tpu"
-               else pallas_p1.sanatan_p1_pallas)
-    return kernels(q, k, v, omega, lam_raw, positions=positions, segment_ids=segment_ids,
-                   state=state, rotate=rotate, **options)
+  pallas_utils.check_precision(kernel_precision, "sanatan_attention")
   if implementation == "pallas":
-    blocked = (pallas_blocked_tpu.sanatan_blocked_tpu if pallas_utils.backend() == "tpu"
+    options = pallas_utils.kernel_options(kernel_precision, "sanatan_attention")
+    on_tpu = pallas_utils.backend() == "tpu"
+    if has_constant_state(p, channels):
+      kernels = pallas_p1_tpu.sanatan_p1_tpu if on_tpu else pallas_p1.sanatan_p1_pallas
+      return kernels(q, k, v, omega, lam_raw, positions=positions, segment_ids=segment_ids,
+                     state=state, rotate=rotate, **options)
+    blocked = (pallas_blocked_tpu.sanatan_blocked_tpu if on_tpu
                else pallas_blocked.sanatan_blocked_pallas)
     return blocked(q, k, v, omega, lam_raw, positions=positions, segment_ids=segment_ids, p=p,
                    channels=channels, three_channel=three_channel, rotate=rotate,

@@ -107,3 +107,16 @@ def test_precision_errors_name_the_choices():
     with pytest.raises(ValueError, match="kernel_precision='input'"):
       pu.kernel_options("float32", "op")
     assert pu.kernel_options("input", "op") == {}
+
+
+@pytest.mark.parametrize("name", ["sanatan_p1", "sanatan_p2", "gated", "taylor"])
+def test_on_tpu_only_the_kernels_reject_fp32_precision(name):
+  """The TPU kernels compute in the inputs' dtype, so a non-"input" precision fails there, while
+  the XLA implementations (which ignore it) still run: a GPU config stays usable on a TPU host."""
+  rng = np.random.default_rng(5)
+  op, reference_impl, scale = _op(name, rng)
+  args = _bf16_inputs(rng, scale)
+  with pu.assume_backend("tpu"):
+    assert jax.eval_shape(op(reference_impl, kernel_precision="tf32"), *args).dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="kernel_precision='input'"):
+      jax.eval_shape(op("pallas", kernel_precision="tf32"), *args)

@@ -72,7 +72,7 @@ class CyFA(nnx.Module):
     forget_bias_max: float = 4.0
     norm_eps: float = 1e-5
     implementation: str = "chunked"
-    chunk_size: int | None = None  # None: the implementation's default (XLA 64, Pallas 32)
+    chunk_size: int | None = None  # None: the implementation's default (XLA 64, Pallas 16)
     kernel_precision: str = "input"  # "pallas" only: "tf32"/"float32" run the kernels in fp32
 
     def __post_init__(self):

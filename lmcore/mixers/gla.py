@@ -38,7 +38,7 @@ class GLA(nnx.Module):
     gate_low_rank: int = 16
     gate_logit_normalizer: float = 16.0
     implementation: str = "chunked"
-    chunk_size: int | None = None  # None: the implementation's default (XLA 64, Pallas 32)
+    chunk_size: int | None = None  # None: the implementation's default (XLA 64, Pallas 16)
     kernel_precision: str = "input"  # "pallas" only: "tf32"/"float32" run the kernels in fp32
     norm_eps: float = 1e-5
 

@@ -37,7 +37,7 @@ class LinearAttentionConfig:
   n_heads: int = 12
   head_dim: int = 64
   implementation: str = "chunked"
-  chunk_size: int | None = None  # None: the implementation's default (XLA 64, Pallas 32)
+  chunk_size: int | None = None  # None: the implementation's default (XLA 64, Pallas 16)
   kernel_precision: str = "input"  # "pallas" only: "tf32"/"float32" run the kernels in fp32
   eps: float = 1e-6
 

@@ -84,9 +84,10 @@ def _backend(implementation: str | None, chunk_size: int | None, kernel_precisio
   chunked implementation its own default."""
   implementation = resolve_implementation(implementation)
   chunk = {} if chunk_size is None else {"chunk_size": chunk_size}
-  options = pallas_utils.kernel_options(kernel_precision, "gated_linear_attention")
+  pallas_utils.check_precision(kernel_precision, "gated_linear_attention")
   if implementation == "pallas":
     kernels = pallas_tpu if pallas_utils.backend() == "tpu" else pallas
+    options = pallas_utils.kernel_options(kernel_precision, "gated_linear_attention")
     return functools.partial(kernels.chunked, **chunk, **options)
   if implementation in ("reference", "recurrent"):
     return reference.recurrent
