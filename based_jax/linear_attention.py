@@ -1,8 +1,10 @@
 """Causal Taylor linear attention of BASED (SPEC §2.1, based_zoology §1–§2).
 
-Three XLA implementations of one function, parallel, chunked, recurrent, and Pallas kernels
-(``implementation="pallas"``, no decay ablation): ``based_jax.kernels.pallas_taylor`` (Triton) off
-TPU, ``based_jax.kernels.pallas_taylor_tpu`` (Mosaic) where ``pallas_utils.backend()`` is "tpu".
+Three XLA implementations of one function, parallel, chunked, recurrent, and Pallas kernels (no
+decay ablation): ``implementation="pallas"``, the chunked kernels, ``based_jax.kernels.pallas_taylor``
+(Triton) off TPU, ``based_jax.kernels.pallas_taylor_tpu`` (Mosaic) where ``pallas_utils.backend()``
+is "tpu"; ``"pallas_blocked"``, the quadratic form block by block
+(``based_jax.kernels.pallas_taylor_blocked``, Triton; interpreted off GPU).
 Per head, with ``A_tj = phi(q_t)·phi(k_j) = 1 + s + s²/2`` and ``s = q_t·k_j / sqrt(d')``::
 
     y_t = dt_t · sum_{j<=t} gamma^(t-j) A_tj v_j / (sum_{j<=t} A_tj + eps)
@@ -20,7 +22,7 @@ bit-level comparisons with one code base or the other.
 Packed sequences (``segment_ids`` [B, T]): a new document starts wherever the id changes; tokens see
 only keys of their own run of ids, and an incoming state continues the first run (a document that
 starts exactly at a call boundary gets a fresh state instead). ``parallel``, ``recurrent`` and
-``pallas`` support it; ``chunked`` raises.
+both kernels support it; ``chunked`` raises.
 
 ``implementation="auto"`` picks the fastest form that takes the arguments
 (``resolve_implementation``).
@@ -34,12 +36,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from based_jax.kernels import pallas_taylor, pallas_taylor_tpu
+from based_jax.kernels import pallas_taylor, pallas_taylor_blocked, pallas_taylor_tpu
 from based_jax.taylor import Feature, feature_width, taylor_features, taylor_kernel
 from lmcore.kernels import pallas_utils
 
 IMPLEMENTATIONS: tuple[str, ...] = ("parallel", "chunked", "recurrent")  # the XLA forms
-VALID_IMPLEMENTATIONS: tuple[str, ...] = IMPLEMENTATIONS + ("pallas", "auto")
+KERNELS: tuple[str, ...] = ("pallas", "pallas_blocked")  # GPU kernels (no decay ablation)
+VALID_IMPLEMENTATIONS: tuple[str, ...] = IMPLEMENTATIONS + KERNELS + ("auto",)
 
 
 class TaylorState(NamedTuple):
@@ -73,21 +76,29 @@ def segment_runs(segment_ids_BxT: jax.Array) -> jax.Array:
   return jnp.cumsum(segment_boundaries(segment_ids_BxT), axis=1, dtype=jnp.int32)
 
 
-def resolve_implementation(implementation: str, *, decay: bool = False,
+# "auto" on a GPU: the blocked (quadratic) kernels below this length, the chunked ones from it. H200
+# fwd+bwd (B T = 16,384, 16 heads, d' = 16, dv = 64): 1.59 against 4.43 ms at T = 2048, 4.80
+# against 4.74 at 8192, 33.5 against 10.7 at 32768.
+BLOCKED_BELOW = 8192
+
+
+def resolve_implementation(implementation: str, *, length: int, decay: bool = False,
                            segments: bool = False) -> str:
   """The form "auto" runs for these arguments; other names pass through.
 
-  ``decay``: the decay ablation is on (``decay`` or ``dt`` given); ``segments``: ``segment_ids``
-  given. "pallas" on GPU without the decay ablation (which the kernels lack; H200 fwd+bwd 2.10× /
-  3.71× / 5.92× XLA chunked at T = 2048 / 8192 / 32768). Otherwise XLA (TPUs too: libtpu has never
-  compiled the Mosaic kernels): "chunked", or with ``segments``, which chunked does not take,
-  "parallel", the fastest XLA form that does (0.86× chunked at T = 2048 on the H200, at the cost of
-  B H T² fp32 scores); "recurrent" is a T-step serial scan, the decode path.
+  ``length``: T; ``decay``: the decay ablation is on (``decay`` or ``dt`` given); ``segments``:
+  ``segment_ids`` given. On a GPU without the decay ablation (which the kernels lack) the Pallas
+  kernels: "pallas_blocked" for T < ``BLOCKED_BELOW``, else "pallas" (H200 fwd+bwd 2.05× / 3.71×
+  / 5.97× XLA chunked at T = 2048 / 8192 / 32768; the blocked ones 5.9× at 2048). Otherwise XLA
+  (TPUs too: libtpu has never compiled the Mosaic kernels): "chunked", or with ``segments``, which
+  chunked does not take, "parallel", the fastest XLA form that does (0.86× chunked at T = 2048 on
+  the H200, at the cost of B H T² fp32 scores); "recurrent" is a T-step serial scan, the decode
+  path.
   """
   if implementation != "auto":
     return implementation
   if pallas_utils.backend() == "gpu" and not decay:
-    return "pallas"
+    return "pallas_blocked" if length < BLOCKED_BELOW else "pallas"
   return "parallel" if segments else "chunked"
 
 
@@ -103,9 +114,11 @@ def taylor_linear_attention(
     q, k: raw per-head projections [B, T, H, d'] (the feature map is applied here).
     v: values [B, T, H, dv].
     implementation: ``parallel`` (materialised T x T scores), ``chunked`` (``lax.scan`` over
-      chunks of ``chunk_size``), ``recurrent`` (``lax.scan`` over tokens) or ``pallas`` (the
+      chunks of ``chunk_size``), ``recurrent`` (``lax.scan`` over tokens), ``pallas`` (the
       kernels: chunk-parallel Triton on GPU, interpreted on CPU; sequential-chunk Mosaic on TPU;
-      no ``decay``/``dt``); same function. ``auto``: see ``resolve_implementation``.
+      no ``decay``/``dt``) or ``pallas_blocked`` (the quadratic form's Triton kernels, faster below
+      a few thousand tokens; no ``decay``/``dt``); same function. ``auto``: see
+      ``resolve_implementation``.
     state: the state after a prefix of this sequence, or None for the start of a sequence.
     eps: added to the denominator.
     feature: ``compact`` (F = 153 at d' = 16) or ``full`` (F = 273): same function, different
@@ -123,7 +136,8 @@ def taylor_linear_attention(
     "tf32"/"float32"); the fp32 state after the last token.
   """
   batch, length, heads, key_dim = q.shape
-  implementation = resolve_implementation(implementation, decay=decay is not None or dt is not None,
+  implementation = resolve_implementation(implementation, length=length,
+                                          decay=decay is not None or dt is not None,
                                           segments=segment_ids is not None)
   _check_args(q, k, v, implementation, decay, dt, segment_ids)
   pallas_utils.check_precision(kernel_precision, "taylor_linear_attention")
@@ -133,14 +147,17 @@ def taylor_linear_attention(
                else pallas_taylor.taylor_linear_attention_pallas)
     return kernels(q, k, v, state=state, eps=eps, feature=feature, chunk_size=chunk_size,
                    segment_ids=segment_ids, **options)
+  runs_BxT = (jnp.zeros((batch, length), jnp.int32) if segment_ids is None
+              else segment_runs(segment_ids))
+  if implementation == "pallas_blocked":
+    return _blocked_kernels(q, k, v, state, runs_BxT, eps=eps, feature=feature,
+                            precision=kernel_precision)
   if state is None:
     state = zero_state(batch, heads, key_dim, v.shape[-1], feature)
   state = TaylorState(*(x.astype(jnp.float32) for x in state))
   log_gamma_H = (jnp.zeros((heads,), jnp.float32) if decay is None
                  else jnp.log(decay.astype(jnp.float32)))
   dt_BxTxH = jnp.ones((batch, length, heads), jnp.float32) if dt is None else dt.astype(jnp.float32)
-  runs_BxT = (jnp.zeros((batch, length), jnp.int32) if segment_ids is None
-              else segment_runs(segment_ids))
   if implementation == "parallel":
     return _parallel(q, k, v, state, log_gamma_H, dt_BxTxH, runs_BxT, eps=eps, feature=feature)
   if implementation == "chunked":
@@ -160,9 +177,9 @@ def _check_args(q, k, v, implementation, decay, dt, segment_ids) -> None:
     raise ValueError(f"decay must be per-head rates of shape {q.shape[2:3]}, got {decay.shape}")
   if dt is not None and dt.shape != q.shape[:3]:
     raise ValueError(f"dt must have shape [B, T, H] = {q.shape[:3]}, got {dt.shape}")
-  if implementation == "pallas" and (decay is not None or dt is not None):
+  if implementation in KERNELS and (decay is not None or dt is not None):
     raise NotImplementedError("the decay ablation (decay, dt) is supported by implementation="
-                              "'parallel', 'chunked' or 'recurrent', not 'pallas'")
+                              f"'parallel', 'chunked' or 'recurrent', not {implementation!r}")
   if segment_ids is not None and implementation == "chunked":
     raise NotImplementedError("segment_ids are supported by implementation='parallel', 'recurrent' "
                               "or 'pallas', not 'chunked'")
@@ -200,6 +217,27 @@ def _parallel(q, k, v, state, log_gamma_H, dt_BxTxH, runs_BxT, *, eps, feature):
   o_BxTxHxV = dt_BxTxH[..., None] * num_BxTxHxV / (den_BxTxH[..., None] + eps)
   return o_BxTxHxV.astype(v.dtype), _parallel_final_state(k, v, state, log_gamma_H, runs_BxT,
                                                           feature=feature)
+
+
+def _blocked_kernels(q, k, v, state, runs_BxT, *, eps, feature, precision):
+  """``parallel``'s function by the blocked Pallas kernels (pallas_taylor_blocked.py): the kernels'
+  sums N, D, plus a prefix state's read for the first run's tokens; o in v's dtype ("input") or
+  fp32; the final state by ``_parallel_final_state`` (XLA, dropped by jit when unused)."""
+  num_BxTxHxV, den_BxTxH = pallas_taylor_blocked.taylor_sums_blocked(q, k, v, runs_BxT,
+                                                                     precision=precision)
+  zero_decay_H = jnp.zeros(q.shape[2:3], jnp.float32)
+  if state is None:
+    state = zero_state(q.shape[0], q.shape[2], q.shape[3], v.shape[-1], feature)
+  else:
+    state = TaylorState(*(x.astype(jnp.float32) for x in state))
+    first_BxTx1 = (runs_BxT == 0)[..., None].astype(jnp.float32)
+    phi_q_BxTxHxF = taylor_features(q, feature)
+    num_BxTxHxV += first_BxTx1[..., None] * _mm("bthf,bhfv->bthv", phi_q_BxTxHxF, state.S)
+    den_BxTxH += first_BxTx1 * _mm("bthf,bhf->bth", phi_q_BxTxHxF, state.z)
+  o_BxTxHxV = num_BxTxHxV / (den_BxTxH[..., None] + eps)
+  out_dtype = v.dtype if precision == "input" else jnp.float32
+  return o_BxTxHxV.astype(out_dtype), _parallel_final_state(k, v, state, zero_decay_H, runs_BxT,
+                                                            feature=feature)
 
 
 def _parallel_final_state(k, v, state, log_gamma_H, runs_BxT, *, feature) -> TaylorState:

@@ -50,9 +50,10 @@ class TaylorLinearAttention(nnx.Module):
     n_heads: int = 16
     feature_dim: int = 16
     feature: Literal["full", "compact"] = "compact"
-    implementation: Literal["parallel", "chunked", "recurrent", "pallas", "auto"] = "chunked"
+    implementation: Literal["parallel", "chunked", "recurrent", "pallas", "pallas_blocked",
+                            "auto"] = "chunked"
     chunk_size: int = 64
-    kernel_precision: str = "input"  # "pallas" only: "tf32"/"float32" run the kernels in fp32
+    kernel_precision: str = "input"  # Pallas kernels only: "tf32"/"float32" run them in fp32
     eps: float = 1e-12
     decay: bool = False
     decode_implementation: Literal["parallel", "chunked", "recurrent"] = "recurrent"

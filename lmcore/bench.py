@@ -243,13 +243,16 @@ def taylor_cases(batch, length, dtype):
   kernel = lambda precision: op("pallas", kernel_precision=precision)
   cases = {pallas_name: op("pallas"), **_precision_cases(kernel, dtype),
            "chunked (xla)": op("chunked")}
+  if pallas_name == "pallas":  # the blocked (quadratic) Triton kernels; GPU only
+    cases["pallas_blocked"] = op("pallas_blocked")
   if batch * TAYLOR_HEADS * length * length <= PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = op("parallel")
   F = 1 + TAYLOR_DIM + TAYLOR_DIM * (TAYLOR_DIM + 1) // 2  # the compact feature width, 153
   flops = {impl: chunked_flops(batch, length, TAYLOR_HEADS, F, HEAD_DIM) for impl in cases}
   if pallas_name == "pallas (tpu)":  # compiled Mosaic chunks are >= 128 tokens
     flops[pallas_name] = chunked_flops(batch, length, TAYLOR_HEADS, F, HEAD_DIM, chunk=TPU_CHUNK)
-  flops["parallel (reference)"] = parallel_flops(batch, length, TAYLOR_HEADS, TAYLOR_DIM + 2, HEAD_DIM)
+  for name in ("parallel (reference)", "pallas_blocked"):
+    flops[name] = parallel_flops(batch, length, TAYLOR_HEADS, TAYLOR_DIM + 2, HEAD_DIM)
   return args, cases, flops
 
 

@@ -25,7 +25,8 @@ def plot_tokens_per_s(rows: list[Row], path: str, title: str = "") -> None:
   softmax = [r for r in timed if r.op == "softmax"]
   ops = list(dict.fromkeys(r.op for r in timed if r.op != "softmax")) or ["softmax"]
   impls = dict.fromkeys(r.impl for r in timed if r.op != "softmax")
-  colour = {impl: f"C{i % 10}" for i, impl in enumerate(impls)}
+  palette = plt.get_cmap("tab10" if len(impls) <= 10 else "tab20")
+  colour = {impl: palette(i % palette.N) for i, impl in enumerate(impls)}
   cols = len(ops) if len(ops) <= 3 else math.ceil(math.sqrt(len(ops)))  # 4 panels: 2×2
   nrows = math.ceil(len(ops) / cols)
   fig, axes = plt.subplots(nrows, cols, figsize=(4.8 * cols, 3.8 * nrows), squeeze=False)

@@ -53,16 +53,18 @@ def test_sanatan_resolver(on, platform, p, channels, expected):
   assert sanatan.resolve_implementation("parallel", p, channels) == "parallel"
 
 
-@pytest.mark.parametrize("platform,decay,segments,expected", [
-    ("gpu", False, False, "pallas"), ("gpu", False, True, "pallas"),
-    ("gpu", True, False, "chunked"), ("gpu", True, True, "parallel"),
-    ("cpu", False, False, "chunked"), ("cpu", False, True, "parallel"),
-    ("tpu", False, False, "chunked"), ("tpu", True, True, "parallel"),
+@pytest.mark.parametrize("platform,length,decay,segments,expected", [
+    ("gpu", 2048, False, False, "pallas_blocked"), ("gpu", 2048, False, True, "pallas_blocked"),
+    ("gpu", 8192, False, False, "pallas"), ("gpu", 8192, False, True, "pallas"),
+    ("gpu", 2048, True, False, "chunked"), ("gpu", 2048, True, True, "parallel"),
+    ("cpu", 2048, False, False, "chunked"), ("cpu", 2048, False, True, "parallel"),
+    ("tpu", 2048, False, False, "chunked"), ("tpu", 2048, True, True, "parallel"),
 ])
-def test_taylor_resolver(on, platform, decay, segments, expected):
+def test_taylor_resolver(on, platform, length, decay, segments, expected):
   on(platform)
-  assert taylor.resolve_implementation("auto", decay=decay, segments=segments) == expected
-  assert taylor.resolve_implementation("recurrent", decay=decay, segments=segments) == "recurrent"
+  options = dict(length=length, decay=decay, segments=segments)
+  assert taylor.resolve_implementation("auto", **options) == expected
+  assert taylor.resolve_implementation("recurrent", **options) == "recurrent"
 
 
 def _same(fn, implementation, *args, **kwargs):
