@@ -77,8 +77,8 @@ def segment_runs(segment_ids_BxT: jax.Array) -> jax.Array:
 
 
 # "auto" on a GPU: the blocked (quadratic) kernels below this length, the chunked ones from it. H200
-# fwd+bwd (B T = 16,384, 16 heads, d' = 16, dv = 64): 1.59 against 4.43 ms at T = 2048, 4.80
-# against 4.74 at 8192, 33.5 against 10.7 at 32768.
+# fwd+bwd (B T = 16,384, 16 heads, d' = 16, dv = 64): 1.59 against 4.43 ms at T = 2048, 2.97
+# against 4.31 at 4096, 4.80 against 4.74 at 8192, 33.5 against 10.7 at 32768.
 BLOCKED_BELOW = 8192
 
 
