@@ -209,14 +209,22 @@ def _parallel(q, k, v, state, log_gamma_H, dt_BxTxH, runs_BxT, *, eps, feature):
   den_BxTxH = A_BxHxTxT.sum(-1).transpose(0, 2, 1)
 
   # The incoming state is the prefix of the first run; it has decayed by gamma^(t+1) at token t.
-  first_BxTx1 = (runs_BxT == 0)[..., None].astype(jnp.float32)
-  phi_q_BxTxHxF = taylor_features(q, feature)
+  first_BxTx1, (read_S_BxTxHxV, read_z_BxTxH) = _state_reads(q, state, runs_BxT, feature)
   prefix_BxTxH = first_BxTx1 * jnp.exp((t_T[:, None] + 1) * log_gamma_H)
-  num_BxTxHxV += prefix_BxTxH[..., None] * _mm("bthf,bhfv->bthv", phi_q_BxTxHxF, state.S)
-  den_BxTxH += first_BxTx1 * _mm("bthf,bhf->bth", phi_q_BxTxHxF, state.z)
+  num_BxTxHxV += prefix_BxTxH[..., None] * read_S_BxTxHxV
+  den_BxTxH += first_BxTx1 * read_z_BxTxH
   o_BxTxHxV = dt_BxTxH[..., None] * num_BxTxHxV / (den_BxTxH[..., None] + eps)
   return o_BxTxHxV.astype(v.dtype), _parallel_final_state(k, v, state, log_gamma_H, runs_BxT,
                                                           feature=feature)
+
+
+def _state_reads(q, state, runs_BxT, feature):
+  """Which tokens read an incoming state (the first run's: [B, T, 1] float) and what they read,
+  phi(q)·S [B, T, H, dv] and phi(q)·z [B, T, H] (fp32, undecayed)."""
+  phi_q_BxTxHxF = taylor_features(q, feature)
+  return ((runs_BxT == 0)[..., None].astype(jnp.float32),
+          (_mm("bthf,bhfv->bthv", phi_q_BxTxHxF, state.S),
+           _mm("bthf,bhf->bth", phi_q_BxTxHxF, state.z)))
 
 
 def _blocked_kernels(q, k, v, state, runs_BxT, *, eps, feature, precision):
@@ -230,12 +238,11 @@ def _blocked_kernels(q, k, v, state, runs_BxT, *, eps, feature, precision):
     state = zero_state(q.shape[0], q.shape[2], q.shape[3], v.shape[-1], feature)
   else:
     state = TaylorState(*(x.astype(jnp.float32) for x in state))
-    first_BxTx1 = (runs_BxT == 0)[..., None].astype(jnp.float32)
-    phi_q_BxTxHxF = taylor_features(q, feature)
-    num_BxTxHxV += first_BxTx1[..., None] * _mm("bthf,bhfv->bthv", phi_q_BxTxHxF, state.S)
-    den_BxTxH += first_BxTx1 * _mm("bthf,bhf->bth", phi_q_BxTxHxF, state.z)
+    first_BxTx1, (read_S_BxTxHxV, read_z_BxTxH) = _state_reads(q, state, runs_BxT, feature)
+    num_BxTxHxV += first_BxTx1[..., None] * read_S_BxTxHxV
+    den_BxTxH += first_BxTx1 * read_z_BxTxH
   o_BxTxHxV = num_BxTxHxV / (den_BxTxH[..., None] + eps)
-  out_dtype = v.dtype if precision == "input" else jnp.float32
+  out_dtype = pallas_utils.output_dtype(v.dtype, precision)
   return o_BxTxHxV.astype(out_dtype), _parallel_final_state(k, v, state, zero_decay_H, runs_BxT,
                                                             feature=feature)
 

@@ -376,7 +376,8 @@ def taylor_linear_attention_pallas(
       kernels run on fp32 copies and return fp32; ``pu.PRECISIONS``).
 
   Returns:
-    o [B, T, H, dv] in v's dtype (fp32 unless ``precision`` is "input"); the fp32 TaylorState after the last token.
+    o [B, T, H, dv] in v's dtype (fp32 unless ``precision`` is "input"); the fp32 TaylorState
+    after the last token.
   """
   interpret = pu.resolve_interpret(interpret)
   pu.check_backend(interpret, "taylor_linear_attention(implementation='pallas')",

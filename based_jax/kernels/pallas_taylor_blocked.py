@@ -55,7 +55,7 @@ class KernelConfig(NamedTuple):
 
 
 def _scores(q, k, q_start, k_start, run_q, run_k, d: int):
-  """s = q kᵀ / sqrt(d') [BQ, BK] fp32 and the visible pairs (key index <= query index, same run)."""
+  """s = q kᵀ / sqrt(d') [BQ, BK] fp32 and the visible pairs (key at or before query, same run)."""
   iota = functools.partial(jax.lax.broadcasted_iota, jnp.int32, (q.shape[0], k.shape[0]))
   visible = (q_start + iota(0) >= k_start + iota(1)) & (run_q[:, None] == run_k[None, :])
   return pu.dot(q, k, trans_b=True) * (d ** -0.5), visible

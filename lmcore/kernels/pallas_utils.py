@@ -55,10 +55,11 @@ def default_implementation() -> str:
   """What "auto" (and None) picks for the chunked ops (SANATAN p = 1, gated): "pallas" on GPU, else
   XLA "chunked".
 
-  Measured on one H200 (docs/BENCHMARKS.md, sessions 4 and 5), fwd+bwd over our XLA path at T =
-  2048 / 8192 / 32768: SANATAN p = 1 1.64× / 2.62× / 3.98×, gated 2.95× / 3.72× / 3.59× (Taylor
-  2.05× / 3.71× / 5.97×, SANATAN p = 2 blocked 1.21× / 2.59× / 4.73×). TPUs keep XLA: libtpu has never
-  compiled the Mosaic kernels (no TPU was lent), so they are neither verified nor timed there.
+  Measured on one H200 (docs/BENCHMARKS.md, sessions 4 and 5), fwd+bwd over our XLA path at
+  T = 2048 / 8192 / 32768: SANATAN p = 1 1.64× / 2.62× / 3.98×, gated 2.95× / 3.72× / 3.59×
+  (Taylor 2.05× / 3.71× / 5.97×, SANATAN p = 2 blocked 1.21× / 2.59× / 4.73×). TPUs keep XLA:
+  libtpu has never compiled the Mosaic kernels (no TPU was lent), so they are neither verified nor
+  timed there.
   """
   return "pallas" if backend() == "gpu" else "chunked"
 
@@ -140,6 +141,11 @@ def kernel_options(precision: str, op: str) -> dict:
                      f"kernels compute in the inputs' dtype: use kernel_precision='input', or pass "
                      f"fp32 inputs")
   return {}
+
+
+def output_dtype(dtype, precision: str):
+  """The dtype a kernel's output comes in: the inputs' ``dtype`` at "input", else fp32."""
+  return dtype if precision == "input" else jnp.float32
 
 
 def operands(precision: str, *xs: jax.Array) -> tuple[jax.Array, ...]:

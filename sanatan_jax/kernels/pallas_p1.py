@@ -37,8 +37,8 @@ chunk (and dS_0 = G_0); two last kernels, again over (batch, head, chunk, value 
 d Phi(q) from the start state (``_dq_kernel``), and d Phi(k) and dv from the gradient after the
 chunk (``_dk_dv_kernel``), and chain them through the feature map inside the kernel (``jax.vjp`` of
 the same feature functions) into dq, dk, d omega and d lam_raw. (One kernel for both did the same
-work 11-16% slower on the H200, fwd+bwd: it holds twice the channel arrays at once.) Sums over value tiles (dq, dk) and over
-tiles and chunks (d omega, d lam_raw) are taken outside; the denominator does not depend on the
+work 11-16% slower on the H200, fwd+bwd: it holds twice the channel arrays at once.) Sums over
+value tiles (dq, dk) and over tiles and chunks (d omega, d lam_raw) are taken outside; the denominator does not depend on the
 value tile, so its gradient terms come from value tile 0 only.
 
 The start states S_n enter the output kernel in q's dtype and the gradient kernel in v's (and the
@@ -492,7 +492,8 @@ def sanatan_p1_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
       kernels run on fp32 copies and return fp32; ``pu.PRECISIONS``).
 
   Returns:
-    o [B, T, H, dv] in v's dtype (fp32 unless ``precision`` is "input") and the SanatanState after the last token (fp32 S, z).
+    o [B, T, H, dv] in v's dtype (fp32 unless ``precision`` is "input") and the SanatanState
+    after the last token (fp32 S, z).
   """
   interpret = pu.resolve_interpret(interpret)
   pu.check_backend(interpret, "sanatan_p1_pallas", "sanatan_attention(implementation='chunked')")

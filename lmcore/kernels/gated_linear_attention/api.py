@@ -144,13 +144,7 @@ def gated_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   precision = kernel_precision if implementation == "pallas" else "input"
   return run_backend(_backend(implementation, chunk_size, kernel_precision), q, k, v, log_forget,
                      state, normalize=normalize, eps=eps, scale=scale, segment_ids=segment_ids,
-                     out_dtype=output_dtype(q, precision))
-
-
-def output_dtype(q: jax.Array, kernel_precision: str):
-  """The dtype of o: q's, or fp32 when the kernels run in fp32 (``kernel_precision`` other than
-  "input", ``pallas_utils.PRECISIONS``)."""
-  return q.dtype if kernel_precision == "input" else jnp.float32
+                     out_dtype=pallas_utils.output_dtype(q.dtype, precision))
 
 
 def run_backend(backend, q: jax.Array, k: jax.Array, v: jax.Array, log_forget: jax.Array | None,

@@ -414,9 +414,10 @@ def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: fl
   Pads T to whole chunks and K, V to power-of-two blocks (zeros: they leave state and outputs
   unchanged), runs the kernels and slices the padding off; G = 1 (scalar gate) or K (per channel).
   ``block_v``, ``sub_chunk`` (per-channel gates only), ``num_warps``, ``num_stages`` and ``scan``
-  (phase 2: "pallas" or "xla") are GPU tuning knobs, and ``precision`` the dots' operands ("input":
-  the inputs' dtype; "tf32" or "float32": fp32 copies, ``pu.PRECISIONS``) (defaults: the measured best, see the module docstring); compiled kernels need
-  chunk, sub-chunk and blocks of at least 16.
+  (phase 2: "pallas" or "xla") are GPU tuning knobs (defaults: the measured best, see the module
+  docstring), and ``precision`` the dots' operands ("input": the inputs' dtype; "tf32" or
+  "float32": fp32 copies, ``pu.PRECISIONS``); compiled kernels need chunk, sub-chunk and blocks of
+  at least 16.
   """
   interpret = pu.resolve_interpret(interpret)
   pu.check_backend(interpret, "gated_linear_attention", "implementation='chunked' (XLA)")
@@ -464,4 +465,4 @@ def gated_linear_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array,
                               precision=precision, **tuning)
   return api.run_backend(backend, q, k, v, log_forget, state, normalize=normalize, eps=eps,
                          scale=scale, segment_ids=segment_ids,
-                         out_dtype=api.output_dtype(q, precision))
+                         out_dtype=pu.output_dtype(q.dtype, precision))
