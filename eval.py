@@ -10,7 +10,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from lmcore import config as cfg_lib
-from lmcore import evaluate, sharding
+from lmcore.eval import evaluate
+from lmcore.train import sharding
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file and preset the run was trained with.",
                                           lock_config=True)

@@ -7,7 +7,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from lmcore import config as cfg_lib
-from lmcore import sharding, train_lib
+from lmcore.train import sharding
+from lmcore.train import loop as train_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file and preset, e.g. configs/sanatan.py:tiny.",
                                           lock_config=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from based_jax.linear_attention import segment_runs
+from based_jax.ops.taylor_attention.api import segment_runs
 
 
 def causal_depthwise_conv(u_BxTxC: jax.Array, w_KxC: jax.Array, bias_C: jax.Array | None = None, *,

@@ -16,13 +16,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from based_jax.base_conv import silu_gated_conv, zoology_gated_conv
-from based_jax.linear_attention import (TaylorState, default_decay_rates, taylor_linear_attention,
+from based_jax.ops.taylor_attention.api import (TaylorState, default_decay_rates, taylor_linear_attention,
                                         zero_state)
 from based_jax.sliding_window import (WindowState, rotary, sliding_window_attention,
                                       zero_window_state)
 from based_jax.taylor import feature_width
-from lmcore.kernels import pallas_utils
-from lmcore.mixers.base import InitSpec, default_positions, dense, float_bytes
+from lmcore.ops.common import pallas_utils
+from lmcore.mixers.base import InitSpec, dense, float_bytes
+from lmcore.ops.common.layout import default_positions
 
 
 def _head_dim(d_model: int, n_heads: int) -> int:

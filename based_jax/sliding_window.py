@@ -21,7 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from based_jax.linear_attention import segment_boundaries
+from based_jax.ops.taylor_attention.api import segment_boundaries
 from lmcore.mixers.rotary import rotary  # noqa: F401  (re-exported: BASED's SWA uses it)
 
 IMPLEMENTATIONS: tuple[str, ...] = ("blocked", "full")

@@ -9,7 +9,7 @@ import ml_collections
 
 from lmcore import config as cfg_lib
 from lmcore.data.config import HeldoutConfig, SourceConfig, TokenizerConfig
-from lmcore.mixers import mixer_class
+from lmcore.registry import mixer_class
 
 
 def _merged(defaults: Any, overrides: dict[str, Any], path: str) -> dict[str, Any]:

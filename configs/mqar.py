@@ -20,7 +20,7 @@ resumes from the JSONL (two calls cover the grid).
 import ml_collections
 
 from lmcore import config as cfg_lib
-from lmcore.mixers import mixer_class
+from lmcore.registry import mixer_class
 from lmcore.mqar.config import LEARNING_RATES, MQARConfig, SweepConfig, segments_as_tuples
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from flax.core import FrozenDict
 
 from lmcore.data.config import DataConfig, HeldoutConfig, SourceConfig, TokenizerConfig
-from lmcore.mixers import mixer_class
+from lmcore.registry import mixer_class
 
 
 class ConfigError(ValueError):

@@ -16,8 +16,9 @@ from flax import nnx
 from flax.core import FrozenDict
 
 from lmcore.config import ModelConfig
-from lmcore.mixers import mixer_class
-from lmcore.mixers.base import InitSpec, default_positions, dense
+from lmcore.registry import mixer_class
+from lmcore.mixers.base import InitSpec, dense
+from lmcore.ops.common.layout import default_positions
 
 ModelState = dict[str, Any]  # {"position": int32 [B], "layers": tuple of per-layer mixer states}
 

@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 
 from lmcore.config import ModelConfig
-from lmcore.kernels import pallas_utils
+from lmcore.ops.common import pallas_utils
 from lmcore.model import LanguageModel, count_params
 
 

@@ -1,4 +1,4 @@
-"""The relative error every correctness comparison uses (tests, ``lmcore.kernel_check``; fla.md §3)."""
+"""The relative error every correctness comparison uses (tests, ``benchmarks.kernel_check``; fla.md §3)."""
 
 import numpy as np
 

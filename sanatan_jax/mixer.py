@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lmcore.kernels import pallas_utils
+from lmcore.ops.common import pallas_utils
 from lmcore.mixers.base import InitSpec, dense, float_bytes
-from sanatan_jax import features
-from sanatan_jax.attention import (IMPLEMENTATIONS, SanatanState, has_constant_state,
+from sanatan_jax import features, gate_stats
+from sanatan_jax.ops.sanatan_attention.api import (IMPLEMENTATIONS, SanatanState, has_constant_state,
                                    sanatan_attention, validate_options)
 
 OMEGA_INIT = math.pi / 4
@@ -135,3 +135,8 @@ class SanatanMixer(nnx.Module):
     omega_Hxd = self.omega[...]
     return tuple(features.soft_roots(features.angles(u.astype(jnp.float32)), omega_Hxd)
                  for u in (q_BxTxHxd, k_BxTxHxd))
+
+  def gate_statistics(self, x_BxTxD: jax.Array) -> dict[str, float]:
+    """The evaluation hook for MATH §1.3: this layer's root-gate statistics (``gate_stats``)."""
+    r_q, r_k = self.roots(x_BxTxD)
+    return {k: float(v) for k, v in gate_stats.gate_statistics(r_q, r_k).items()}

@@ -1,10 +1,10 @@
-"""Pallas-Triton vs Pallas Mosaic GPU, by measurement, on one op (``lmcore/kernels/backend_probe.py``).
+"""Pallas-Triton vs Pallas Mosaic GPU, by measurement, on one op (``benchmarks/backend_probe.py``).
 
 The op is the intra-chunk block of causal linear attention, o_n = mask_causal(q_n k_nᵀ) v_n per
 (batch·head, chunk), C = 64, K = V = 64, bf16 in and out, fp32 accumulation. For each T (at fixed
 T·BH = ``--tokens``, so BH = tokens // T) every backend is compiled ahead of time, checked against
 the fp32 XLA reference (relative L2 of the bf16 output) and timed (median of ``--repeats`` calls after
-warm-up, ``lmcore.bench.time_fn``). Counted FLOPs: 2·C·(K + V) per token, i.e. 4·BH·T·C·K with K = V
+warm-up, ``benchmarks.harness.time_fn``). Counted FLOPs: 2·C·(K + V) per token, i.e. 4·BH·T·C·K with K = V
 (both C×C matmuls in full; the masked half is computed too).
 
 Backends: xla (einsums with the kernels' rounding), triton (``pl.pallas_call`` + BlockSpecs),
@@ -35,8 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from lmcore import bench  # noqa: E402
-from lmcore.kernels import backend_probe as probe  # noqa: E402
+from benchmarks import harness as bench  # noqa: E402
+from benchmarks import backend_probe as probe  # noqa: E402
 
 GPU_LENGTHS, GPU_TOKENS = [2048, 8192], 96 * 8192
 HOST_LENGTHS, HOST_TOKENS = [128], 3 * 128  # --interpret: an odd BH of 3, two chunks
@@ -56,7 +56,7 @@ _ISOLATE = flags.DEFINE_boolean("isolate", True, "One child process per backend 
                                 "hangs become rows).")
 _CHILD_TIMEOUT = flags.DEFINE_integer("child_timeout", 150, "Seconds a backend's child process may run.")
 _LOCK = flags.DEFINE_string("lock", "", "A lock file shared with other benchmark processes on the device: "
-                            "timing holds it (lmcore.bench.exclusive).")
+                            "timing holds it (benchmarks.harness.exclusive).")
 _CHILD = flags.DEFINE_boolean("child", False, "Set by --isolate for its children: measure here, rows to "
                               "--jsonl only (no table).")
 

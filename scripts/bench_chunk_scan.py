@@ -1,4 +1,4 @@
-"""The between-chunk recurrence alone (``lmcore/kernels/chunk_scan.py``): XLA's associative scan and the
+"""The between-chunk recurrence alone (``lmcore/ops/common/chunk_scan.py``): XLA's associative scan and the
 Pallas kernel at several tiles and unrolls, on the state stacks of the SANATAN p = 1 and gated kernels.
 
 For each T ∈ {2048, 8192, 32768} at B·T = 16384 tokens (B at least 1), H = 12, values V = 64:
@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from lmcore import bench  # noqa: E402
-from lmcore.kernels.chunk_scan import chunk_scan  # noqa: E402
+from benchmarks import harness as bench  # noqa: E402
+from lmcore.ops.common.chunk_scan import chunk_scan  # noqa: E402
 
 STACKS = {"sanatan_p1": (32, 6 * 64), "gated": (16, 64)}  # chunk, rows per chunk
 SETTINGS = [("xla", {})] + [("pallas", dict(block_rows=br, unroll=u))

@@ -23,7 +23,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lmcore import bench  # noqa: E402
+from benchmarks import harness as bench  # noqa: E402
 
 _LENGTHS = flags.DEFINE_list("lengths", ["2048", "8192", "32768"], "Sequence lengths.")
 _TOKENS = flags.DEFINE_integer("tokens", 16384, "Tokens per batch (B = tokens // T, at least 1).")
@@ -37,7 +37,7 @@ _FLA_OPS = flags.DEFINE_list("fla_ops", ["sanatan_p1", "gated", "taylor"],
 _JSONL = flags.DEFINE_string("jsonl", "", "Rows are appended here as they are measured; rows already "
                              "in it are not measured again (a rerun continues a stopped benchmark).")
 _TUNE = flags.DEFINE_list("tune", [], "Ops whose Triton kernel is also timed at every setting of "
-                          "lmcore.bench.TUNING (chunk, value tile, warps), e.g. sanatan_p1,gated.")
+                          "benchmarks.harness.TUNING (chunk, value tile, warps), e.g. sanatan_p1,gated.")
 _LOCK = flags.DEFINE_string("lock", "", "A lock file shared by benchmark processes on one device: each "
                             "compiles freely but times only while holding it (runs per T side by side).")
 

@@ -4,8 +4,8 @@ docs/BENCHMARKS.md as one dated block, and plotted (fwd+bwd tokens/s vs T, one p
     python scripts/bench_report.py DIR [--out=docs/BENCHMARKS.md] [--device="NVIDIA H200"] \
         [--date=YYYY-MM-DD] [--plot=docs/bench_kernels.png]
 
-Every ``*.jsonl`` of DIR but agreement.jsonl holds timing rows (``lmcore.bench.Row``); agreement.jsonl holds
-``lmcore.kernel_check.Agreement`` rows. In both, the last row of a key wins (a rerun's retry).
+Every ``*.jsonl`` of DIR but agreement.jsonl holds timing rows (``benchmarks.harness.Row``); agreement.jsonl holds
+``benchmarks.kernel_check.Agreement`` rows. In both, the last row of a key wins (a rerun's retry).
 """
 
 import datetime
@@ -16,7 +16,11 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lmcore import bench, bench_plot, kernel_check  # noqa: E402
+from benchmarks import harness as bench  # noqa: E402
+
+from benchmarks import plots as bench_plot  # noqa: E402
+
+from benchmarks import kernel_check  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", "docs/BENCHMARKS.md", "Markdown file the block is appended to ('' = none).")
 _DEVICE = flags.DEFINE_string("device", "NVIDIA H200", "The device DIR was measured on (named in the header).")

@@ -16,7 +16,9 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lmcore import bench, kernel_check  # noqa: E402
+from benchmarks import harness as bench  # noqa: E402
+
+from benchmarks import kernel_check  # noqa: E402
 
 _OPS = flags.DEFINE_list("ops", list(kernel_check.CHECKED_OPS), "Ops whose kernels are checked.")
 _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Input dtypes.")

@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import sanatan  # noqa: E402
 from lmcore import config as cfg_lib  # noqa: E402
-from lmcore import evaluate, train_lib  # noqa: E402
+from lmcore.eval import evaluate  # noqa: E402
+from lmcore.train import loop as train_lib  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/quickstart", "Where both stages write.")
 _STAGE1_STEPS = flags.DEFINE_integer("stage1_steps", None, "Override stage-1 steps (default: the preset's).")

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from based_jax import TaylorState
-from lmcore.kernels import LinearAttentionState
+from lmcore.ops.gated_linear_attention import LinearAttentionState
 from lmcore.numerics import relative_l2
 from sanatan_jax import SanatanState
-from sanatan_jax.attention import sanatan_features
+from sanatan_jax.ops.sanatan_attention.api import sanatan_features
 
 CHUNK = 16
 RTOL = 1e-5

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from based_jax import linear_attention as taylor
-from lmcore.kernels import pallas_utils
-from lmcore.kernels.gated_linear_attention import api as gated
-from lmcore.mixers import mixer_class
+from based_jax.ops.taylor_attention import api as taylor
+from lmcore.ops.common import pallas_utils
+from lmcore.ops.gated_linear_attention import api as gated
+from lmcore.registry import mixer_class
 from lmcore.mixers.base import InitSpec
 from lmcore.numerics import relative_l2
-from sanatan_jax import attention as sanatan
+from sanatan_jax.ops.sanatan_attention import api as sanatan
 from sanatan_jax.mixer import SanatanMixer
 
 D = 16

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from based_jax import BaseConv, SlidingWindowAttention, TaylorLinearAttention, ZoologyBaseConv
-from lmcore.mixers import mixer_class
+from lmcore.registry import mixer_class
 from lmcore.mixers.base import InitSpec
 from lmcore.numerics import relative_l2
 

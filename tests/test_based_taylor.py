@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from based_jax.linear_attention import (IMPLEMENTATIONS, TaylorState, default_decay_rates,
+from based_jax.ops.taylor_attention.api import (IMPLEMENTATIONS, TaylorState, default_decay_rates,
                                         taylor_linear_attention, zero_state)
 from based_jax.taylor import feature_width, taylor_features
 from lmcore.numerics import relative_l2

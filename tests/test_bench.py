@@ -9,7 +9,7 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from lmcore import bench
+from benchmarks import harness as bench
 
 
 def test_rows_are_logged_as_measured_and_not_measured_again(tmp_path, monkeypatch):

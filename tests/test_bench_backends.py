@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from lmcore.kernels import backend_probe as probe
-from lmcore.kernels import pallas_utils
+from benchmarks import backend_probe as probe
+from lmcore.ops.common import pallas_utils
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "bench_backends.py")

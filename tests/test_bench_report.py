@@ -6,7 +6,9 @@ import os
 import subprocess
 import sys
 
-from lmcore import bench, kernel_check
+from benchmarks import harness as bench
+
+from benchmarks import kernel_check
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lmcore.kernels import pallas_utils
-from lmcore.kernels.chunk_scan import chunk_scan
+from lmcore.ops.common import pallas_utils
+from lmcore.ops.common.chunk_scan import chunk_scan
 
 
 def _inputs(B=2, H=3, N=12, R=24, V=4, seed=0):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lmcore.kernels.gated_delta_rule import DeltaRuleState, gated_delta_rule
+from lmcore.ops.gated_delta_rule import DeltaRuleState, gated_delta_rule
 from lmcore.numerics import relative_l2
 
 B, H, K, V = 2, 2, 8, 6

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lmcore.mixers import mixer_class
+from lmcore.registry import mixer_class
 from lmcore.mixers.gated_deltanet import NO_WEIGHT_DECAY, GatedDeltaNet
 from lmcore.mixers.short_conv import ShortConv
 from lmcore.numerics import relative_l2

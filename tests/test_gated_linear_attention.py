@@ -12,8 +12,11 @@ import numpy as np
 import pytest
 
 from kernel_cases import gated_inputs, normal
-from lmcore.kernels import LinearAttentionState, gated_linear_attention
-from lmcore.kernels.gated_linear_attention import api, reference, xla
+from lmcore.ops.gated_linear_attention import LinearAttentionState
+from lmcore.ops.gated_linear_attention import gated_linear_attention
+from lmcore.ops.gated_linear_attention import api
+from lmcore.ops.gated_linear_attention import reference
+from lmcore.ops.gated_linear_attention import xla
 from lmcore.numerics import relative_l2
 
 CHUNK = 16

@@ -1,6 +1,6 @@
 """The kernel agreement check on CPU (kernels interpreted): rows, limits, resumable JSONL, table."""
 
-from lmcore import kernel_check
+from benchmarks import kernel_check
 
 
 def test_gated_kernels_agree_with_xla_and_rows_are_not_checked_twice(tmp_path, monkeypatch):

@@ -14,9 +14,9 @@ import pytest
 from jax.experimental import pallas as pl
 
 from based_jax import taylor_linear_attention
-from lmcore import kernel_check
-from lmcore.kernels import gated_linear_attention
-from lmcore.kernels import pallas_utils as pu
+from benchmarks import kernel_check
+from lmcore.ops.gated_linear_attention import gated_linear_attention
+from lmcore.ops.common import pallas_utils as pu
 from lmcore.numerics import relative_l2
 from sanatan_jax import sanatan_attention
 

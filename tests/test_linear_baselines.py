@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lmcore.mixers import mixer_class
+from lmcore.registry import mixer_class
 from lmcore.mixers.base import InitSpec
 from lmcore.mixers.cyfa import CyFA
 from lmcore.mixers.gla import GLA

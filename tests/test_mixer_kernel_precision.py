@@ -15,7 +15,7 @@ from flax import nnx
 
 from kernel_cases import FAST_COMPILE
 from lmcore import config as cfg_lib
-from lmcore.mixers import mixer_class
+from lmcore.registry import mixer_class
 from lmcore.mixers.base import InitSpec
 from lmcore.numerics import relative_l2
 

@@ -16,9 +16,10 @@ import pytest
 
 from kernel_cases import (CHUNK, FAST_COMPILE, RTOL, assert_close, document_ids,
                           gated_abstract_inputs, gated_inputs, normal, normals, run_gated)
-from lmcore.kernels import LinearAttentionState, gated_linear_attention
-from lmcore.kernels import pallas_utils
-from lmcore.kernels.gated_linear_attention import pallas
+from lmcore.ops.gated_linear_attention import LinearAttentionState
+from lmcore.ops.gated_linear_attention import gated_linear_attention
+from lmcore.ops.common import pallas_utils
+from lmcore.ops.gated_linear_attention import pallas_triton as pallas
 from lmcore.numerics import relative_l2
 
 

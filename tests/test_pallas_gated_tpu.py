@@ -19,8 +19,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernel_cases import (assert_close, document_ids, gated_abstract_inputs, gated_inputs, normal,
                           normals, run_gated)
-from lmcore.kernels import LinearAttentionState, gated_linear_attention, pallas_utils
-from lmcore.kernels.gated_linear_attention import pallas_tpu
+from lmcore.ops.gated_linear_attention import LinearAttentionState
+from lmcore.ops.gated_linear_attention import gated_linear_attention
+from lmcore.ops.common import pallas_utils
+from lmcore.ops.gated_linear_attention import pallas_mosaic_tpu as pallas_tpu
 
 
 def _inputs(seed, T, gate, normalize, *, with_state, B=2, H=2, K=8, V=5):

@@ -16,10 +16,10 @@ import pytest
 
 from kernel_cases import (CHUNK, FAST_COMPILE, RTOL, assert_close, normals, packed_documents,
                           run_sanatan, sanatan_abstract_inputs, sanatan_inputs)
-from lmcore.kernels import pallas_utils
+from lmcore.ops.common import pallas_utils
 from lmcore.numerics import relative_l2
 from sanatan_jax import SanatanState, sanatan_attention
-from sanatan_jax.kernels import sanatan_p1_pallas
+from sanatan_jax.ops.sanatan_attention.pallas_triton_p1 import sanatan_p1_pallas
 
 _recurrent = functools.partial(sanatan_attention, implementation="recurrent")
 

@@ -16,9 +16,9 @@ import pytest
 
 from kernel_cases import (FAST_COMPILE, assert_close, clipped_scores, packed_documents,
                           run_blocked, sanatan_abstract_inputs, sanatan_inputs)
-from lmcore.kernels import pallas_utils
+from lmcore.ops.common import pallas_utils
 from sanatan_jax import sanatan_attention
-from sanatan_jax.kernels import sanatan_blocked_pallas
+from sanatan_jax.ops.sanatan_attention.pallas_triton_blocked import sanatan_blocked_pallas
 
 
 def _parallel(*args, **options):

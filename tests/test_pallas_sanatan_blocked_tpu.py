@@ -20,9 +20,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernel_cases import (assert_close, clipped_scores, packed_documents, run_blocked,
                           sanatan_abstract_inputs, sanatan_inputs)
-from lmcore.kernels import pallas_utils
+from lmcore.ops.common import pallas_utils
 from sanatan_jax import sanatan_attention
-from sanatan_jax.kernels import pallas_blocked_tpu
+from sanatan_jax.ops.sanatan_attention import pallas_mosaic_tpu_blocked as pallas_blocked_tpu
 
 
 def _assert_same_as_parallel(inputs, what, interpret=True, block_q=8, block_k=8, **options):

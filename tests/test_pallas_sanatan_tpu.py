@@ -18,9 +18,9 @@ import pytest
 
 from kernel_cases import (CHUNK, assert_close, normal, normals, packed_documents, run_sanatan,
                           sanatan_abstract_inputs)
-from lmcore.kernels import pallas_utils
+from lmcore.ops.common import pallas_utils
 from sanatan_jax import SanatanState, sanatan_attention
-from sanatan_jax.kernels import pallas_p1_tpu
+from sanatan_jax.ops.sanatan_attention import pallas_mosaic_tpu_p1 as pallas_p1_tpu
 
 
 def _inputs(seed, T, *, with_state, B=2, H=2, d=8, dv=5):

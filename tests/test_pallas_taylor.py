@@ -15,11 +15,11 @@ import pytest
 from flax import nnx
 
 from based_jax import TaylorLinearAttention, TaylorState, taylor_features, taylor_linear_attention
-from based_jax.kernels import taylor_linear_attention_pallas
-from based_jax.linear_attention import zero_state
+from based_jax.ops.taylor_attention.pallas_triton import taylor_linear_attention_pallas
+from based_jax.ops.taylor_attention.api import zero_state
 from kernel_cases import (CHUNK, RTOL, assert_close, document_ids, normals, run_taylor,
                           taylor_abstract_inputs)
-from lmcore.kernels import pallas_utils
+from lmcore.ops.common import pallas_utils
 from lmcore.numerics import relative_l2
 
 _parallel = functools.partial(taylor_linear_attention, implementation="parallel")

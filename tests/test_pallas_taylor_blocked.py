@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from based_jax import TaylorState, taylor_features, taylor_linear_attention
-from based_jax.kernels import pallas_taylor_blocked
-from based_jax.linear_attention import segment_runs
+from based_jax.ops.taylor_attention import pallas_triton_blocked as pallas_taylor_blocked
+from based_jax.ops.taylor_attention.api import segment_runs
 from kernel_cases import FAST_COMPILE, RTOL, document_ids, normals, taylor_abstract_inputs
-from lmcore.kernels import pallas_utils
+from lmcore.ops.common import pallas_utils
 from lmcore.numerics import relative_l2
 
 

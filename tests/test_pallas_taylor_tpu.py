@@ -19,9 +19,9 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from based_jax import TaylorState, taylor_features, taylor_linear_attention
-from based_jax.kernels import pallas_taylor_tpu
+from based_jax.ops.taylor_attention import pallas_mosaic_tpu as pallas_taylor_tpu
 from kernel_cases import assert_close, document_ids, normal, run_taylor, taylor_abstract_inputs
-from lmcore.kernels import pallas_utils
+from lmcore.ops.common import pallas_utils
 
 _parallel = functools.partial(taylor_linear_attention, implementation="parallel")
 

@@ -17,7 +17,7 @@ import pytest
 
 from lmcore.numerics import relative_l2
 from sanatan_jax import SanatanState, sanatan_attention
-from sanatan_jax.attention import sanatan_features
+from sanatan_jax.ops.sanatan_attention.api import sanatan_features
 
 OUT_TOL, GRAD_TOL = 1e-5, 1e-4
 CHUNK = BLOCK = 16

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lmcore import config as cfg_lib
-from lmcore import train_lib
+from lmcore.train import loop as train_lib
 
 PRESETS = [("sanatan", "tiny"), ("sanatan", "tiny_p1_scratch"), ("based", "tiny"),
            *[("baselines", f"{m}_tiny") for m in

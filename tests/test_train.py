@@ -21,8 +21,8 @@ SMALL = ["--config.model.d_model=32", "--config.model.n_layers=2", "--config.mod
          "--config.data.heldout.num_sequences=8", "--config.eval.batch_size=8", "--config.wandb.mode=disabled"]
 
 
-def train_cmd(workdir, *overrides, preset="configs/baselines.py:tiny"):
-  return [sys.executable, os.path.join(REPO, "train.py"), f"--config={os.path.join(REPO, preset)}",
+def train_cmd(workdir, *overrides, preset="configs/baselines.py:tiny", script="train.py"):
+  return [sys.executable, os.path.join(REPO, script), f"--config={os.path.join(REPO, preset)}",
           f"--workdir={workdir}", *SMALL, *overrides]
 
 
@@ -81,7 +81,8 @@ def test_exact_resume_after_sigkill(tmp_path):
   common = ["--config.train.steps=8", f"--config.train.checkpoint_every={n}"]
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
   run(train_cmd(straight, *common))
-  killed = run(train_cmd(resumed, *common), env={"LMCORE_FAULT_SIGKILL_AFTER_STEP": str(n)}, check=False)
+  killed = run(train_cmd(resumed, *common, script="tests/fault_train.py"),
+               env={"KILL_AFTER_STEP": str(n)}, check=False)
   assert killed.returncode == -signal.SIGKILL
   assert sorted(os.listdir(resumed / "checkpoints")) == [str(n)]
   second = run(train_cmd(resumed, *common))

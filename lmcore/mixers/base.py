@@ -56,14 +56,6 @@ def dense(in_features: int, out_features: int, *, std: float, rngs: nnx.Rngs, dt
                     param_dtype=jnp.float32, kernel_init=nnx.initializers.normal(std), rngs=rngs)
 
 
-def default_positions(batch_size: int, length: int, start_B: jax.Array | None = None) -> jax.Array:
-  """Positions ``start + 0..T-1`` as int32 [B, T]."""
-  pos_BxT = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch_size, length))
-  if start_B is not None:
-    pos_BxT = pos_BxT + start_B.astype(jnp.int32)[:, None]
-  return pos_BxT
-
-
 def float_bytes(*shapes: tuple[int, ...], itemsize: int = 4) -> int:
   """Bytes of fp32 (by default) arrays of the given shapes."""
   return sum(math.prod(s) for s in shapes) * itemsize

@@ -33,7 +33,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lmcore.kernels import LinearAttentionState, gated_linear_attention, pallas_utils
+from lmcore.ops.gated_linear_attention import LinearAttentionState
+
+from lmcore.ops.gated_linear_attention import gated_linear_attention
+
+from lmcore.ops.common import pallas_utils
 from lmcore.mixers.base import InitSpec, dense
 from lmcore.mixers.common import (HeadRMSNorm, implementation_for, linear_state_bytes,
                                   merge_heads, split_heads)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lmcore.kernels.gated_delta_rule import IMPLEMENTATIONS, DeltaRuleState, gated_delta_rule
+from lmcore.ops.gated_delta_rule import IMPLEMENTATIONS, DeltaRuleState, gated_delta_rule
 from lmcore.mixers.base import InitSpec, dense, float_bytes
 from lmcore.mixers.short_conv import ShortConv
 

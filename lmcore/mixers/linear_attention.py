@@ -24,9 +24,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lmcore.kernels import LinearAttentionState, gated_linear_attention, pallas_utils
-from lmcore.kernels.gated_linear_attention import document_index
-from lmcore.mixers.base import InitSpec, default_positions, dense, float_bytes
+from lmcore.ops.gated_linear_attention import LinearAttentionState
+
+from lmcore.ops.gated_linear_attention import gated_linear_attention
+
+from lmcore.ops.common import pallas_utils
+from lmcore.ops.gated_linear_attention import document_index
+from lmcore.mixers.base import InitSpec, dense, float_bytes
+from lmcore.ops.common.layout import default_positions
 from lmcore.mixers.common import implementation_for, linear_state_bytes, merge_heads, split_heads
 
 

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lmcore.mixers.base import InitSpec, default_positions, dense, float_bytes
+from lmcore.mixers.base import InitSpec, dense, float_bytes
+from lmcore.ops.common.layout import default_positions
 from lmcore.mixers.rotary import rotary
 
 

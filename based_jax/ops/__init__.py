@@ -1,0 +1,1 @@
+"""BASED ops: plain functions on arrays, one folder per op."""

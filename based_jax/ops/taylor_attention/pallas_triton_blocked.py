@@ -1,0 +1,230 @@
+"""Pallas (Triton lowering) blocked, flash-style kernels for BASED's Taylor linear attention
+(SPEC §2.1) over whole sequences, custom VJP: the quadratic form, for training at moderate T.
+
+Per head, with ``s_tj = q_t·k_j / sqrt(d')`` and ``A_tj = 1 + s + s²/2`` (taylor.taylor_kernel) on
+visible pairs (j <= t, same run), the kernels compute the unnormalised sums
+
+    N_t = sum_j A_tj v_j   [dv],      D_t = sum_j A_tj,
+
+block by block: grid (query block, batch, head), a program loops (``lax.fori_loop``, traced bound)
+over the key blocks j <= its block, one [BQ, d'] x [d', BK] dot for s and one [BQ, BK] x [BK, dv]
+dot for N per step, in fp32; no T x T array exists. A >= 1/2 everywhere, so no running maximum is
+needed. The work is T² (d' + dv) per head against the chunked kernels' T (d'+1) d' dv state
+traffic: at d' = 16 the quadratic form is the cheaper one up to a few thousand tokens
+(pallas_taylor.py is the other).
+
+The wrapper (``taylor_linear_attention(implementation="pallas_blocked")``) adds what a prefix
+state contributes to N and D and divides, so the kernels take no state. Backward: the cotangents of
+N and D arrive directly; with dA_tj = dN_t · v_j + dD_t on visible pairs and dA/ds = 1 + s,
+
+    dq_t = sum_j dA_tj (1 + s_tj) k_j / sqrt(d'),   dk_j = sum_t dA_tj (1 + s_tj) q_t / sqrt(d'),
+    dv_j = sum_t A_tj dN_t,
+
+a query-block kernel for dq (looping over key blocks j <= its block) and a key-block kernel for
+dk, dv (looping over the query blocks that see it). The forward saves only its inputs.
+
+Padding: time is padded to whole blocks with the last run id, so padded keys sit after every real
+query (causality hides them); padded queries are sliced off.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from based_jax import taylor
+from lmcore.ops.common import pallas_utils as pu
+
+_F32 = jnp.float32
+
+
+class KernelConfig(NamedTuple):
+  """Static kernel parameters: query and key blocks, the real key dim d', Triton knobs."""
+
+  block_q: int
+  block_k: int
+  key_dim: int
+  interpret: bool
+  num_warps: int
+  num_stages: int
+  precision: str
+
+
+def _scores(q, k, q_start, k_start, run_q, run_k, d: int):
+  """s = q kᵀ / sqrt(d') [BQ, BK] fp32 and the visible pairs (key at or before query, same run)."""
+  iota = functools.partial(jax.lax.broadcasted_iota, jnp.int32, (q.shape[0], k.shape[0]))
+  visible = (q_start + iota(0) >= k_start + iota(1)) & (run_q[:, None] == run_k[None, :])
+  return pu.dot(q, k, trans_b=True) * (d ** -0.5), visible
+
+
+def _key_blocks_upto(i, cfg: KernelConfig):
+  """How many key blocks hold a key at or before the last query of query block i."""
+  return pl.cdiv((i + 1) * cfg.block_q, cfg.block_k)
+
+
+def _query_block(count: int):
+  """The query block of this program: last to first along the grid, so the longest start first."""
+  return count - 1 - pl.program_id(0)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, run_ref, N_ref, D_ref, *, cfg: KernelConfig):
+  BQ, BK = cfg.block_q, cfg.block_k
+  i = _query_block(q_ref.shape[0] // BQ)
+  q, run_q = pu.rows(q_ref, i * BQ, BQ), pu.rows(run_ref, i * BQ, BQ)
+
+  def key_block(j, carry):
+    N, D = carry
+    v = pu.rows(v_ref, j * BK, BK)
+    s, visible = _scores(q, pu.rows(k_ref, j * BK, BK), i * BQ, j * BK, run_q,
+                         pu.rows(run_ref, j * BK, BK), cfg.key_dim)
+    A = jnp.where(visible, taylor.taylor_kernel(s), 0.0)
+    return N + pu.dot(A.astype(v.dtype), v), D + jnp.sum(A, axis=1)
+
+  init = (jnp.zeros((BQ, v_ref.shape[1]), _F32), jnp.zeros((BQ,), _F32))
+  N_ref[...], D_ref[...] = jax.lax.fori_loop(0, _key_blocks_upto(i, cfg), key_block, init)
+
+
+def _score_grads(q, k, v, dN, dD, q_start, k_start, run_q, run_k, d: int):
+  """A [BQ, BK] and dL/ds [BQ, BK] (fp32) of one block pair."""
+  s, visible = _scores(q, k, q_start, k_start, run_q, run_k, d)
+  A = jnp.where(visible, taylor.taylor_kernel(s), 0.0)
+  dA = pu.dot(dN, v, trans_b=True) + dD[:, None]
+  return A, jnp.where(visible, dA * (1.0 + s), 0.0)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, run_ref, dN_ref, dD_ref, dq_ref, *, cfg: KernelConfig):
+  BQ, BK, d = cfg.block_q, cfg.block_k, cfg.key_dim
+  i = _query_block(q_ref.shape[0] // BQ)
+  q, run_q = pu.rows(q_ref, i * BQ, BQ), pu.rows(run_ref, i * BQ, BQ)
+  dN, dD = pu.rows(dN_ref, i * BQ, BQ).astype(q.dtype), pu.rows(dD_ref, i * BQ, BQ)
+
+  def key_block(j, dq):
+    k = pu.rows(k_ref, j * BK, BK)
+    _, ds = _score_grads(q, k, pu.rows(v_ref, j * BK, BK), dN, dD, i * BQ, j * BK, run_q,
+                         pu.rows(run_ref, j * BK, BK), d)
+    return dq + pu.dot(ds.astype(k.dtype), k)
+
+  dq = jax.lax.fori_loop(0, _key_blocks_upto(i, cfg), key_block, jnp.zeros(q.shape, _F32))
+  dq_ref[...] = dq * (d ** -0.5)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, run_ref, dN_ref, dD_ref, dk_ref, dv_ref, *,
+                cfg: KernelConfig):
+  BQ, BK, d = cfg.block_q, cfg.block_k, cfg.key_dim
+  j = pl.program_id(0)
+  k, v, run_k = pu.rows(k_ref, j * BK, BK), pu.rows(v_ref, j * BK, BK), pu.rows(run_ref, j * BK, BK)
+
+  def query_block(i, carry):
+    dk, dv = carry
+    q = pu.rows(q_ref, i * BQ, BQ)
+    dN = pu.rows(dN_ref, i * BQ, BQ).astype(v.dtype)
+    A, ds = _score_grads(q, k, v, dN, pu.rows(dD_ref, i * BQ, BQ), i * BQ, j * BK,
+                         pu.rows(run_ref, i * BQ, BQ), run_k, d)
+    return (dk + pu.dot(ds.astype(q.dtype), q, trans_a=True),
+            dv + pu.dot(A.astype(dN.dtype), dN, trans_a=True))
+
+  first = jax.lax.div(j * BK, BQ)  # the first query block holding a query at or after key j * BK
+  init = (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
+  dk, dv = jax.lax.fori_loop(first, q_ref.shape[0] // BQ, query_block, init)
+  dk_ref[...] = dk * (d ** -0.5)
+  dv_ref[...] = dv
+
+
+def _specs(Tp, dp, Vp, size: int):
+  """BlockSpecs over the grid (row block, batch, head): whole rows of the inputs, each program's
+  own block of ``size`` rows of the outputs (its grid index, or reversed for query blocks)."""
+  seq = lambda width: pl.BlockSpec((None, Tp, None, width), lambda n, b, h: (b, 0, h, 0))
+  return dict(
+      qk=seq(dp), v=seq(Vp), row=pl.BlockSpec((None, Tp), lambda n, b, h: (b, 0)),
+      token=pl.BlockSpec((None, Tp, None), lambda n, b, h: (b, 0, h)),
+      block=lambda width, row: pl.BlockSpec((None, size, None, width),
+                                            lambda n, b, h: (b, row(n), h, 0)),
+      block_token=lambda row: pl.BlockSpec((None, size, None), lambda n, b, h: (b, row(n), h)))
+
+
+def _forward(q, k, v, run, cfg: KernelConfig):
+  """(N [B, Tp, H, Vp], D [B, Tp, H]), fp32."""
+  B, Tp, H, dp = q.shape
+  Vp, count = v.shape[-1], Tp // cfg.block_q
+  s = _specs(Tp, dp, Vp, cfg.block_q)
+  reverse = lambda n: count - 1 - n
+  out_shape = (jax.ShapeDtypeStruct((B, Tp, H, Vp), _F32), jax.ShapeDtypeStruct((B, Tp, H), _F32))
+  return pu.call(_forward_kernel, cfg, (count, B, H), [s["qk"], s["qk"], s["v"], s["row"]],
+                 [s["block"](Vp, reverse), s["block_token"](reverse)], out_shape, q, k, v, run)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _sums(q, k, v, run, cfg):
+  return _forward(q, k, v, run, cfg)
+
+
+def _sums_fwd(q, k, v, run, cfg):
+  return _forward(q, k, v, run, cfg), (q, k, v, run)
+
+
+def _sums_bwd(cfg, residuals, cotangents):
+  q, k, v, run = residuals
+  dN, dD = cotangents
+  B, Tp, H, dp = q.shape
+  Vp = v.shape[-1]
+  args = (q, k, v, run, dN.astype(_F32), dD.astype(_F32))
+  count_q, count_k = Tp // cfg.block_q, Tp // cfg.block_k
+  s = _specs(Tp, dp, Vp, cfg.block_q)
+  in_specs = [s["qk"], s["qk"], s["v"], s["row"], s["v"], s["token"]]
+  dq = pu.call(_dq_kernel, cfg, (count_q, B, H), in_specs,
+               s["block"](dp, lambda n: count_q - 1 - n),
+               jax.ShapeDtypeStruct(q.shape, _F32), *args)
+  s = _specs(Tp, dp, Vp, cfg.block_k)
+  identity = lambda n: n
+  dk, dv = pu.call(_dkv_kernel, cfg, (count_k, B, H), in_specs,
+                   [s["block"](dp, identity), s["block"](Vp, identity)],
+                   (jax.ShapeDtypeStruct(k.shape, _F32), jax.ShapeDtypeStruct(v.shape, _F32)),
+                   *args)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_sums.defvjp(_sums_fwd, _sums_bwd)
+
+
+def taylor_sums_blocked(q: jax.Array, k: jax.Array, v: jax.Array, run: jax.Array, *,
+                        interpret: bool | None = None, block_q: int = 64, block_k: int = 64,
+                        num_warps: int = 4, num_stages: int = 2, precision: str = "input"
+                        ) -> tuple[jax.Array, jax.Array]:
+  """N [B, T, H, dv] and D [B, T, H] (fp32) of the module docstring by the blocked kernels.
+
+  Args:
+    q, k: raw per-head projections [B, T, H, d'] (the kernel 1 + s + s²/2 is applied inside).
+    v: values [B, T, H, dv]; bf16 or fp32.
+    run: int [B, T] run ids (``linear_attention.segment_runs``; all zeros for one document).
+    interpret: run the kernels interpreted; None means "unless on a GPU".
+    block_q, block_k: query and key block lengths, powers of two (>= 16 when compiled; capped at
+      the next power of two >= T).
+    num_warps, num_stages: Triton tuning knobs.
+    precision: "input" (dots take operands in the inputs' dtype), "tf32" or "float32" (the
+      kernels run on fp32 copies; ``pu.PRECISIONS``).
+  """
+  interpret = pu.resolve_interpret(interpret)
+  pu.check_backend(interpret, "taylor_linear_attention(implementation='pallas_blocked')",
+                   "implementation='parallel'")
+  pu.check_precision(precision, "taylor_linear_attention(implementation='pallas_blocked')")
+  for name, size in (("block_q", block_q), ("block_k", block_k)):
+    if size < 1 or size & (size - 1):
+      raise ValueError(f"taylor_linear_attention(implementation='pallas_blocked'): {name} must "
+                       f"be a power of two, got {size}")
+  q, k, v = pu.operands(precision, q, k, v)
+  B, T, H, d = q.shape
+  V = v.shape[-1]
+  smallest = 1 if interpret else pu.MIN_DOT
+  BQ, BK = (max(min(size, pl.next_power_of_2(T)), smallest) for size in (block_q, block_k))
+  dp, Vp = pu.block_size(d, interpret), pu.block_size(V, interpret)
+  Tp = pu.round_up(T, max(BQ, BK))
+  cfg = KernelConfig(block_q=BQ, block_k=BK, key_dim=d, interpret=interpret, num_warps=num_warps,
+                     num_stages=num_stages, precision=precision)
+  pad_qk = lambda x: pu.pad_axis(pu.pad_axis(x, 1, Tp), 3, dp)
+  N, D = _sums(pad_qk(q), pad_qk(k), pu.pad_axis(pu.pad_axis(v, 1, Tp), 3, Vp),
+               pu.pad_axis(run.astype(jnp.int32), 1, Tp, mode="edge"), cfg)
+  return N[:, :T, :, :V], D[:, :T]

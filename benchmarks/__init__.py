@@ -1,0 +1,1 @@
+"""Benchmark and kernel-check tooling used by scripts/ (not part of the library; may import torch)."""

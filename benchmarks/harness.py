@@ -1,0 +1,469 @@
+"""Timing library behind ``scripts/bench_kernels.py``: ops, counted FLOPs, timers, table, markdown.
+
+Counted FLOPs per head (forward; forward+backward is counted as 3× forward):
+  * chunked linear attention, feature width F, value width V, chunk C:
+    T·(2·C·(F + V) + 4·F·V)  (intra-chunk scores and mixing, state read and write);
+  * materialised parallel form: 2·T²·(F + V) / 2 (causal half);
+  * softmax attention: 2·T²·(d + V) / 2 (causal half).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import functools
+import glob
+import json
+import os
+import re
+import statistics
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+HEADS, HEAD_DIM = 12, 64  # the SANATAN / GLA-reference shape of issue 7
+TAYLOR_HEADS, TAYLOR_DIM = 16, 16
+CHUNK = 64
+TPU_CHUNK = 128  # the Mosaic kernels' smallest compiled chunk
+PARALLEL_MAX_SCORES = 2 ** 33  # skip the materialised form beyond ~8.6e9 score entries
+GATED_PARALLEL_MAX_SCORES = 2 ** 24  # the gated one's scores are K = 64 times wider (see gated_cases)
+FP32_PRECISIONS = ("tf32", "float32")  # kernel_precision cases for bf16 inputs (_precision_cases)
+
+
+@dataclasses.dataclass
+class Row:
+  op: str
+  impl: str
+  length: int
+  batch: int
+  fwd_ms: float | None
+  fwdbwd_ms: float | None
+  flops_fwd: float
+  reference: str = ""
+  note: str = ""
+  ratio_fwdbwd: float | None = None
+  vs_softmax: float | None = None
+
+
+def device_name() -> str:
+  device = jax.devices()[0]
+  return f"{device.platform}: {getattr(device, 'device_kind', str(device))}"
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: str = ""):
+  """Holds an exclusive ``flock`` on ``lock_path`` (nothing when empty), so that benchmark processes
+  sharing one device compile side by side but time one at a time."""
+  if not lock_path:
+    yield
+    return
+  with open(lock_path, "a") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def time_fn(fn: Callable, *args, repeats: int = 10) -> float:
+  """Median wall time in ms of ``fn(*args)`` (compiled already) after 4 warm-up calls."""
+  for _ in range(4):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - start) * 1e3)
+  return statistics.median(times)
+
+
+def _fwd_and_fwdbwd(op: Callable, args: tuple, repeats: int, lock: str = "") -> tuple[float, float]:
+  """Times ``op(*args) -> o`` and the gradient of sum(o · do) w.r.t. every array argument; both are
+  compiled first, outside ``lock``, which is held while timing."""
+  do = jax.random.normal(jax.random.key(1), jax.eval_shape(op, *args).shape, args[0].dtype)
+
+  def loss(do, *a):  # do is an argument, not a closure constant, so XLA does not fold it
+    return jnp.sum(op(*a).astype(jnp.float32) * do.astype(jnp.float32))
+
+  forward = jax.jit(op).lower(*args).compile()
+  backward = jax.jit(jax.grad(loss, argnums=tuple(range(1, len(args) + 1)))).lower(do, *args).compile()
+  with exclusive(lock):
+    return time_fn(forward, *args, repeats=repeats), time_fn(backward, do, *args, repeats=repeats)
+
+
+def _randn(key, shape, dtype, scale=1.0):
+  return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def chunked_flops(batch, length, heads, features, values, chunk=CHUNK):
+  return batch * heads * length * (2 * chunk * (features + values) + 4 * features * values)
+
+
+def parallel_flops(batch, length, heads, features, values):
+  return batch * heads * length * length * (features + values)
+
+
+def _pallas_name() -> str:
+  """The row name of an op's ``implementation="pallas"``: Mosaic on TPU, Triton elsewhere."""
+  from lmcore.ops.common import pallas_utils
+
+  return "pallas (tpu)" if pallas_utils.backend() == "tpu" else "pallas"
+
+
+def _precision_cases(pallas_case: Callable[[str], Callable], dtype) -> dict:
+  """``pallas (tf32)`` and ``pallas (float32)``, ``pallas_case(precision)``: the GPU kernel on fp32
+  copies of low-precision inputs (issue 7's bf16 agreement); none for fp32 inputs or on a TPU."""
+  from lmcore.ops.common import pallas_utils
+
+  if jnp.dtype(dtype) == jnp.float32 or pallas_utils.backend() == "tpu":
+    return {}
+  return {f"pallas ({precision})": pallas_case(precision) for precision in FP32_PRECISIONS}
+
+
+def _sanatan_args(batch, length, dtype):
+  """q, k, v, omega, lam_raw of the SANATAN cases (q, k scaled as after the 1/sqrt(d) projection)."""
+  keys = jax.random.split(jax.random.key(0), 5)
+  shape = (batch, length, HEADS, HEAD_DIM)
+  return (_randn(keys[0], shape, dtype, 0.125), _randn(keys[1], shape, dtype, 0.125),
+          _randn(keys[2], shape, dtype), jnp.full((HEADS, HEAD_DIM), jnp.pi / 4),
+          jax.random.normal(keys[3], (HEADS, HEAD_DIM)))
+
+
+def sanatan_cases(batch, length, dtype):
+  from sanatan_jax import sanatan_attention
+  from sanatan_jax.ops.sanatan_attention import pallas_triton_p1 as pallas_p1
+
+  args = _sanatan_args(batch, length, dtype)
+
+  def op(impl):
+    return lambda q, k, v, w, l: sanatan_attention(q, k, v, w, l, implementation=impl, chunk_size=CHUNK)[0]
+
+  kernel = lambda precision: lambda q, k, v, w, l: pallas_p1.sanatan_p1_pallas(
+      q, k, v, w, l, precision=precision)[0]
+  cases = {**_sanatan_pallas(), **_precision_cases(kernel, dtype), "chunked (xla)": op("chunked")}
+  if batch * HEADS * length * length <= PARALLEL_MAX_SCORES:
+    cases["parallel (reference)"] = op("parallel")
+  F = 6 * HEAD_DIM
+  flops = {impl: chunked_flops(batch, length, HEADS, F, HEAD_DIM) for impl in cases}
+  for impl in cases:  # the Triton kernel's own chunk
+    if impl.startswith("pallas") and impl != "pallas (tpu)":
+      flops[impl] = chunked_flops(batch, length, HEADS, F, HEAD_DIM, chunk=pallas_p1.DEFAULT_CHUNK)
+  if "pallas (tpu)" in cases:  # compiled Mosaic chunks are >= 128 tokens
+    flops["pallas (tpu)"] = chunked_flops(batch, length, HEADS, F, HEAD_DIM, chunk=TPU_CHUNK)
+  flops["parallel (reference)"] = parallel_flops(batch, length, HEADS, F, HEAD_DIM)
+  return args, cases, flops
+
+
+def _sanatan_pallas() -> dict:
+  """The SANATAN p = 1 kernel of this backend with its defaults: Mosaic on TPU (chunk 128), else
+  Triton (chunk 32)."""
+  from lmcore.ops.common import pallas_utils
+  from sanatan_jax.ops.sanatan_attention.pallas_triton_p1 import sanatan_p1_pallas
+  from sanatan_jax.ops.sanatan_attention.pallas_mosaic_tpu_p1 import sanatan_p1_tpu
+
+  kernel = sanatan_p1_tpu if pallas_utils.backend() == "tpu" else sanatan_p1_pallas
+  return {_pallas_name(): lambda q, k, v, w, l: kernel(q, k, v, w, l)[0]}
+
+
+def sanatan_p2_cases(batch, length, dtype):
+  """SANATAN p = 2 (no recurrence): the blocked Pallas kernel vs XLA blocked vs the materialised form,
+  each credited the causal half of the scores and mixing, 2·T²·(F + V)/2 per head with F = 6d."""
+  from sanatan_jax import sanatan_attention
+
+  def op(impl, **options):
+    return lambda q, k, v, w, l: sanatan_attention(q, k, v, w, l, p=2, implementation=impl,
+                                                   **options)[0]
+
+  kernel = lambda precision: op("pallas", kernel_precision=precision)
+  cases = {_pallas_name(): op("pallas"), **_precision_cases(kernel, dtype),
+           "blocked (xla)": op("blocked")}
+  if batch * HEADS * length * length <= PARALLEL_MAX_SCORES:
+    cases["parallel (reference)"] = op("parallel")
+  flops = parallel_flops(batch, length, HEADS, 6 * HEAD_DIM, HEAD_DIM)
+  return _sanatan_args(batch, length, dtype), cases, {name: flops for name in cases}
+
+
+def gated_cases(batch, length, dtype):
+  from lmcore.ops.gated_linear_attention import gated_linear_attention
+  from lmcore.ops.gated_linear_attention import pallas_triton as pallas
+
+  keys = jax.random.split(jax.random.key(0), 4)
+  shape = (batch, length, HEADS, HEAD_DIM)
+  log_forget = jax.nn.log_sigmoid(_randn(keys[3], shape, jnp.float32) + 4.0) / 16
+  args = (_randn(keys[0], shape, dtype, 0.125), _randn(keys[1], shape, dtype, 0.125),
+          _randn(keys[2], shape, dtype), log_forget)
+
+  def op(impl):
+    return lambda q, k, v, g: gated_linear_attention(q, k, v, g, implementation=impl, chunk_size=CHUNK)[0]
+
+  kernel = lambda precision: lambda q, k, v, g: pallas.gated_linear_attention_pallas(
+      q, k, v, g, precision=precision)[0]
+  cases = {**_gated_pallas(), **_precision_cases(kernel, dtype), "chunked (xla)": op("chunked")}
+  # Per-channel gates make the parallel form's scores K wide; on the H200, XLA compiled it at
+  # B·H·T² = 4e8 (T = 2048) for more than 9 minutes, so it is timed on small cases only.
+  if batch * HEADS * length * length <= GATED_PARALLEL_MAX_SCORES:
+    cases["parallel (reference)"] = op("parallel")
+  flops = {name: chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM) for name in cases}
+  for name in cases:  # the Triton kernel's own chunk
+    if name.startswith("pallas") and name != "pallas (tpu)":
+      flops[name] = chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM, chunk=pallas.CHUNK)
+  if "pallas (tpu)" in cases:  # compiled Mosaic chunks are >= 128 tokens
+    flops["pallas (tpu)"] = chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM, chunk=TPU_CHUNK)
+  flops["parallel (reference)"] = parallel_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM)
+  return args, cases, flops
+
+
+def _gated_pallas() -> dict:
+  """The gated kernel of this backend: Mosaic on TPU, else the Triton kernel at its defaults."""
+  from lmcore.ops.common import pallas_utils
+  from lmcore.ops.gated_linear_attention import pallas_triton as pallas
+  from lmcore.ops.gated_linear_attention import pallas_mosaic_tpu as pallas_tpu
+
+  if pallas_utils.backend() == "tpu":
+    return {"pallas (tpu)": lambda q, k, v, g: pallas_tpu.gated_linear_attention_tpu(
+        q, k, v, g, chunk_size=CHUNK)[0]}
+  return {"pallas": lambda q, k, v, g: pallas.gated_linear_attention_pallas(q, k, v, g)[0]}
+
+
+def taylor_cases(batch, length, dtype):
+  from based_jax import taylor_linear_attention
+
+  keys = jax.random.split(jax.random.key(0), 3)
+  qk_shape = (batch, length, TAYLOR_HEADS, TAYLOR_DIM)
+  args = (_randn(keys[0], qk_shape, dtype, 0.5), _randn(keys[1], qk_shape, dtype, 0.5),
+          _randn(keys[2], (batch, length, TAYLOR_HEADS, HEAD_DIM), dtype))
+
+  def op(impl, **options):
+    return lambda q, k, v: taylor_linear_attention(q, k, v, implementation=impl, chunk_size=CHUNK,
+                                                   **options)[0]
+
+  pallas_name = _pallas_name()
+  kernel = lambda precision: op("pallas", kernel_precision=precision)
+  cases = {pallas_name: op("pallas"), **_precision_cases(kernel, dtype),
+           "chunked (xla)": op("chunked")}
+  if pallas_name == "pallas":  # the blocked (quadratic) Triton kernels; GPU only
+    cases["pallas_blocked"] = op("pallas_blocked")
+  if batch * TAYLOR_HEADS * length * length <= PARALLEL_MAX_SCORES:
+    cases["parallel (reference)"] = op("parallel")
+  F = 1 + TAYLOR_DIM + TAYLOR_DIM * (TAYLOR_DIM + 1) // 2  # the compact feature width, 153
+  flops = {impl: chunked_flops(batch, length, TAYLOR_HEADS, F, HEAD_DIM) for impl in cases}
+  if pallas_name == "pallas (tpu)":  # compiled Mosaic chunks are >= 128 tokens
+    flops[pallas_name] = chunked_flops(batch, length, TAYLOR_HEADS, F, HEAD_DIM, chunk=TPU_CHUNK)
+  for name in ("parallel (reference)", "pallas_blocked"):
+    flops[name] = parallel_flops(batch, length, TAYLOR_HEADS, TAYLOR_DIM + 2, HEAD_DIM)
+  return args, cases, flops
+
+
+def softmax_cases(batch, length, dtype):
+  keys = jax.random.split(jax.random.key(0), 3)
+  shape = (batch, length, HEADS, HEAD_DIM)
+  args = tuple(_randn(k, shape, dtype) for k in keys)
+  implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
+  cases = {f"softmax ({implementation})": lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, implementation=implementation)}
+  return args, cases, {name: parallel_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM) for name in cases}
+
+
+# Kernel settings tried by ``--tune`` (each op's defaults are timed by the plain run): phase 2 by
+# XLA's associative scan instead of the Pallas chunk scan, and the other of chunks 16 and 32, each
+# way. Settings measured slower on the H200 (docs/BENCHMARKS.md: chunk 64, 4 warps, value tile 32;
+# the gated kernel's sub-chunk 32 or 64) are no longer tried.
+TUNING = {
+    "sanatan_p1": [dict(chunk_size=32, block_v=64, num_warps=8, scan="xla"),
+                   dict(chunk_size=16, block_v=64, num_warps=8),
+                   dict(chunk_size=16, block_v=64, num_warps=8, scan="xla")],
+    "gated": [dict(chunk_size=16, num_warps=8, scan="xla"), dict(chunk_size=32, num_warps=8),
+              dict(chunk_size=32, num_warps=8, scan="xla")],
+}
+
+
+def _setting_name(setting: dict) -> str:
+  """"pallas (C=32, 8 warps, block_v 64)" for a TUNING entry."""
+  parts = [f"C={setting['chunk_size']}", f"{setting['num_warps']} warps"]
+  parts += [f"{key} {value}" for key, value in setting.items() if key not in ("chunk_size", "num_warps")]
+  return f"pallas ({', '.join(parts)})"
+
+
+def tuning_cases(op_name: str, batch: int, length: int, dtype) -> tuple[tuple, dict, dict]:
+  """(args, cases, flops) of the Triton kernel of ``op_name`` at every TUNING setting."""
+  from lmcore.ops.gated_linear_attention import pallas_triton as pallas
+  from sanatan_jax.ops.sanatan_attention.pallas_triton_p1 import sanatan_p1_pallas
+
+  if op_name not in TUNING:
+    raise ValueError(f"no tuning settings for op {op_name!r}; tunable: {', '.join(TUNING)}")
+  args, _, _ = OPS[op_name](batch, length, dtype)
+  kernel = {"sanatan_p1": sanatan_p1_pallas, "gated": pallas.gated_linear_attention_pallas}[op_name]
+  features = 6 * HEAD_DIM if op_name == "sanatan_p1" else HEAD_DIM
+  cases, flops = {}, {}
+  for setting in TUNING[op_name]:
+    name = _setting_name(setting)
+    cases[name] = lambda *a, setting=setting: kernel(*a, **setting)[0]
+    flops[name] = chunked_flops(batch, length, HEADS, features, HEAD_DIM, chunk=setting["chunk_size"])
+  return args, cases, flops
+
+
+OPS = {"sanatan_p1": sanatan_cases, "sanatan_p2": sanatan_p2_cases, "gated": gated_cases,
+       "taylor": taylor_cases, "softmax": softmax_cases}
+REFERENCE = {"sanatan_p1": "chunked (xla)", "sanatan_p2": "blocked (xla)", "gated": "chunked (xla)",
+             "taylor": "chunked (xla)"}
+
+
+class RowLog:
+  """Rows measured so far, appended to a JSONL file (when given) the moment each is measured.
+
+  Rows already in the file are loaded and not measured again, so a benchmark stopped by a time limit
+  continues where it stopped when run again with the same file. A row that failed (an error note, no
+  time) is tried again; the file's last row of each (op, implementation, length) wins.
+  """
+
+  def __init__(self, path: str = ""):
+    self.path, self._rows = path, {}
+    if path and os.path.exists(path):
+      with open(path) as f:
+        for line in f:
+          if line.strip():
+            row = Row(**json.loads(line))
+            self._rows[row.op, row.impl, row.length] = row
+
+  @property
+  def rows(self) -> list[Row]:
+    return list(self._rows.values())
+
+  def has(self, op: str, impl: str, length: int) -> bool:
+    row = self._rows.get((op, impl, length))
+    return row is not None and row.fwdbwd_ms is not None
+
+  def add(self, row: Row) -> None:
+    self._rows[row.op, row.impl, row.length] = row
+    print(f"  {row.op} {row.impl} T={row.length}: {row.fwd_ms} / {row.fwdbwd_ms} ms {row.note}", flush=True)
+    if self.path:
+      os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+      with open(self.path, "a") as f:
+        f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+
+
+def measure(log: RowLog, op_name: str, impl: str, length: int, batch: int, fn: Callable | str,
+            time_fwd_and_fwdbwd: Callable[[Callable], tuple[float, float]], flops: float) -> None:
+  """Times ``fn`` (a string is a reason it cannot run) unless ``log`` has the row; errors become notes."""
+  if log.has(op_name, impl, length):
+    return
+  if isinstance(fn, str):
+    log.add(Row(op_name, impl, length, batch, None, None, 0.0, note=fn))
+    return
+  try:
+    fwd, fwdbwd = time_fwd_and_fwdbwd(fn)
+    log.add(Row(op_name, impl, length, batch, fwd, fwdbwd, flops))
+  except Exception as e:  # An OOM or a backend without the kernel: report it, keep going.
+    log.add(Row(op_name, impl, length, batch, None, None, 0.0, note=f"{type(e).__name__}: {str(e)[:80]}"))
+
+
+def run_op(log: RowLog, op_name: str, length: int, tokens: int, dtype: str, repeats: int,
+           lock: str = "", tune: bool = False) -> None:
+  """Times every case of ``op_name`` (``tune``: its TUNING settings instead) at one length."""
+  batch = max(1, tokens // length)
+  make_cases = functools.partial(tuning_cases, op_name) if tune else OPS[op_name]
+  args, cases, flops = make_cases(batch, length, jnp.dtype(dtype))
+  for impl, fn in cases.items():
+    measure(log, op_name, impl, length, batch, fn, lambda fn: _fwd_and_fwdbwd(fn, args, repeats, lock),
+            flops[impl])
+
+
+def fla_rows(log: RowLog, ops: list[str], length: int, tokens: int, repeats: int, lock: str = "") -> None:
+  """flash-linear-attention on the same shapes, for ``ops`` (torch + fla importable, CUDA only)."""
+  from benchmarks import fla as bench_fla  # torch-side code kept apart from the JAX ops
+
+  bench_fla.run(log, ops, length, tokens, repeats, lock)
+
+
+def with_ratios(rows: list[Row]) -> list[Row]:
+  """Ratio of each row's fwd+bwd time to the reference implementation of its op and length, and of
+  every op to cuDNN softmax at the same length."""
+  by_key = {(r.op, r.impl, r.length): r for r in rows}
+  softmax = {r.length: r for r in rows if r.op == "softmax"}
+  for r in rows:
+    ref = by_key.get((r.op, REFERENCE.get(r.op, ""), r.length)) or softmax.get(r.length)
+    if ref is not None and ref is not r and r.fwdbwd_ms and ref.fwdbwd_ms:
+      r.reference = f"{ref.op}/{ref.impl}"
+      r.ratio_fwdbwd = ref.fwdbwd_ms / r.fwdbwd_ms
+    sm = softmax.get(r.length)
+    if sm is not None and r.op != "softmax" and r.fwdbwd_ms and sm.fwdbwd_ms:
+      r.vs_softmax = sm.fwdbwd_ms / r.fwdbwd_ms
+  return rows
+
+
+def run_all(*, ops: list[str], lengths: list[int], tokens: int, dtype: str, repeats: int,
+            fla_ops: list[str], jsonl: str = "", lock: str = "", tune: list[str] = ()) -> list[Row]:
+  """Every op at every length, the TUNING settings of the ops in ``tune``, then FLA's kernels for
+  ``fla_ops``; rows already in ``jsonl`` are kept and not measured again. Timing holds ``lock`` (see
+  ``exclusive``)."""
+  log = RowLog(jsonl)
+  for length in lengths:
+    for op_name in ops:
+      run_op(log, op_name, length, tokens, dtype, repeats, lock)
+    for op_name in tune:
+      run_op(log, op_name, length, tokens, dtype, repeats, lock, tune=True)
+    if fla_ops:
+      try:
+        fla_rows(log, fla_ops, length, tokens, repeats, lock)
+      except ImportError as e:
+        print(f"  FLA skipped at T={length}: {e}", flush=True)
+  return with_ratios([r for r in log.rows if r.length in lengths])
+
+
+def format_table(rows: list[Row]) -> str:
+  def ms(x):
+    return "—" if x is None else f"{x:.3f}"
+
+  lines = ["| op | implementation | T | B | fwd ms | fwd+bwd ms | tok/s (fwd+bwd) | TFLOP/s (fwd+bwd) | speed-up vs | vs softmax | note |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    tokens_per_s = "—" if not r.fwdbwd_ms else f"{r.batch * r.length / r.fwdbwd_ms * 1e3:,.0f}"
+    tflops = "—" if not r.fwdbwd_ms or not r.flops_fwd else f"{3 * r.flops_fwd / r.fwdbwd_ms / 1e9:.1f}"
+    ratio = "" if r.ratio_fwdbwd is None else f"{r.ratio_fwdbwd:.2f}× {r.reference}"
+    vs_softmax = "" if r.vs_softmax is None else f"{r.vs_softmax:.2f}×"
+    lines.append(f"| {r.op} | {r.impl} | {r.length} | {r.batch} | {ms(r.fwd_ms)} | {ms(r.fwdbwd_ms)} | "
+                 f"{tokens_per_s} | {tflops} | {ratio} | {vs_softmax} | {r.note} |")
+  return "\n".join(lines)
+
+
+def _file_order(path: str) -> tuple:
+  """``kernels_<T>.jsonl`` by T first, then the other files (``fla.jsonl``) by name."""
+  name = os.path.basename(path)
+  return (not name.startswith("kernels_"), [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)])
+
+
+def load_rows(directory: str, skip: tuple[str, ...] = ("agreement.jsonl",)) -> list[Row]:
+  """Every Row of the ``*.jsonl`` files in ``directory`` (those named in ``skip`` aside), the last row of
+  each (op, implementation, length) winning, sorted by length, then op (softmax first, then as in
+  ``OPS``), then implementation in order of first appearance. Ratios are cleared (see ``with_ratios``)."""
+  merged = {}
+  paths = [p for p in glob.glob(os.path.join(directory, "*.jsonl")) if os.path.basename(p) not in skip]
+  for path in sorted(paths, key=_file_order):
+    for row in RowLog(path).rows:
+      merged[row.op, row.impl, row.length] = dataclasses.replace(row, reference="", ratio_fwdbwd=None,
+                                                                 vs_softmax=None)
+  op_order = ["softmax", *(op for op in OPS if op != "softmax")]
+  impl_order = {}
+  for row in merged.values():
+    impl_order.setdefault((row.op, row.impl), len(impl_order))
+
+  def key(row):
+    op_rank = op_order.index(row.op) if row.op in op_order else len(op_order)
+    return row.length, op_rank, row.op, impl_order[row.op, row.impl]
+
+  return sorted(merged.values(), key=key)
+
+
+def append_markdown(path: str, tables: list[str], date: str, device: str, commands: list[str],
+                    via: str = "") -> None:
+  """Appends one dated block to ``path`` (started with a title when new): the header ``## DATE — kernels
+  on DEVICE (VIA)``, the commands that made it, then the tables."""
+  header = "" if os.path.exists(path) else "# Benchmarks\n\nDated measurements; each block names its device and command.\n"
+  title = f"## {date} — kernels on {device}" + (f" ({via})" if via else "")
+  command_line = ", then ".join(f"`{c}`" for c in commands)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "a") as f:
+    f.write(f"{header}\n{title}\n\n{command_line}\n\n" + "\n\n".join(tables) + "\n")

@@ -1,0 +1,57 @@
+"""The kernel benchmark as a plot: fwd+bwd tokens/s against T, one panel per op (``scripts/bench_report.py``)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+from benchmarks.harness import Row
+
+
+def tokens_per_s(row: Row) -> float | None:
+  """Forward+backward tokens per second of ``row`` (None when it did not run)."""
+  return row.batch * row.length / row.fwdbwd_ms * 1e3 if row.fwdbwd_ms else None
+
+
+def plot_tokens_per_s(rows: list[Row], path: str, title: str = "") -> None:
+  """fwd+bwd tokens/s vs T (log2 x, log y), one panel per op, one line per implementation (in order of
+  appearance, one colour per implementation name across panels), softmax as a dashed reference line
+  in every panel; saved as a PNG."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  timed = [r for r in rows if tokens_per_s(r)]
+  softmax = [r for r in timed if r.op == "softmax"]
+  ops = list(dict.fromkeys(r.op for r in timed if r.op != "softmax")) or ["softmax"]
+  impls = dict.fromkeys(r.impl for r in timed if r.op != "softmax")
+  palette = plt.get_cmap("tab10" if len(impls) <= 10 else "tab20")
+  colour = {impl: palette(i % palette.N) for i, impl in enumerate(impls)}
+  cols = len(ops) if len(ops) <= 3 else math.ceil(math.sqrt(len(ops)))  # 4 panels: 2×2
+  nrows = math.ceil(len(ops) / cols)
+  fig, axes = plt.subplots(nrows, cols, figsize=(4.8 * cols, 3.8 * nrows), squeeze=False)
+  for ax, op in zip(axes.flat, ops):
+    for impl in dict.fromkeys(r.impl for r in softmax):
+      series = sorted((r for r in softmax if r.impl == impl), key=lambda r: r.length)
+      ax.plot([r.length for r in series], [tokens_per_s(r) for r in series], "k--", marker=".", label=impl)
+    if op != "softmax":
+      op_rows = [r for r in timed if r.op == op]
+      for impl in dict.fromkeys(r.impl for r in op_rows):
+        series = sorted((r for r in op_rows if r.impl == impl), key=lambda r: r.length)
+        ax.plot([r.length for r in series], [tokens_per_s(r) for r in series], marker="o",
+                color=colour[impl], label=impl)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length T")
+    ax.set_ylabel("tokens/s (fwd+bwd)")
+    ax.set_title(op)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="x-small")
+  for ax in list(axes.flat)[len(ops):]:
+    ax.set_visible(False)
+  if title:
+    fig.suptitle(title)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

@@ -1,0 +1,1 @@
+"""Evaluation and generation from trained parameters."""

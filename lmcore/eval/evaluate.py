@@ -1,0 +1,186 @@
+"""Held-out evaluation (SPEC §6.3): token-mean cross-entropy in nats, perplexity, paired implementations.
+
+The model is used functionally: ``graphdef`` (structure) + ``params`` + ``rest`` (non-trainable state)
+are merged inside jitted functions, so the same parameters can be read out by another implementation
+or another power p by changing only the graphdef (``model_graphdef``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lmcore.config import ExperimentConfig, ModelConfig
+from lmcore.eval.generate import generate
+from lmcore.model import LanguageModel, with_mixer_overrides
+from lmcore.train.loss import forward, split_batch, token_nll
+
+
+def model_graphdef(config: ModelConfig):
+  """The structure of ``LanguageModel(config)`` without allocating its parameters."""
+  abstract = nnx.eval_shape(lambda: LanguageModel(config, rngs=nnx.Rngs(0)))
+  return nnx.split(abstract, nnx.Param, ...)[0]
+
+
+def _batches(heldout: dict[str, np.ndarray], batch_size: int, max_batches: int):
+  n = heldout["tokens"].shape[0]
+  starts = range(0, n, batch_size)
+  if max_batches:
+    starts = list(starts)[:max_batches]
+  for start in starts:
+    yield {k: v[start:start + batch_size] for k, v in heldout.items()}
+
+
+def heldout_loss(graphdef, params, rest, heldout: dict[str, np.ndarray], *, batch_size: int,
+                 use_segments: bool = False, max_batches: int = 0) -> dict[str, float]:
+  """Token-mean cross-entropy (nats) and perplexity over the held-out windows."""
+
+  @jax.jit
+  def nll_sum(params, rest, batch):
+    inputs, targets, positions, segments = split_batch(batch, use_segments)
+    return token_nll(forward(graphdef, params, rest, inputs, positions, segments), targets).sum()
+
+  total, count = 0.0, 0
+  for batch in _batches(heldout, batch_size, max_batches):
+    total += float(nll_sum(params, rest, batch))
+    count += batch["tokens"][:, 1:].size
+  loss = total / count
+  return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
+
+
+def paired_loss(graphdef_a, graphdef_b, params, rest, heldout: dict[str, np.ndarray], *, batch_size: int,
+                use_segments: bool = False, max_batches: int = 0) -> dict[str, float]:
+  """The same parameters and sequences through two implementations: both losses, their paired
+  difference (mean of per-token NLL_b − NLL_a) and the max |Δlogit| over every position."""
+
+  @jax.jit
+  def compare(params, rest, batch):
+    inputs, targets, positions, segments = split_batch(batch, use_segments)
+    logits_a = forward(graphdef_a, params, rest, inputs, positions, segments)
+    logits_b = forward(graphdef_b, params, rest, inputs, positions, segments)
+    nll_a, nll_b = token_nll(logits_a, targets), token_nll(logits_b, targets)
+    return nll_a.sum(), nll_b.sum(), jnp.abs(logits_a - logits_b).max()
+
+  sum_a = sum_b = 0.0
+  count, max_dlogit = 0, 0.0
+  for batch in _batches(heldout, batch_size, max_batches):
+    a, b, d = compare(params, rest, batch)
+    sum_a, sum_b, max_dlogit = sum_a + float(a), sum_b + float(b), max(max_dlogit, float(d))
+    count += batch["tokens"][:, 1:].size
+  return {"loss_a": sum_a / count, "loss_b": sum_b / count, "paired_diff": (sum_b - sum_a) / count,
+          "max_abs_dlogit": max_dlogit, "tokens": count}
+
+
+def override_graphdef(config: ModelConfig, kinds=None, **mixer_overrides):
+  return model_graphdef(with_mixer_overrides(config, kinds, **mixer_overrides))
+
+
+def _paired_kinds(config: ModelConfig) -> set[str]:
+  """Mixers with a parallel/chunked vs recurrent choice (softmax's ``implementation`` picks a backend)."""
+  return {kind for kind, cfg in config.mixers.items()
+          if kind != "softmax" and "implementation" in {f.name for f in dataclasses.fields(cfg)}}
+
+
+def paired_evaluation(config: ExperimentConfig, params, rest, heldout) -> dict[str, Any]:
+  """SPEC §6.3: the same sequences with implementation ``paired_a`` (default: as trained) and
+  ``paired_b`` (default: recurrent). Returns ``{"paired_skipped": reason}`` where not applicable."""
+  kinds = _paired_kinds(config.model)
+  if not kinds:
+    return {"paired_skipped": "no fixed-state mixer in this model"}
+  ev = config.eval
+  name_a = ev.paired_a or "as_trained"
+  try:
+    graphdef_a = (override_graphdef(config.model, kinds, implementation=ev.paired_a) if ev.paired_a
+                  else model_graphdef(config.model))
+    graphdef_b = override_graphdef(config.model, kinds, implementation=ev.paired_b)
+    result = paired_loss(graphdef_a, graphdef_b, params, rest, heldout, batch_size=ev.batch_size,
+                         use_segments=config.data.segment_ids, max_batches=config.train.eval_batches)
+  except (ValueError, NotImplementedError) as e:
+    return {"paired_skipped": f"{type(e).__name__}: {e}"}
+  return {f"loss_{name_a}": result["loss_a"], f"loss_{ev.paired_b}": result["loss_b"],
+          "paired_diff": result["paired_diff"], "max_abs_dlogit": result["max_abs_dlogit"]}
+
+
+def gate_statistics(config: ExperimentConfig, graphdef, params, rest, heldout) -> list[dict[str, Any]]:
+  """MATH §1.3: one record per layer whose mixer has a ``gate_statistics(x_BxTxD) -> dict`` hook, on
+  the first ``eval.gate_stats_sequences`` windows (empty when no mixer has one)."""
+  model = nnx.merge(graphdef, params, rest)
+  tokens_BxT = jnp.asarray(heldout["tokens"][:config.eval.gate_stats_sequences, :-1])
+  records = []
+  for layer, (block, x_BxTxD) in enumerate(zip(model.blocks, model.mixer_inputs(tokens_BxT))):
+    if hasattr(block.mixer, "gate_statistics"):
+      records.append({"layer": layer, **block.mixer.gate_statistics(x_BxTxD)})
+  return records
+
+
+def evaluate_params(config: ExperimentConfig, out_dir: str, graphdef, params, rest, heldout, step: int,
+                    tokenizer, writer=None) -> dict[str, Any]:
+  """The full held-out evaluation of one set of parameters; writes ``<out_dir>/eval_<step>.json``."""
+  from lmcore import data as data_lib
+
+  os.makedirs(out_dir, exist_ok=True)
+  record: dict[str, Any] = {"step": step, "name": config.name}
+  record.update(heldout_loss(graphdef, params, rest, heldout, batch_size=config.eval.batch_size,
+                             use_segments=config.data.segment_ids, max_batches=config.train.eval_batches))
+  record.update(data_lib.unigram_baseline(config.data, tokenizer, heldout["tokens"]))
+  if config.eval.paired:
+    record.update(paired_evaluation(config, params, rest, heldout))
+  layers = gate_statistics(config, graphdef, params, rest, heldout) if config.eval.gate_stats else []
+  if layers:
+    with open(os.path.join(out_dir, f"gate_stats_{step}.jsonl"), "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in layers)
+    record["gate_stats_file"] = f"gate_stats_{step}.jsonl"
+  path = os.path.join(out_dir, f"eval_{step}.json")
+  with open(path + ".tmp", "w") as f:
+    json.dump(record, f, indent=1)
+  os.replace(path + ".tmp", path)
+  lines = [f"held-out loss {record['loss']:.4f} nats (ppl {record['perplexity']:.2f}) over "
+           f"{record['tokens']:,} tokens; unigram entropy of the training corpus "
+           f"{record['unigram_entropy']:.4f} nats (a unigram model's held-out loss: "
+           f"{record['unigram_heldout_xent']:.4f})"]
+  if "paired_diff" in record:
+    lines.append(f"paired {config.eval.paired_a or 'as trained'} vs {config.eval.paired_b}: "
+                 f"diff {record['paired_diff']:.2e} nats, max |Δlogit| {record['max_abs_dlogit']:.2e}")
+  if writer is not None:
+    writer.write(step, {f"eval/{k}": v for k, v in record.items() if isinstance(v, (int, float))})
+    for line in lines:
+      writer.console(line)
+  else:
+    print("\n".join(lines), flush=True)
+  print(f"wrote {path}", flush=True)
+  return record
+
+
+def evaluate_checkpoint(config: ExperimentConfig, workdir: str, step: int | None = None,
+                        prompt: str = "", max_new_tokens: int = 64, out_dir: str = "") -> dict[str, Any]:
+  """eval.py: held-out evaluation of a run's checkpoint (latest unless ``step``), optional sample.
+  Results go to ``out_dir`` (default: the workdir)."""
+  from lmcore.train import checkpoint as ckpt_lib
+  from lmcore import data as data_lib
+  from lmcore.train import sharding
+
+  tokenizer = data_lib.load_tokenizer(config.data.tokenizer, data_lib.cache_dir(config.data))
+  data_lib.check_vocab(tokenizer, config.model.vocab_size)
+  abstract = nnx.eval_shape(lambda: LanguageModel(config.model, rngs=nnx.Rngs(0)))
+  graphdef, abstract_params, abstract_rest = nnx.split(abstract, nnx.Param, ...)
+  to_struct = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.replicated())
+  params, rest, step, _ = ckpt_lib.load_params(
+      workdir, jax.tree.map(to_struct, nnx.to_pure_dict(abstract_params)),
+      jax.tree.map(to_struct, nnx.to_pure_dict(abstract_rest)), step=step)
+  heldout_path = config.data.heldout.path or os.path.join(workdir, "heldout.npz")
+  heldout = data_lib.load_or_build_heldout(config.data, tokenizer, heldout_path)
+  record = evaluate_params(config, out_dir or workdir, graphdef, params, rest, heldout, step, tokenizer)
+  if prompt:
+    model = nnx.merge(graphdef, params, rest)
+    ids = generate(model, tokenizer.encode(prompt), max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_id)
+    record["sample"] = tokenizer.decode(ids)
+    print(f"--- sample ---\n{prompt}{record['sample']}\n--------------", flush=True)
+  return record

@@ -1,0 +1,527 @@
+"""Pallas (Mosaic TPU lowering) kernels for chunked gated linear attention (SPEC §3, §4), with VJP.
+
+The function is xla.py's and pallas.py's, per head, with b the chunk-local cumulative log gate::
+
+    o_i     = scale * [(q_i ⊙ exp(b_i)) S_n  +  sum_{j<=i} (sum_k q_ik k_jk exp(b_ik - b_jk)) v_j]
+    S_{n+1} = diag(exp(b_C)) S_n + sum_j (k_j ⊙ exp(b_C - b_j)) v_jᵀ
+
+TPU form. A TPU core runs the grid steps one after another, so the grid is (batch·head, value
+tile, chunk) with the chunk axis last and "arbitrary" (sequential; the first two are "parallel"
+and split over the cores of a chip), and the fp32 state tile lives in a VMEM scratch buffer carried
+from one chunk's step to the next: loaded from the initial state at chunk 0, written out as the
+final state after the last chunk. The state is kept transposed, Sᵀ [BV, K], so that every gate
+vector is a row over the key lanes, as in q and k: decaying it is Sᵀ * exp(b_C) [1, K] and reading
+it is a q kᵀ-shaped matmul. Arrays are head-major, [B·H, T, ·], in blocks of (C, 128 m): time is
+padded to whole chunks and K, V to multiples of 128 lanes (zeros, which leave state and outputs
+unchanged); compiled chunks hold at least 128 tokens, so that the [C, C] score block and the
+row-shaped [1, C] gate and document blocks fill whole lanes. Mosaic has no cumulative sum: b is
+computed outside the kernels.
+
+A scalar gate per head makes the intra-chunk scores one matmul times a decay matrix exp(b_i - b_j),
+from the gate as a column [C, 1] and as a row [1, C] (both passed in). A per-key-channel gate uses
+secondary chunking as pallas.py does: for the query sub-chunk of ``sub_chunk`` rows starting at s,
+with its anchor r = b_{s-1}, all earlier keys of the chunk in one matmul of q ⊙ exp(b - r) and
+k ⊙ exp(r - b) (both exponents <= 0), and the keys inside the sub-chunk exactly in fp32, one key
+(a row slice) at a time. Masked exponents are set to -inf *before* ``exp``. Packed documents
+(``doc_BxT`` from ``api.document_index``) are honoured by masks: a token reads the carried state
+only while in the state's document, and a chunk hands on only its last document's writes.
+
+Backward (``jax.custom_vjp``): the forward saves its inputs and the final state only. A forward
+sweep recomputes the chunk states to get dq; a reverse sweep (the chunk index map runs backwards)
+carries dSᵀ in VMEM to get dk, dv and dS_0. The gate gradient is pallas.py's: the output depends on
+the cumulative log gate B only through q ⊙ exp(B), k ⊙ exp(-B) and exp(B_T) in the final state, so
+dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ sum_v S_T ⊙ dS_T at t = T) and dg is the reverse cumulative sum of
+dB. With several value tiles the dq, dk of each tile are partial sums added outside.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from lmcore.ops.common import pallas_utils as pu
+from lmcore.ops.gated_linear_attention import api
+
+LANES = 128  # a TPU vector register is (8 sublanes, 128 lanes)
+SUBLANES = 8
+SUB_CHUNK = 16
+_F32 = jnp.float32
+
+
+class KernelConfig(NamedTuple):
+  """Static kernel parameters (hashable: they key the compiled kernels).
+
+  chunk: tokens per chunk C; sub_chunk: query rows per diagonal block (per-channel gates only);
+  block_v: value columns per grid step BV; n_heads: H (the document arrays are per batch row);
+  scalar_gate: one gate per head (G = 1); scale: multiplies the scores; interpret:
+  ``pallas_call``'s ``interpret`` argument.
+  """
+
+  chunk: int
+  sub_chunk: int
+  block_v: int
+  n_heads: int
+  scalar_gate: bool
+  scale: float
+  interpret: Any
+
+
+class _Seq(NamedTuple):
+  """One chunk's input blocks (refs): head-major sequences and per-batch-row document arrays."""
+
+  q: Any  # [C, Kp] input dtype
+  k: Any  # [C, Kp]
+  v: Any  # [C, BV]
+  b: Any  # [C, G] fp32 chunk-local cumulative log gate
+  doc: Any  # [C, 1] int32 document index
+  doc_row: Any  # [1, C] int32, the same as a row
+  reads: Any  # [C, 1] int32: 1 where the token is in the document of the state entering the chunk
+  writes: Any  # [C, 1] int32: 1 where the token is in the chunk's last document
+  b_row: Any  # [1, C] fp32, b as a row (scalar gate), else None
+
+
+class _Chunk(NamedTuple):
+  """One chunk as loaded in a kernel."""
+
+  q: jax.Array  # [C, Kp] input dtype
+  k: jax.Array  # [C, Kp]
+  v: jax.Array  # [C, BV]
+  b: jax.Array  # [C, G] fp32
+  b_row: jax.Array | None  # [1, C] fp32 (scalar gate)
+  doc: jax.Array  # [C, 1] int32
+  doc_row: jax.Array  # [1, C] int32
+  reads: jax.Array  # [C, 1] bool
+  writes: jax.Array  # [C, 1] bool
+  do: jax.Array | None  # [C, BV] scale * dL/do in the input dtype (backward only)
+
+
+def _split(refs, cfg: KernelConfig):
+  """The kernel's refs as (_Seq of the chunk inputs, the remaining refs)."""
+  n_seq = len(_Seq._fields) - (0 if cfg.scalar_gate else 1)
+  seq = _Seq(*refs[:n_seq], *([] if cfg.scalar_gate else [None]))
+  return seq, refs[n_seq:]
+
+
+def _load(seq: _Seq, do_ref=None) -> _Chunk:
+  return _Chunk(seq.q[...], seq.k[...], seq.v[...], seq.b[...],
+                None if seq.b_row is None else seq.b_row[...], seq.doc[...], seq.doc_row[...],
+                seq.reads[...] != 0, seq.writes[...] != 0, None if do_ref is None else do_ref[...])
+
+
+def _iota(shape, axis):
+  return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def _visible_rows(doc_rows, start: int, doc_row):
+  """[c, C] bool: query i (c rows from ``start``, documents ``doc_rows`` [c, 1]) sees key j of the
+  chunk (documents ``doc_row`` [1, C]): j <= i and the same document."""
+  rows, C = doc_rows.shape[0], doc_row.shape[1]
+  causal = start + _iota((rows, C), 0) >= _iota((rows, C), 1)
+  return causal & (doc_rows == doc_row)
+
+
+def _b_end(ch: _Chunk):
+  """The chunk's total log gate [1, G]."""
+  return ch.b[-1:]
+
+
+def _q_from_state(ch: _Chunk):
+  """q ⊙ exp(b) for tokens still in the state's document, else 0 (input dtype) [C, Kp]."""
+  return jnp.where(ch.reads, ch.q.astype(_F32) * jnp.exp(ch.b), 0.0).astype(ch.q.dtype)
+
+
+def _k_to_end(ch: _Chunk):
+  """k ⊙ exp(b_C - b) for tokens of the chunk's last document, else 0 (input dtype) [C, Kp]."""
+  k_to_end = ch.k.astype(_F32) * jnp.exp(_b_end(ch) - ch.b)
+  return jnp.where(ch.writes, k_to_end, 0.0).astype(ch.k.dtype)
+
+
+def _decayed(S_T, ch: _Chunk):
+  """diag(exp(b_C)) S, transposed [BV, Kp]; zero when a document starts inside the chunk."""
+  return jnp.where(ch.reads[-1:], S_T * jnp.exp(_b_end(ch)), 0.0)
+
+
+def _advance(S_T, ch: _Chunk):
+  """Sᵀ after the chunk: decay (or reset at a new document), then add its last document's writes."""
+  return _decayed(S_T, ch) + pu.dot(ch.v, _k_to_end(ch), trans_a=True)
+
+
+def _retreat(dS_T, ch: _Chunk):
+  """dSᵀ before the chunk from dSᵀ after it: the decay's transpose plus the chunk's state reads."""
+  return _decayed(dS_T, ch) + pu.dot(ch.do, _q_from_state(ch), trans_a=True)
+
+
+# Scalar gate: one decay matrix.
+
+def _scalar_decay(ch: _Chunk):
+  """exp(b_i - b_j) on visible pairs, else 0: [C, C] fp32."""
+  visible = _visible_rows(ch.doc, 0, ch.doc_row)
+  return jnp.exp(jnp.where(visible, ch.b - ch.b_row, -jnp.inf))
+
+
+def _scores_scalar(ch: _Chunk, cfg: KernelConfig):
+  return pu.dot(ch.q, ch.k, trans_b=True) * _scalar_decay(ch)
+
+
+def _dA_scalar(ch: _Chunk):
+  """(do_i · v_j) exp(b_i - b_j) on visible pairs [C, C] (input dtype)."""
+  return (pu.dot(ch.do, ch.v, trans_b=True) * _scalar_decay(ch)).astype(ch.q.dtype)
+
+
+def _dq_intra_scalar(ch: _Chunk, cfg: KernelConfig):
+  return pu.dot(_dA_scalar(ch), ch.k)
+
+
+def _dk_intra_scalar(ch: _Chunk, cfg: KernelConfig):
+  return pu.dot(_dA_scalar(ch), ch.q, trans_a=True)
+
+
+# Per-key-channel gate: secondary chunking.
+
+class _Sub(NamedTuple):
+  """Query rows start : start + c of a chunk and their factors around the anchor r = b_{start-1}."""
+
+  start: int
+  q: jax.Array  # [c, Kp] fp32
+  b: jax.Array  # [c, Kp] fp32
+  doc: jax.Array  # [c, 1] int32
+  do: jax.Array | None  # [c, BV] input dtype
+  to_anchor: jax.Array  # [c, Kp] fp32: exp(b - r)
+  from_anchor: jax.Array  # [C, Kp] fp32: exp(r - b_j) for keys j before the sub-chunk, else 0
+
+  def q_anchored(self, dtype):
+    return (self.q * self.to_anchor).astype(dtype)
+
+
+def _subs(ch: _Chunk, c: int) -> list[_Sub]:
+  C, Kp = ch.q.shape
+  q32 = ch.q.astype(_F32)
+  before_start = lambda start: _iota((C, 1), 0) < start
+  subs = []
+  for start in range(0, C, c):
+    rows = slice(start, start + c)
+    anchor = ch.b[start - 1:start] if start else jnp.zeros((1, Kp), _F32)
+    from_anchor = jnp.exp(jnp.where(before_start(start), anchor - ch.b, -jnp.inf))
+    subs.append(_Sub(start, q32[rows], ch.b[rows], ch.doc[rows],
+                     None if ch.do is None else ch.do[rows], jnp.exp(ch.b[rows] - anchor),
+                     from_anchor))
+  return subs
+
+
+def _diag_decay(x: _Sub, ch: _Chunk, j: int):
+  """[c, Kp]: exp(b_i - b_j) for the sub-chunk's rows i that see key j (i >= j, same document)."""
+  sees = (x.start + _iota((x.q.shape[0], 1), 0) >= j) & (x.doc == ch.doc[j:j + 1])
+  return jnp.exp(jnp.where(sees, x.b - ch.b[j:j + 1], -jnp.inf))
+
+
+def _diag_dA(x: _Sub, v32, j: int):
+  """do_i · v_j for the sub-chunk's rows [c, 1] fp32 (masked later by ``_diag_decay``)."""
+  return jnp.sum(x.do.astype(_F32) * v32[j:j + 1], axis=1, keepdims=True)
+
+
+def _off_dA(x: _Sub, ch: _Chunk):
+  """do_i · v_j on the sub-chunk's visible pairs [c, C] (input dtype)."""
+  visible = _visible_rows(x.doc, x.start, ch.doc_row)
+  return jnp.where(visible, pu.dot(x.do, ch.v, trans_b=True), 0.0).astype(ch.q.dtype)
+
+
+def _scores_channel(ch: _Chunk, cfg: KernelConfig):
+  """A_ij = sum_k q_ik k_jk exp(b_ik - b_jk) on visible pairs, fp32 [C, C]."""
+  C, dt = ch.q.shape[0], ch.q.dtype
+  k32 = ch.k.astype(_F32)
+  blocks = []
+  for x in _subs(ch, cfg.sub_chunk):
+    A = pu.dot(x.q_anchored(dt), (k32 * x.from_anchor).astype(dt), trans_b=True)
+    column = _iota(A.shape, 1)
+    for j in range(x.start, x.start + cfg.sub_chunk):
+      a_j = jnp.sum(x.q * k32[j:j + 1] * _diag_decay(x, ch, j), axis=1, keepdims=True)
+      A = jnp.where(column == j, a_j, A)
+    blocks.append(jnp.where(_visible_rows(x.doc, x.start, ch.doc_row), A, 0.0))
+  return jnp.concatenate(blocks, axis=0)
+
+
+def _dq_intra_channel(ch: _Chunk, cfg: KernelConfig):
+  dt = ch.q.dtype
+  k32, v32 = ch.k.astype(_F32), ch.v.astype(_F32)
+  blocks = []
+  for x in _subs(ch, cfg.sub_chunk):
+    dq = pu.dot(_off_dA(x, ch), (k32 * x.from_anchor).astype(dt)) * x.to_anchor
+    for j in range(x.start, x.start + cfg.sub_chunk):
+      dq += _diag_dA(x, v32, j) * k32[j:j + 1] * _diag_decay(x, ch, j)
+    blocks.append(dq)
+  return jnp.concatenate(blocks, axis=0)
+
+
+def _dk_intra_channel(ch: _Chunk, cfg: KernelConfig):
+  dt, c = ch.q.dtype, cfg.sub_chunk
+  v32 = ch.v.astype(_F32)
+  dk = jnp.zeros(ch.k.shape, _F32)
+  diagonal = []
+  for x in _subs(ch, c):
+    dk += pu.dot(_off_dA(x, ch), x.q_anchored(dt), trans_a=True) * x.from_anchor
+    block = jnp.zeros(x.q.shape, _F32)
+    for j in range(x.start, x.start + c):
+      row = jnp.sum(_diag_dA(x, v32, j) * x.q * _diag_decay(x, ch, j), axis=0, keepdims=True)
+      block = jnp.where(_iota((c, 1), 0) == j - x.start, row, block)
+    diagonal.append(block)
+  return dk + jnp.concatenate(diagonal, axis=0)
+
+
+def _intra(cfg: KernelConfig):
+  """(scores, dq_intra, dk_intra) for the config's gate shape."""
+  if cfg.scalar_gate:
+    return _scores_scalar, _dq_intra_scalar, _dk_intra_scalar
+  return _scores_channel, _dq_intra_channel, _dk_intra_channel
+
+
+# Kernels. Grid (batch·head, value tile, chunk); the last ref is the fp32 VMEM state scratch.
+
+def _forward_kernel(*refs, cfg: KernelConfig):
+  seq, (S0_ref, o_ref, ST_ref, S_ref) = _split(refs, cfg)
+  n = pl.program_id(2)
+
+  @pl.when(n == 0)
+  def _():
+    S_ref[...] = S0_ref[...]
+
+  ch = _load(seq)
+  S_T = S_ref[...]
+  scores, _, _ = _intra(cfg)
+  o = (pu.dot(_q_from_state(ch), S_T.astype(ch.q.dtype), trans_b=True)
+       + pu.dot(scores(ch, cfg).astype(ch.v.dtype), ch.v))
+  o_ref[...] = cfg.scale * o
+  S_ref[...] = _advance(S_T, ch)
+
+  @pl.when(n == pl.num_programs(2) - 1)
+  def _():
+    ST_ref[...] = S_ref[...]
+
+
+def _dq_kernel(*refs, cfg: KernelConfig):
+  """Forward sweep: dq (partial over this value tile) from the recomputed chunk states."""
+  seq, (S0_ref, do_ref, dq_ref, S_ref) = _split(refs, cfg)
+
+  @pl.when(pl.program_id(2) == 0)
+  def _():
+    S_ref[...] = S0_ref[...]
+
+  ch = _load(seq, do_ref)
+  S_T = S_ref[...]
+  _, dq_intra, _ = _intra(cfg)
+  from_state = pu.dot(ch.do, S_T.astype(ch.do.dtype)) * jnp.exp(ch.b)
+  dq_ref[...] = jnp.where(ch.reads, from_state, 0.0) + dq_intra(ch, cfg)
+  S_ref[...] = _advance(S_T, ch)
+
+
+def _dkv_kernel(*refs, cfg: KernelConfig):
+  """Reverse sweep: dk (partial over this value tile), dv and dS_0, carrying dSᵀ."""
+  seq, (dST_ref, do_ref, dk_ref, dv_ref, dS0_ref, dS_ref) = _split(refs, cfg)
+  m = pl.program_id(2)
+
+  @pl.when(m == 0)
+  def _():
+    dS_ref[...] = dST_ref[...]
+
+  ch = _load(seq, do_ref)
+  dS_T = dS_ref[...]
+  dt = ch.q.dtype
+  scores, _, dk_intra = _intra(cfg)
+  dv_ref[...] = (pu.dot(_k_to_end(ch), dS_T.astype(dt), trans_b=True)
+                 + pu.dot(scores(ch, cfg).astype(dt), ch.do, trans_a=True))
+  to_end = pu.dot(ch.v, dS_T.astype(dt)) * jnp.exp(_b_end(ch) - ch.b)
+  dk_ref[...] = jnp.where(ch.writes, to_end, 0.0) + dk_intra(ch, cfg)
+  dS_ref[...] = _retreat(dS_T, ch)
+
+  @pl.when(m == pl.num_programs(2) - 1)
+  def _():
+    dS0_ref[...] = dS_ref[...]
+
+
+class _Docs(NamedTuple):
+  """Document arrays per batch row (int32): ``doc``, ``reads``, ``writes`` [B, Tp, 1] and
+  ``doc_row`` [B, 1, Tp] (see ``_Seq``)."""
+
+  doc: jax.Array
+  doc_row: jax.Array
+  reads: jax.Array
+  writes: jax.Array
+
+
+def _documents(doc_BxT, Tp: int, C: int) -> _Docs:
+  """The per-token document masks of xla.py, from the document index padded to Tp (edge)."""
+  B = doc_BxT.shape[0]
+  doc = pu.pad_axis(doc_BxT.astype(jnp.int32), 1, Tp, mode="edge")
+  previous = jnp.concatenate([doc[:, :1], doc[:, :-1]], axis=1)
+  chunks = lambda x: x.reshape(B, Tp // C, C)
+  state_doc_BxNx1 = chunks(previous)[:, :, :1]
+  last_doc_BxNx1 = chunks(doc)[:, :, -1:]
+  flag = lambda x: x.reshape(B, Tp, 1).astype(jnp.int32)
+  return _Docs(doc[:, :, None], doc[:, None, :], flag(chunks(doc) == state_doc_BxNx1),
+               flag(chunks(doc) == last_doc_BxNx1))
+
+
+def _local_cumsum(g, C: int):
+  """b: the cumulative sum of g inside each chunk of C tokens, fp32 [BH, Tp, G]."""
+  BH, Tp, G = g.shape
+  return jnp.cumsum(g.reshape(BH, Tp // C, C, G), axis=2).reshape(BH, Tp, G)
+
+
+class _Sweep(NamedTuple):
+  """One pass over the chunks, forward or in reverse: the chunk inputs in ``_Seq`` order with
+  their BlockSpecs, and the BlockSpecs of value-shaped [C, BV] blocks (o, do, dv), of per-value-tile
+  partial sums [C, Kp] (dq, dk) and of the state tile [BV, Kp]."""
+
+  args: list
+  specs: list
+  values: pl.BlockSpec
+  partial: pl.BlockSpec
+  state: pl.BlockSpec
+
+
+def _sweep(q, k, v, g, docs: _Docs, cfg: KernelConfig, reverse: bool) -> _Sweep:
+  BH, Tp, Kp = q.shape
+  C, BV, H = cfg.chunk, cfg.block_v, cfg.n_heads
+  N = Tp // C
+  chunk = (lambda n: N - 1 - n) if reverse else (lambda n: n)
+  seq = lambda width: pl.BlockSpec((None, C, width), lambda bh, j, n: (bh, chunk(n), 0))
+  values = pl.BlockSpec((None, C, BV), lambda bh, j, n: (bh, chunk(n), j))
+  column = pl.BlockSpec((None, C, 1), lambda bh, j, n: (bh // H, chunk(n), 0))
+  row = pl.BlockSpec((None, 1, C), lambda bh, j, n: (bh // H, 0, chunk(n)))
+  b = _local_cumsum(g, C)
+  args = [q, k, v, b, docs.doc, docs.doc_row, docs.reads, docs.writes]
+  specs = [seq(Kp), seq(Kp), values, seq(b.shape[-1]), column, row, column, column]
+  if cfg.scalar_gate:
+    args.append(b.reshape(BH, 1, Tp))
+    specs.append(pl.BlockSpec((None, 1, C), lambda bh, j, n: (bh, 0, chunk(n))))
+  partial = pl.BlockSpec((None, None, C, Kp), lambda bh, j, n: (j, bh, chunk(n), 0))
+  state = pl.BlockSpec((None, BV, Kp), lambda bh, j, n: (bh, j, 0))
+  return _Sweep(args, specs, values, partial, state)
+
+
+def _call(kernel, cfg: KernelConfig, sweep: _Sweep, extra_args, extra_specs, out_specs,
+          out_shape):
+  """Runs ``kernel`` over the grid (B·H, value tiles, chunks) with an fp32 [BV, Kp] VMEM scratch."""
+  BH, Tp, Kp = sweep.args[0].shape
+  n_tiles = sweep.args[2].shape[-1] // cfg.block_v
+  return pl.pallas_call(
+      functools.partial(kernel, cfg=cfg), grid=(BH, n_tiles, Tp // cfg.chunk),
+      in_specs=sweep.specs + extra_specs, out_specs=out_specs, out_shape=out_shape,
+      scratch_shapes=[pltpu.VMEM((cfg.block_v, Kp), _F32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary")),
+      interpret=cfg.interpret)(*sweep.args, *extra_args)
+
+
+def _forward(q, k, v, g, docs, S0_T, cfg):
+  s = _sweep(q, k, v, g, docs, cfg, reverse=False)
+  out_shape = (jax.ShapeDtypeStruct(v.shape, _F32), jax.ShapeDtypeStruct(S0_T.shape, _F32))
+  return _call(_forward_kernel, cfg, s, [S0_T], [s.state], [s.values, s.state], out_shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _fused(q, k, v, g, docs, S0_T, cfg):
+  return _forward(q, k, v, g, docs, S0_T, cfg)
+
+
+def _fused_fwd(q, k, v, g, docs, S0_T, cfg):
+  o, S_end_T = _forward(q, k, v, g, docs, S0_T, cfg)
+  return (o, S_end_T), (q, k, v, g, docs, S0_T, S_end_T)
+
+
+def _fused_bwd(cfg, residuals, cotangents):
+  q, k, v, g, docs, S0_T, S_end_T = residuals
+  do, dS_end_T = cotangents
+  n_tiles = v.shape[-1] // cfg.block_v
+  do = (cfg.scale * do).astype(v.dtype)
+  dS_end_T = dS_end_T.astype(_F32)
+  partial = jax.ShapeDtypeStruct((n_tiles, *q.shape), _F32)
+  s = _sweep(q, k, v, g, docs, cfg, reverse=False)
+  dq = _call(_dq_kernel, cfg, s, [S0_T, do], [s.state, s.values], s.partial, partial)
+  s = _sweep(q, k, v, g, docs, cfg, reverse=True)
+  dk, dv, dS0_T = _call(
+      _dkv_kernel, cfg, s, [dS_end_T, do], [s.state, s.values], [s.partial, s.values, s.state],
+      (partial, jax.ShapeDtypeStruct(v.shape, _F32), jax.ShapeDtypeStruct(S0_T.shape, _F32)))
+  dq, dk = dq.sum(0), dk.sum(0)
+  dg = _gate_grad(q, k, dq, dk, S_end_T, dS_end_T, g.shape[-1])
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg, None, dS0_T
+
+
+def _gate_grad(q, k, dq, dk, S_end_T, dS_end_T, G):
+  """dg [BH, Tp, G]: reverse cumsum over time of dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ final state)."""
+  dB_BHxTxK = q.astype(_F32) * dq - k.astype(_F32) * dk
+  dB_BHxTxK = dB_BHxTxK.at[:, -1].add(jnp.sum(S_end_T * dS_end_T, axis=1))
+  if G == 1:
+    dB_BHxTxK = jnp.sum(dB_BHxTxK, axis=-1, keepdims=True)
+  return jnp.flip(jnp.cumsum(jnp.flip(dB_BHxTxK, 1), axis=1), 1)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def _check_sizes(chunk_size: int, sub_chunk: int, block_v: int, compiled: bool) -> None:
+  """Raises ValueError for block sizes the kernels (or, when compiled, the TPU tiles) reject."""
+  for name, size in (("chunk_size", chunk_size), ("sub_chunk", sub_chunk)):
+    if size < 1 or size & (size - 1):
+      raise ValueError(f"gated_linear_attention: {name} must be a power of two, got {size}")
+  if compiled and (block_v % LANES or sub_chunk % SUBLANES):
+    raise ValueError(f"gated_linear_attention: on TPU block_v must be a multiple of {LANES} and "
+                     f"sub_chunk of {SUBLANES}, got block_v={block_v}, sub_chunk={sub_chunk}")
+
+
+def _heads_first(x_BxTxHxF, Tp: int, Fp: int):
+  """[B, T, H, F] -> [B·H, Tp, Fp], zero padded."""
+  B, T, H, F = x_BxTxHxF.shape
+  x = jnp.swapaxes(x_BxTxHxF, 1, 2).reshape(B * H, T, F)
+  return pu.pad_axis(pu.pad_axis(x, 1, Tp), 2, Fp)
+
+
+def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: float, doc_BxT,
+            chunk_size: int = 64, interpret: bool | pltpu.InterpretParams | None = None,
+            block_v: int = LANES,
+            sub_chunk: int = SUB_CHUNK):
+  """The TPU backend with xla.chunked's contract: (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32).
+
+  Pads T to whole chunks, K to a multiple of 128 and V to a multiple of ``block_v`` (zeros), runs
+  the kernels head-major and undoes the layout; G = 1 (scalar gate) or K (per channel). Compiled,
+  chunks hold max(chunk_size, 128) tokens and ``block_v`` must be a multiple of 128; interpreted
+  (``interpret=True``, or None off TPU) any powers of two run, so that tests cross many chunks.
+  """
+  interpret = pu.resolve_tpu_interpret(interpret, "gated_linear_attention",
+                                        "implementation='chunked'")
+  _check_sizes(chunk_size, sub_chunk, block_v, compiled=not interpret)
+  B, T, H, K = q_BxTxHxK.shape
+  V, G = v_BxTxHxV.shape[-1], g_BxTxHxG.shape[-1]
+  C = chunk_size if interpret else max(chunk_size, LANES)
+  Tp, Kp, Vp = pu.round_up(T, C), pu.round_up(K, LANES), pu.round_up(V, block_v)
+  cfg = KernelConfig(chunk=C, sub_chunk=min(sub_chunk, C), block_v=block_v, n_heads=H,
+                     scalar_gate=G == 1, scale=float(scale), interpret=interpret)
+  S0_T = pu.pad_axis(pu.pad_axis(jnp.swapaxes(S0_BxHxKxV.astype(_F32), 2, 3), 2, Vp), 3, Kp)
+  o, S_T = _fused(_heads_first(q_BxTxHxK, Tp, Kp), _heads_first(k_BxTxHxK, Tp, Kp),
+                  _heads_first(v_BxTxHxV, Tp, Vp),
+                  _heads_first(g_BxTxHxG.astype(_F32), Tp, 1 if G == 1 else Kp),
+                  _documents(doc_BxT, Tp, C), S0_T.reshape(B * H, Vp, Kp), cfg)
+  o_BxTxHxV = jnp.swapaxes(o.reshape(B, H, Tp, Vp)[:, :, :T, :V], 1, 2)
+  return o_BxTxHxV, jnp.swapaxes(S_T.reshape(B, H, Vp, Kp)[:, :, :V, :K], 2, 3)
+
+
+def gated_linear_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array,
+                               log_forget: jax.Array | None = None, *,
+                               state: api.LinearAttentionState | None = None,
+                               chunk_size: int = 64, normalize: bool = False, eps: float = 1e-6,
+                               scale: float = 1.0, segment_ids: jax.Array | None = None,
+                               interpret: bool | pltpu.InterpretParams | None = None, **tuning
+                               ) -> tuple[jax.Array, api.LinearAttentionState]:
+  """``api.gated_linear_attention`` computed by the TPU kernels; same arguments and results.
+
+  ``tuning`` passes ``block_v`` and ``sub_chunk`` to ``chunked``. Zero state, no decay and one
+  document by default, and normalisation: ``api.run_backend``.
+  """
+  api._check_shapes(q, k, v, log_forget, state, segment_ids)
+  backend = functools.partial(chunked, chunk_size=chunk_size, interpret=interpret, **tuning)
+  return api.run_backend(backend, q, k, v, log_forget, state, normalize=normalize, eps=eps,
+                         scale=scale, segment_ids=segment_ids)

@@ -1,0 +1,468 @@
+"""Pallas (Triton lowering) kernels for chunked gated linear attention (SPEC §3, §4), custom VJP.
+
+The function is xla.py's, per head, with b the chunk-local cumulative log gate (fp32) and a_n =
+exp(b_C) the decay over chunk n (b_C its total log gate)::
+
+    o_i     = scale * [(q_i ⊙ exp(b_i)) S_n  +  sum_{j<=i} (sum_k q_ik k_jk exp(b_ik - b_jk)) v_j]
+    S_{n+1} = diag(a_n) S_n + W_n,     W_n = sum_j (k_j ⊙ exp(b_C - b_j)) v_jᵀ
+
+in three phases (FLA's "chunk" form): (1) a kernel over (batch, head, chunk, value tile) writes
+every chunk's W_n [K, V] (fp32) to HBM; (2) ``chunk_scan`` runs the recurrence above through the
+chunks (``scan="pallas"``: one kernel, each program carrying a tile of the state; ``"xla"``: an
+associative scan) and hands on every S_n in the inputs' dtype, the dtype the later dots take it
+in; (3) a kernel over the same grid computes each chunk's outputs from S_n and its intra-chunk
+block. Phases 1 and 3 run every chunk in parallel, so the GPU fills even at small batch x heads.
+
+A scalar gate per head makes the intra-chunk scores one matmul times a decay matrix; a
+per-key-channel gate uses secondary chunking (sub-chunks of ``SUB_CHUNK`` tokens): blocks below
+the diagonal are a matmul of q ⊙ exp(b - r) and k ⊙ exp(r - b) around the query sub-chunk's
+anchor r = b just before it (both exponents <= 0), diagonal blocks exact elementwise fp32 sums.
+Every exponent is <= 0 for gates <= 0, and masked entries are set to -inf *before* ``exp``.
+
+Packed documents (``doc_BxT``, non-decreasing per row, as ``api.document_index`` makes them) are
+honoured by masks inside the kernels: a token reads the carried state only while in the document
+the state belongs to, and a chunk hands on only its last document's writes (a_n = 0 when a document
+starts inside chunk n).
+
+Backward (``jax.custom_vjp``): the forward saves only its inputs; the chunk states are recomputed.
+With R_n = sum_i (q_i ⊙ exp(b_i)) do_iᵀ over the tokens reading S_n, the state gradients follow
+dS_N = dL/dS_T, dS_n = diag(a_n) dS_{n+1} + R_n. One kernel writes W_n and R_n per chunk, two
+chunk scans give every S_n and dS_n, and one kernel per chunk computes dq (from S_n), dk and
+dv (from dS_{n+1}). The gate gradient needs no kernel: with B the cumulative log gate, the output
+depends on B only through q ⊙ exp(B), k ⊙ exp(-B) and the final state's exp(B_T), so
+dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ S_T ⊙ dS_T summed over values at t = T) and dg is the reverse
+cumulative sum of dB. With several value tiles each program returns partial dq, dk (sums over
+values) that are added outside.
+
+Defaults are the best measured on an H200 (B·T = 16384, H = 12, K = V = 64, per-channel gates,
+bf16, fwd+bwd ms at T = 2048 / 8192 / 32768; docs/BENCHMARKS.md, session 4): chunk 16, 8 warps,
+sub-chunk 16, the Pallas chunk scan: 2.05 / 1.96 / 3.41 (XLA chunked 5.50 / 6.85 / 11.99; FLA's
+chunk_gla 2.62 / 2.60 / 4.22). With the scan's first tiles, chunk 32 was 2.00 / 2.02 / 4.09 against
+chunk 16's 1.99 / 1.93 / 3.97; with XLA's associative scan, chunk 32 2.36 / 2.28 / 4.20, chunk 16
+2.47 / 2.25 / 4.31. Earlier (XLA scan): chunk 64 4.86 / 4.80 at 8 warps, 10.36 / 10.49 / 20.19 at
+4; sub-chunk 32 or 64: 15-21 at T = 8192.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from lmcore.ops.common import chunk_scan
+from lmcore.ops.common import pallas_utils as pu
+from lmcore.ops.gated_linear_attention import api
+
+# Chunk and sub-chunk (with 8 warps): the best measured on an H200, see the module docstring.
+CHUNK = 16
+SUB_CHUNK = 16
+_F32 = jnp.float32
+
+
+class KernelConfig(NamedTuple):
+  """Static kernel parameters (hashable: they key the compiled kernels).
+
+  chunk: tokens per chunk C (a power of two); sub_chunk: tokens per diagonal block (C for a scalar
+  gate); block_v: value columns per program BV; scale: multiplies the scores.
+  """
+
+  chunk: int
+  sub_chunk: int
+  block_v: int
+  scale: float
+  interpret: bool
+  num_warps: int
+  num_stages: int
+  scan: str
+  precision: str
+
+
+class _Sub(NamedTuple):
+  """One sub-chunk as loaded in a kernel: inputs, cumulative gate ``b`` and its anchor."""
+
+  q: jax.Array  # [c, K] input dtype
+  k: jax.Array  # [c, K]
+  v: jax.Array  # [c, BV]
+  b: jax.Array  # [c, G] fp32, chunk-local cumulative log gate
+  anchor: jax.Array  # [1, G] fp32, b just before the sub-chunk (its off-diagonal reference)
+  doc: jax.Array  # [c] int32
+  do: jax.Array | None  # [c, BV] scale * dL/do (backward only)
+
+
+def _load_chunk(refs, cfg: KernelConfig, do_ref=None):
+  """Sub-chunks of the program's chunk, its total log gate [1, G] and its last document.
+
+  ``refs`` is (q, k, v, g, doc); a None q ref leaves ``_Sub.q`` None (kernels that never read q).
+  """
+  q_ref, k_ref, v_ref, g_ref, doc_ref = refs
+  c = cfg.sub_chunk
+  anchor = jnp.zeros((1, g_ref.shape[-1]), _F32)
+  subs = []
+  for i in range(cfg.chunk // c):
+    start = i * c
+    g = pu.rows(g_ref, start, c).astype(_F32)
+    do = None
+    if do_ref is not None:
+      do = (cfg.scale * pu.rows(do_ref, start, c)).astype(v_ref.dtype)
+    q = None if q_ref is None else pu.rows(q_ref, start, c)
+    subs.append(_Sub(q, pu.rows(k_ref, start, c), pu.rows(v_ref, start, c),
+                     anchor + jnp.cumsum(g, axis=0), anchor, pu.rows(doc_ref, start, c), do))
+    anchor = anchor + jnp.sum(g, axis=0, keepdims=True)
+  last_doc = functools.reduce(jnp.maximum, [jnp.max(s.doc) for s in subs])
+  return subs, anchor, last_doc
+
+
+def _visible(doc_i, doc_j, causal: bool):
+  """[c, c] bool: key j is in query i's document (and j <= i on a diagonal block)."""
+  same = doc_i[:, None] == doc_j[None, :]
+  if not causal:
+    return same
+  c = doc_i.shape[0]
+  iota = functools.partial(jax.lax.broadcasted_iota, jnp.int32, (c, c))
+  return same & (iota(0) >= iota(1))
+
+
+def _off_factors(x: _Sub, y: _Sub):
+  """q_x ⊙ exp(b_x - r_x) and k_y ⊙ exp(r_x - b_y) (r_x: x's anchor), key sub-chunk y before x."""
+  dt = x.q.dtype
+  q_t = (x.q.astype(_F32) * jnp.exp(x.b - x.anchor)).astype(dt)
+  k_t = (y.k.astype(_F32) * jnp.exp(x.anchor - y.b)).astype(dt)
+  return q_t, k_t
+
+
+def _diag_decay(x: _Sub, visible):
+  """exp(b_i - b_j) on visible pairs, else 0: [c, c] (scalar gate) or [c, c, K] (per channel)."""
+  if x.b.shape[-1] == 1:
+    return jnp.exp(jnp.where(visible, x.b - x.b.reshape(1, -1), -jnp.inf))
+  diff = x.b[:, None, :] - x.b[None, :, :]
+  return jnp.exp(jnp.where(visible[:, :, None], diff, -jnp.inf))
+
+
+def _diag_scores(x: _Sub, decay):
+  """A_ij = sum_k q_ik k_jk exp(b_ik - b_jk) inside one sub-chunk, fp32 [c, c]."""
+  if decay.ndim == 2:
+    return pu.dot(x.q, x.k, trans_b=True) * decay
+  return jnp.sum(x.q.astype(_F32)[:, None, :] * x.k.astype(_F32)[None, :, :] * decay, axis=2)
+
+
+def _off_scores(x: _Sub, y: _Sub):
+  q_t, k_t = _off_factors(x, y)
+  return jnp.where(_visible(x.doc, y.doc, False), pu.dot(q_t, k_t, trans_b=True), 0.0)
+
+
+def _q_from_state(x: _Sub, state_doc):
+  """q ⊙ exp(b) for tokens still in the state's document, else 0 (input dtype)."""
+  reads = (x.doc == state_doc)[:, None]
+  return jnp.where(reads, x.q.astype(_F32) * jnp.exp(x.b), 0.0).astype(x.q.dtype)
+
+
+def _k_to_end(x: _Sub, b_end, last_doc):
+  """k ⊙ exp(b_C - b) for tokens of the chunk's last document, else 0 (input dtype)."""
+  writes = (x.doc == last_doc)[:, None]
+  return jnp.where(writes, x.k.astype(_F32) * jnp.exp(b_end - x.b), 0.0).astype(x.k.dtype)
+
+
+def _writes(subs, b_end, last_doc):
+  """What a chunk adds to the state, sum_j (k_j ⊙ exp(b_C - b_j)) v_jᵀ over its last document:
+  fp32 [K, BV]."""
+  return sum(pu.dot(_k_to_end(x, b_end, last_doc), x.v, trans_a=True) for x in subs)
+
+
+def _reads_grad(subs, state_doc):
+  """The chunk's own share of dL/dS_n (S_n: the state at its start), sum_i (q_i ⊙ exp(b_i)) do_iᵀ
+  over the tokens that read S_n, with do already scaled: fp32 [K, BV]."""
+  return sum(pu.dot(_q_from_state(x, state_doc), x.do, trans_a=True) for x in subs)
+
+
+def _chunk_outputs(subs, S, state_doc):
+  """Unscaled outputs [c, BV] fp32 per sub-chunk: the read of S (the state at the chunk start)
+  plus the intra-chunk block."""
+  dt = subs[0].v.dtype
+  out = []
+  for i, x in enumerate(subs):
+    o = pu.dot(_q_from_state(x, state_doc), S.astype(dt))
+    for y in subs[:i]:
+      o += pu.dot(_off_scores(x, y).astype(dt), y.v)
+    decay = _diag_decay(x, _visible(x.doc, x.doc, True))
+    o += pu.dot(_diag_scores(x, decay).astype(dt), x.v)
+    out.append(o)
+  return out
+
+
+def _dq_chunk(subs, S, state_doc):
+  """dq of one chunk from scale * do, the state at the chunk start and the intra-chunk scores."""
+  dt = subs[0].q.dtype
+  out = []
+  for i, x in enumerate(subs):
+    reads = (x.doc == state_doc)[:, None]
+    dq = jnp.where(reads, pu.dot(x.do, S.astype(dt), trans_b=True) * jnp.exp(x.b), 0.0)
+    for y in subs[:i]:
+      dA = jnp.where(_visible(x.doc, y.doc, False), pu.dot(x.do, y.v, trans_b=True), 0.0)
+      _, k_t = _off_factors(x, y)
+      dq += pu.dot(dA.astype(dt), k_t) * jnp.exp(x.b - x.anchor)
+    visible = _visible(x.doc, x.doc, True)
+    dA = jnp.where(visible, pu.dot(x.do, x.v, trans_b=True), 0.0)
+    decay = _diag_decay(x, visible)
+    if decay.ndim == 2:
+      dq += pu.dot((dA * decay).astype(dt), x.k)
+    else:
+      dq += jnp.sum(dA[:, :, None] * x.k.astype(_F32)[None, :, :] * decay, axis=1)
+    out.append(dq)
+  return out
+
+
+def _dkv_chunk(subs, dS, b_end, last_doc):
+  """dk, dv of one chunk from dS (the gradient of the state after it) and the later queries."""
+  dt = subs[0].q.dtype
+  out = []
+  for j, y in enumerate(subs):
+    writes = (y.doc == last_doc)[:, None]
+    dv = pu.dot(_k_to_end(y, b_end, last_doc), dS.astype(dt))
+    dk = jnp.where(writes, pu.dot(y.v, dS.astype(dt), trans_b=True) * jnp.exp(b_end - y.b), 0.0)
+    for x in subs[j + 1:]:
+      q_t, k_t = _off_factors(x, y)
+      visible = _visible(x.doc, y.doc, False)
+      A = jnp.where(visible, pu.dot(q_t, k_t, trans_b=True), 0.0)
+      dA = jnp.where(visible, pu.dot(x.do, y.v, trans_b=True), 0.0)
+      dv += pu.dot(A.astype(dt), x.do, trans_a=True)
+      dk += pu.dot(dA.astype(dt), q_t, trans_a=True) * jnp.exp(x.anchor - y.b)
+    visible = _visible(y.doc, y.doc, True)
+    decay = _diag_decay(y, visible)
+    dv += pu.dot(_diag_scores(y, decay).astype(dt), y.do, trans_a=True)
+    dA = jnp.where(visible, pu.dot(y.do, y.v, trans_b=True), 0.0)
+    if decay.ndim == 2:
+      dk += pu.dot((dA * decay).astype(dt), y.q, trans_a=True)
+    else:
+      dk += jnp.sum(dA[:, :, None] * y.q.astype(_F32)[:, None, :] * decay, axis=0)
+    out.append((dk, dv))
+  return out
+
+
+def _input_grads(q, k, v, g, kernel_grads, S_end, dS_end):
+  """The VJP's cotangents from the kernels' dq, dk (partial sums per value tile), dv and dS_0."""
+  dq, dk, dv, dS0 = kernel_grads
+  dq, dk = dq.sum(0), dk.sum(0)
+  dg = _gate_grad(q, k, dq, dk, S_end, dS_end, g.shape[-1])
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg, None, dS0)
+
+
+def _gate_grad(q, k, dq, dk, S_end, dS_end, G):
+  """dg: reverse cumsum over time of dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ the final state term)."""
+  dB_BxTxHxK = q.astype(_F32) * dq - k.astype(_F32) * dk
+  final_BxHxK = jnp.sum(S_end * dS_end.astype(_F32), axis=-1)
+  dB_BxTxHxK = dB_BxTxHxK.at[:, -1].add(final_BxHxK)
+  if G == 1:
+    dB_BxTxHxK = jnp.sum(dB_BxTxHxK, axis=-1, keepdims=True)
+  return jnp.flip(jnp.cumsum(jnp.flip(dB_BxTxHxK, 1), axis=1), 1)
+
+
+def _state_doc(doc_ref, prev_doc_ref):
+  """The document of the state entering this program's chunk (grid axis 2): the previous chunk's
+  last document, or the first token's for chunk 0."""
+  n = pl.program_id(2)
+  return jnp.where(n > 0, jnp.max(prev_doc_ref[...]), jnp.min(doc_ref[...]))
+
+
+def _writes_kernel(k_ref, v_ref, g_ref, doc_ref, W_ref, *, cfg):
+  """Phase 1: W_n, what chunk n adds to the state ([K, BV] fp32)."""
+  subs, b_end, last_doc = _load_chunk((None, k_ref, v_ref, g_ref, doc_ref), cfg)
+  W_ref[...] = _writes(subs, b_end, last_doc)
+
+
+def _outputs_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, prev_doc_ref, S_ref, o_ref, *, cfg):
+  """Phase 3: chunk n's outputs from S_n (the state at its start) and its intra-chunk block."""
+  subs, _, _ = _load_chunk((q_ref, k_ref, v_ref, g_ref, doc_ref), cfg)
+  for i, o in enumerate(_chunk_outputs(subs, S_ref[...], _state_doc(doc_ref, prev_doc_ref))):
+    pu.store_rows(o_ref, i * cfg.sub_chunk, cfg.scale * o)
+
+
+def _writes_and_reads_grad_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, prev_doc_ref, do_ref,
+                                  W_ref, R_ref, *, cfg):
+  """Backward phase 1: W_n again (the forward states are recomputed, not saved) and R_n, chunk
+  n's own share of dL/dS_n."""
+  subs, b_end, last_doc = _load_chunk((q_ref, k_ref, v_ref, g_ref, doc_ref), cfg, do_ref)
+  W_ref[...] = _writes(subs, b_end, last_doc)
+  R_ref[...] = _reads_grad(subs, _state_doc(doc_ref, prev_doc_ref))
+
+
+def _grads_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, prev_doc_ref, do_ref, S_ref, dS_ref,
+                  dq_ref, dk_ref, dv_ref, *, cfg):
+  """Backward phase 3: dq of chunk n from S_n, dk and dv from dS_{n+1} (the gradient of the state
+  after it), both with the intra-chunk terms."""
+  subs, b_end, last_doc = _load_chunk((q_ref, k_ref, v_ref, g_ref, doc_ref), cfg, do_ref)
+  c = cfg.sub_chunk
+  for i, dq in enumerate(_dq_chunk(subs, S_ref[...], _state_doc(doc_ref, prev_doc_ref))):
+    pu.store_rows(dq_ref, i * c, dq)
+  for j, (dk, dv) in enumerate(_dkv_chunk(subs, dS_ref[...], b_end, last_doc)):
+    pu.store_rows(dk_ref, j * c, dk)
+    pu.store_rows(dv_ref, j * c, dv)
+
+
+def _chunk_specs(K, G, cfg):
+  """BlockSpecs over the grid (batch, head, chunk, value tile): one chunk of rows, one value tile.
+
+  ``prev_doc`` is the previous chunk's document ids (chunk 0's own for chunk 0); ``state`` one
+  chunk's [K, BV] tile of a [B, H, N, K, V] stack of per-chunk states.
+  """
+  C, BV = cfg.chunk, cfg.block_v
+  rows = lambda width: pl.BlockSpec((None, C, None, width), lambda b, h, n, j: (b, n, h, 0))
+  return dict(
+      q=rows(K), g=rows(G),
+      v=pl.BlockSpec((None, C, None, BV), lambda b, h, n, j: (b, n, h, j)),
+      doc=pl.BlockSpec((None, C), lambda b, h, n, j: (b, n)),
+      prev_doc=pl.BlockSpec((None, C), lambda b, h, n, j: (b, jnp.maximum(n - 1, 0))),
+      state=pl.BlockSpec((None, None, None, K, BV), lambda b, h, n, j: (b, h, n, 0, j)),
+      partial=pl.BlockSpec((None, None, C, None, K), lambda b, h, n, j: (j, b, n, h, 0)))
+
+
+def _chunk_decays(g, doc, C):
+  """a_n = exp(sum of g over chunk n) per gate channel, 0 where a document starts inside chunk n
+  (the state is reset there): [B, H, N, G, 1] fp32, to scale the rows of [K, V] states."""
+  B, Tp, H, G = g.shape
+  N = Tp // C
+  total_BxNxHxG = g.reshape(B, N, C, H, G).sum(axis=2)
+  doc_BxNxC = doc.reshape(B, N, C)
+  state_doc_BxN = jnp.concatenate([doc_BxNxC[:, :1, 0], doc_BxNxC[:, :-1, -1]], axis=1)
+  keeps_BxN = doc_BxNxC[:, :, -1] == state_doc_BxN
+  decay_BxNxHxG = jnp.where(keeps_BxN[:, :, None, None], jnp.exp(total_BxNxHxG), 0.0)
+  return jnp.moveaxis(decay_BxNxHxG, 1, 2)[..., None]
+
+
+def _scan_states(decay_BxHxNxGx1, x_BxHxNxKxV, edge_BxHxKxV, cfg, *, reverse: bool, dtype):
+  """Phase 2, the inter-chunk recurrence (``chunk_scan``, ``cfg.scan``).
+
+  Forward: S_0 = edge, S_{n+1} = a_n S_n + x_n (x = the chunks' writes W); reverse: dS_N = edge,
+  dS_n = a_n dS_{n+1} + x_n (x = the chunks' reads' gradients R). Returns the state held at every
+  chunk [B, H, N, K, V] in ``dtype`` (forward: S_n; reverse: dS_{n+1}) and where the walk ends
+  (S_N; reverse: dS_0) [B, H, K, V] fp32.
+  """
+  a_BxHxNxK = jnp.broadcast_to(decay_BxHxNxGx1[..., 0], x_BxHxNxKxV.shape[:4])
+  return chunk_scan.chunk_scan(x_BxHxNxKxV, a_BxHxNxK, edge_BxHxKxV, reverse=reverse,
+                               out_dtype=dtype, implementation=cfg.scan, interpret=cfg.interpret)
+
+
+def _chunk_grid(q, v, cfg):
+  B, Tp, H, _ = q.shape
+  return (B, H, Tp // cfg.chunk, v.shape[-1] // cfg.block_v)
+
+
+def _forward(q, k, v, g, doc, S0, cfg):
+  """(o [B, Tp, H, V], S_N [B, H, K, V]), fp32, by phases 1 to 3."""
+  B, Tp, H, K = q.shape
+  grid = _chunk_grid(q, v, cfg)
+  s = _chunk_specs(K, g.shape[-1], cfg)
+  per_chunk = jax.ShapeDtypeStruct((B, H, grid[2], K, v.shape[-1]), _F32)
+  W_BxHxNxKxV = pu.call(_writes_kernel, cfg, grid, [s["q"], s["v"], s["g"], s["doc"]],
+                        s["state"], per_chunk, k, v, g, doc)
+  S_BxHxNxKxV, S_end = _scan_states(_chunk_decays(g, doc, cfg.chunk), W_BxHxNxKxV, S0, cfg,
+                                    reverse=False, dtype=q.dtype)
+  o = pu.call(_outputs_kernel, cfg, grid,
+              [s["q"], s["q"], s["v"], s["g"], s["doc"], s["prev_doc"], s["state"]], s["v"],
+              jax.ShapeDtypeStruct((B, Tp, H, v.shape[-1]), _F32),
+              q, k, v, g, doc, doc, S_BxHxNxKxV)
+  return o, S_end
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _gla(q, k, v, g, doc, S0, cfg):
+  return _forward(q, k, v, g, doc, S0, cfg)
+
+
+def _gla_fwd(q, k, v, g, doc, S0, cfg):
+  return _forward(q, k, v, g, doc, S0, cfg), (q, k, v, g, doc, S0)
+
+
+def _gla_bwd(cfg, residuals, cotangents):
+  """Recomputes the states S_n (phases 1 and 2), scans the gradients dS_n in reverse, then takes
+  dq, dk, dv of every chunk in parallel."""
+  q, k, v, g, doc, S0 = residuals
+  do, dS_end = (x.astype(_F32) for x in cotangents)
+  B, Tp, H, K = q.shape
+  V = v.shape[-1]
+  grid = _chunk_grid(q, v, cfg)
+  s = _chunk_specs(K, g.shape[-1], cfg)
+  per_chunk = jax.ShapeDtypeStruct((B, H, grid[2], K, V), _F32)
+  W_BxHxNxKxV, R_BxHxNxKxV = pu.call(
+      _writes_and_reads_grad_kernel, cfg, grid,
+      [s["q"], s["q"], s["v"], s["g"], s["doc"], s["prev_doc"], s["v"]], [s["state"], s["state"]],
+      (per_chunk, per_chunk), q, k, v, g, doc, doc, do)
+  decay = _chunk_decays(g, doc, cfg.chunk)
+  S_BxHxNxKxV, S_end = _scan_states(decay, W_BxHxNxKxV, S0, cfg, reverse=False, dtype=q.dtype)
+  dS_BxHxNxKxV, dS0 = _scan_states(decay, R_BxHxNxKxV, dS_end, cfg, reverse=True, dtype=q.dtype)
+  partial = jax.ShapeDtypeStruct((grid[3], B, Tp, H, K), _F32)
+  dq, dk, dv = pu.call(
+      _grads_kernel, cfg, grid,
+      [s["q"], s["q"], s["v"], s["g"], s["doc"], s["prev_doc"], s["v"], s["state"], s["state"]],
+      [s["partial"], s["partial"], s["v"]],
+      (partial, partial, jax.ShapeDtypeStruct((B, Tp, H, V), _F32)),
+      q, k, v, g, doc, doc, do, S_BxHxNxKxV, dS_BxHxNxKxV)
+  return _input_grads(q, k, v, g, (dq, dk, dv, dS0), S_end, dS_end)
+
+
+_gla.defvjp(_gla_fwd, _gla_bwd)
+
+
+def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: float, doc_BxT,
+            chunk_size: int = CHUNK, interpret: bool | None = None, block_v: int = 64,
+            sub_chunk: int = SUB_CHUNK, num_warps: int = 8, num_stages: int = 2,
+            scan: str = "pallas", precision: str = "input"):
+  """The Pallas backend with xla.chunked's contract: (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32).
+
+  Pads T to whole chunks and K, V to power-of-two blocks (zeros: they leave state and outputs
+  unchanged), runs the kernels and slices the padding off; G = 1 (scalar gate) or K (per channel).
+  ``block_v``, ``sub_chunk`` (per-channel gates only), ``num_warps``, ``num_stages`` and ``scan``
+  (phase 2: "pallas" or "xla") are GPU tuning knobs (defaults: the measured best, see the module
+  docstring), and ``precision`` the dots' operands ("input": the inputs' dtype; "tf32" or
+  "float32": fp32 copies, ``pu.PRECISIONS``); compiled kernels need chunk, sub-chunk and blocks of
+  at least 16.
+  """
+  interpret = pu.resolve_interpret(interpret)
+  pu.check_backend(interpret, "gated_linear_attention", "implementation='chunked' (XLA)")
+  if chunk_size < 1 or chunk_size & (chunk_size - 1):
+    raise ValueError(f"gated_linear_attention: chunk_size must be a power of two, got {chunk_size}")
+  pu.check_precision(precision, "gated_linear_attention")
+  q_BxTxHxK, k_BxTxHxK, v_BxTxHxV = pu.operands(precision, q_BxTxHxK, k_BxTxHxK, v_BxTxHxV)
+  B, T, H, K = q_BxTxHxK.shape
+  V, G = v_BxTxHxV.shape[-1], g_BxTxHxG.shape[-1]
+  C = max(chunk_size, 1 if interpret else pu.MIN_DOT)
+  Kp, BV = pu.block_size(K, interpret), min(pu.block_size(V, interpret), block_v)
+  Tp, Vp = pu.round_up(T, C), pu.round_up(V, BV)
+  per_channel = G > 1
+  cfg = KernelConfig(chunk=C, sub_chunk=min(sub_chunk, C) if per_channel else C, block_v=BV,
+                     scale=float(scale), interpret=interpret,
+                     num_warps=num_warps, num_stages=num_stages, scan=scan, precision=precision)
+  pad = lambda x, sizes: functools.reduce(lambda y, a: pu.pad_axis(y, a, sizes[a]), sizes, x)
+  q = pad(q_BxTxHxK, {1: Tp, 3: Kp})
+  k = pad(k_BxTxHxK, {1: Tp, 3: Kp})
+  v = pad(v_BxTxHxV, {1: Tp, 3: Vp})
+  g = pad(g_BxTxHxG.astype(_F32), {1: Tp, 3: Kp if per_channel else 1})
+  doc = pu.pad_axis(doc_BxT.astype(jnp.int32), 1, Tp, mode="edge")
+  S0 = pad(S0_BxHxKxV.astype(_F32), {2: Kp, 3: Vp})
+  o, S = _gla(q, k, v, g, doc, S0, cfg)
+  return o[:, :T, :, :V], S[:, :, :K, :V]
+
+
+def gated_linear_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array,
+                                  log_forget: jax.Array | None = None, *,
+                                  state: api.LinearAttentionState | None = None,
+                                  chunk_size: int = CHUNK, normalize: bool = False,
+                                  eps: float = 1e-6, scale: float = 1.0,
+                                  segment_ids: jax.Array | None = None,
+                                  interpret: bool | None = None, precision: str = "input",
+                                  **tuning) -> tuple[jax.Array, api.LinearAttentionState]:
+  """``api.gated_linear_attention`` computed by the Pallas kernels; same arguments and results.
+
+  ``precision`` (``pu.PRECISIONS``): o in q's dtype for "input", else fp32 (see ``chunked``).
+  ``tuning`` passes ``block_v``, ``sub_chunk``, ``num_warps``, ``num_stages``, ``scan`` to
+  ``chunked``.
+  Zero state, no decay and one document by default, and normalisation: ``api.run_backend``.
+  """
+  api._check_shapes(q, k, v, log_forget, state, segment_ids)
+  backend = functools.partial(chunked, chunk_size=chunk_size, interpret=interpret,
+                              precision=precision, **tuning)
+  return api.run_backend(backend, q, k, v, log_forget, state, normalize=normalize, eps=eps,
+                         scale=scale, segment_ids=segment_ids,
+                         out_dtype=pu.output_dtype(q.dtype, precision))

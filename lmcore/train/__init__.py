@@ -1,0 +1,1 @@
+"""Training: the loop, its state, the loss, the optimizer, checkpoints, sharding and metrics."""

@@ -1,0 +1,201 @@
+"""``train_and_evaluate(config, workdir)``: the training loop.
+
+batch (Grain, per-process shard) -> global array on the mesh -> jitted step (bf16 activations, fp32
+params / optimizer state / logits / loss, gradient accumulation by ``lax.scan``) -> AdamW -> metrics
+fetched one step late (no host sync on the hot path) -> JSONL + progress line + wandb -> Orbax save of
+{params, model state, optimizer state, step, data iterator}. A workdir with checkpoints resumes;
+SIGTERM/SIGINT save and return; ``train.init_from`` loads parameters only (staged training).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from lmcore import data as data_lib
+from lmcore.eval import evaluate
+from lmcore.train import metrics
+from lmcore.train import sharding
+from lmcore.config import ExperimentConfig, to_jsonable
+from lmcore.train import loss as loss_lib
+from lmcore.train import state as state_lib
+from lmcore.train.optim import learning_rate_schedule
+from lmcore.train.state import Run, build_run
+
+
+
+class StopRequested:
+  """Set by SIGTERM/SIGINT; the loop polls it at every step and saves before returning."""
+
+  def __init__(self):
+    self.signal_name: str | None = None
+
+  def install(self):
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    for s in previous:
+      signal.signal(s, self._handle)
+    return previous
+
+  def _handle(self, signum, _frame):
+    self.signal_name = signal.Signals(signum).name
+
+  @staticmethod
+  def restore(previous):
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+
+
+def make_train_step(graphdef, tx, config: ExperimentConfig):
+  """(params, opt_state, rest, batch) -> (params, opt_state, metrics); micro-batches via lax.scan."""
+  accum = config.train.grad_accum
+  use_segments = config.data.segment_ids
+  schedule = learning_rate_schedule(config.train)
+
+  def grads_of(params, rest, batch):
+    return jax.value_and_grad(lambda p: loss_lib.loss_fn(graphdef, p, rest, batch, use_segments))(params)
+
+  def train_step(params, opt_state, rest, batch, step):
+    if accum == 1:
+      loss, grads = grads_of(params, rest, batch)
+    else:
+      micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+
+      def body(carry, micro_batch):
+        loss, grads = grads_of(params, rest, micro_batch)
+        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+      zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+      (loss, grads), _ = jax.lax.scan(body, zeros, micro)
+      loss, grads = jax.tree.map(lambda x: x / accum, (loss, grads))
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads),
+                               "learning_rate": schedule(step)}
+
+  return jax.jit(train_step, donate_argnums=(0, 1))
+
+
+def _save(run: Run, last_loss: float | None) -> None:
+  if last_loss is not None and not math.isfinite(last_loss):
+    raise FloatingPointError(
+        f"loss is {last_loss} at step {run.step}; not saving. The last good checkpoint "
+        f"(step {run.checkpointer.latest_step()}) is kept. Lower train.learning_rate or check the data.")
+  run.checkpointer.save(run.step, state_lib.train_state(run), run.data_iterator, run.meta)
+
+
+def write_run_info(run: Run, writer: metrics.MetricWriter) -> None:
+  """The first log lines: what is being trained and on what (with the corpus fingerprint)."""
+  from lmcore import model_card  # Imported here: the card builds abstract models of its own.
+
+  card = model_card.card(run.config.model, run.config.data.seq_len)
+  info = {"config": to_jsonable(run.config), "model_card": card, "tokenizer": run.tokenizer.name,
+          "data_fingerprint": run.meta["data_fingerprint"], "devices": [str(d) for d in jax.devices()]}
+  if writer.enabled:
+    with open(os.path.join(run.workdir, "run_info.json"), "w") as f:
+      json.dump(info, f, indent=1)
+  writer.console(model_card.format_card(card))
+
+
+def train_and_evaluate(config: ExperimentConfig, workdir: str) -> dict[str, Any]:
+  """Trains to ``train.steps`` (resuming if possible), evaluates, returns the final eval record."""
+  stop = StopRequested()
+  previous_handlers = stop.install()
+  run = build_run(config, workdir)
+  writer = metrics.MetricWriter(workdir, config.wandb, to_jsonable(config))
+  try:
+    write_run_info(run, writer)
+    heldout = data_lib.load_or_build_heldout(config.data, run.tokenizer, heldout_path(config, workdir))
+    _loop(run, writer, stop, heldout)
+    if stop.signal_name:
+      writer.console(f"{stop.signal_name} received: saved step {run.step} and stopped.")
+      return {"stopped_by": stop.signal_name, "step": run.step}
+    return evaluate_run(run, heldout, writer)
+  finally:
+    run.checkpointer.close()
+    writer.close()
+    StopRequested.restore(previous_handlers)
+
+
+def heldout_path(config: ExperimentConfig, workdir: str) -> str:
+  return config.data.heldout.path or os.path.join(workdir, "heldout.npz")
+
+
+def _loop(run: Run, writer: metrics.MetricWriter, stop: StopRequested, heldout) -> None:
+  config = run.config
+  train = config.train
+  train_step = make_train_step(run.graphdef, run.tx, config)
+  tokens_per_step = train.batch_size * config.data.seq_len
+  monitor_fn = make_monitor_fn(run.graphdef) if train.monitor_every else None
+  throughput = metrics.Throughput(run.step)
+  pending = None  # (step, device metrics) of the previous step, fetched after the next dispatch
+  last_loss = None
+  while run.step < train.steps and not stop.signal_name:
+    batch = sharding.global_batch(next(run.data_iterator))
+    run.params, run.opt_state, step_metrics = train_step(run.params, run.opt_state, run.rest, batch,
+                                                         run.step)
+    run.step += 1
+    if pending is not None:
+      last_loss = _log(pending, writer, throughput, tokens_per_step, train)
+    pending = (run.step, step_metrics)
+    if run.step % train.checkpoint_every == 0 or run.step == train.steps or stop.signal_name:
+      last_loss = _log(pending, writer, throughput, tokens_per_step, train)
+      pending = None
+      _save(run, last_loss)
+    if train.eval_every and run.step % train.eval_every == 0 and run.step < train.steps:
+      _periodic_eval(run, heldout, writer)
+    if train.monitor_every and run.step % train.monitor_every == 0:
+      monitors = monitor_fn(run.params, run.rest, batch["tokens"][:, :-1])
+      writer.write(run.step, {f"monitor/layer{i}/{k}": v for i, m in monitors.items() for k, v in m.items()})
+  if pending is not None:
+    _log(pending, writer, throughput, tokens_per_step, train)
+
+
+def make_monitor_fn(graphdef):
+  """Per-layer mixer monitors (SPEC §3: CyFA's state norm, gate and write-strength statistics) for
+  every layer whose mixer has a ``monitors(x)`` method, on the current batch."""
+
+  @jax.jit
+  def monitor_fn(params, rest, tokens_BxT):
+    model = nnx.merge(graphdef, params, rest)
+    inputs = model.mixer_inputs(tokens_BxT)
+    return {i: block.mixer.monitors(x) for i, (block, x) in enumerate(zip(model.blocks, inputs))
+            if hasattr(block.mixer, "monitors")}
+
+  return monitor_fn
+
+
+def _log(pending, writer, throughput, tokens_per_step, train) -> float:
+  step, device_metrics = pending
+  values = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+  if not math.isfinite(values["loss"]):
+    raise FloatingPointError(f"loss is {values['loss']} at step {step}. Checkpoints already written are "
+                             f"kept; lower train.learning_rate or check the data.")
+  if step % train.log_every == 0 or step == train.steps or step == 1:
+    tokens_per_s, step_s = throughput.update(step, tokens_per_step)
+    values.update(tokens_per_s=tokens_per_s, step_s=step_s)
+    writer.console(metrics.progress_line(step, train.steps, values["loss"], tokens_per_s, step_s))
+  writer.write(step, values)
+  return values["loss"]
+
+
+def _periodic_eval(run: Run, heldout, writer) -> None:
+  result = evaluate.heldout_loss(run.graphdef, run.params, run.rest, heldout,
+                                 batch_size=run.config.eval.batch_size, use_segments=run.config.data.segment_ids,
+                                 max_batches=run.config.train.eval_batches)
+  writer.write(run.step, {f"eval/{k}": v for k, v in result.items()})
+  writer.console(f"eval step {run.step}: held-out loss {result['loss']:.4f} nats "
+                 f"(ppl {result['perplexity']:.2f}, {result['tokens']:,} tokens)")
+
+
+def evaluate_run(run: Run, heldout, writer: metrics.MetricWriter | None = None) -> dict[str, Any]:
+  """Held-out loss (+ paired implementations for fixed-state models); writes ``eval_<step>.json``."""
+  return evaluate.evaluate_params(run.config, run.workdir, run.graphdef, run.params, run.rest, heldout,
+                                  run.step, run.tokenizer, writer)

@@ -1,0 +1,1 @@
+"""SANATAN ops: plain functions on arrays, one folder per op."""
