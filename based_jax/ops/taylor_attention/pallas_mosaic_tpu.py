@@ -66,6 +66,7 @@ from based_jax import taylor
 
 from based_jax.ops.taylor_attention import api as linear_attention
 from lmcore.ops.common import pallas_utils as pu
+from lmcore.ops.common.layout import heads_first
 
 LANES = 128  # a TPU vector register is (8 sublanes, 128 lanes)
 _F32 = jnp.float32
@@ -427,13 +428,6 @@ def _check_sizes(chunk_size: int, block_v: int, compiled: bool) -> None:
     raise ValueError(f"{_OP}: on TPU block_v must be a multiple of {LANES}, got {block_v}")
 
 
-def _heads_first(x_BxTxHxF, Tp: int, Fp: int):
-  """[B, T, H, F] -> [B·H, Tp, Fp], zero padded."""
-  B, T, H, F = x_BxTxHxF.shape
-  x = jnp.swapaxes(x_BxTxHxF, 1, 2).reshape(B * H, T, F)
-  return pu.pad_axis(pu.pad_axis(x, 1, Tp), 2, Fp)
-
-
 def taylor_linear_attention_tpu(
     q: jax.Array, k: jax.Array, v: jax.Array, *,
     state: linear_attention.TaylorState | None = None, eps: float = 1e-12,
@@ -474,7 +468,7 @@ def taylor_linear_attention_tpu(
   v_aug = jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)
   S0 = jnp.concatenate([state.S.astype(_F32), state.z.astype(_F32)[..., None]], axis=-1)
   X0 = pu.pad_axis(pu.pad_axis(_to_kernel_state(S0, d, feature), 2, Fp), 3, Vp)
-  N, X = _fused(_heads_first(q, Tp, Kp), _heads_first(k, Tp, Kp), _heads_first(v_aug, Tp, Vp),
+  N, X = _fused(heads_first(q, Tp, Kp), heads_first(k, Tp, Kp), heads_first(v_aug, Tp, Vp),
                 _run_masks(run, Tp, C), X0.reshape(B * H, Fp, Vp), cfg)
   N = jnp.swapaxes(N.reshape(B, H, Tp, Vp)[:, :, :T], 1, 2)
   o = N[..., :V] / (N[..., V:V + 1] + eps)

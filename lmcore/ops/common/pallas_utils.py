@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+TPU_LANES, TPU_SUBLANES = 128, 8  # a TPU vector register is (8 sublanes, 128 lanes)
 MIN_DOT = 16  # the smallest side of a Triton tensor-core dot
 # The GPU kernels' ``precision``: "input" (dots take operands in the inputs' dtype: bf16 inputs,
 # bf16 operands and outputs), "tf32" and "float32" (the kernels run on fp32 copies of the inputs

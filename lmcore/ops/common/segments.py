@@ -7,8 +7,12 @@ belongs to its segment.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+
+from lmcore.ops.common.pallas_utils import pad_axis
 
 
 def document_starts(segment_ids_BxT: jax.Array | None, batch_size: int, length: int) -> jax.Array:
@@ -24,3 +28,28 @@ def document_index(segment_ids_BxT: jax.Array | None, batch_size: int, length: i
   same document exactly when their indices are equal; None (one document) gives zeros."""
   starts_BxT = document_starts(segment_ids_BxT, batch_size, length)
   return jnp.cumsum(starts_BxT, axis=1, dtype=jnp.int32)
+
+
+class ChunkDocuments(NamedTuple):
+  """Document arrays per batch row (int32), see ``chunk_documents``."""
+
+  doc: jax.Array
+  doc_row: jax.Array
+  reads: jax.Array
+  writes: jax.Array
+
+
+def chunk_documents(doc_BxT: jax.Array, Tp: int, C: int) -> ChunkDocuments:
+  """Per-token document arrays for chunked kernels, from the document index padded to Tp (edge):
+  ``doc`` [B, Tp, 1] and ``doc_row`` [B, 1, Tp]; ``reads`` [B, Tp, 1] is 1 where the token is in the
+  document of the state entering its chunk of C tokens, ``writes`` 1 where it is in the document of
+  the chunk's last token (the state leaving the chunk)."""
+  B = doc_BxT.shape[0]
+  doc = pad_axis(doc_BxT.astype(jnp.int32), 1, Tp, mode="edge")
+  previous = jnp.concatenate([doc[:, :1], doc[:, :-1]], axis=1)
+  chunks = lambda x: x.reshape(B, Tp // C, C)
+  state_doc_BxNx1 = chunks(previous)[:, :, :1]
+  last_doc_BxNx1 = chunks(doc)[:, :, -1:]
+  flag = lambda x: x.reshape(B, Tp, 1).astype(jnp.int32)
+  return ChunkDocuments(doc[:, :, None], doc[:, None, :], flag(chunks(doc) == state_doc_BxNx1),
+               flag(chunks(doc) == last_doc_BxNx1))

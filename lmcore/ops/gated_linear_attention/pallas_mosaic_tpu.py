@@ -45,10 +45,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from lmcore.ops.common import pallas_utils as pu
+from lmcore.ops.common.layout import heads_first
+from lmcore.ops.common.segments import ChunkDocuments, chunk_documents
 from lmcore.ops.gated_linear_attention import api
 
-LANES = 128  # a TPU vector register is (8 sublanes, 128 lanes)
-SUBLANES = 8
+LANES, SUBLANES = pu.TPU_LANES, pu.TPU_SUBLANES
 SUB_CHUNK = 16
 _F32 = jnp.float32
 
@@ -342,29 +343,6 @@ def _dkv_kernel(*refs, cfg: KernelConfig):
     dS0_ref[...] = dS_ref[...]
 
 
-class _Docs(NamedTuple):
-  """Document arrays per batch row (int32): ``doc``, ``reads``, ``writes`` [B, Tp, 1] and
-  ``doc_row`` [B, 1, Tp] (see ``_Seq``)."""
-
-  doc: jax.Array
-  doc_row: jax.Array
-  reads: jax.Array
-  writes: jax.Array
-
-
-def _documents(doc_BxT, Tp: int, C: int) -> _Docs:
-  """The per-token document masks of xla.py, from the document index padded to Tp (edge)."""
-  B = doc_BxT.shape[0]
-  doc = pu.pad_axis(doc_BxT.astype(jnp.int32), 1, Tp, mode="edge")
-  previous = jnp.concatenate([doc[:, :1], doc[:, :-1]], axis=1)
-  chunks = lambda x: x.reshape(B, Tp // C, C)
-  state_doc_BxNx1 = chunks(previous)[:, :, :1]
-  last_doc_BxNx1 = chunks(doc)[:, :, -1:]
-  flag = lambda x: x.reshape(B, Tp, 1).astype(jnp.int32)
-  return _Docs(doc[:, :, None], doc[:, None, :], flag(chunks(doc) == state_doc_BxNx1),
-               flag(chunks(doc) == last_doc_BxNx1))
-
-
 def _local_cumsum(g, C: int):
   """b: the cumulative sum of g inside each chunk of C tokens, fp32 [BH, Tp, G]."""
   BH, Tp, G = g.shape
@@ -383,7 +361,7 @@ class _Sweep(NamedTuple):
   state: pl.BlockSpec
 
 
-def _sweep(q, k, v, g, docs: _Docs, cfg: KernelConfig, reverse: bool) -> _Sweep:
+def _sweep(q, k, v, g, docs: ChunkDocuments, cfg: KernelConfig, reverse: bool) -> _Sweep:
   BH, Tp, Kp = q.shape
   C, BV, H = cfg.chunk, cfg.block_v, cfg.n_heads
   N = Tp // C
@@ -473,13 +451,6 @@ def _check_sizes(chunk_size: int, sub_chunk: int, block_v: int, compiled: bool) 
                      f"sub_chunk of {SUBLANES}, got block_v={block_v}, sub_chunk={sub_chunk}")
 
 
-def _heads_first(x_BxTxHxF, Tp: int, Fp: int):
-  """[B, T, H, F] -> [B·H, Tp, Fp], zero padded."""
-  B, T, H, F = x_BxTxHxF.shape
-  x = jnp.swapaxes(x_BxTxHxF, 1, 2).reshape(B * H, T, F)
-  return pu.pad_axis(pu.pad_axis(x, 1, Tp), 2, Fp)
-
-
 def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: float, doc_BxT,
             chunk_size: int = 64, interpret: bool | pltpu.InterpretParams | None = None,
             block_v: int = LANES,
@@ -501,10 +472,10 @@ def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: fl
   cfg = KernelConfig(chunk=C, sub_chunk=min(sub_chunk, C), block_v=block_v, n_heads=H,
                      scalar_gate=G == 1, scale=float(scale), interpret=interpret)
   S0_T = pu.pad_axis(pu.pad_axis(jnp.swapaxes(S0_BxHxKxV.astype(_F32), 2, 3), 2, Vp), 3, Kp)
-  o, S_T = _fused(_heads_first(q_BxTxHxK, Tp, Kp), _heads_first(k_BxTxHxK, Tp, Kp),
-                  _heads_first(v_BxTxHxV, Tp, Vp),
-                  _heads_first(g_BxTxHxG.astype(_F32), Tp, 1 if G == 1 else Kp),
-                  _documents(doc_BxT, Tp, C), S0_T.reshape(B * H, Vp, Kp), cfg)
+  o, S_T = _fused(heads_first(q_BxTxHxK, Tp, Kp), heads_first(k_BxTxHxK, Tp, Kp),
+                  heads_first(v_BxTxHxV, Tp, Vp),
+                  heads_first(g_BxTxHxG.astype(_F32), Tp, 1 if G == 1 else Kp),
+                  chunk_documents(doc_BxT, Tp, C), S0_T.reshape(B * H, Vp, Kp), cfg)
   o_BxTxHxV = jnp.swapaxes(o.reshape(B, H, Tp, Vp)[:, :, :T, :V], 1, 2)
   return o_BxTxHxV, jnp.swapaxes(S_T.reshape(B, H, Vp, Kp)[:, :, :V, :K], 2, 3)
 

@@ -49,6 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from lmcore.ops.common import pallas_utils as pu
+from lmcore.ops.common.layout import heads_first
 from lmcore.ops.common.layout import default_positions
 from sanatan_jax.ops.sanatan_attention import api as attention
 from sanatan_jax.ops.sanatan_attention import pallas_triton_blocked as pallas_blocked
@@ -340,13 +341,6 @@ def _fused_bwd(cfg, residuals, do):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _heads_first(x_BxTxHxF, Tp: int, Fp: int):
-  """[B, T, H, F] -> [B·H, Tp, Fp], zero padded."""
-  B, T, H, F = x_BxTxHxF.shape
-  x = jnp.swapaxes(x_BxTxHxF, 1, 2).reshape(B * H, T, F)
-  return pu.pad_axis(pu.pad_axis(x, 1, Tp), 2, Fp)
-
-
 def sanatan_blocked_tpu(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array,
                         lam_raw: jax.Array, *, positions: jax.Array | None = None,
                         segment_ids: jax.Array | None = None, p: int = 2, channels: int = 6,
@@ -390,7 +384,7 @@ def sanatan_blocked_tpu(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Arr
   # Edge-padding keeps padded tokens in the last run; causality hides them from real queries.
   run = pu.pad_axis(attention.segment_runs(segment_ids, B, T), 1, Tp, mode="edge")
   param = lambda x: pu.pad_axis(x.astype(_F32), 1, dp).reshape(H, 1, dp)
-  o = _fused(_heads_first(q, Tp, dp), _heads_first(k, Tp, dp), _heads_first(v, Tp, Vp),
+  o = _fused(heads_first(q, Tp, dp), heads_first(k, Tp, dp), heads_first(v, Tp, Vp),
              pos_column, run[:, :, None], pos_column, run[:, None, :], param(omega),
              param(lam_raw), cfg)
   return jnp.swapaxes(o.reshape(B, H, Tp, Vp)[:, :, :T, :V], 1, 2)

@@ -55,12 +55,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from lmcore.ops.common import pallas_utils as pu
-from lmcore.ops.gated_linear_attention import pallas_mosaic_tpu as gated_tpu
+from lmcore.ops.common.layout import heads_first
+from lmcore.ops.common.segments import ChunkDocuments, chunk_documents
 from lmcore.ops.common.layout import default_positions
 from sanatan_jax import features
 from sanatan_jax.ops.sanatan_attention import api as attention
 
-LANES = gated_tpu.LANES
+LANES = pu.TPU_LANES
 CHANNELS = 6
 PAIRS = 3  # feature arrays of two channels each
 _F32 = jnp.float32
@@ -294,7 +295,7 @@ class _Sweep(NamedTuple):
   state: pl.BlockSpec
 
 
-def _sweep(q, k, v, pos, docs: gated_tpu._Docs, omega, lam_raw, cfg: KernelConfig,
+def _sweep(q, k, v, pos, docs: ChunkDocuments, omega, lam_raw, cfg: KernelConfig,
            reverse: bool) -> _Sweep:
   BH, Tp, Dp = q.shape
   C, BV, H = cfg.chunk, cfg.block_v, cfg.n_heads
@@ -448,10 +449,10 @@ def sanatan_p1_tpu(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array,
   pos = positions.astype(_F32) if rotate else jnp.zeros((B, T), _F32)
   param = lambda p: pu.pad_axis(_twice(p.astype(_F32)), 1, Dp).reshape(H, 1, Dp)
   v1 = jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)
-  N, S = _fused(gated_tpu._heads_first(_twice(q), Tp, Dp),
-                gated_tpu._heads_first(_twice(k), Tp, Dp), gated_tpu._heads_first(v1, Tp, Vp),
+  N, S = _fused(heads_first(_twice(q), Tp, Dp),
+                heads_first(_twice(k), Tp, Dp), heads_first(v1, Tp, Vp),
                 pu.pad_axis(pos, 1, Tp)[..., None],
-                gated_tpu._documents(attention.segment_runs(segment_ids, B, T), Tp, C),
+                chunk_documents(attention.segment_runs(segment_ids, B, T), Tp, C),
                 param(omega), param(lam_raw), _to_kernel_state(state, B, H, d, V, Dp, Vp), cfg)
   N_BxTxHxV = jnp.swapaxes(N.reshape(B, H, Tp, Vp)[:, :, :T, :V + 1], 1, 2)
   c_eps = features.score_scale(CHANNELS, "clean", d) * attention.EPS
