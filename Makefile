@@ -7,7 +7,7 @@ VENV_STAMP := .venv/.installed-stamp
 $(VENV_STAMP): pyproject.toml
 	test -x $(PY) || python3.12 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,wandb]"
+	$(PY) -m pip install -q -e ".[test,wandb,lint]"
 	touch $(VENV_STAMP)
 
 demo: $(VENV_STAMP)
@@ -19,6 +19,10 @@ test: $(VENV_STAMP)
 
 bench: $(VENV_STAMP)
 	$(PY) scripts/bench_kernels.py
+
+# Pyflakes and syntax errors (pyproject.toml [tool.ruff]).
+lint: $(VENV_STAMP)
+	$(PY) -m ruff check .
 
 clean-venv:
 	rm -rf .venv

@@ -49,17 +49,18 @@ def unadapted_readout(stage1: cfg_lib.ExperimentConfig, stage1_dir: str) -> dict
 
 
 def results_table(stage1: dict, readout: dict, stage2: dict) -> str:
+  if "paired_skipped" in stage2:
+    raise SystemExit(f"stage 2's paired evaluation did not run: {stage2['paired_skipped']}")
   rows = [("stage 1, p = 2 (parallel)", stage1["loss"]),
           ("stage 1 read out at p = 1, no adaptation", readout["loss"]),
-          ("stage 2, p = 1 (parallel)", stage2.get("loss_parallel", stage2["loss"])),
-          ("stage 2, p = 1 (recurrent)", stage2.get("loss_recurrent", float("nan")))]
+          ("stage 2, p = 1 (parallel)", stage2["loss_parallel"]),
+          ("stage 2, p = 1 (recurrent)", stage2["loss_recurrent"])]
   lines = ["| model | held-out loss (nats) |", "|---|---|"]
   lines += [f"| {name} | {loss:.4f} |" for name, loss in rows]
   lines.append(f"| unigram entropy of the training corpus | {stage1['unigram_entropy']:.4f} |")
   lines.append(f"| a unigram model's held-out loss | {stage1['unigram_heldout_xent']:.4f} |")
-  if "paired_diff" in stage2:
-    lines.append(f"\nstage 2 paired parallel vs recurrent: loss difference {stage2['paired_diff']:.2e} nats, "
-                 f"max |Δlogit| {stage2['max_abs_dlogit']:.2e}")
+  lines.append(f"\nstage 2 paired parallel vs recurrent: loss difference {stage2['paired_diff']:.2e} nats, "
+               f"max |Δlogit| {stage2['max_abs_dlogit']:.2e}")
   return "\n".join(lines)
 
 

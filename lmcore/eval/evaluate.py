@@ -121,6 +121,21 @@ def gate_statistics(config: ExperimentConfig, graphdef, params, rest, heldout) -
   return records
 
 
+def summary_lines(config: ExperimentConfig, record: dict[str, Any]) -> list[str]:
+  """The console lines of one evaluation record; a requested paired evaluation that could not run
+  says why."""
+  lines = [f"held-out loss {record['loss']:.4f} nats (ppl {record['perplexity']:.2f}) over "
+           f"{record['tokens']:,} tokens; unigram entropy of the training corpus "
+           f"{record['unigram_entropy']:.4f} nats (a unigram model's held-out loss: "
+           f"{record['unigram_heldout_xent']:.4f})"]
+  if "paired_diff" in record:
+    lines.append(f"paired {config.eval.paired_a or 'as trained'} vs {config.eval.paired_b}: "
+                 f"diff {record['paired_diff']:.2e} nats, max |Δlogit| {record['max_abs_dlogit']:.2e}")
+  if "paired_skipped" in record:
+    lines.append(f"paired evaluation skipped: {record['paired_skipped']}")
+  return lines
+
+
 def evaluate_params(config: ExperimentConfig, out_dir: str, graphdef, params, rest, heldout, step: int,
                     tokenizer, writer=None) -> dict[str, Any]:
   """The full held-out evaluation of one set of parameters; writes ``<out_dir>/eval_<step>.json``."""
@@ -142,13 +157,7 @@ def evaluate_params(config: ExperimentConfig, out_dir: str, graphdef, params, re
   with open(path + ".tmp", "w") as f:
     json.dump(record, f, indent=1)
   os.replace(path + ".tmp", path)
-  lines = [f"held-out loss {record['loss']:.4f} nats (ppl {record['perplexity']:.2f}) over "
-           f"{record['tokens']:,} tokens; unigram entropy of the training corpus "
-           f"{record['unigram_entropy']:.4f} nats (a unigram model's held-out loss: "
-           f"{record['unigram_heldout_xent']:.4f})"]
-  if "paired_diff" in record:
-    lines.append(f"paired {config.eval.paired_a or 'as trained'} vs {config.eval.paired_b}: "
-                 f"diff {record['paired_diff']:.2e} nats, max |Δlogit| {record['max_abs_dlogit']:.2e}")
+  lines = summary_lines(config, record)
   if writer is not None:
     writer.write(step, {f"eval/{k}": v for k, v in record.items() if isinstance(v, (int, float))})
     for line in lines:
