@@ -3,9 +3,10 @@
 A workdir that already holds checkpoints resumes from the latest one.
 """
 
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
 
+from lmcore import cli
 from lmcore import config as cfg_lib
 from lmcore.train import sharding
 from lmcore.train import loop as train_lib
@@ -18,11 +19,11 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO.
+  cli.show_library_logs()  # absl (and Orbax's per-save logs) at WARNING, lmcore at INFO
   sharding.initialize_distributed()
   config = cfg_lib.experiment_config(_CONFIG.value)
   train_lib.train_and_evaluate(config, _WORKDIR.value)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -5,8 +5,8 @@ kinds."""
 from based_jax.mixers import (BaseConv, SlidingWindowAttention, TaylorLinearAttention,
                               ZoologyBaseConv)
 from based_jax.sliding_window import WindowState, rotary, sliding_window_attention
-from based_jax.ops.taylor_attention import TaylorState, taylor_linear_attention
-from based_jax.ops.taylor_attention.api import default_decay_rates
+from based_jax.ops.taylor_attention import (TaylorState, default_decay_rates,
+                                            taylor_linear_attention)
 from based_jax.taylor import feature_width, taylor_features
 from lmcore.registry import register_mixer
 

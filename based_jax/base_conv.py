@@ -1,4 +1,4 @@
-"""Short causal depthwise convolutions and the two BaseConv gates (SPEC §2.3, based_zoology §4).
+"""Short causal depthwise convolutions and the two BaseConv gates (MATH §2.3, based_zoology §4).
 
 * LM BaseConv (the released 360M / 1.3B models): ``y = SiLU(conv(u1)) ⊙ u2`` on the two halves of
   ``in_proj(x)``, conv without bias; the mixer applies ``out_proj`` after it.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from based_jax.ops.taylor_attention.api import segment_runs
+from lmcore.ops.common.segments import document_index
 
 
 def causal_depthwise_conv(u_BxTxC: jax.Array, w_KxC: jax.Array, bias_C: jax.Array | None = None, *,
@@ -39,8 +39,7 @@ def causal_depthwise_conv(u_BxTxC: jax.Array, w_KxC: jax.Array, bias_C: jax.Arra
   if state is None:
     state = jnp.zeros((batch, taps - 1, channels), u_BxTxC.dtype)
   ext_BxSxC = jnp.concatenate([state.astype(jnp.float32), u_BxTxC.astype(jnp.float32)], axis=1)
-  runs_BxT = (jnp.zeros((batch, length), jnp.int32) if segment_ids is None
-              else segment_runs(segment_ids))
+  runs_BxT = document_index(segment_ids, batch, length)
   ext_runs_BxS = jnp.pad(runs_BxT, [(0, 0), (taps - 1, 0)])
   y_BxTxC = jnp.zeros((batch, length, channels), jnp.float32)
   for i in range(taps):

@@ -1,4 +1,4 @@
-"""BASED sequence mixers as NNX modules (SPEC §2.1–§2.3; interface in ``lmcore/mixers/base.py``).
+"""BASED sequence mixers as NNX modules (MATH §2.1–§2.3; interface in ``lmcore/mixers/base.py``).
 
 Parameter names follow the released PyTorch checkpoints (``proj_q``, ``Wqkv``, ``in_proj``,
 ``out_proj``, …) so that a weight converter maps them one to one. Output projections are drawn
@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from based_jax.base_conv import silu_gated_conv, zoology_gated_conv
-from based_jax.ops.taylor_attention.api import (TaylorState, default_decay_rates, taylor_linear_attention,
-                                        zero_state)
+from based_jax.ops.taylor_attention import (TaylorState, default_decay_rates,
+                                            taylor_linear_attention, zero_state)
 from based_jax.sliding_window import (WindowState, rotary, sliding_window_attention,
                                       zero_window_state)
 from based_jax.taylor import feature_width
@@ -39,7 +39,7 @@ def _conv_taps(shape: tuple[int, ...], taps: int, rngs: nnx.Rngs) -> nnx.Param:
 
 
 class TaylorLinearAttention(nnx.Module):
-  """Taylor linear attention (SPEC §2.1): normalised, 2nd-order Taylor features, no positions.
+  """Taylor linear attention (MATH §2.1): normalised, 2nd-order Taylor features, no positions.
 
   Parameters: ``proj_q``, ``proj_k`` D -> H·d', ``proj_v`` D -> D, ``out_proj`` D -> D (no biases);
   with ``decay=True`` also ``dt_proj`` D -> H with bias and no activation (the decay notebook's
@@ -109,7 +109,7 @@ class TaylorLinearAttention(nnx.Module):
 
 
 class SlidingWindowAttention(nnx.Module):
-  """Sliding-window softmax attention (SPEC §2.2) with rotary q, k and a ring-buffer decode state.
+  """Sliding-window softmax attention (MATH §2.2) with rotary q, k and a ring-buffer decode state.
 
   Parameters: fused ``Wqkv`` D -> 3D (split as [three, heads, head_dim]) and ``out_proj`` D -> D,
   no biases. ``window`` is the true look-back (the released configs' 128 / 256 mean 64 / 128 here).
@@ -181,7 +181,7 @@ class _ConvWindow:
 
 
 class BaseConv(_ConvWindow, nnx.Module):
-  """LM BaseConv (SPEC §2.3): ``out_proj(SiLU(conv(u1)) ⊙ u2)``, ``[u1 | u2] = in_proj(x)``.
+  """LM BaseConv (MATH §2.3): ``out_proj(SiLU(conv(u1)) ⊙ u2)``, ``[u1 | u2] = in_proj(x)``.
 
   Parameters: ``in_proj`` D -> 4D with bias, depthwise ``conv_kernel`` [K, 2D] without bias,
   ``out_proj`` 2D -> D with bias (6D² + 11D for K = 3). Decode state: the last K-1 pre-conv ``u1``.

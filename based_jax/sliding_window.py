@@ -1,4 +1,4 @@
-"""Sliding-window softmax attention of BASED (SPEC §2.2, based_zoology §3); rotary from lmcore.
+"""Sliding-window softmax attention of BASED (MATH §2.2, based_zoology §3); rotary from lmcore.
 
 Query i attends to keys i-window .. i of its own document (``window + 1`` keys), softmax in fp32
 with scale head_dim^-1/2. ``window`` is the true look-back: the released PyTorch configs say
@@ -21,8 +21,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from based_jax.ops.taylor_attention.api import segment_boundaries
 from lmcore.mixers.rotary import rotary  # noqa: F401  (re-exported: BASED's SWA uses it)
+from lmcore.ops.common.segments import document_starts
 
 IMPLEMENTATIONS: tuple[str, ...] = ("blocked", "full")
 # Finite, so that a padded query row with no visible key gives a harmless uniform softmax, not NaN.
@@ -87,7 +87,7 @@ def _doc_starts(pos_BxT, start_B, segment_ids_BxT):
   """Absolute index where each token's document began; run 0 continues the incoming ``start``."""
   if segment_ids_BxT is None:
     return jnp.broadcast_to(start_B[:, None], pos_BxT.shape)
-  new_doc_BxT = segment_boundaries(segment_ids_BxT)
+  new_doc_BxT = document_starts(segment_ids_BxT, *pos_BxT.shape)
   return jax.lax.cummax(jnp.where(new_doc_BxT, pos_BxT, start_B[:, None]), axis=1)
 
 

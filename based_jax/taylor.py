@@ -1,4 +1,4 @@
-"""Second-order Taylor feature maps of BASED linear attention (SPEC §2.1, based_zoology §1).
+"""Second-order Taylor feature maps of BASED linear attention (MATH §2.1, based_zoology §1).
 
 Both forms satisfy ``phi(q)·phi(k) = 1 + s + s²/2`` with ``s = q·k / sqrt(d')``, the second-order
 Taylor expansion of ``exp(s)``; since ``1 + s + s²/2 = ((s + 1)² + 1) / 2 >= 1/2`` every kernel

@@ -458,11 +458,11 @@ def load_rows(directory: str, skip: tuple[str, ...] = ("agreement.jsonl",)) -> l
 
 
 def append_markdown(path: str, tables: list[str], date: str, device: str, commands: list[str],
-                    via: str = "") -> None:
-  """Appends one dated block to ``path`` (started with a title when new): the header ``## DATE — kernels
+                    via: str = "", topic: str = "kernels") -> None:
+  """Appends one dated block to ``path`` (started with a title when new): the header ``## DATE — TOPIC
   on DEVICE (VIA)``, the commands that made it, then the tables."""
   header = "" if os.path.exists(path) else "# Benchmarks\n\nDated measurements; each block names its device and command.\n"
-  title = f"## {date} — kernels on {device}" + (f" ({via})" if via else "")
+  title = f"## {date} — {topic} on {device}" + (f" ({via})" if via else "")
   command_line = ", then ".join(f"`{c}`" for c in commands)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "a") as f:

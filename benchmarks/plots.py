@@ -55,3 +55,32 @@ def plot_tokens_per_s(rows: list[Row], path: str, title: str = "") -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+def plot_train_tokens_per_s(rows, path: str, title: str = "") -> None:
+  """Training tokens/s per preset (``benchmarks.train_step.TrainRow``), one horizontal bar each, labelled
+  with tokens/s and the ratio to softmax; presets that failed are listed with 0. Saved as a PNG."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  labels = [r.preset + (f" [{r.variant}]" if r.variant else "") for r in rows]
+  values = [r.tokens_per_s or 0.0 for r in rows]
+  fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.4))
+  colours = ["black" if r.mixers == "softmax" else "tab:blue" for r in rows]
+  ax.barh(range(len(rows)), values, color=colours)
+  for i, r in enumerate(rows):
+    text = "failed" if not r.tokens_per_s else f"{r.tokens_per_s:,.0f}"
+    if r.vs_softmax is not None and r.mixers != "softmax":
+      text += f" ({r.vs_softmax:.2f}× softmax)"
+    ax.text(values[i], i, " " + text, va="center", fontsize="small")
+  ax.set_yticks(range(len(rows)), labels)
+  ax.invert_yaxis()
+  ax.set_xlabel("training tokens/s")
+  ax.set_xlim(0, 1.35 * max(values + [1.0]))
+  if title:
+    ax.set_title(title)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

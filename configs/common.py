@@ -25,7 +25,7 @@ def experiment(*, model: dict[str, Any], mixers: dict[str, dict[str, Any]], trai
                data: dict[str, Any] | None = None, sources: dict[str, dict[str, Any]] | None = None,
                tokenizer: dict[str, Any] | None = None, heldout: dict[str, Any] | None = None,
                eval: dict[str, Any] | None = None, wandb: dict[str, Any] | None = None,
-               name: str = "") -> ml_collections.ConfigDict:
+               mesh: dict[str, Any] | None = None, name: str = "") -> ml_collections.ConfigDict:
   """A full ConfigDict: typed defaults overlaid with the given fields. ``sources`` maps a source name
   to its fields (default: the embedded corpus)."""
   model_values = _merged(cfg_lib.ModelConfig(), model, "model")
@@ -46,6 +46,7 @@ def experiment(*, model: dict[str, Any], mixers: dict[str, dict[str, Any]], trai
       "train": _merged(cfg_lib.TrainConfig(), train or {}, "train"),
       "eval": _merged(cfg_lib.EvalConfig(), eval or {}, "eval"),
       "wandb": _merged(cfg_lib.WandbConfig(), wandb or {}, "wandb"),
+      "mesh": _merged(cfg_lib.MeshConfig(), mesh or {}, "mesh"),
   })
   return cd
 

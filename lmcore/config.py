@@ -16,11 +16,8 @@ from typing import Any
 from flax.core import FrozenDict
 
 from lmcore.data.config import DataConfig, HeldoutConfig, SourceConfig, TokenizerConfig
+from lmcore.errors import ConfigError
 from lmcore.registry import mixer_class
-
-
-class ConfigError(ValueError):
-  """A configuration a user can fix: the message names the key and the fix."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +74,10 @@ class TrainConfig:
   init_from: str = ""  # a checkpoint directory (or a workdir) to load parameters from (staged training)
   init_data_from: str = ""  # continue the data stream of that run (SPEC §1.4 stage 2)
   monitor_every: int = 0  # per-layer mixer monitors (CyFA), 0: off
+  loss_impl: str = "auto"  # "fused" | "materialized" | "auto" (per backend: lmcore.train.loss.AUTO_LOSS_IMPL)
+  loss_block_tokens: int = 0  # tokens per block of the fused loss (0: 2^27 logits per block)
+  compilation_cache: bool = True  # persistent XLA compilation cache under the cache dir (data.cache_dir)
+  profile_steps: str = ""  # "10,12": a jax.profiler trace of steps 10..12 in <workdir>/profile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,12 +100,28 @@ class WandbConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """The device mesh (docs/SCALING.md): sizes of the axes ``data``, ``fsdp`` and ``tensor``.
+
+  Each is a positive int or -1 (all devices the other two leave; at most one -1); their product must be
+  the device count. ``data`` and ``fsdp`` both split the batch; ``fsdp`` also shards parameters and
+  optimizer state; ``tensor`` splits heads and MLP columns. The default is data parallelism over every
+  device with replicated parameters.
+  """
+
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
   model: ModelConfig = ModelConfig()
   train: TrainConfig = TrainConfig()
   data: DataConfig = DataConfig()
   eval: EvalConfig = EvalConfig()
   wandb: WandbConfig = WandbConfig()
+  mesh: MeshConfig = MeshConfig()
   name: str = ""
 
 
@@ -128,7 +145,19 @@ def parse_pattern(pattern: str, n_layers: int) -> tuple[str, ...]:
   return tuple(kinds)
 
 
-def _unknown_key(path: str, key: str, valid: list[str]) -> ConfigError:
+def parse_profile_steps(spec: str) -> tuple[int, int] | None:
+  """``train.profile_steps``: "" (off), "N" (step N) or "A,B" (steps A..B, 1-based) -> (A, B)."""
+  if not spec.strip():
+    return None
+  parts = [p.strip() for p in spec.split(",")]
+  if len(parts) > 2 or not all(p.isdigit() for p in parts) or int(parts[0]) < 1 or int(parts[-1]) < int(parts[0]):
+    raise ConfigError(f"train.profile_steps={spec!r}; give 'FIRST,LAST' (1-based steps, FIRST <= LAST), "
+                      f"e.g. '10,12', a single step '10', or '' for no trace.")
+  return int(parts[0]), int(parts[-1])
+
+
+def unknown_key_error(path: str, key: str, valid: list[str]) -> ConfigError:
+  """The error for key ``path.key`` that does not exist: the closest valid key and all of them."""
   close = difflib.get_close_matches(key, valid, n=1)
   hint = f" Did you mean '{path}.{close[0]}'?" if close else ""
   return ConfigError(f"unknown key '{path}.{key}'.{hint} Valid keys under '{path}': {', '.join(valid)}")
@@ -141,9 +170,14 @@ def to_dataclass(cls: type, values: Mapping[str, Any], path: str):
   kwargs = {}
   for key, value in values.items():
     if key not in fields:
-      raise _unknown_key(path, key, list(fields))
+      raise unknown_key_error(path, key, list(fields))
     kwargs[key] = _convert(hints[key], value, f"{path}.{key}")
-  return cls(**kwargs)
+  try:
+    return cls(**kwargs)
+  except ConfigError:
+    raise
+  except ValueError as e:  # a dataclass's own check (e.g. a mixer's __post_init__): name where it is
+    raise ConfigError(f"{path}: {e}") from e
 
 
 def _convert(hint: Any, value: Any, path: str):
@@ -202,6 +236,7 @@ def experiment_config(cd: Mapping[str, Any]) -> ExperimentConfig:
       "train": to_dataclass(TrainConfig, values.pop("train", {}), "train"),
       "eval": to_dataclass(EvalConfig, values.pop("eval", {}), "eval"),
       "wandb": to_dataclass(WandbConfig, values.pop("wandb", {}), "wandb"),
+      "mesh": to_dataclass(MeshConfig, values.pop("mesh", {}), "mesh"),
   }
   config = to_dataclass(ExperimentConfig, values, "config")
   config = dataclasses.replace(config, **parts)
@@ -215,6 +250,9 @@ def validate(config: ExperimentConfig) -> None:
   if train.batch_size % train.grad_accum:
     raise ConfigError(f"train.batch_size={train.batch_size} is not divisible by "
                       f"train.grad_accum={train.grad_accum}.")
+  if train.init_data_from and not train.init_from:
+    raise ConfigError(f"train.init_data_from={train.init_data_from!r} continues another run's data stream "
+                      "only together with its parameters; set train.init_from too (usually the same run).")
   if config.model.max_positions and config.data.seq_len > config.model.max_positions:
     raise ConfigError(f"data.seq_len={config.data.seq_len} exceeds model.max_positions="
                       f"{config.model.max_positions}; raise model.max_positions or shorten data.seq_len.")
@@ -222,8 +260,28 @@ def validate(config: ExperimentConfig) -> None:
     raise ConfigError(f"model.mlp={config.model.mlp!r}; valid: 'swiglu', 'none', 'zoology_identity'.")
   if config.model.norm not in ("rmsnorm", "layernorm"):
     raise ConfigError(f"model.norm={config.model.norm!r}; valid: 'rmsnorm', 'layernorm'.")
+  if train.loss_impl not in ("auto", "fused", "materialized"):
+    raise ConfigError(f"train.loss_impl={train.loss_impl!r}; valid: 'auto', 'fused', 'materialized'.")
+  if train.loss_block_tokens < 0:
+    raise ConfigError(f"train.loss_block_tokens={train.loss_block_tokens} is negative; use 0 (automatic) "
+                      f"or a positive number of tokens.")
+  parse_profile_steps(train.profile_steps)
+  validate_mesh(config.mesh)
   if config.wandb.mode not in ("online", "offline", "disabled"):
     raise ConfigError(f"wandb.mode={config.wandb.mode!r}; valid: 'online', 'offline', 'disabled'.")
+
+
+def validate_mesh(mesh: MeshConfig) -> None:
+  """Each axis a positive int or -1, at most one -1 (the product is checked against the devices when
+  the mesh is built)."""
+  sizes = {f"mesh.{f.name}": getattr(mesh, f.name) for f in dataclasses.fields(mesh)}
+  for name, size in sizes.items():
+    if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+      raise ConfigError(f"{name}={size!r}; give a positive number of devices or -1 (all remaining devices).")
+  if list(sizes.values()).count(-1) > 1:
+    auto = [name for name, size in sizes.items() if size == -1]
+    raise ConfigError(f"{' and '.join(auto)} are all -1; at most one mesh axis can take the remaining "
+                      f"devices, give the others a size.")
 
 
 def to_jsonable(obj: Any) -> Any:

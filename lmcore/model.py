@@ -1,8 +1,9 @@
-"""The backbone shared by every model family (SPEC §5).
+"""The backbone shared by every model family (MATH §5).
 
 tokens -> embedding (+ learned absolute positions) -> L pre-norm blocks (mixer, then MLP; the residual
-stream is fp32) -> final norm -> tied or untied head -> fp32 logits. The mixer of each layer comes
-from ``ModelConfig.pattern``; every mixer follows ``lmcore.mixers.base``.
+stream is fp32) -> final norm -> tied or untied head -> fp32 logits. The fused loss takes the two
+halves instead: ``hidden_states`` (after the final norm) and the head's matrix ``unembed_kernel``.
+The mixer of each layer comes from ``ModelConfig.pattern``; every mixer follows ``lmcore.mixers.base``.
 """
 
 from __future__ import annotations
@@ -133,10 +134,16 @@ class LanguageModel(nnx.Module):
       h_BxTxD, _ = block(h_BxTxD, None, positions_BxT, None)
     return inputs
 
-  def logits(self, h_BxTxD):
-    """fp32 logits of final-normed hidden states (any leading shape), tied or untied head."""
+  def unembed_kernel(self) -> jax.Array:
+    """The head's [D, V] matrix (fp32 parameter): the embedding transposed when tied, else the head's."""
+    return self.embed.embedding[...].T if self.head is None else self.head.kernel[...]
+
+  def logits(self, h_BxTxD, unembed_DxV: jax.Array | None = None):
+    """fp32 logits of final-normed hidden states (any leading shape): h and ``unembed_kernel()`` in
+    the activation dtype, fp32 accumulation. ``unembed_DxV``: that matrix already cast (decoding
+    casts it once instead of once per token)."""
     dtype = jnp.dtype(self.config.dtype)
-    kernel_DxV = self.embed.embedding[...].T if self.head is None else self.head.kernel[...]
+    kernel_DxV = self.unembed_kernel() if unembed_DxV is None else unembed_DxV
     return jnp.einsum("...d,dv->...v", h_BxTxD.astype(dtype), kernel_DxV.astype(dtype),
                       preferred_element_type=jnp.float32)
 

@@ -1,25 +1,49 @@
 """Sweeps as lists of config overrides (never edited files): a grid of ``--config.k=v`` runs.
 
-Each grid point trains through ``train.py`` in its own workdir (so a rerun resumes or skips finished
-points) and the held-out losses are tabulated and plotted.
+Each grid point trains through the repository's ``train.py`` (from any working directory) in its own
+workdir, so a rerun resumes an unfinished point. A finished point is recorded in
+``<workdir>/sweep_point.json`` with its command and outcome; a rerun with the same command skips it
+without training or evaluating again. A point whose loss became NaN/inf (``train.py`` exits with
+``Diverged.exit_code``) is recorded as diverged, also skipped on a rerun, and the grid continues; any
+other failure is recorded and retried on the next run. The table marks failures with their reason.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import itertools
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 from typing import Any
+
+from lmcore.errors import ConfigError, Diverged
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(REPO, "train.py")
+POINT_FILE = "sweep_point.json"
+
+
+@dataclasses.dataclass
+class PointResult:
+  """The outcome of one grid point: "done" (with its eval record), "diverged" or "failed" (with why)."""
+
+  overrides: dict[str, str]
+  status: str
+  record: dict[str, Any] | None = None
+  reason: str = ""
+  skipped: bool = False  # finished by an earlier run of the same command
 
 
 def parse_axis(spec: str) -> tuple[str, list[str]]:
   """``"model.mixers.sanatan.channels=6,4"`` -> ("model.mixers.sanatan.channels", ["6", "4"])."""
   key, sep, values = spec.partition("=")
   if not sep or not values:
-    raise ValueError(f"--sweep {spec!r}: expected KEY=V1,V2,... (e.g. train.learning_rate=1e-3,3e-3)")
+    raise ConfigError(f"--sweep {spec!r}: expected KEY=V1,V2,... (e.g. train.learning_rate=1e-3,3e-3)")
   return key.strip(), [v.strip() for v in values.split(",")]
 
 
@@ -43,37 +67,93 @@ def latest_eval(workdir: str) -> dict[str, Any] | None:
     return json.load(f)
 
 
-def run_point(config: str, overrides: dict[str, str], workdir: str, extra: list[str]) -> dict[str, Any]:
-  """Trains one grid point (resuming its workdir) and returns its final eval record."""
-  cmd = [sys.executable, "train.py", f"--config={config}", f"--workdir={workdir}",
-         *[f"--config.{k}={v}" for k, v in overrides.items()], *extra]
+def point_args(config: str, overrides: dict[str, str], workdir: str, extra: list[str]) -> list[str]:
+  """The ``train.py`` arguments of one point (what identifies a finished point)."""
+  return [f"--config={config}", f"--workdir={workdir}", *[f"--config.{k}={v}" for k, v in overrides.items()],
+          *extra]
+
+
+def _read_point(workdir: str) -> dict[str, Any] | None:
+  path = os.path.join(workdir, POINT_FILE)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def _write_point(workdir: str, args: list[str], result: PointResult) -> None:
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, POINT_FILE)
+  with open(path + ".tmp", "w") as f:
+    json.dump({"args": args, "status": result.status, "reason": result.reason, "record": result.record}, f,
+              indent=1)
+  os.replace(path + ".tmp", path)
+
+
+def _run_train(args: list[str]) -> tuple[int, str]:
+  """Runs ``train.py args`` with stdout passed through and stderr echoed; (exit code, last stderr line)."""
+  cmd = [sys.executable, TRAIN, *args]
   print(f"== {' '.join(cmd)}", flush=True)
-  subprocess.run(cmd, check=True)
-  record = latest_eval(workdir)
-  if record is None:
-    raise RuntimeError(f"{workdir} finished without an eval_<step>.json")
-  return record
+  proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace")
+  tail: collections.deque[str] = collections.deque(maxlen=20)
+
+  def echo():
+    for line in proc.stderr:
+      sys.stderr.write(line)
+      if line.strip():
+        tail.append(line.strip())
+
+  reader = threading.Thread(target=echo, daemon=True)
+  reader.start()
+  code = proc.wait()
+  reader.join()
+  return code, (tail[-1] if tail else f"exit code {code}")
 
 
-def table(rows: list[tuple[dict[str, str], dict[str, Any]]]) -> str:
-  keys = list(rows[0][0]) if rows else []
-  lines = ["| " + " | ".join(keys + ["held-out loss", "perplexity", "step"]) + " |",
-           "|" + "---|" * (len(keys) + 3)]
-  for overrides, record in rows:
-    lines.append("| " + " | ".join([overrides[k] for k in keys] +
-                                   [f"{record['loss']:.4f}", f"{record['perplexity']:.2f}", str(record["step"])]) + " |")
+def run_point(config: str, overrides: dict[str, str], workdir: str, extra: list[str]) -> PointResult:
+  """Trains one grid point (resuming its workdir) unless the same command finished it before."""
+  args = point_args(config, overrides, workdir, extra)
+  previous = _read_point(workdir)
+  if previous and previous["args"] == args and previous["status"] in ("done", "diverged"):
+    print(f"== {point_name(overrides)}: {previous['status']} in an earlier run, skipped", flush=True)
+    return PointResult(overrides, previous["status"], previous["record"], previous["reason"], skipped=True)
+  code, last_line = _run_train(args)
+  record = latest_eval(workdir) if code == 0 else None
+  if code == 0 and record is not None:
+    result = PointResult(overrides, "done", record)
+  elif code == Diverged.exit_code:
+    result = PointResult(overrides, "diverged", reason=last_line)
+  else:
+    result = PointResult(overrides, "failed", reason=last_line if code else "no eval_<step>.json was written")
+  _write_point(workdir, args, result)
+  return result
+
+
+def table(results: list[PointResult]) -> str:
+  """Markdown: one row per point; failed and diverged points say so in place of the loss."""
+  keys = list(results[0].overrides) if results else []
+  lines = ["| " + " | ".join(keys + ["held-out loss", "perplexity", "step", "status"]) + " |",
+           "|" + "---|" * (len(keys) + 4)]
+  for r in results:
+    values = [r.overrides[k] for k in keys]
+    if r.status == "done":
+      values += [f"{r.record['loss']:.4f}", f"{r.record['perplexity']:.2f}", str(r.record["step"]), "ok"]
+    else:
+      values += ["—", "—", "—", f"**{r.status.upper()}**: {r.reason}".replace("|", "/")]
+    lines.append("| " + " | ".join(values) + " |")
   return "\n".join(lines)
 
 
-def plot(rows: list[tuple[dict[str, str], dict[str, Any]]], path: str, title: str) -> None:
+def plot(results: list[PointResult], path: str, title: str) -> None:
+  """Bar chart of the held-out losses; failed points get an empty slot labelled as failed."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  names = [point_name(o) for o, _ in rows]
-  fig, ax = plt.subplots(figsize=(max(4, 0.9 * len(rows) + 2), 3.5))
-  ax.bar(range(len(rows)), [r["loss"] for _, r in rows])
-  ax.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize=8)
+  names = [point_name(r.overrides) + ("" if r.status == "done" else f"\n({r.status})") for r in results]
+  fig, ax = plt.subplots(figsize=(max(4, 0.9 * len(results) + 2), 3.5))
+  ax.bar(range(len(results)), [r.record["loss"] if r.status == "done" else 0.0 for r in results])
+  ax.set_xticks(range(len(results)), names, rotation=30, ha="right", fontsize=8)
   ax.set_ylabel("held-out loss (nats)")
   ax.set_title(title)
   fig.tight_layout()
@@ -81,11 +161,12 @@ def plot(rows: list[tuple[dict[str, str], dict[str, Any]]], path: str, title: st
   plt.close(fig)
 
 
-def run_sweep(config: str, specs: list[str], root: str, extra: list[str]) -> str:
+def run_sweep(config: str, specs: list[str], root: str, extra: list[str]) -> tuple[str, list[PointResult]]:
+  """Runs every grid point (continuing past failures); writes and returns the table, and the results."""
   os.makedirs(root, exist_ok=True)
-  rows = [(o, run_point(config, o, os.path.join(root, point_name(o)), extra)) for o in grid(specs)]
-  text = table(rows)
+  results = [run_point(config, o, os.path.join(root, point_name(o)), extra) for o in grid(specs)]
+  text = table(results)
   with open(os.path.join(root, "sweep_results.md"), "w") as f:
     f.write(f"config: `{config}`\n\n{text}\n")
-  plot(rows, os.path.join(root, "sweep_results.png"), config)
-  return text
+  plot(results, os.path.join(root, "sweep_results.png"), config)
+  return text, results

@@ -1,4 +1,4 @@
-"""SANATAN feature maps and score constants, one function per formula of SPEC §1.1.
+"""SANATAN feature maps and score constants, one function per formula of MATH §1.1.
 
 Per head and per dimension ``a`` a query/key component ``u`` becomes an angle ``theta``, a soft root
 label ``r`` (from the angle *before* rotation) and a rotated angle ``theta_rot``; the feature vector
@@ -20,12 +20,12 @@ THREE_CHANNEL = ("clean", "legacy")
 
 
 def angles(u: jax.Array) -> jax.Array:
-  """theta = pi * u / (1 + |u|) (SPEC §1.1 step 2): a C^1 squashing of R onto (-pi, pi)."""
+  """theta = pi * u / (1 + |u|) (MATH §1.1 step 2): a C^1 squashing of R onto (-pi, pi)."""
   return jnp.pi * u / (1.0 + jnp.abs(u))
 
 
 def soft_roots(theta: jax.Array, omega: jax.Array, gamma: float = GAMMA) -> jax.Array:
-  """r = tanh(gamma * (cos(theta + omega) - sin(theta + omega))) (SPEC §1.1 step 3).
+  """r = tanh(gamma * (cos(theta + omega) - sin(theta + omega))) (MATH §1.1 step 3).
 
   ``theta`` are the PRE-rotation angles [..., H, d]; ``omega`` [H, d] broadcasts over the leading
   axes. At omega = pi/4 this is ``-tanh(gamma * sqrt(2) * sin(theta))``.
@@ -35,7 +35,7 @@ def soft_roots(theta: jax.Array, omega: jax.Array, gamma: float = GAMMA) -> jax.
 
 
 def rotate(theta_BxTxHxd: jax.Array, positions_BxT: jax.Array, lam_raw_Hxd: jax.Array) -> jax.Array:
-  """theta_rot = theta + t * lam with lam = 0.01 * tanh(lam_raw) (SPEC §1.1 step 4).
+  """theta_rot = theta + t * lam with lam = 0.01 * tanh(lam_raw) (MATH §1.1 step 4).
 
   ``t`` is the 0-based position of each token in its document, int [B, T].
   """
@@ -45,7 +45,7 @@ def rotate(theta_BxTxHxd: jax.Array, positions_BxT: jax.Array, lam_raw_Hxd: jax.
 
 
 def feature_map(theta_rot: jax.Array, r: jax.Array | None, channels: int) -> jax.Array:
-  """Phi = concat_a Phi_a over the last axis (SPEC §1.1 step 5); [..., d] -> [..., channels*d].
+  """Phi = concat_a Phi_a over the last axis (MATH §1.1 step 5); [..., d] -> [..., channels*d].
 
   6 channels: ``Phi_a = [1, cos th, sin th, r, r cos th, r sin th]``, so
   ``Phi(q).Phi(k) = sum_a (1 + rq rk)(1 + cos(th_q - th_k))`` in [0, 4d].
@@ -67,7 +67,7 @@ def feature_map(theta_rot: jax.Array, r: jax.Array | None, channels: int) -> jax
 
 
 def score_scale(channels: int, three_channel: str, d: int) -> float:
-  """The divisor c of SPEC §1.1 step 6: the maximum (shifted) score plus 1e-6.
+  """The divisor c of MATH §1.1 step 6: the maximum (shifted) score plus 1e-6.
 
   6ch: 4d; 4ch: 3d (our choice: its maximum score); 3ch legacy: 3d (score s3 + d, the original
   code); 3ch clean: 2d (score s3, the fair ablation).
@@ -83,7 +83,7 @@ def score_scale(channels: int, three_channel: str, d: int) -> float:
 
 
 def score_shift(channels: int, three_channel: str, d: int) -> float:
-  """The constant added to the raw score before division: d for 3ch legacy, else 0 (SPEC §1.1)."""
+  """The constant added to the raw score before division: d for 3ch legacy, else 0 (MATH §1.1)."""
   check_channels(channels, three_channel)
   return float(d) if channels == 3 and three_channel == "legacy" else 0.0
 
@@ -91,7 +91,7 @@ def score_shift(channels: int, three_channel: str, d: int) -> float:
 def unit_scores(s: jax.Array, *, channels: int, three_channel: str, d: int) -> jax.Array:
   """Raw scores -> (s + shift) / c in [0, 1], the base of the power; 4ch first clips s at 0.
 
-  The 4-channel clip of the total score (SPEC §1.1 step 5) makes that variant parallel-only.
+  The 4-channel clip of the total score (MATH §1.1 step 5) makes that variant parallel-only.
   """
   if channels == 4:
     s = jnp.maximum(s, 0.0)
@@ -99,7 +99,7 @@ def unit_scores(s: jax.Array, *, channels: int, three_channel: str, d: int) -> j
 
 
 def check_channels(channels: int, three_channel: str) -> None:
-  """Raises ValueError for a channel count or three-channel variant SPEC §1.1 does not define."""
+  """Raises ValueError for a channel count or three-channel variant MATH §1.1 does not define."""
   if channels not in CHANNELS:
     raise ValueError(f"channels must be one of {CHANNELS}, got {channels!r}")
   if three_channel not in THREE_CHANNEL:

@@ -1,4 +1,4 @@
-"""Root-gate statistics of one layer, measured the way SPEC §1.3 asks.
+"""Root-gate statistics of one layer, measured the way MATH §1.3 asks.
 
 For the SAME head's query and key roots under the causal mask (pairs j <= t):
   frac_saturated_{q,k} = mean [|r| > 0.99] over all root activations,
@@ -48,7 +48,7 @@ def _sequence_sums(rq_TxHxd: np.ndarray, rk_TxHxd: np.ndarray,
 
 def gate_statistics(r_q_BxTxHxd, r_k_BxTxHxd, *, num_positions: int = 512,
                     seed: int = 0) -> dict[str, float]:
-  """SPEC §1.3 statistics of one layer's roots [B, T, H, d] (see the module docstring).
+  """MATH §1.3 statistics of one layer's roots [B, T, H, d] (see the module docstring).
 
   Returns ``frac_saturated_q``, ``frac_saturated_k``, ``mismatch_fraction``, ``mismatch_gate_mean``
   (NaN when nothing mismatches), ``num_pairs`` (causal (t, j) position pairs used, summed over

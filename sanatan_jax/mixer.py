@@ -1,4 +1,4 @@
-"""The SANATAN attention layer as an lmcore mixer (SPEC §1.1 data flow, §1.2 state, §1.4 size)."""
+"""The SANATAN attention layer as an lmcore mixer (MATH §1.1 data flow, §1.2 state, §1.4 size)."""
 
 from __future__ import annotations
 
@@ -12,19 +12,20 @@ from flax import nnx
 from lmcore.ops.common import pallas_utils
 from lmcore.mixers.base import InitSpec, dense, float_bytes
 from sanatan_jax import features, gate_stats
-from sanatan_jax.ops.sanatan_attention.api import (IMPLEMENTATIONS, SanatanState, has_constant_state,
-                                   sanatan_attention, validate_options)
+from sanatan_jax.ops.sanatan_attention.api import IMPLEMENTATIONS, sanatan_attention
+from sanatan_jax.ops.sanatan_attention.base import (SanatanState, has_constant_state,
+                                                    validate_options)
 
 OMEGA_INIT = math.pi / 4
 
 
 def kv_cache_bytes(n: int, n_layers: int, d_model: int, itemsize: int = 4) -> int:
-  """Bytes of a softmax KV cache of n tokens, same layout: 2 n L D * itemsize (SPEC §1.2)."""
+  """Bytes of a softmax KV cache of n tokens, same layout: 2 n L D * itemsize (MATH §1.2)."""
   return 2 * n * n_layers * d_model * itemsize
 
 
 class SanatanMixer(nnx.Module):
-  """Root-parity gated angular attention (SPEC §1.1): q, k, v projections, SANATAN, then Wo.
+  """Root-parity gated angular attention (MATH §1.1): q, k, v projections, SANATAN, then Wo.
 
   ``y, new_state = mixer(x_BxTxD, state, positions_BxT, segment_ids_BxT)``; a T = 1 call with a
   state uses ``decode_implementation``. Parameters (no biases): Wq, Wk [D, H d], Wv [D, H dv],
@@ -33,7 +34,7 @@ class SanatanMixer(nnx.Module):
 
   @dataclasses.dataclass(frozen=True)
   class Config:
-    """SANATAN layer options; ``learn_omega=False``, ``rotate=False`` are SPEC §1.4's ablations."""
+    """SANATAN layer options; ``learn_omega=False``, ``rotate=False`` are MATH §1.4's ablations."""
 
     n_heads: int = 4
     head_dim: int = 16
@@ -50,11 +51,13 @@ class SanatanMixer(nnx.Module):
     decode_implementation: str = "recurrent"
 
     def __post_init__(self):
+      # Names only: "auto" resolves when the layer runs, on the backend it runs on.
+      valid = (*IMPLEMENTATIONS, "auto")
+      for field in ("implementation", "decode_implementation"):
+        if getattr(self, field) not in valid:
+          raise ValueError(f"unknown {field} {getattr(self, field)!r}; valid: {', '.join(valid)}")
       validate_options(p=self.p, channels=self.channels, three_channel=self.three_channel,
                        implementation=self.implementation)
-      if self.decode_implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown decode_implementation {self.decode_implementation!r}; "
-                         f"valid: {', '.join(IMPLEMENTATIONS)}")
       pallas_utils.check_precision(self.kernel_precision, "SANATAN kernel_precision")
 
     @property
@@ -74,7 +77,7 @@ class SanatanMixer(nnx.Module):
     self.lam_raw = nnx.Param(jax.random.normal(rngs.params(), (H, d), jnp.float32))
 
   def _project(self, x_BxTxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q = x Wq / sqrt(d), k = x Wk / sqrt(d), v = x Wv, split into heads (SPEC §1.1 step 1)."""
+    """q = x Wq / sqrt(d), k = x Wk / sqrt(d), v = x Wv, split into heads (MATH §1.1 step 1)."""
     B, T, _ = x_BxTxD.shape
     H, d = self.config.n_heads, self.config.head_dim
     scale = 1.0 / math.sqrt(d)
@@ -108,7 +111,7 @@ class SanatanMixer(nnx.Module):
     if not has_constant_state(self.config.p, self.config.channels):
       raise ValueError(
           f"SANATAN with p={self.config.p}, channels={self.config.channels} has no constant-size "
-          "state: only p=1 with 6 channels has the exact recurrence (SPEC §1.2); p>=2 needs the "
+          "state: only p=1 with 6 channels has the exact recurrence (MATH §1.2); p>=2 needs the "
           "(6d)^p-wide tensor-power state. Decode such a model by re-running the whole sequence.")
 
   def init_state(self, batch_size: int, max_len: int = 0) -> SanatanState:
@@ -122,7 +125,7 @@ class SanatanMixer(nnx.Module):
                         position=jnp.zeros((batch_size,), jnp.int32))
 
   def state_bytes(self, batch_size: int, max_len: int = 0) -> int:
-    """B H (F dv + F) * 4 bytes of fp32 state (SPEC §1.2), the position counter not counted."""
+    """B H (F dv + F) * 4 bytes of fp32 state (MATH §1.2), the position counter not counted."""
     del max_len
     self._check_has_state()
     cfg = self.config
@@ -130,7 +133,7 @@ class SanatanMixer(nnx.Module):
     return float_bytes((batch_size, cfg.n_heads, F, cfg.dv), (batch_size, cfg.n_heads, F))
 
   def roots(self, x_BxTxD: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Soft roots r_q, r_k [B, T, H, d] (float32) of this layer, for gate_stats (SPEC §1.3)."""
+    """Soft roots r_q, r_k [B, T, H, d] (float32) of this layer, for gate_stats (MATH §1.3)."""
     q_BxTxHxd, k_BxTxHxd, _ = self._project(x_BxTxD)
     omega_Hxd = self.omega[...]
     return tuple(features.soft_roots(features.angles(u.astype(jnp.float32)), omega_Hxd)

@@ -14,7 +14,7 @@ from based_jax import TaylorState
 from lmcore.ops.gated_linear_attention import LinearAttentionState
 from lmcore.numerics import relative_l2
 from sanatan_jax import SanatanState
-from sanatan_jax.ops.sanatan_attention.api import sanatan_features
+from sanatan_jax.ops.sanatan_attention.base import sanatan_features
 
 CHUNK = 16
 RTOL = 1e-5

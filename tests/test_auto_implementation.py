@@ -38,7 +38,7 @@ def test_default_and_gated_pick_pallas_only_on_gpu(on, platform, expected):
   on(platform)
   assert pallas_utils.default_implementation() == expected
   assert gated.resolve_implementation("auto") == gated.resolve_implementation(None) == expected
-  assert gated.resolve_implementation("reference") == "reference"
+  assert gated.resolve_implementation("recurrent") == "recurrent"
 
 
 @pytest.mark.parametrize("platform,p,channels,expected", [
@@ -48,9 +48,9 @@ def test_default_and_gated_pick_pallas_only_on_gpu(on, platform, expected):
 ])
 def test_sanatan_resolver(on, platform, p, channels, expected):
   on(platform)
-  assert sanatan.resolve_implementation("auto", p, channels) == expected
-  assert sanatan.resolve_implementation(None, p, channels) == expected
-  assert sanatan.resolve_implementation("parallel", p, channels) == "parallel"
+  assert sanatan.resolve_implementation("auto", p=p, channels=channels) == expected
+  assert sanatan.resolve_implementation(None, p=p, channels=channels) == expected
+  assert sanatan.resolve_implementation("parallel", p=p, channels=channels) == "parallel"
 
 
 @pytest.mark.parametrize("platform,length,decay,segments,expected", [
@@ -152,7 +152,7 @@ def test_assume_backend_overrides_the_platform_inside_the_block_only():
   with pallas_utils.assume_backend("gpu"):
     assert pallas_utils.default_implementation() == "pallas"
     with pallas_utils.assume_backend("cpu"):  # the model card's view, even on a GPU host
-      assert sanatan.resolve_implementation("auto", 1, 6) == "chunked"
+      assert sanatan.resolve_implementation("auto", p=1, channels=6) == "chunked"
     assert pallas_utils.backend() == "gpu"
   assert pallas_utils.backend() == host
 

@@ -55,6 +55,9 @@ def write_jsonl(path: pathlib.Path, texts: list[str], key: str = "text") -> str:
 
 
 def jsonl_source(tmp_path, name: str, texts: list[str], **kwargs) -> SourceConfig:
+  """A jsonl source of ``texts``; no hashed held-out split unless asked (these tests count documents)."""
+  if "heldout_skip" not in kwargs and "heldout_split" not in kwargs:
+    kwargs.setdefault("heldout_fraction", 0.0)
   return SourceConfig(name=name, kind="jsonl", path=write_jsonl(tmp_path / f"{name}.jsonl", texts), **kwargs)
 
 

@@ -1,5 +1,5 @@
-"""Gated DeltaNet mixer (SPEC §4) and its short convolution: decode = full forward, chunked =
-reference, packed documents stay apart, FLA's gate initialisation and the state accounting.
+"""Gated DeltaNet mixer (MATH §4) and its short convolution: decode = full forward, chunked =
+recurrent form, packed documents stay apart, FLA's gate initialisation and the state accounting.
 
 Comparisons use the relative L2 error ||a - b|| / ||b|` at fp32 (errors ~1e-7; tolerance 1e-5).
 """
@@ -71,7 +71,7 @@ def test_decode_token_by_token_equals_full_forward(prefill):
   _assert_states_close(state, state_full)
 
 
-def test_chunked_mixer_equals_reference_mixer_for_outputs_states_and_gradients():
+def test_chunked_mixer_equals_recurrent_mixer_for_outputs_states_and_gradients():
   x, dy = _x(seed=3), _x(seed=4)
 
   @nnx.jit
@@ -84,7 +84,7 @@ def test_chunked_mixer_equals_reference_mixer_for_outputs_states_and_gradients()
     return y, state, d_params, dx
 
   y_c, state_c, d_params_c, dx_c = outputs_and_grads(_mixer("chunked"), x)
-  y_r, state_r, d_params_r, dx_r = outputs_and_grads(_mixer("reference"), x)
+  y_r, state_r, d_params_r, dx_r = outputs_and_grads(_mixer("recurrent"), x)
   assert relative_l2(y_c, y_r) < FP32_TOL and relative_l2(dx_c, dx_r) < FP32_TOL
   _assert_states_close(state_c, state_r)
   for (path, g_c), (_, g_r) in zip(nnx.to_flat_state(d_params_c), nnx.to_flat_state(d_params_r)):
@@ -141,7 +141,7 @@ def test_state_bytes_counts_recurrent_state_and_conv_windows():
 
 
 def test_invalid_config_raises_with_the_valid_choices():
-  with pytest.raises(ValueError, match="valid: reference, recurrent, chunked, xla"):
+  with pytest.raises(ValueError, match="valid: recurrent, chunked, xla"):
     GatedDeltaNet(GatedDeltaNet.Config(implementation="pallas"), d_model=D, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="not an integer"):
     GatedDeltaNet(GatedDeltaNet.Config(head_dim=5, expand_v=1.5), d_model=D, rngs=nnx.Rngs(0))

@@ -39,7 +39,7 @@ def _x(seed, B=2, T=37, scale=1.0):
 def _assert_chunked_equals_recurrent_and_decode_equals_full(cls, config, seed):
   """Same parameters (same seed) under both implementations; decode threads the state per token."""
   chunked = cls(config, d_model=D, init=INIT, rngs=nnx.Rngs(seed))
-  recurrent = cls(dataclasses.replace(config, implementation="reference"), d_model=D, init=INIT,
+  recurrent = cls(dataclasses.replace(config, implementation="recurrent"), d_model=D, init=INIT,
                   rngs=nnx.Rngs(seed))
   x = _x(seed)
   y, state = _call(chunked, x, None)
@@ -62,7 +62,7 @@ def test_gla_182m_param_count_matches_fla_layout(n_heads, total):
 
   Per layer, FLA's GatedLinearAttention holds q, k (768 x 384), v, g, o (768 x 768), the gate
   768 x 16 + 16 x 384 + bias 384 and the group-norm weight of size head_v_dim = 768 / n_heads.
-  FLA's default 4 heads give 182,217,984 (279,254,016 untied). SPEC §4's 182,216,448
+  FLA's default 4 heads give 182,217,984 (279,254,016 untied). MATH §4's 182,216,448
   (279,252,480 untied) is exactly 128 fewer per layer: a norm weight of 64 = head_v_dim at 12 heads.
   """
   mixer = _param_count(lambda: GLA(GLA.Config(n_heads=n_heads), d_model=768, init=InitSpec(),
@@ -140,7 +140,7 @@ def test_cyfa_state_follows_the_spec_recurrence():
 
 def test_cyfa_state_stays_finite_and_bounded_over_8192_tokens():
   """With |k̂| <= 1 and writes <= w_max, ||S_t|| <= w_max max||v|| / (1 - max f) for every t."""
-  cyfa = _cyfa(5, implementation="reference")
+  cyfa = _cyfa(5, implementation="recurrent")
   x = _x(5, B=1, T=8192, scale=2.0)
   _, state = _call(cyfa, x, None)
   S = np.asarray(state.S)

@@ -1,5 +1,5 @@
 """Linear Transformer, Performer and cosFormer: their feature maps, the stabilised Performer, and
-that chunked, reference and token-by-token decoding compute the same function.
+that chunked, recurrent and token-by-token decoding compute the same function.
 
 Tolerances: relative L2 error 1e-5 at fp32 (the implementations differ only in summation order).
 """
@@ -41,12 +41,12 @@ CASES = [(LinearTransformer, {}), (Performer, dict(n_features=12)),
 
 
 @pytest.mark.parametrize("cls,fields", CASES)
-def test_chunked_equals_reference_and_decode_equals_full_forward(cls, fields):
+def test_chunked_equals_recurrent_and_decode_equals_full_forward(cls, fields):
   chunked = _mixer(cls, 1, **fields)
-  reference = _mixer(cls, 1, implementation="reference", **fields)
+  recurrent = _mixer(cls, 1, implementation="recurrent", **fields)
   x = _x(1)
   y, state = _call(chunked, x, None, None)
-  y_ref, state_ref = _call(reference, x, None, None)
+  y_ref, state_ref = _call(recurrent, x, None, None)
   assert relative_l2(y, y_ref) < RTOL
   decode_state, ys = chunked.init_state(x.shape[0]), []
   for t in range(x.shape[1]):

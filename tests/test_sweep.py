@@ -1,5 +1,7 @@
-"""Sweeps are grids of overrides: parsing, naming, and a two-point run that tabulates and plots."""
+"""Sweeps are grids of overrides: parsing, naming, skipping finished points, diverged points recorded
+and the grid continued, and a real two-point run from another directory that tabulates and plots."""
 
+import json
 import os
 import subprocess
 import sys
@@ -7,6 +9,7 @@ import sys
 import pytest
 
 from lmcore import sweep
+from lmcore.errors import Diverged
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,18 +23,64 @@ def test_grid_is_the_product_of_the_axes():
     sweep.parse_axis("model.d_model")
 
 
+def fake_train(outcomes: dict[str, int], calls: list[str]):
+  """A stand-in for train.py: exit code per learning rate; a successful run writes its eval file."""
+  def run(args):
+    workdir = next(a.split("=", 1)[1] for a in args if a.startswith("--workdir="))
+    lr = next(a.split("=", 1)[1] for a in args if a.startswith("--config.train.learning_rate="))
+    calls.append(lr)
+    code = outcomes[lr]
+    if code == 0:
+      os.makedirs(workdir, exist_ok=True)
+      with open(os.path.join(workdir, "eval_3.json"), "w") as f:
+        json.dump({"loss": 4.25, "perplexity": 70.1, "step": 3}, f)
+    return code, {Diverged.exit_code: "Diverged: loss is nan at step 2.", 1: "Boom: a crash"}.get(code, "")
+  return run
+
+
+def test_finished_and_diverged_points_are_skipped_and_failures_retried(tmp_path, monkeypatch):
+  calls = []
+  outcomes = {"1e-3": 0, "1e-1": Diverged.exit_code, "1e-2": 1}
+  monkeypatch.setattr(sweep, "_run_train", fake_train(outcomes, calls))
+  monkeypatch.setattr(sweep, "plot", lambda *_: None)
+  text, results = sweep.run_sweep("configs/baselines.py:tiny", ["train.learning_rate=1e-3,1e-1,1e-2"],
+                                  str(tmp_path), ["--config.train.steps=3"])
+  assert calls == ["1e-3", "1e-1", "1e-2"], "the grid continues past a diverged and a failed point"
+  assert [r.status for r in results] == ["done", "diverged", "failed"]
+  assert "| 1e-3 | 4.2500 | 70.10 | 3 | ok |" in text
+  assert "| 1e-1 | — | — | — | **DIVERGED**: Diverged: loss is nan at step 2. |" in text
+  assert "**FAILED**: Boom: a crash" in text
+  calls.clear()
+  outcomes["1e-2"] = 0
+  text, results = sweep.run_sweep("configs/baselines.py:tiny", ["train.learning_rate=1e-3,1e-1,1e-2"],
+                                  str(tmp_path), ["--config.train.steps=3"])
+  assert calls == ["1e-2"], "finished and diverged points are not run (nor evaluated) again"
+  assert [r.skipped for r in results] == [True, True, False] and results[2].status == "done"
+  calls.clear()
+  sweep.run_sweep("configs/baselines.py:tiny", ["train.learning_rate=1e-3"], str(tmp_path),
+                  ["--config.train.steps=6"])
+  assert calls == ["1e-3"], "another command (more steps) runs the point again"
+
+
 @pytest.mark.slow
-def test_two_point_sweep_writes_table_and_plot(tmp_path):
+def test_two_point_sweep_from_another_directory_marks_the_diverged_point(tmp_path):
   root = tmp_path / "sweep"
-  cmd = [sys.executable, "scripts/sweep.py", "--config=configs/baselines.py:tiny", f"--root={root}",
-         "--sweep=train.learning_rate=1e-3,1e-2", "--",
+  cmd = [sys.executable, os.path.join(REPO, "scripts", "sweep.py"),
+         f"--config={os.path.join(REPO, 'configs', 'baselines.py')}:tiny", "--root=sweep",
+         "--sweep=model.init_std=0.02,1e30", "--",
          "--config.train.steps=3", "--config.model.d_model=32", "--config.model.mlp_hidden=64",
          "--config.model.mixers.softmax.n_heads=2", "--config.data.seq_len=32",
          "--config.train.batch_size=4", "--config.data.heldout.num_sequences=4",
          "--config.eval.batch_size=4", "--config.wandb.mode=disabled"]
-  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+  proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   table = (root / "sweep_results.md").read_text()
-  assert "| 1e-3 |" in table and "| 1e-2 |" in table
+  assert "| 0.02 |" in table and "| ok |" in table
+  assert "| 1e30 | — | — | — | **DIVERGED**: Diverged: loss is nan" in table
+  assert "**DIVERGED**" in proc.stdout
   assert (root / "sweep_results.png").stat().st_size > 1000
-  assert (root / "learning_rate=1e-2" / "eval_3.json").exists()
+  evaluated = root / "init_std=0.02" / "eval_3.json"
+  mtime = evaluated.stat().st_mtime_ns
+  again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+  assert again.returncode == 0 and again.stdout.count("in an earlier run, skipped") == 2
+  assert evaluated.stat().st_mtime_ns == mtime and "step 1/3" not in again.stdout

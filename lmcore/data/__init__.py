@@ -12,12 +12,12 @@ Typical use::
 
 from lmcore.data.config import DataConfig, HeldoutConfig, SourceConfig, TokenizerConfig
 from lmcore.data.heldout import load_or_build_heldout, unigram_baseline, unigram_entropy
-from lmcore.data.pipeline import cache_dir, fingerprint, make_train_iterator, take_batches
+from lmcore.data.pipeline import cache_dir, check_paths, fingerprint, make_train_iterator, take_batches
 from lmcore.data.sources import make_source
 from lmcore.data.tokenizers import Tokenizer, check_vocab, load_tokenizer
 
 __all__ = [
-    "DataConfig", "HeldoutConfig", "SourceConfig", "TokenizerConfig", "Tokenizer", "cache_dir", "check_vocab",
-    "fingerprint", "load_or_build_heldout", "load_tokenizer", "make_source", "make_train_iterator",
+    "DataConfig", "HeldoutConfig", "SourceConfig", "TokenizerConfig", "Tokenizer", "cache_dir", "check_paths",
+    "check_vocab", "fingerprint", "load_or_build_heldout", "load_tokenizer", "make_source", "make_train_iterator",
     "take_batches", "unigram_baseline", "unigram_entropy",
 ]

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 
+from lmcore.errors import ConfigError
+
 SOURCE_KINDS = ("embedded", "text", "jsonl", "parquet", "array_record", "tfds")
 TOKENIZER_KINDS = ("embedded", "sentencepiece", "hf_json")
+# Kinds whose held-out set defaults to a hashed fraction of the training documents (heldout_fraction).
+FRACTION_KINDS = ("text", "jsonl", "parquet", "array_record")
+DEFAULT_HELDOUT_FRACTION = 0.01
 
 
 def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
   if value not in choices:
-    raise ValueError(f"{what}: kind={value!r} is not supported; choose one of {', '.join(choices)}.")
+    raise ConfigError(f"{what}: kind={value!r} is not supported; choose one of {', '.join(choices)}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +34,10 @@ class SourceConfig:
     heldout_skip: documents skipped when drawing the held-out set ("deep in each stream", SPEC §1.4).
       When the held-out split equals the training split, training stops at this document, so
       the two never overlap.
+    heldout_fraction: share of the documents held out by a stable hash of their identity (file path
+      relative to the glob's folder, and index within the file); training never reads them. -1 (the
+      default) means 0.01 for text / jsonl / parquet / array_record sources that have neither a
+      separate held-out split nor heldout_skip, and 0 otherwise; 0 turns it off.
     data_dir: TFDS data_dir ("" = TFDS default).
   """
 
@@ -41,15 +50,38 @@ class SourceConfig:
   skip: int = 0
   heldout_split: str = ""
   heldout_skip: int = 0
+  heldout_fraction: float = -1.0
   data_dir: str = ""
 
   def __post_init__(self):
     _check_choice(f"data.sources.{self.name}", self.kind, SOURCE_KINDS)
+    key = f"data.sources.{self.name}"
     if not self.weight > 0:
-      raise ValueError(f"data.sources.{self.name}.weight must be > 0 (got {self.weight}); "
-                       "remove the source from data.sources to leave it out.")
+      raise ConfigError(f"{key}.weight must be > 0 (got {self.weight}); "
+                        "remove the source from data.sources to leave it out.")
     if self.skip < 0 or self.heldout_skip < 0:
-      raise ValueError(f"data.sources.{self.name}: skip and heldout_skip must be >= 0.")
+      raise ConfigError(f"{key}: skip and heldout_skip must be >= 0.")
+    if self.heldout_fraction == -1.0 or self.heldout_fraction == 0.0:
+      return
+    if not 0.0 < self.heldout_fraction < 1.0:
+      raise ConfigError(f"{key}.heldout_fraction={self.heldout_fraction}: give a share in (0, 1), 0 for "
+                        "none, or -1 for the default.")
+    if self.kind == "embedded":
+      raise ConfigError(f"{key}.heldout_fraction: the embedded corpus has its own held-out split; "
+                        "leave heldout_fraction at -1.")
+    if self.heldout_skip or self.heldout_split not in ("", self.split):
+      raise ConfigError(f"{key}: heldout_fraction={self.heldout_fraction} and a held-out "
+                        f"{'skip' if self.heldout_skip else 'split'} both choose the held-out documents; "
+                        "keep one of them.")
+
+  def effective_heldout_fraction(self) -> float:
+    """The share of documents held out by hash (see ``heldout_fraction``); 0 when another rule applies."""
+    if self.heldout_fraction >= 0:
+      return self.heldout_fraction
+    own_split = self.heldout_split in ("", self.split)
+    if self.kind in FRACTION_KINDS and own_split and not self.heldout_skip:
+      return DEFAULT_HELDOUT_FRACTION
+    return 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +103,7 @@ class TokenizerConfig:
   def __post_init__(self):
     _check_choice("data.tokenizer", self.kind, TOKENIZER_KINDS)
     if self.vocab_size < 64:
-      raise ValueError(f"data.tokenizer.vocab_size must be >= 64 (got {self.vocab_size}).")
+      raise ConfigError(f"data.tokenizer.vocab_size must be >= 64 (got {self.vocab_size}).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +122,7 @@ class HeldoutConfig:
 
   def __post_init__(self):
     if self.num_sequences < 1:
-      raise ValueError(f"data.heldout.num_sequences must be >= 1 (got {self.num_sequences}).")
+      raise ConfigError(f"data.heldout.num_sequences must be >= 1 (got {self.num_sequences}).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,12 +152,12 @@ class DataConfig:
 
   def __post_init__(self):
     if not self.sources:
-      raise ValueError("data.sources is empty; give at least one source (the default is the embedded "
-                       "corpus).")
+      raise ConfigError("data.sources is empty; give at least one source (the default is the embedded "
+                        "corpus).")
     names = [s.name for s in self.sources]
     if len(set(names)) != len(names):
-      raise ValueError(f"data.sources names must be unique (got {names}).")
+      raise ConfigError(f"data.sources names must be unique (got {names}).")
     if self.seq_len < 1:
-      raise ValueError(f"data.seq_len must be >= 1 (got {self.seq_len}).")
+      raise ConfigError(f"data.seq_len must be >= 1 (got {self.seq_len}).")
     if self.worker_count < 0:
-      raise ValueError(f"data.worker_count must be >= 0 (got {self.worker_count}).")
+      raise ConfigError(f"data.worker_count must be >= 0 (got {self.worker_count}).")

@@ -28,17 +28,15 @@ import pathlib
 import sysconfig
 import time
 
-import sentencepiece as spm
+from lmcore.data import spm_training
+from lmcore.data.spm_training import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401  (the ids, by name)
 
 EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages"})
 HELDOUT_PER_MILLE = 30
 SPLITS = ("train", "heldout")
-# Fixed ids so that a model card can name them; "\n" is a piece of its own because code is line-shaped.
-UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 # SentencePiece's BPE trainer gives different models for different thread counts; one thread keeps the
 # cached model identical on every machine (about 4 s for the 8k vocabulary).
 _TRAIN_THREADS = 1
-_MAX_LINE_BYTES = 4096
 
 logger = logging.getLogger(__name__)
 
@@ -109,24 +107,11 @@ def resolve_cache_dir(cache_dir: str = "") -> pathlib.Path:
   return pathlib.Path(chosen).expanduser()
 
 
-def _training_lines():
-  """Non-empty lines of the train split, without their newline (it is a user-defined piece)."""
-  for path in corpus_files("train"):
-    for line in read_document(path).splitlines():
-      if line.strip() and len(line.encode("utf-8")) <= _MAX_LINE_BYTES:
-        yield line
-
-
 def _train_model(vocab_size: int, output: pathlib.Path) -> None:
   start = time.perf_counter()
+  lines = spm_training.document_lines(read_document(path) for path in corpus_files("train"))
   with open(output, "wb") as writer:
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=_training_lines(), model_writer=writer, model_type="bpe", vocab_size=vocab_size,
-        byte_fallback=True, character_coverage=0.9999, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, add_dummy_prefix=False, allow_whitespace_only_pieces=True,
-        split_digits=True, user_defined_symbols=["\n"], unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-        pad_id=PAD_ID, max_sentence_length=_MAX_LINE_BYTES, input_sentence_size=0,
-        num_threads=_TRAIN_THREADS, minloglevel=2)
+    spm_training.train_bpe(lines, vocab_size, writer, num_threads=_TRAIN_THREADS)
   logger.info("Trained the embedded SentencePiece model (vocab %d) in %.1f s: %s", vocab_size,
               time.perf_counter() - start, output)
 

@@ -1,6 +1,7 @@
 """The fixed held-out set (SPEC §1.4, §6.3) and the unigram-entropy reference.
 
-Per source: the documents ``[heldout_skip, end)`` of its held-out split, shuffled once with the
+Per source: the documents ``[heldout_skip, end)`` of its held-out split (or, with a
+``heldout_fraction``, the documents its hash holds out of the training split), shuffled once with the
 held-out seed, mixed by the source weights and packed exactly like training data. The first
 ``num_sequences`` full windows are written once (atomically, npz + JSON metadata) and reused by every
 later run. The held-out data is never repeated: when it has fewer windows, the set is smaller and a
@@ -20,6 +21,7 @@ import numpy as np
 from lmcore.data import pipeline
 from lmcore.data.config import DataConfig
 from lmcore.data.tokenizers import Tokenizer
+from lmcore.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +32,9 @@ def metadata(cfg: DataConfig, tokenizer: Tokenizer) -> dict:
   """What identifies a held-out set: a stored set is reused only if this matches exactly."""
   sources = [{**{k: getattr(s, k) for k in _SOURCE_KEYS}, "heldout_split": pipeline.heldout_split(s)}
              for s in cfg.sources]
+  for entry, s in zip(sources, cfg.sources):
+    if s.effective_heldout_fraction():  # only then, so sets stored before the field existed still match
+      entry["heldout_fraction"] = s.effective_heldout_fraction()
   return {
       "seed": cfg.heldout.seed, "num_sequences": cfg.heldout.num_sequences, "seq_len": cfg.seq_len,
       "sources": sources, "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
@@ -39,9 +44,10 @@ def metadata(cfg: DataConfig, tokenizer: Tokenizer) -> dict:
 
 def _warn_if_overlapping(cfg: DataConfig) -> None:
   for s in cfg.sources:
-    if pipeline.heldout_split(s) == s.split and s.heldout_skip == 0:
+    if pipeline.heldout_split(s) == s.split and s.heldout_skip == 0 and not s.effective_heldout_fraction():
       logger.warning("Held-out documents of data.sources.%s come from its training split %r without "
-                     "data.sources.%s.heldout_skip, so training also reads them.", s.name, s.split, s.name)
+                     "data.sources.%s.heldout_skip or heldout_fraction, so training also reads them.", s.name,
+                     s.split, s.name)
 
 
 def build_heldout(cfg: DataConfig, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
@@ -58,8 +64,8 @@ def build_heldout(cfg: DataConfig, tokenizer: Tokenizer) -> dict[str, np.ndarray
     if len(windows) == cfg.heldout.num_sequences:
       break
   if not windows:
-    raise ValueError(f"The held-out documents hold fewer than seq_len + 1 = {cfg.seq_len + 1} tokens; "
-                     "lower data.seq_len or heldout_skip.")
+    raise DataError(f"The held-out documents hold fewer than seq_len + 1 = {cfg.seq_len + 1} tokens; lower "
+                    "data.seq_len, lower data.sources.<name>.heldout_skip or raise its heldout_fraction.")
   if len(windows) < cfg.heldout.num_sequences:
     warnings.warn(f"The held-out split has only {len(windows)} windows of {cfg.seq_len + 1} tokens "
                   f"(data.heldout.num_sequences={cfg.heldout.num_sequences}); evaluating on those. "
@@ -85,8 +91,8 @@ def _read(path: pathlib.Path, expected: dict) -> dict[str, np.ndarray]:
   if meta != expected:
     differing = sorted(k for k in set(meta) | set(expected) if meta.get(k) != expected.get(k))
     details = "; ".join(f"{k}: stored {meta.get(k)!r}, config {expected.get(k)!r}" for k in differing)
-    raise ValueError(f"The held-out set {path} was built for another configuration ({details}). Delete it to "
-                     "rebuild, or point data.heldout.path elsewhere.")
+    raise DataError(f"The held-out set {path} was built for another configuration ({details}). Delete it to "
+                    "rebuild, or point data.heldout.path elsewhere.")
   return arrays
 
 

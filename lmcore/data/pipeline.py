@@ -12,12 +12,16 @@ continues in the next window. Its state is the parent's position plus a slice in
 document, so ``get_state`` stays tiny and a restore re-tokenizes one document at most.
 
 ``stop`` is ``heldout_skip`` when the held-out set is drawn from the training split, so training never
-sees the held-out region (see ``heldout.py``).
+sees the held-out region (see ``heldout.py``). A source with a ``heldout_fraction`` (by default 1 % of
+text / jsonl / parquet / array_record documents when nothing else picks a held-out set) is split by a
+stable hash of each document's identity instead: training reads the complement, the held-out set the
+chosen documents.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import grain
@@ -25,8 +29,11 @@ import numpy as np
 
 from lmcore.data import embedded
 from lmcore.data.config import DataConfig, SourceConfig
-from lmcore.data.sources import make_source
+from lmcore.data.sources import Subset, make_source, source_files
 from lmcore.data.tokenizers import Tokenizer
+from lmcore.errors import DataError
+
+logger = logging.getLogger(__name__)
 
 # Documents are read and tokenized ahead of the packer in threads of this process; worker processes
 # (data.worker_count) scale further.
@@ -55,18 +62,52 @@ def document_range(cfg: SourceConfig, num_documents: int, *, heldout: bool) -> t
     stop = min(cfg.heldout_skip, num_documents) if shares_split and cfg.heldout_skip > 0 else num_documents
   if start >= stop:
     role = "held-out set" if heldout else "training"
-    raise ValueError(f"Data source {cfg.name!r}: the {role} range [{start}, {stop}) of its {num_documents} "
-                     "documents is empty; lower skip / heldout_skip.")
+    raise DataError(f"Data source {cfg.name!r}: the {role} range [{start}, {stop}) of its {num_documents} "
+                    "documents is empty; lower skip / heldout_skip.")
   return start, stop
+
+
+def heldout_mask(source, fraction: float) -> np.ndarray:
+  """bool [len(source)]: the documents a hashed split of ``fraction`` holds out (key < fraction * 2^64)."""
+  threshold = np.uint64(min(int(fraction * 2.0 ** 64), 2 ** 64 - 1))
+  return source.document_keys() < threshold
+
+
+def _hashed_indices(cfg: SourceConfig, source, start: int, stop: int, *, heldout: bool) -> np.ndarray:
+  """The document indices in [start, stop) on the requested side of the hashed split."""
+  fraction = cfg.effective_heldout_fraction()
+  held = heldout_mask(source, fraction)
+  indices = start + np.flatnonzero(held[start:stop] if heldout else ~held[start:stop])
+  if not heldout:
+    logger.info("data.sources.%s: %d training and %d held-out documents (heldout_fraction %g, by a hash "
+                "of file path and index)", cfg.name, len(indices), int(held.sum()), fraction)
+  if not len(indices):
+    side = "held-out" if heldout else "training"
+    raise DataError(f"data.sources.{cfg.name}: heldout_fraction {fraction:g} of its {len(source)} documents "
+                    f"leaves no {side} document; set data.sources.{cfg.name}.heldout_fraction to a share "
+                    "that does (or add documents).")
+  return indices
 
 
 def source_documents(cfg: DataConfig, index: int, *, heldout: bool) -> grain.MapDataset:
   """The documents (str) of ``cfg.sources[index]`` that training or the held-out set reads, in order."""
   source_cfg = cfg.sources[index]
   split = heldout_split(source_cfg) if heldout else source_cfg.split
-  documents = grain.MapDataset.source(make_source(source_cfg, split))
-  start, stop = document_range(source_cfg, len(documents), heldout=heldout)
-  return documents[start:stop]
+  source = make_source(source_cfg, split)
+  start, stop = document_range(source_cfg, len(source), heldout=heldout)
+  if source_cfg.effective_heldout_fraction():
+    return grain.MapDataset.source(Subset(source, _hashed_indices(source_cfg, source, start, stop,
+                                                                  heldout=heldout)))
+  return grain.MapDataset.source(source)[start:stop]
+
+
+def check_paths(cfg: DataConfig) -> None:
+  """Raises ``MissingFileError`` (naming the key) when a file source's glob matches nothing, for the
+  training and the held-out split; cheap (globs only), so callers run it before creating anything."""
+  for source_cfg in cfg.sources:
+    if source_cfg.kind not in ("embedded", "tfds"):
+      for split in dict.fromkeys((source_cfg.split, heldout_split(source_cfg))):
+        source_files(source_cfg, split)
 
 
 def mix(datasets: list[grain.MapDataset], cfg: DataConfig) -> grain.MapDataset:
@@ -153,7 +194,7 @@ class JsonSafeIterator(grain.DatasetIterator):
 
 def local_batch_size(batch_size: int, process_count: int) -> int:
   if batch_size % process_count:
-    raise ValueError(f"The global batch size {batch_size} is not divisible by the process count "
+    raise DataError(f"The global batch size {batch_size} is not divisible by the process count "
                      f"{process_count}; change train.batch_size.")
   return batch_size // process_count
 

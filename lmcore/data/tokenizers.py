@@ -17,6 +17,7 @@ import tokenizers as hf_tokenizers
 
 from lmcore.data import embedded
 from lmcore.data.config import TokenizerConfig
+from lmcore.errors import DataError, MissingFileError
 
 # Document separators tried, in order, when an HF tokenizer.json has no tokenizer_config.json beside it.
 _HF_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>")
@@ -61,7 +62,7 @@ class SentencePieceTokenizer(_Lazy):
     self.vocab_size = self.backend.get_piece_size()
     self.eos_id = eos_id if eos_id >= 0 else self.backend.eos_id()
     if self.eos_id < 0:
-      raise ValueError(f"SentencePiece model {name} defines no EOS piece; set data.tokenizer.eos_id "
+      raise DataError(f"SentencePiece model {name} defines no EOS piece; set data.tokenizer.eos_id "
                        "to the id that separates documents.")
 
   def _build(self):
@@ -71,7 +72,9 @@ class SentencePieceTokenizer(_Lazy):
     return self.backend.encode(text, out_type=int)
 
   def decode(self, ids) -> str:
-    return self.backend.decode([int(i) for i in ids])
+    # Ids past the pieces (padding rows of a larger embedding table, which a model can still sample)
+    # decode to nothing, as the Hugging Face decoder does.
+    return self.backend.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
 
 
 class HuggingFaceTokenizer(_Lazy):
@@ -91,7 +94,7 @@ class HuggingFaceTokenizer(_Lazy):
     for token in ((eos_token,) if eos_token else ()) + _HF_EOS_CANDIDATES:
       if token in vocab:
         return vocab[token]
-    raise ValueError(f"Tokenizer {self.name} has none of the EOS tokens {_HF_EOS_CANDIDATES}; set "
+    raise DataError(f"Tokenizer {self.name} has none of the EOS tokens {_HF_EOS_CANDIDATES}; set "
                      "data.tokenizer.eos_id to the id that separates documents.")
 
   def encode(self, text: str) -> list[int]:
@@ -103,12 +106,12 @@ class HuggingFaceTokenizer(_Lazy):
 
 def _read_local(cfg: TokenizerConfig) -> tuple[pathlib.Path, bytes]:
   if not cfg.path:
-    raise FileNotFoundError(f"data.tokenizer.kind={cfg.kind!r} needs a local file: set data.tokenizer.path "
+    raise MissingFileError(f"data.tokenizer.kind={cfg.kind!r} needs a local file: set data.tokenizer.path "
                             "(or use data.tokenizer.kind='embedded'); nothing is downloaded at run time.")
   path = pathlib.Path(cfg.path).expanduser()
   if not path.is_file():
     wanted = "SentencePiece .model" if cfg.kind == "sentencepiece" else "tokenizer.json"
-    raise FileNotFoundError(f"data.tokenizer.path={cfg.path!r} does not exist. Point data.tokenizer.path "
+    raise MissingFileError(f"data.tokenizer.path={cfg.path!r} does not exist. Point data.tokenizer.path "
                             f"at a local {wanted} file (nothing is downloaded at run time), or use "
                             "data.tokenizer.kind='embedded'.")
   return path, path.read_bytes()
@@ -131,17 +134,25 @@ def load_tokenizer(cfg: TokenizerConfig, cache_dir: str = "") -> Tokenizer:
     return SentencePieceTokenizer(data, name=name, eos_id=cfg.eos_id)
   path, data = _read_local(cfg)
   name = f"{cfg.kind}:{path.name}-{hashlib.sha256(data).hexdigest()[:12]}"
-  if cfg.kind == "sentencepiece":
-    return SentencePieceTokenizer(data, name=name, eos_id=cfg.eos_id)
-  return HuggingFaceTokenizer(data.decode("utf-8"), name=name, eos_id=cfg.eos_id,
-                              eos_token=_hf_config_eos(path))
+  try:
+    if cfg.kind == "sentencepiece":
+      return SentencePieceTokenizer(data, name=name, eos_id=cfg.eos_id)
+    return HuggingFaceTokenizer(data.decode("utf-8"), name=name, eos_id=cfg.eos_id,
+                                eos_token=_hf_config_eos(path))
+  except DataError:
+    raise
+  except Exception as e:  # the backends raise RuntimeError / Exception subclasses of their own
+    wanted = "SentencePiece .model" if cfg.kind == "sentencepiece" else "tokenizer.json"
+    raise DataError(f"data.tokenizer.path={cfg.path!r} is not a readable {wanted} ({type(e).__name__}: "
+                    f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); check "
+                    "data.tokenizer.kind and data.tokenizer.path.") from e
 
 
 def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
   """Raises ValueError when token ids (or the EOS id) would index past the model's embedding table."""
   largest = max(tokenizer.vocab_size, tokenizer.eos_id + 1)
   if largest > model_vocab_size:
-    raise ValueError(f"Tokenizer {tokenizer.name} produces ids up to {largest - 1} (vocab "
+    raise DataError(f"Tokenizer {tokenizer.name} produces ids up to {largest - 1} (vocab "
                      f"{tokenizer.vocab_size}, eos_id {tokenizer.eos_id}) but "
                      f"model.vocab_size={model_vocab_size}. Set model.vocab_size >= {largest} or choose a "
                      "smaller tokenizer under data.tokenizer.")

@@ -1,4 +1,4 @@
-"""Held-out evaluation (SPEC §6.3): token-mean cross-entropy in nats, perplexity, paired implementations.
+"""Held-out evaluation (MATH §6.3): token-mean cross-entropy in nats, perplexity, paired implementations.
 
 The model is used functionally: ``graphdef`` (structure) + ``params`` + ``rest`` (non-trainable state)
 are merged inside jitted functions, so the same parameters can be read out by another implementation
@@ -19,9 +19,10 @@ import numpy as np
 from flax import nnx
 
 from lmcore.config import ExperimentConfig, ModelConfig
-from lmcore.eval.generate import generate
+from lmcore.errors import Diverged
+from lmcore.eval.generate import Sampling, check_decodable, check_prompts, generate
 from lmcore.model import LanguageModel, with_mixer_overrides
-from lmcore.train.loss import forward, split_batch, token_nll
+from lmcore.train.loss import forward, nll_sum, split_batch, token_nll
 
 
 def model_graphdef(config: ModelConfig):
@@ -40,17 +41,20 @@ def _batches(heldout: dict[str, np.ndarray], batch_size: int, max_batches: int):
 
 
 def heldout_loss(graphdef, params, rest, heldout: dict[str, np.ndarray], *, batch_size: int,
-                 use_segments: bool = False, max_batches: int = 0) -> dict[str, float]:
-  """Token-mean cross-entropy (nats) and perplexity over the held-out windows."""
+                 use_segments: bool = False, max_batches: int = 0, loss_impl: str = "auto",
+                 block_tokens: int = 0) -> dict[str, float]:
+  """Token-mean cross-entropy (nats) and perplexity over the held-out windows (``loss_impl`` as in
+  training: the fused loss never forms the [B, T, V] logits)."""
 
   @jax.jit
-  def nll_sum(params, rest, batch):
+  def batch_nll(params, rest, batch):
     inputs, targets, positions, segments = split_batch(batch, use_segments)
-    return token_nll(forward(graphdef, params, rest, inputs, positions, segments), targets).sum()
+    return nll_sum(graphdef, params, rest, inputs, targets, positions, segments, loss_impl=loss_impl,
+                   block_tokens=block_tokens)
 
   total, count = 0.0, 0
   for batch in _batches(heldout, batch_size, max_batches):
-    total += float(nll_sum(params, rest, batch))
+    total += float(batch_nll(params, rest, batch))
     count += batch["tokens"][:, 1:].size
   loss = total / count
   return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
@@ -90,7 +94,7 @@ def _paired_kinds(config: ModelConfig) -> set[str]:
 
 
 def paired_evaluation(config: ExperimentConfig, params, rest, heldout) -> dict[str, Any]:
-  """SPEC §6.3: the same sequences with implementation ``paired_a`` (default: as trained) and
+  """MATH §6.3: the same sequences with implementation ``paired_a`` (default: as trained) and
   ``paired_b`` (default: recurrent). Returns ``{"paired_skipped": reason}`` where not applicable."""
   kinds = _paired_kinds(config.model)
   if not kinds:
@@ -136,6 +140,15 @@ def summary_lines(config: ExperimentConfig, record: dict[str, Any]) -> list[str]
   return lines
 
 
+def _check_finite(record: dict[str, Any], step: int) -> None:
+  """A result that is NaN or inf is not written or printed (JSON has no NaN; a NaN loss is no number)."""
+  bad = sorted(k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v))
+  if bad:
+    raise Diverged(f"evaluation of step {step} gives non-finite {', '.join(f'{k}={record[k]}' for k in bad)}: "
+                   "the parameters overflow on the held-out data (a diverged run, or a model read out at "
+                   "settings it was not trained for); nothing was written.")
+
+
 def evaluate_params(config: ExperimentConfig, out_dir: str, graphdef, params, rest, heldout, step: int,
                     tokenizer, writer=None) -> dict[str, Any]:
   """The full held-out evaluation of one set of parameters; writes ``<out_dir>/eval_<step>.json``."""
@@ -144,7 +157,9 @@ def evaluate_params(config: ExperimentConfig, out_dir: str, graphdef, params, re
   os.makedirs(out_dir, exist_ok=True)
   record: dict[str, Any] = {"step": step, "name": config.name}
   record.update(heldout_loss(graphdef, params, rest, heldout, batch_size=config.eval.batch_size,
-                             use_segments=config.data.segment_ids, max_batches=config.train.eval_batches))
+                             use_segments=config.data.segment_ids, max_batches=config.train.eval_batches,
+                             loss_impl=config.train.loss_impl, block_tokens=config.train.loss_block_tokens))
+  _check_finite(record, step)
   record.update(data_lib.unigram_baseline(config.data, tokenizer, heldout["tokens"]))
   if config.eval.paired:
     record.update(paired_evaluation(config, params, rest, heldout))
@@ -153,9 +168,10 @@ def evaluate_params(config: ExperimentConfig, out_dir: str, graphdef, params, re
     with open(os.path.join(out_dir, f"gate_stats_{step}.jsonl"), "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in layers)
     record["gate_stats_file"] = f"gate_stats_{step}.jsonl"
+  _check_finite(record, step)
   path = os.path.join(out_dir, f"eval_{step}.json")
   with open(path + ".tmp", "w") as f:
-    json.dump(record, f, indent=1)
+    json.dump(record, f, indent=1, allow_nan=False)
   os.replace(path + ".tmp", path)
   lines = summary_lines(config, record)
   if writer is not None:
@@ -169,15 +185,21 @@ def evaluate_params(config: ExperimentConfig, out_dir: str, graphdef, params, re
 
 
 def evaluate_checkpoint(config: ExperimentConfig, workdir: str, step: int | None = None,
-                        prompt: str = "", max_new_tokens: int = 64, out_dir: str = "") -> dict[str, Any]:
-  """eval.py: held-out evaluation of a run's checkpoint (latest unless ``step``), optional sample.
-  Results go to ``out_dir`` (default: the workdir)."""
+                        prompt: str = "", max_new_tokens: int = 64, out_dir: str = "", *,
+                        sampling: Sampling = Sampling(), seed: int = 0) -> dict[str, Any]:
+  """eval.py: held-out evaluation of a run's checkpoint (latest unless ``step``), optional sample of
+  ``max_new_tokens`` after ``prompt``. Results go to ``out_dir`` (default: the workdir)."""
   from lmcore.train import checkpoint as ckpt_lib
   from lmcore import data as data_lib
   from lmcore.train import sharding
 
+  if prompt:
+    check_decodable(config.model)
   tokenizer = data_lib.load_tokenizer(config.data.tokenizer, data_lib.cache_dir(config.data))
   data_lib.check_vocab(tokenizer, config.model.vocab_size)
+  prompt_ids = tokenizer.encode(prompt) if prompt else []
+  if prompt:  # before the held-out evaluation: a prompt that cannot be sampled fails at once
+    check_prompts([prompt_ids], max_new_tokens, config.model)
   abstract = nnx.eval_shape(lambda: LanguageModel(config.model, rngs=nnx.Rngs(0)))
   graphdef, abstract_params, abstract_rest = nnx.split(abstract, nnx.Param, ...)
   to_struct = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.replicated())
@@ -189,7 +211,8 @@ def evaluate_checkpoint(config: ExperimentConfig, workdir: str, step: int | None
   record = evaluate_params(config, out_dir or workdir, graphdef, params, rest, heldout, step, tokenizer)
   if prompt:
     model = nnx.merge(graphdef, params, rest)
-    ids = generate(model, tokenizer.encode(prompt), max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_id)
+    ids, = generate(model, [prompt_ids], max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                    eos_id=tokenizer.eos_id)
     record["sample"] = tokenizer.decode(ids)
     print(f"--- sample ---\n{prompt}{record['sample']}\n--------------", flush=True)
   return record

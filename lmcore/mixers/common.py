@@ -41,11 +41,11 @@ def merge_heads(x_BxTxHxd: jax.Array) -> jax.Array:
 
 
 def implementation_for(configured: str, length: int) -> str:
-  """One-token calls (decode) run the token-by-token ``reference`` scan, others the configured one.
+  """One-token calls (decode) run the token-by-token ``recurrent`` scan, others the configured one.
 
   Both compute the same function; the chunked form would pad a single token to a whole chunk.
   """
-  return "reference" if length == 1 else configured
+  return "recurrent" if length == 1 else configured
 
 
 def linear_state_bytes(batch_size: int, n_heads: int, key_dim: int, value_dim: int) -> int:

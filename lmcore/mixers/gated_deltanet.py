@@ -1,4 +1,4 @@
-"""Gated DeltaNet mixer (SPEC §4), following FLA's ``fla/layers/gated_deltanet.py::GatedDeltaNet``.
+"""Gated DeltaNet mixer (MATH §4), following FLA's ``fla/layers/gated_deltanet.py::GatedDeltaNet``.
 
 From x [B, T, D], per head h (H heads, key dim K, value dim V):
 
@@ -15,8 +15,8 @@ weight decay: a mask drops every parameter whose path ends in a name of ``NO_WEI
 
 Config defaults are small (tests, MQAR). FLA's layer defaults are ``head_dim=256, expand_v=2``
 (V = 2K); set ``expand_v=2.0`` to match them. The recurrence runs in ``gated_delta_rule``
-(lmcore/kernels/gated_delta_rule) with ``implementation`` "chunked" (WY transform) or
-"reference"/"recurrent" (token scan); they compute the same function. Positions are not used: the
+(lmcore/ops/gated_delta_rule) with ``implementation`` "chunked" (WY transform) or
+"recurrent" (token scan); they compute the same function. Positions are not used: the
 short convolution and the decay carry order.
 """
 
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lmcore.ops.gated_delta_rule import IMPLEMENTATIONS, DeltaRuleState, gated_delta_rule
+from lmcore.ops.gated_delta_rule import DeltaRuleState, gated_delta_rule, resolve_implementation
 from lmcore.mixers.base import InitSpec, dense, float_bytes
 from lmcore.mixers.short_conv import ShortConv
 
@@ -96,9 +96,7 @@ class GatedDeltaNet(nnx.Module):
 
   def __init__(self, config: Config, *, d_model: int, init: InitSpec = InitSpec(),
                dtype=jnp.float32, rngs: nnx.Rngs):
-    if config.implementation not in IMPLEMENTATIONS:
-      raise ValueError(f"GatedDeltaNet: unknown implementation {config.implementation!r}; "
-                       f"valid: {', '.join(IMPLEMENTATIONS)}")
+    resolve_implementation(config.implementation)  # unknown names raise, listing the valid ones
     self.config, self.dtype = config, dtype
     heads = config.n_heads
     key_width, value_width = heads * config.head_dim, heads * config.value_dim

@@ -1,4 +1,4 @@
-"""Normalised linear-attention baselines (SPEC §4): Linear Transformer, Performer, cosFormer.
+"""Normalised linear-attention baselines (MATH §4): Linear Transformer, Performer, cosFormer.
 
 All three are, per head (head_dim d for q, k and v; no biases; scale 1; eps 1e-6)::
 
@@ -29,7 +29,7 @@ from lmcore.ops.gated_linear_attention import LinearAttentionState
 from lmcore.ops.gated_linear_attention import gated_linear_attention
 
 from lmcore.ops.common import pallas_utils
-from lmcore.ops.gated_linear_attention import document_index
+from lmcore.ops.common.segments import document_index
 from lmcore.mixers.base import InitSpec, dense, float_bytes
 from lmcore.ops.common.layout import default_positions
 from lmcore.mixers.common import implementation_for, linear_state_bytes, merge_heads, split_heads
@@ -161,7 +161,7 @@ def running_key_max(key_max_BxTxH: jax.Array, initial_max_BxH: jax.Array, doc_Bx
 class Performer(_NormalisedLinearAttention):
   """FAVOR+ positive random features; state ``PerformerState``.
 
-  ``stabilize=True`` (the SPEC's "stabilised" Performer) subtracts maxima in log space: for a
+  ``stabilize=True`` (MATH's "stabilised" Performer) subtracts maxima in log space: for a
   query its own max over the m features (a per-row factor that cancels in the ratio), for keys the
   running max of ``running_key_max`` (keeps decode exact; carried in the state). Both maxima are
   constants to autodiff (stop_gradient), as in the Performer reference code.
@@ -208,8 +208,7 @@ class Performer(_NormalisedLinearAttention):
                              segment_ids_BxT)
       return y, PerformerState(attn, state.key_max)
     log_q = log_q - jax.lax.stop_gradient(jnp.max(log_q, axis=-1, keepdims=True))
-    doc_BxT = (jnp.zeros((B, T), jnp.int32) if segment_ids_BxT is None
-               else document_index(segment_ids_BxT))
+    doc_BxT = document_index(segment_ids_BxT, B, T)
     m_BxTxH, log_forget_BxTxH = jax.lax.stop_gradient(
         running_key_max(jnp.max(log_k, axis=-1), state.key_max, doc_BxT))
     phi_k = jnp.exp(log_k - m_BxTxH[..., None])

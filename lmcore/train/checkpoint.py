@@ -3,6 +3,11 @@
 Saves are asynchronous and atomic (Orbax writes into a temporary folder and renames it when complete),
 so a crash never leaves a half-written step that looks finished, and older steps are only removed by
 the keep-last-N / keep-every-K policy after a newer save has been committed.
+
+Bytes that change after the save and still parse (a flipped bit on disk, a bad copy) are caught on
+every restore: the metadata stores a checksum of each parameter (``param_checksums``), and restored
+parameters must match it and be finite. A failing step is named together with the latest earlier step
+that passes the same check.
 """
 
 from __future__ import annotations
@@ -13,15 +18,57 @@ from typing import Any
 
 import grain
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from lmcore.config import TrainConfig
+from lmcore.errors import UserError
 
 META_VERSION = 1
+_UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
   """A checkpoint that cannot be used; the message says which, why and what to do. Nothing is deleted."""
+
+
+def _path_name(path) -> str:
+  return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+  """sum_i bits(x_i) * (2 i + 1) mod 2^32: any change of one element changes it (odd weights are
+  invertible mod 2^32), and the modular sum does not depend on how the array is sharded."""
+  bits = (x.astype(jnp.uint32) if x.dtype == jnp.bool_
+          else jax.lax.bitcast_convert_type(x, _UINT_OF_WIDTH[x.dtype.itemsize]).astype(jnp.uint32))
+  weights = (jnp.arange(x.size, dtype=jnp.uint32) * 2 + 1).reshape(x.shape)
+  return jnp.sum(bits * weights, dtype=jnp.uint32)
+
+
+@jax.jit
+def _checks(params):
+  finite = lambda x: jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)  # noqa: E731
+  return jax.tree.map(_leaf_checksum, params), jax.tree.map(finite, params)
+
+
+def param_checksums(params) -> dict[str, int]:
+  """{"path/to/param": checksum} of a parameter pytree, computed on its devices."""
+  sums, _ = _checks(params)
+  return {_path_name(p): int(np.asarray(v)) for p, v in jax.tree_util.tree_flatten_with_path(sums)[0]}
+
+
+def param_problem(params, stored: dict[str, int] | None) -> str | None:
+  """Why restored ``params`` are not what was saved (checksum or non-finite values), or None."""
+  sums, finite = _checks(params)
+  sums = {_path_name(p): int(np.asarray(v)) for p, v in jax.tree_util.tree_flatten_with_path(sums)[0]}
+  for path, ok in jax.tree_util.tree_flatten_with_path(finite)[0]:
+    if not bool(np.asarray(ok)):
+      return f"parameter '{_path_name(path)}' holds NaN or inf"
+  for name, value in sums.items():
+    if stored and name in stored and stored[name] != value:
+      return f"parameter '{name}' differs from the checksum stored when it was written"
+  return None
 
 
 def param_signature(params) -> dict[str, list[int]]:
@@ -56,7 +103,9 @@ class Checkpointer:
     return list(self.manager.all_steps())
 
   def save(self, step: int, state: dict[str, Any], data_iterator, meta: dict[str, Any]) -> None:
-    """Starts an async save of ``state`` (pytree), the data iterator position and ``meta`` (JSON)."""
+    """Starts an async save of ``state`` (pytree), the data iterator position and ``meta`` (JSON, with
+    the checksums of ``state["params"]`` added)."""
+    meta = {**meta, "param_checksums": param_checksums(state["params"])}
     items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
     if data_iterator is not None:
       items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
@@ -100,7 +149,42 @@ class Checkpointer:
           f"checkpoint step {step} in {self.directory} could not be read ({type(e).__name__}: {e}). "
           f"It may be corrupted or incomplete. Nothing was deleted: move that step folder aside to "
           f"resume from an earlier step, or use a new --workdir.") from e
+    self.verify(step, restored["state"]["params"], abstract_state["params"], abstract_state["rest"])
     return restored["state"]
+
+  def restore_params(self, step: int, abstract_params, abstract_rest):
+    """Parameters and non-trainable model state of ``step`` (not the optimizer), unverified."""
+    target = {"params": abstract_params, "rest": abstract_rest}
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+          item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True)))
+    except Exception as e:
+      raise CheckpointError(f"parameters of step {step} in {self.directory} could not be read "
+                            f"({type(e).__name__}: {e}). Nothing was deleted.") from e
+    return restored["state"]["params"], restored["state"]["rest"]
+
+  def verify(self, step: int, params, abstract_params, abstract_rest) -> None:
+    """Raises ``CheckpointError`` naming ``step`` and the latest earlier good step when ``params`` are
+    not what was saved (checksum) or are not finite."""
+    problem = param_problem(params, self.read_meta(step).get("param_checksums"))
+    if problem is None:
+      return
+    good = self._latest_good_before(step, abstract_params, abstract_rest)
+    fallback = (f"The latest good checkpoint before it is step {good}: evaluate it with eval.py --step={good}, "
+                f"or move the folder {os.path.join(self.directory, str(step))} aside to resume from it."
+                if good is not None else "No earlier checkpoint passes this check; start a new --workdir.")
+    raise CheckpointError(f"checkpoint step {step} in {self.directory} is corrupted: {problem}. {fallback} "
+                          "Nothing was deleted.")
+
+  def _latest_good_before(self, step: int, abstract_params, abstract_rest) -> int | None:
+    for earlier in sorted((s for s in self.all_steps() if s < step), reverse=True):
+      try:
+        params, _ = self.restore_params(earlier, abstract_params, abstract_rest)
+        if param_problem(params, self.read_meta(earlier).get("param_checksums")) is None:
+          return earlier
+      except CheckpointError:
+        continue
+    return None
 
   def restore_data(self, step: int, data_iterator) -> None:
     """Sets ``data_iterator`` to the position saved at ``step`` (continuing another run's stream)."""
@@ -118,9 +202,37 @@ class Checkpointer:
     self.manager.close()
 
 
+def open_latest(path: str, key: str) -> tuple[Checkpointer, int]:
+  """A read-only ``Checkpointer`` on the run at ``path`` (a workdir or its ``checkpoints`` folder) and
+  its latest step; ``CheckpointError`` naming the setting ``key`` when there is none."""
+  directory = resolve_checkpoint_dir(path)
+  if not path or not os.path.isdir(directory):
+    raise CheckpointError(f"{key}={path!r}: no such folder. Point {key} at the workdir of a run that "
+                          "saved checkpoints (or its 'checkpoints' folder).")
+  checkpointer = Checkpointer(directory, read_only=True)
+  step = checkpointer.latest_step()
+  if step is None:
+    checkpointer.close()
+    raise CheckpointError(f"{key}={path!r}: {directory} holds no finished checkpoint. Point {key} at the "
+                          "workdir of a run that saved checkpoints (or its 'checkpoints' folder).")
+  return checkpointer, step
+
+
+def check_init_sources(train: TrainConfig, workdir: str) -> None:
+  """Before anything is created: ``train.init_from`` / ``train.init_data_from`` hold checkpoints (when
+  they will be read, i.e. the workdir has none of its own to resume)."""
+  own = os.path.join(workdir, "checkpoints")
+  if os.path.isdir(own) and any(name.isdigit() for name in os.listdir(own)):
+    return
+  for key, path in (("train.init_from", train.init_from), ("train.init_data_from", train.init_data_from)):
+    if path:
+      checkpointer, _ = open_latest(path, key)
+      checkpointer.close()
+
+
 def load_params(path: str, abstract_params, abstract_rest, *, step: int | None = None):
   """Parameters and non-trainable model state only, from a run's workdir or checkpoint folder
-  (staged training, evaluation). Returns ``(params, rest, step, meta)``."""
+  (staged training, evaluation), verified against their checksums. Returns ``(params, rest, step, meta)``."""
   directory = resolve_checkpoint_dir(path)
   if not os.path.isdir(directory):
     raise CheckpointError(f"no checkpoint directory at {path!r}; pass a run's workdir or its "
@@ -131,13 +243,6 @@ def load_params(path: str, abstract_params, abstract_rest, *, step: int | None =
     raise CheckpointError(f"{directory} holds no finished checkpoint"
                           f"{'' if step is None else f' at step {step}'} (steps: {checkpointer.all_steps()}).")
   meta = checkpointer.check_compatible(step, param_signature(abstract_params))
-  target = {"params": abstract_params, "rest": abstract_rest}
-  try:
-    restored = checkpointer.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                                     partial_restore=True)))
-  except Exception as e:
-    raise CheckpointError(f"parameters of step {step} in {directory} could not be read "
-                          f"({type(e).__name__}: {e}). Nothing was deleted.") from e
-  state = restored["state"]
-  return state["params"], state["rest"], step, meta
+  params, rest = checkpointer.restore_params(step, abstract_params, abstract_rest)
+  checkpointer.verify(step, params, abstract_params, abstract_rest)
+  return params, rest, step, meta

@@ -1,10 +1,13 @@
 """``train_and_evaluate(config, workdir)``: the training loop.
 
 batch (Grain, per-process shard) -> global array on the mesh -> jitted step (bf16 activations, fp32
-params / optimizer state / logits / loss, gradient accumulation by ``lax.scan``) -> AdamW -> metrics
-fetched one step late (no host sync on the hot path) -> JSONL + progress line + wandb -> Orbax save of
+params / optimizer state / loss, the head and cross-entropy fused by default (``loss.py``), gradient
+accumulation by ``lax.scan``) -> AdamW -> metrics fetched one step late (no host sync on the hot path)
+-> JSONL + progress line (with MFU and peak device memory where known) + wandb -> Orbax save of
 {params, model state, optimizer state, step, data iterator}. A workdir with checkpoints resumes;
 SIGTERM/SIGINT save and return; ``train.init_from`` loads parameters only (staged training).
+Compiled steps are kept in a persistent cache (``train.compilation_cache``); ``train.profile_steps``
+traces chosen steps into ``<workdir>/profile``.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from flax import nnx
 from lmcore import data as data_lib
 from lmcore.eval import evaluate
 from lmcore.train import metrics
+from lmcore.train import perf
 from lmcore.train import sharding
 from lmcore.config import ExperimentConfig, to_jsonable
+from lmcore.errors import Diverged
 from lmcore.train import loss as loss_lib
 from lmcore.train import state as state_lib
 from lmcore.train.optim import learning_rate_schedule
@@ -53,24 +58,49 @@ class StopRequested:
       signal.signal(s, handler)
 
 
-def make_train_step(graphdef, tx, config: ExperimentConfig):
-  """(params, opt_state, rest, batch) -> (params, opt_state, metrics); micro-batches via lax.scan."""
+def make_train_step(graphdef, tx, config: ExperimentConfig, shardings: sharding.TrainShardings | None = None):
+  """(params, opt_state, rest, batch, step) -> (params, opt_state, metrics); micro-batches via lax.scan.
+
+  With ``shardings`` the step is compiled with them as explicit in/out shardings (parameters and
+  optimizer state keep theirs and are donated) and every micro-batch is split over the batch axes like
+  the batch. FSDP: the parameters are gathered over ``fsdp`` once per step for the forward and
+  backward passes (so activations never are), and each micro-batch's gradient is reduce-scattered
+  into the parameters' sharding before it is accumulated. Trace it under
+  ``jax.set_mesh(shardings.mesh)`` (the Pallas kernels' ``shard_map`` reads the mesh from there).
+  """
   accum = config.train.grad_accum
   use_segments = config.data.segment_ids
   schedule = learning_rate_schedule(config.train)
 
+  def batch_loss(params, rest, batch):
+    return loss_lib.loss_fn(graphdef, params, rest, batch, use_segments, config.train.loss_impl,
+                            config.train.loss_block_tokens)
+
   def grads_of(params, rest, batch):
-    return jax.value_and_grad(lambda p: loss_lib.loss_fn(graphdef, p, rest, batch, use_segments))(params)
+    return jax.value_and_grad(batch_loss)(params, rest, batch)
+
+  def constrain(tree, field: str):
+    return tree if shardings is None else jax.lax.with_sharding_constraint(tree, getattr(shardings, field))
+
+  def micro_batches(batch):
+    # Micro-batch j holds rows j, j + accum, j + 2·accum, ...: a batch split over devices in contiguous
+    # blocks of rows is then split the same way in every micro-batch, with no data movement.
+    def split(x):
+      x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
+      return constrain(x, "micro_batch")
+    return jax.tree.map(split, batch)
 
   def train_step(params, opt_state, rest, batch, step):
+    compute_params = constrain(params, "compute_params")
     if accum == 1:
-      loss, grads = grads_of(params, rest, batch)
+      loss, grads = grads_of(compute_params, rest, batch)
+      grads = constrain(grads, "params")
     else:
-      micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+      micro = micro_batches(batch)
 
       def body(carry, micro_batch):
-        loss, grads = grads_of(params, rest, micro_batch)
-        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+        loss, grads = grads_of(compute_params, rest, micro_batch)
+        return jax.tree.map(jnp.add, carry, (loss, constrain(grads, "params"))), None
 
       zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
       (loss, grads), _ = jax.lax.scan(body, zeros, micro)
@@ -80,19 +110,24 @@ def make_train_step(graphdef, tx, config: ExperimentConfig):
     return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads),
                                "learning_rate": schedule(step)}
 
-  return jax.jit(train_step, donate_argnums=(0, 1))
+  if shardings is None:
+    return jax.jit(train_step, donate_argnums=(0, 1))
+  s = shardings
+  return jax.jit(train_step, in_shardings=(s.params, s.opt_state, s.rest, s.batch, s.replicated),
+                 out_shardings=(s.params, s.opt_state, s.replicated), donate_argnums=(0, 1))
 
 
 def _save(run: Run, last_loss: float | None) -> None:
   if last_loss is not None and not math.isfinite(last_loss):
-    raise FloatingPointError(
+    raise Diverged(
         f"loss is {last_loss} at step {run.step}; not saving. The last good checkpoint "
         f"(step {run.checkpointer.latest_step()}) is kept. Lower train.learning_rate or check the data.")
   run.checkpointer.save(run.step, state_lib.train_state(run), run.data_iterator, run.meta)
 
 
-def write_run_info(run: Run, writer: metrics.MetricWriter) -> None:
-  """The first log lines: what is being trained and on what (with the corpus fingerprint)."""
+def write_run_info(run: Run, writer: metrics.MetricWriter) -> dict[str, Any]:
+  """The first log lines: what is being trained and on what (with the corpus fingerprint); returns the
+  model card."""
   from lmcore import model_card  # Imported here: the card builds abstract models of its own.
 
   card = model_card.card(run.config.model, run.config.data.seq_len)
@@ -102,46 +137,77 @@ def write_run_info(run: Run, writer: metrics.MetricWriter) -> None:
     with open(os.path.join(run.workdir, "run_info.json"), "w") as f:
       json.dump(info, f, indent=1)
   writer.console(model_card.format_card(card))
+  return card
 
 
 def train_and_evaluate(config: ExperimentConfig, workdir: str) -> dict[str, Any]:
   """Trains to ``train.steps`` (resuming if possible), evaluates, returns the final eval record."""
   stop = StopRequested()
   previous_handlers = stop.install()
-  run = build_run(config, workdir)
-  writer = metrics.MetricWriter(workdir, config.wandb, to_jsonable(config))
+  run = writer = None
   try:
-    write_run_info(run, writer)
+    setup_compilation_cache(config)
+    run = build_run(config, workdir)
+    writer = metrics.MetricWriter(workdir, config.wandb, to_jsonable(config))
+    card = write_run_info(run, writer)
     heldout = data_lib.load_or_build_heldout(config.data, run.tokenizer, heldout_path(config, workdir))
-    _loop(run, writer, stop, heldout)
-    if stop.signal_name:
-      writer.console(f"{stop.signal_name} received: saved step {run.step} and stopped.")
-      return {"stopped_by": stop.signal_name, "step": run.step}
-    return evaluate_run(run, heldout, writer)
+    with jax.set_mesh(run.shardings.mesh):  # the Pallas kernels' shard_map reads the mesh from here
+      _loop(run, writer, stop, heldout, card["flops_per_token_train"])
+      if stop.signal_name:
+        writer.console(_stopped_line(run, stop.signal_name))
+        return {"stopped_by": stop.signal_name, "step": run.step}
+      # Training is saved; from here SIGINT / SIGTERM interrupt the evaluation instead of waiting for it.
+      StopRequested.restore(previous_handlers)
+      try:
+        return evaluate_run(run, heldout, writer)
+      except KeyboardInterrupt as e:
+        raise type(e)(f"The evaluation was interrupted; step {run.step} is saved: evaluate it with "
+                      f"eval.py --config=<the same config> --workdir={run.workdir}.") from None
   finally:
-    run.checkpointer.close()
-    writer.close()
+    if run is not None:
+      run.checkpointer.close()
+    if writer is not None:
+      writer.close()
     StopRequested.restore(previous_handlers)
+
+
+def _stopped_line(run: Run, signal_name: str) -> str:
+  if run.checkpointer.latest_step() == run.step and run.step:
+    return f"{signal_name} received: saved step {run.step} and stopped."
+  return f"{signal_name} received before the first step finished: stopped, nothing was saved."
+
+
+def setup_compilation_cache(config: ExperimentConfig) -> str | None:
+  """``train.compilation_cache``: the persistent compilation cache under the cache dir (see
+  ``perf.enable_compilation_cache``); returns its directory, None when off."""
+  if not config.train.compilation_cache:
+    return None
+  return perf.enable_compilation_cache(data_lib.cache_dir(config.data))
 
 
 def heldout_path(config: ExperimentConfig, workdir: str) -> str:
   return config.data.heldout.path or os.path.join(workdir, "heldout.npz")
 
 
-def _loop(run: Run, writer: metrics.MetricWriter, stop: StopRequested, heldout) -> None:
+def _loop(run: Run, writer: metrics.MetricWriter, stop: StopRequested, heldout,
+          flops_per_token: float | None = None) -> None:
   config = run.config
   train = config.train
-  train_step = make_train_step(run.graphdef, run.tx, config)
+  train_step = make_train_step(run.graphdef, run.tx, config, run.shardings)
   tokens_per_step = train.batch_size * config.data.seq_len
   monitor_fn = make_monitor_fn(run.graphdef) if train.monitor_every else None
-  throughput = metrics.Throughput(run.step)
+  throughput = metrics.Throughput(run.step, flops_per_token)
+  profile = perf.ProfileWindow(train.profile_steps, os.path.join(run.workdir, "profile"), run.step + 1)
   pending = None  # (step, device metrics) of the previous step, fetched after the next dispatch
   last_loss = None
   while run.step < train.steps and not stop.signal_name:
-    batch = sharding.global_batch(next(run.data_iterator))
+    batch = sharding.global_batch(next(run.data_iterator), run.shardings.mesh)
+    profile.before(run.step + 1)
     run.params, run.opt_state, step_metrics = train_step(run.params, run.opt_state, run.rest, batch,
                                                          run.step)
     run.step += 1
+    if traced := profile.after(run.step, step_metrics):
+      writer.console(traced)
     if pending is not None:
       last_loss = _log(pending, writer, throughput, tokens_per_step, train)
     pending = (run.step, step_metrics)
@@ -156,10 +222,11 @@ def _loop(run: Run, writer: metrics.MetricWriter, stop: StopRequested, heldout) 
       writer.write(run.step, {f"monitor/layer{i}/{k}": v for i, m in monitors.items() for k, v in m.items()})
   if pending is not None:
     _log(pending, writer, throughput, tokens_per_step, train)
+  profile.close()
 
 
 def make_monitor_fn(graphdef):
-  """Per-layer mixer monitors (SPEC §3: CyFA's state norm, gate and write-strength statistics) for
+  """Per-layer mixer monitors (MATH §3: CyFA's state norm, gate and write-strength statistics) for
   every layer whose mixer has a ``monitors(x)`` method, on the current batch."""
 
   @jax.jit
@@ -176,20 +243,25 @@ def _log(pending, writer, throughput, tokens_per_step, train) -> float:
   step, device_metrics = pending
   values = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
   if not math.isfinite(values["loss"]):
-    raise FloatingPointError(f"loss is {values['loss']} at step {step}. Checkpoints already written are "
+    raise Diverged(f"loss is {values['loss']} at step {step}. Checkpoints already written are "
                              f"kept; lower train.learning_rate or check the data.")
   if step % train.log_every == 0 or step == train.steps or step == 1:
     tokens_per_s, step_s = throughput.update(step, tokens_per_step)
     values.update(tokens_per_s=tokens_per_s, step_s=step_s)
-    writer.console(metrics.progress_line(step, train.steps, values["loss"], tokens_per_s, step_s))
+    mfu, peak_bytes = perf.mfu(tokens_per_s, throughput.flops_per_token), perf.peak_memory_bytes()
+    values.update({k: v for k, v in (("mfu", mfu), ("peak_memory_bytes", peak_bytes)) if v is not None})
+    writer.console(metrics.progress_line(step, train.steps, values["loss"], tokens_per_s, step_s, mfu,
+                                         peak_bytes))
   writer.write(step, values)
   return values["loss"]
 
 
 def _periodic_eval(run: Run, heldout, writer) -> None:
+  train = run.config.train
   result = evaluate.heldout_loss(run.graphdef, run.params, run.rest, heldout,
                                  batch_size=run.config.eval.batch_size, use_segments=run.config.data.segment_ids,
-                                 max_batches=run.config.train.eval_batches)
+                                 max_batches=train.eval_batches, loss_impl=train.loss_impl,
+                                 block_tokens=train.loss_block_tokens)
   writer.write(run.step, {f"eval/{k}": v for k, v in result.items()})
   writer.console(f"eval step {run.step}: held-out loss {result['loss']:.4f} nats "
                  f"(ppl {result['perplexity']:.2f}, {result['tokens']:,} tokens)")

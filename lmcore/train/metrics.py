@@ -1,7 +1,8 @@
 """Metric writers (process 0 only): ``metrics.jsonl`` in the workdir, a console progress line, wandb.
 
 wandb is imported lazily and only when ``wandb.mode`` is not "disabled"; the run id is stored in
-``<workdir>/wandb_run_id`` so that a resumed run continues the same wandb run.
+``<workdir>/wandb_run_id`` so that a resumed run continues the same wandb run. Without the package,
+"offline" (the default) falls back to "disabled" with one console line; "online" is an error.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import jax
 
 from lmcore.config import WandbConfig
+from lmcore.errors import ConfigError
 
 
 def format_duration(seconds: float) -> str:
@@ -26,10 +28,16 @@ def format_duration(seconds: float) -> str:
   return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
-def progress_line(step: int, total: int, loss: float, tokens_per_s: float, step_s: float) -> str:
+def progress_line(step: int, total: int, loss: float, tokens_per_s: float, step_s: float,
+                  mfu: float | None = None, peak_bytes: int | None = None) -> str:
+  """One console line; MFU (a fraction) and the device's peak memory appear where they are known."""
   eta = (total - step) * step_s
-  return (f"step {step}/{total} | loss {loss:.4f} | {tokens_per_s:,.0f} tok/s | "
-          f"{step_s * 1e3:.1f} ms/step | ETA {format_duration(eta)}")
+  parts = [f"step {step}/{total}", f"loss {loss:.4f}", f"{tokens_per_s:,.0f} tok/s", f"{step_s * 1e3:.1f} ms/step"]
+  if mfu is not None:
+    parts.append(f"MFU {100 * mfu:.1f}%")
+  if peak_bytes is not None:
+    parts.append(f"peak {peak_bytes / 2 ** 30:.1f} GiB")
+  return " | ".join(parts + [f"ETA {format_duration(eta)}"])
 
 
 class MetricWriter:
@@ -70,7 +78,15 @@ def _to_python(value: Any) -> Any:
 
 def _init_wandb(workdir: str, config: WandbConfig, run_config: dict[str, Any]):
   os.environ.setdefault("WANDB_SILENT", "true")
-  import wandb  # Lazy: only runs that log to wandb pay for the import.
+  try:
+    import wandb  # Lazy: only runs that log to wandb pay for the import.
+  except ImportError:
+    if config.mode == "online":
+      raise ConfigError("wandb.mode='online' needs the wandb package: pip install wandb, or set "
+                        "--config.wandb.mode=disabled.") from None
+    print(f"wandb is not installed: wandb.mode={config.mode!r} falls back to 'disabled' (metrics still go to "
+          f"{os.path.join(workdir, 'metrics.jsonl')}; pip install wandb to keep wandb logs).", flush=True)
+    return None
 
   id_path = os.path.join(workdir, "wandb_run_id")
   if os.path.exists(id_path):
@@ -85,11 +101,13 @@ def _init_wandb(workdir: str, config: WandbConfig, run_config: dict[str, Any]):
 
 
 class Throughput:
-  """Tokens/s and seconds/step over the interval since the last call."""
+  """Tokens/s and seconds/step over the interval since the last call; ``flops_per_token`` (the model
+  card's training FLOPs, None when unknown) turns tokens/s into MFU."""
 
-  def __init__(self, start_step: int):
+  def __init__(self, start_step: int, flops_per_token: float | None = None):
     self._time = time.perf_counter()
     self._step = start_step
+    self.flops_per_token = flops_per_token
 
   def update(self, step: int, tokens_per_step: int) -> tuple[float, float]:
     now = time.perf_counter()

@@ -1,5 +1,9 @@
-"""The run state: model, optimizer, data iterator and checkpointer, built once from the config, and
-the two ways a run starts from a checkpoint (resume this run, or initialise from another run)."""
+"""The run state: mesh, model, optimizer, data iterator and checkpointer, built once from the config,
+and the two ways a run starts from a checkpoint (resume this run, or initialise from another run).
+
+Parameters and optimizer state are created directly in their shardings (``sharding.train_shardings``);
+a checkpoint restores into the shardings of the current mesh, whatever mesh wrote it.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +12,12 @@ import os
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 from lmcore import data as data_lib
-from lmcore.config import ExperimentConfig, to_jsonable
+from lmcore.config import ExperimentConfig, ModelConfig, to_jsonable
 from lmcore.model import LanguageModel
 from lmcore.train import checkpoint as ckpt_lib
 from lmcore.train import sharding
@@ -35,6 +39,7 @@ class Run:
   data_iterator: Any
   checkpointer: ckpt_lib.Checkpointer
   meta: dict[str, Any]
+  shardings: sharding.TrainShardings
   step: int = 0
 
 
@@ -46,23 +51,66 @@ def run_meta(config: ExperimentConfig, params, tokenizer, fingerprint) -> dict[s
           "model": to_jsonable(model), "tokenizer": tokenizer.name, "data_fingerprint": fingerprint}
 
 
+def abstract_model(config: ModelConfig):
+  """``(graphdef, params, rest)`` of ``LanguageModel(config)`` as pure dicts of ShapeDtypeStructs,
+  without allocating anything."""
+  abstract = nnx.eval_shape(lambda: LanguageModel(config, rngs=nnx.Rngs(0)))
+  graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+  return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+
+
+def make_shardings(config: ExperimentConfig, mesh, tx: optax.GradientTransformation):
+  """``(graphdef, abstract params, abstract rest, TrainShardings)`` of this config on ``mesh``."""
+  graphdef, abstract_params, abstract_rest = abstract_model(config.model)
+  shardings = sharding.train_shardings(mesh, abstract_params, abstract_rest, tx, config.model.d_model)
+  return graphdef, abstract_params, abstract_rest, shardings
+
+
+# The arrays of every training batch (lmcore.data.pipeline.FinishWindows), int32 [batch, T + 1].
+BATCH_KEYS = ("tokens", "segment_ids", "positions")
+
+
+def abstract_batch(config: ExperimentConfig, shardings: sharding.TrainShardings) -> dict[str, jax.ShapeDtypeStruct]:
+  """The global batch the train step receives, as sharded ShapeDtypeStructs (AOT compilation)."""
+  shape = (config.train.batch_size, config.data.seq_len + 1)
+  return {k: jax.ShapeDtypeStruct(shape, np.int32, sharding=shardings.batch) for k in BATCH_KEYS}
+
+
+def init_params(config: ExperimentConfig, shardings: sharding.TrainShardings):
+  """Freshly initialised ``(params, rest)`` (seed ``train.seed``), created in their shardings."""
+  def init():
+    model = LanguageModel(config.model, rngs=nnx.Rngs(config.train.seed))
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    return nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+  return jax.jit(init, out_shardings=(shardings.params, shardings.rest))()
+
+
+def init_opt_state(run: Run):
+  return jax.jit(run.tx.init, out_shardings=run.shardings.opt_state)(run.params)
+
+
 def build_run(config: ExperimentConfig, workdir: str) -> Run:
-  """Model, optimizer, data and checkpoints; restores the workdir's latest checkpoint if any."""
-  os.makedirs(workdir, exist_ok=True)
+  """Mesh, model, optimizer, data and checkpoints; restores the workdir's latest checkpoint if any.
+  A mesh or batch that does not fit the devices fails before the workdir is created."""
+  mesh = sharding.make_mesh(config.mesh)
+  sharding.check_batch(mesh, config.train.batch_size, config.train.grad_accum)
   cache_dir = data_lib.cache_dir(config.data)
   tokenizer = data_lib.load_tokenizer(config.data.tokenizer, cache_dir)
   data_lib.check_vocab(tokenizer, config.model.vocab_size)
-  model = LanguageModel(config.model, rngs=nnx.Rngs(config.train.seed))
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  params, rest = sharding.replicate(nnx.to_pure_dict(params)), sharding.replicate(nnx.to_pure_dict(rest))
+  data_lib.check_paths(config.data)
+  ckpt_lib.check_init_sources(config.train, workdir)
+  os.makedirs(workdir, exist_ok=True)
   tx = make_optimizer(config.train)
+  graphdef, _, _, shardings = make_shardings(config, mesh, tx)
+  params, rest = init_params(config, shardings)
   data_iterator = data_lib.make_train_iterator(
       config.data, tokenizer, batch_size=config.train.batch_size, seed=config.train.seed,
       process_index=jax.process_index(), process_count=jax.process_count())
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), config.train)
   meta = run_meta(config, params, tokenizer, data_lib.fingerprint(config.data))
-  run = Run(config, workdir, graphdef, params, rest, tx, tx.init(params), tokenizer, data_iterator,
-            checkpointer, meta)
+  run = Run(config, workdir, graphdef, params, rest, tx, None, tokenizer, data_iterator, checkpointer, meta,
+            shardings)
+  run.opt_state = init_opt_state(run)
   latest = checkpointer.latest_step()
   if latest is not None:
     resume(run, latest)
@@ -73,7 +121,12 @@ def build_run(config: ExperimentConfig, workdir: str) -> Run:
 
 def train_state(run: Run) -> dict[str, Any]:
   return {"params": run.params, "rest": run.rest, "opt_state": run.opt_state,
-          "step": jnp.asarray(run.step, jnp.int32)}
+          "step": replicated_scalar(run.step, run.shardings.replicated)}
+
+
+def replicated_scalar(value: int, replicated) -> jax.Array:
+  """An int32 scalar on every device of the mesh (built per process, so valid on several hosts)."""
+  return jax.make_array_from_callback((), replicated, lambda _: np.asarray(value, np.int32))
 
 
 def resume(run: Run, step: int) -> None:
@@ -82,7 +135,8 @@ def resume(run: Run, step: int) -> None:
   state = run.checkpointer.restore(step, abstract, run.data_iterator)
   run.params, run.rest, run.opt_state = state["params"], state["rest"], state["opt_state"]
   run.step = int(state["step"])
-  print(f"Resumed from step {run.step} in {run.checkpointer.directory}", flush=True)
+  if sharding.is_main_process():
+    print(f"Resumed from step {run.step} in {run.checkpointer.directory}", flush=True)
 
 
 def ocp_abstract(x):
@@ -94,11 +148,13 @@ def init_from(run: Run) -> None:
   train = run.config.train
   params, rest, step, _ = ckpt_lib.load_params(train.init_from, jax.tree.map(ocp_abstract, run.params),
                                                jax.tree.map(ocp_abstract, run.rest))
-  run.params, run.rest = sharding.replicate(params), sharding.replicate(rest)
-  run.opt_state = run.tx.init(run.params)
-  print(f"Initialised parameters from step {step} of {train.init_from}", flush=True)
+  run.params, run.rest = params, rest
+  run.opt_state = init_opt_state(run)
+  main = sharding.is_main_process()
+  if main:
+    print(f"Initialised parameters from step {step} of {train.init_from}", flush=True)
   if train.init_data_from:
-    source = ckpt_lib.Checkpointer(ckpt_lib.resolve_checkpoint_dir(train.init_data_from), read_only=True)
-    data_step = source.latest_step()
+    source, data_step = ckpt_lib.open_latest(train.init_data_from, "train.init_data_from")
     source.restore_data(data_step, run.data_iterator)
-    print(f"Continuing the data stream of {train.init_data_from} (step {data_step})", flush=True)
+    if main:
+      print(f"Continuing the data stream of {train.init_data_from} (step {data_step})", flush=True)

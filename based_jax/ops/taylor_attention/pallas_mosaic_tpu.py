@@ -1,7 +1,7 @@
-"""Pallas (Mosaic TPU lowering) kernels for BASED's Taylor linear attention (SPEC §2.1), custom VJP.
+"""Pallas (Mosaic TPU lowering) kernels for BASED's Taylor linear attention (MATH §2.1), custom VJP.
 
 Per head, with ``s_tj = q_t·k_j / sqrt(d')`` and ``A_tj = phi(q_t)·phi(k_j) = 1 + s + s²/2``
-(linear_attention.py, without the decay ablation)::
+(``api.py``, without the decay ablation)::
 
     o_t = sum_{j<=t} A_tj v_j / (sum_{j<=t} A_tj + eps)
 
@@ -33,10 +33,10 @@ compact TaylorState itself (S with z as the extra column), padded. The full layo
 constant M with phi_compact = M phi_full and back by Mᵀ; the antisymmetric part of a full state,
 which no query reads, goes around the kernels (kept unless a new document starts).
 
-Packed documents follow linear_attention.py: ``segment_runs`` numbers the runs of equal ids; a
-token reads the carried state only while in the state's run (the incoming state continues the
-first run), a chunk hands on only its last run's writes, and keep_n = 0 where a run starts inside
-chunk n.
+Packed documents: ``segments.document_index`` numbers the runs of equal ids and
+``segments.chunk_documents`` gives the per-token masks; a token reads the carried state only while
+in the state's run (the incoming state continues the first run), a chunk hands on only its last
+run's writes, and keep_n = 0 where a run starts inside chunk n.
 
 Backward (``jax.custom_vjp``): the forward saves its inputs only. A forward sweep recomputes X_n to
 get dq; a reverse sweep (the chunk index maps run backwards) carries dX in VMEM,
@@ -63,10 +63,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from based_jax import taylor
-
-from based_jax.ops.taylor_attention import api as linear_attention
+from based_jax.ops.taylor_attention.base import TaylorState, zero_state
 from lmcore.ops.common import pallas_utils as pu
 from lmcore.ops.common.layout import heads_first
+from lmcore.ops.common.segments import ChunkDocuments, chunk_documents, document_index
 
 LANES = 128  # a TPU vector register is (8 sublanes, 128 lanes)
 _F32 = jnp.float32
@@ -278,32 +278,6 @@ def _dkv_kernel(*refs, cfg: KernelConfig):
     dX0_ref[...] = dX_ref[...]
 
 
-class _Runs(NamedTuple):
-  """Run arrays per batch row (int32): ``run``, ``reads``, ``writes`` [B, Tp, 1] and ``run_row``
-  [B, 1, Tp] (see ``_Seq``)."""
-
-  run: jax.Array
-  run_row: jax.Array
-  reads: jax.Array
-  writes: jax.Array
-
-
-def _run_masks(run_BxT, Tp: int, C: int) -> _Runs:
-  """The per-token run masks, from the run index padded to Tp (edge: padding joins the last run).
-
-  Runs never decrease along a row, so the state entering chunk n belongs to the run of the token
-  before the chunk (the first token's run for n = 0).
-  """
-  B = run_BxT.shape[0]
-  run = pu.pad_axis(run_BxT.astype(jnp.int32), 1, Tp, mode="edge")
-  previous = jnp.concatenate([run[:, :1], run[:, :-1]], axis=1)
-  chunks = lambda x: x.reshape(B, Tp // C, C)
-  flag = lambda x: x.reshape(B, Tp, 1).astype(jnp.int32)
-  return _Runs(run[:, :, None], run[:, None, :],
-               flag(chunks(run) == chunks(previous)[:, :, :1]),
-               flag(chunks(run) == chunks(run)[:, :, -1:]))
-
-
 class _Sweep(NamedTuple):
   """One pass over the chunks, forward or in reverse: the chunk inputs in ``_Seq`` order with
   their BlockSpecs, and the BlockSpecs of value-shaped [C, BV] blocks (N, dN, dṽ), of per-value-tile
@@ -316,7 +290,7 @@ class _Sweep(NamedTuple):
   state: pl.BlockSpec
 
 
-def _sweep(q, k, v, runs: _Runs, Fp: int, cfg: KernelConfig, reverse: bool) -> _Sweep:
+def _sweep(q, k, v, runs: ChunkDocuments, Fp: int, cfg: KernelConfig, reverse: bool) -> _Sweep:
   BH, Tp, Kp = q.shape
   C, BV, H = cfg.chunk, cfg.block_v, cfg.n_heads
   N = Tp // C
@@ -327,7 +301,7 @@ def _sweep(q, k, v, runs: _Runs, Fp: int, cfg: KernelConfig, reverse: bool) -> _
   row = pl.BlockSpec((None, 1, C), lambda bh, j, n: (bh // H, 0, chunk(n)))
   maps = feature_maps(cfg.key_dim, Kp, Fp, q.dtype)
   whole = [pl.BlockSpec(x.shape, lambda bh, j, n: (0, 0)) for x in maps]
-  args = [q, k, v, runs.run, runs.run_row, runs.reads, runs.writes, *maps]
+  args = [q, k, v, runs.doc, runs.doc_row, runs.reads, runs.writes, *maps]
   specs = [seq, seq, values, column, row, column, column, *whole]
   partial = pl.BlockSpec((None, None, C, Kp), lambda bh, j, n: (j, bh, chunk(n), 0))
   state = pl.BlockSpec((None, Fp, BV), lambda bh, j, n: (bh, 0, j))
@@ -430,10 +404,10 @@ def _check_sizes(chunk_size: int, block_v: int, compiled: bool) -> None:
 
 def taylor_linear_attention_tpu(
     q: jax.Array, k: jax.Array, v: jax.Array, *,
-    state: linear_attention.TaylorState | None = None, eps: float = 1e-12,
+    state: TaylorState | None = None, eps: float = 1e-12,
     feature: taylor.Feature = "compact", chunk_size: int = 64,
     segment_ids: jax.Array | None = None, interpret: bool | pltpu.InterpretParams | None = None,
-    block_v: int = LANES) -> tuple[jax.Array, linear_attention.TaylorState]:
+    block_v: int = LANES) -> tuple[jax.Array, TaylorState]:
   """``taylor_linear_attention`` (no decay ablation) computed by the TPU kernels; same results.
 
   Args:
@@ -443,7 +417,7 @@ def taylor_linear_attention_tpu(
     eps: added to the denominator.
     feature: ``compact`` or ``full``: only the layout of ``state`` and of the returned state.
     chunk_size: tokens per chunk, a power of two (compiled: at least 128 are used).
-    segment_ids: optional packed-document ids [B, T] (linear_attention.py's convention).
+    segment_ids: optional packed-document ids [B, T] (``api.py``'s convention).
     interpret: True (Pallas' generic interpreter), ``pltpu.InterpretParams()`` (the TPU
       simulator), False (compile; TPU only) or None (compile exactly on a TPU).
     block_v: value columns per grid step over dv + 1 (a multiple of 128 when compiled).
@@ -457,21 +431,20 @@ def taylor_linear_attention_tpu(
   B, T, H, d = q.shape
   V = v.shape[-1]
   if state is None:
-    state = linear_attention.zero_state(B, H, d, V, feature)
+    state = zero_state(B, H, d, V, feature)
   C = chunk_size if interpret else max(chunk_size, LANES)
   F = taylor.feature_width(d, "compact")
   Tp, Kp, Vp, Fp = (pu.round_up(T, C), pu.round_up(d + 1, LANES), pu.round_up(V + 1, block_v),
                     pu.round_up(F, LANES))
   cfg = KernelConfig(chunk=C, block_v=block_v, key_dim=d, n_heads=H, interpret=interpret)
-  run = (jnp.zeros((B, T), jnp.int32) if segment_ids is None
-         else linear_attention.segment_runs(segment_ids))
+  run = document_index(segment_ids, B, T)
   v_aug = jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)
   S0 = jnp.concatenate([state.S.astype(_F32), state.z.astype(_F32)[..., None]], axis=-1)
   X0 = pu.pad_axis(pu.pad_axis(_to_kernel_state(S0, d, feature), 2, Fp), 3, Vp)
   N, X = _fused(heads_first(q, Tp, Kp), heads_first(k, Tp, Kp), heads_first(v_aug, Tp, Vp),
-                _run_masks(run, Tp, C), X0.reshape(B * H, Fp, Vp), cfg)
+                chunk_documents(run, Tp, C), X0.reshape(B * H, Fp, Vp), cfg)
   N = jnp.swapaxes(N.reshape(B, H, Tp, Vp)[:, :, :T], 1, 2)
   o = N[..., :V] / (N[..., V:V + 1] + eps)
   X = X.reshape(B, H, Fp, Vp)[:, :, :F, :V + 1]
   S = _from_kernel_state(X, S0, (run[:, -1] == 0).astype(_F32), d, feature)
-  return o.astype(v.dtype), linear_attention.TaylorState(S[..., :V], S[..., V])
+  return o.astype(v.dtype), TaylorState(S[..., :V], S[..., V])

@@ -1,7 +1,7 @@
-"""Pallas (Triton lowering) kernels for BASED's Taylor linear attention (SPEC §2.1), custom VJP.
+"""Pallas (Triton lowering) kernels for BASED's Taylor linear attention (MATH §2.1), custom VJP.
 
 Per head, with ``s_tj = q_t·k_j / sqrt(d')`` and ``A_tj = phi(q_t)·phi(k_j) = 1 + s + s²/2``
-(linear_attention.py, without the decay ablation)::
+(``api.py``, without the decay ablation)::
 
     o_t = sum_{j<=t} A_tj v_j / (sum_{j<=t} A_tj + eps)
 
@@ -39,8 +39,8 @@ bf16 inputs the denominator column z is therefore read at bf16 precision too (re
 values per token and head in HBM (Vp: dv + 1 padded to whole value tiles; 408 at d' = 16,
 dv = 64, C = 64, block_v = 32).
 
-Packed documents follow linear_attention.py: ``run`` (``segment_runs``, non-decreasing per row)
-numbers the runs of equal segment ids; a token reads the entering state only while in the state's
+Packed documents: ``run`` (``segments.document_index``, non-decreasing per row) numbers the runs
+of equal segment ids; a token reads the entering state only while in the state's
 run (the incoming state continues the first run), and a chunk hands on only its last run's writes,
 dropping the carried state when that run began inside the chunk.
 
@@ -60,9 +60,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from based_jax import taylor
-
-from based_jax.ops.taylor_attention import api as linear_attention
+from based_jax.ops.taylor_attention.base import TaylorState, zero_state
 from lmcore.ops.common import pallas_utils as pu
+from lmcore.ops.common.segments import document_index
 
 _F32 = jnp.float32
 
@@ -356,11 +356,11 @@ def _from_kernel_state(X, c, d: int, W: int, feature):
 
 def taylor_linear_attention_pallas(
     q: jax.Array, k: jax.Array, v: jax.Array, *,
-    state: linear_attention.TaylorState | None = None, eps: float = 1e-12,
+    state: TaylorState | None = None, eps: float = 1e-12,
     feature: taylor.Feature = "compact", chunk_size: int = 64,
     segment_ids: jax.Array | None = None, interpret: bool | None = None, block_v: int = 32,
     num_warps: int = 4, num_stages: int = 2, precision: str = "input"
-    ) -> tuple[jax.Array, linear_attention.TaylorState]:
+    ) -> tuple[jax.Array, TaylorState]:
   """``taylor_linear_attention`` (no decay ablation) computed by the Pallas kernels; same results.
 
   Args:
@@ -370,7 +370,7 @@ def taylor_linear_attention_pallas(
     eps: added to the denominator.
     feature: ``compact`` or ``full``: only the layout of ``state`` and of the returned state.
     chunk_size: tokens per chunk, a power of two (>= 16 when compiled).
-    segment_ids: optional packed-document ids [B, T] (linear_attention.py's convention).
+    segment_ids: optional packed-document ids [B, T] (``api.py``'s convention).
     interpret: run the kernels interpreted; None means "unless on a GPU".
     block_v, num_warps, num_stages: GPU tuning knobs (value tile width over dv + 1 columns,
       Triton warps and stages).
@@ -392,14 +392,13 @@ def taylor_linear_attention_pallas(
   B, T, H, d = q.shape
   V = v.shape[-1]
   if state is None:
-    state = linear_attention.zero_state(B, H, d, V, feature)
+    state = zero_state(B, H, d, V, feature)
   C = max(chunk_size, 1 if interpret else pu.MIN_DOT)
   dp, BV = pu.block_size(d, interpret), min(pu.block_size(V + 1, interpret), block_v)
   Tp, Vp = pu.round_up(T, C), pu.round_up(V + 1, BV)
   cfg = KernelConfig(chunk=C, block_v=BV, key_dim=d, length=T, interpret=interpret,
                      num_warps=num_warps, num_stages=num_stages, precision=precision)
-  run = (jnp.zeros((B, T), jnp.int32) if segment_ids is None
-         else linear_attention.segment_runs(segment_ids))
+  run = document_index(segment_ids, B, T)
   v_aug = jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)
   S_aug = jnp.concatenate([state.S.astype(_F32), state.z.astype(_F32)[..., None]], axis=-1)
   X0, c0 = _to_kernel_state(S_aug, d, dp, Vp, feature)
@@ -408,4 +407,4 @@ def taylor_linear_attention_pallas(
                    pu.pad_axis(run, 1, Tp, mode="edge"), X0, c0, cfg)
   o = N[:, :T, :, :V] / (N[:, :T, :, V:V + 1] + eps)
   S_aug = _from_kernel_state(X, c, d, V + 1, feature)
-  return o.astype(v.dtype), linear_attention.TaylorState(S_aug[..., :V], S_aug[..., V])
+  return o.astype(v.dtype), TaylorState(S_aug[..., :V], S_aug[..., V])

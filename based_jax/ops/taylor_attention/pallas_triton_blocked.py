@@ -1,5 +1,5 @@
 """Pallas (Triton lowering) blocked, flash-style kernels for BASED's Taylor linear attention
-(SPEC §2.1) over whole sequences, custom VJP: the quadratic form, for training at moderate T.
+(MATH §2.1) over whole sequences, custom VJP: the quadratic form, for training at moderate T.
 
 Per head, with ``s_tj = q_t·k_j / sqrt(d')`` and ``A_tj = 1 + s + s²/2`` (taylor.taylor_kernel) on
 visible pairs (j <= t, same run), the kernels compute the unnormalised sums
@@ -11,10 +11,10 @@ over the key blocks j <= its block, one [BQ, d'] x [d', BK] dot for s and one [B
 dot for N per step, in fp32; no T x T array exists. A >= 1/2 everywhere, so no running maximum is
 needed. The work is T² (d' + dv) per head against the chunked kernels' T (d'+1) d' dv state
 traffic: at d' = 16 the quadratic form is the cheaper one up to a few thousand tokens
-(pallas_taylor.py is the other).
+(``pallas_triton.py`` is the other).
 
-The wrapper (``taylor_linear_attention(implementation="pallas_blocked")``) adds what a prefix
-state contributes to N and D and divides, so the kernels take no state. Backward: the cotangents of
+``taylor_linear_attention_blocked`` (``implementation="pallas_blocked"``) adds what a prefix state
+contributes to N and D and divides, so the kernels take no state. Backward: the cotangents of
 N and D arrive directly; with dA_tj = dN_t · v_j + dD_t on visible pairs and dA/ds = 1 + s,
 
     dq_t = sum_j dA_tj (1 + s_tj) k_j / sqrt(d'),   dk_j = sum_t dA_tj (1 + s_tj) q_t / sqrt(d'),
@@ -37,7 +37,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from based_jax import taylor
+from based_jax.ops.taylor_attention.base import (TaylorState, as_state, parallel_final_state,
+                                                 state_reads)
 from lmcore.ops.common import pallas_utils as pu
+from lmcore.ops.common.segments import document_index
 
 _F32 = jnp.float32
 
@@ -199,7 +202,7 @@ def taylor_sums_blocked(q: jax.Array, k: jax.Array, v: jax.Array, run: jax.Array
   Args:
     q, k: raw per-head projections [B, T, H, d'] (the kernel 1 + s + s²/2 is applied inside).
     v: values [B, T, H, dv]; bf16 or fp32.
-    run: int [B, T] run ids (``linear_attention.segment_runs``; all zeros for one document).
+    run: int [B, T] document index (``segments.document_index``; all zeros for one document).
     interpret: run the kernels interpreted; None means "unless on a GPU".
     block_q, block_k: query and key block lengths, powers of two (>= 16 when compiled; capped at
       the next power of two >= T).
@@ -228,3 +231,27 @@ def taylor_sums_blocked(q: jax.Array, k: jax.Array, v: jax.Array, run: jax.Array
   N, D = _sums(pad_qk(q), pad_qk(k), pu.pad_axis(pu.pad_axis(v, 1, Tp), 3, Vp),
                pu.pad_axis(run.astype(jnp.int32), 1, Tp, mode="edge"), cfg)
   return N[:, :T, :, :V], D[:, :T]
+
+
+def taylor_linear_attention_blocked(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, state: TaylorState | None = None,
+    eps: float = 1e-12, feature: taylor.Feature = "compact", segment_ids: jax.Array | None = None,
+    precision: str = "input", **kernel_options) -> tuple[jax.Array, TaylorState]:
+  """``taylor_linear_attention`` (no decay ablation) by the blocked kernels: their sums N, D, plus
+  a prefix state's read for document 0's tokens; o in v's dtype ("input") or fp32; the final
+  state by ``base.parallel_final_state`` (XLA, dropped by jit when unused). ``kernel_options``
+  go to ``taylor_sums_blocked`` (interpret, block sizes, Triton knobs)."""
+  doc_BxT = document_index(segment_ids, q.shape[0], q.shape[1])
+  num_BxTxHxV, den_BxTxH = taylor_sums_blocked(q, k, v, doc_BxT, precision=precision,
+                                               **kernel_options)
+  zero_decay_H = jnp.zeros(q.shape[2:3], _F32)
+  has_prefix = state is not None
+  state = as_state(state, q, v, feature)
+  if has_prefix:  # a zero state reads zeros: skip its reads
+    first_BxTx1, (read_S_BxTxHxV, read_z_BxTxH) = state_reads(q, state, doc_BxT, feature)
+    num_BxTxHxV += first_BxTx1[..., None] * read_S_BxTxHxV
+    den_BxTxH += first_BxTx1 * read_z_BxTxH
+  o_BxTxHxV = num_BxTxHxV / (den_BxTxH[..., None] + eps)
+  out_dtype = pu.output_dtype(v.dtype, precision)
+  return o_BxTxHxV.astype(out_dtype), parallel_final_state(k, v, state, zero_decay_H, doc_BxT,
+                                                           feature=feature)

@@ -1,6 +1,6 @@
 """Token-by-token gated delta rule: the readable definition every other implementation must match.
 
-Per head, with the state S_t in R^{K x V} (SPEC §4, Gated DeltaNet):
+Per head, with the state S_t in R^{K x V} (MATH §4, Gated DeltaNet):
 
     S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = scale * S_t^T q_t,
 
@@ -15,6 +15,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from lmcore.ops.common.segments import document_starts
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -31,27 +33,15 @@ def _step(S_BxHxKxV, inputs, *, scale: float):
   return S_BxHxKxV, o_BxHxV
 
 
-def segment_resets(segment_ids_BxT: jax.Array | None, batch_size: int, length: int) -> jax.Array:
-  """bool [B, T]: True where token t starts a new segment (its id differs from token t-1's).
-
-  The first token of a call never resets: the incoming state belongs to its segment.
-  """
-  if segment_ids_BxT is None:
-    return jnp.zeros((batch_size, length), dtype=bool)
-  changed_BxTm1 = segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]
-  return jnp.concatenate([jnp.zeros((batch_size, 1), dtype=bool), changed_BxTm1], axis=1)
-
-
-def gated_delta_rule_recurrent(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxV: jax.Array,
-                               log_alpha_BxTxH: jax.Array, beta_BxTxH: jax.Array,
-                               S0_BxHxKxV: jax.Array, scale: float,
-                               segment_ids_BxT: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+def recurrent(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxV: jax.Array,
+              log_alpha_BxTxH: jax.Array, beta_BxTxH: jax.Array, S0_BxHxKxV: jax.Array, *,
+              scale: float, segment_ids_BxT: jax.Array | None) -> tuple[jax.Array, jax.Array]:
   """``lax.scan`` over tokens in float32; returns (o [B, T, H, V] fp32, final S [B, H, K, V] fp32).
 
   Where ``segment_ids`` changes between consecutive tokens the state is reset to zero first.
   """
   batch_size, length = q_BxTxHxK.shape[:2]
-  resets_BxT = segment_resets(segment_ids_BxT, batch_size, length)
+  resets_BxT = document_starts(segment_ids_BxT, batch_size, length)
   time_major = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)
   xs = (time_major(q_BxTxHxK), time_major(k_BxTxHxK), time_major(v_BxTxHxV),
         time_major(log_alpha_BxTxH), time_major(beta_BxTxH), jnp.moveaxis(resets_BxT, 1, 0))

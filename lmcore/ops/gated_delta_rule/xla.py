@@ -1,7 +1,7 @@
 """Chunked gated delta rule in plain jnp (the WY / UT transform of FLA §1.7-1.8), runs anywhere.
 
 Per head and chunk of C tokens, with the chunk-local cumulative log-decay
-``b_i = sum_{s<=i} log a_s`` (fp32) and the state S entering the chunk, unrolling SPEC §4's
+``b_i = sum_{s<=i} log a_s`` (fp32) and the state S entering the chunk, unrolling MATH §4's
 recurrence gives
 
     delta_t = beta_t (v_t - alpha_t S_{t-1}^T k_t)   (so that S_t = alpha_t S_{t-1} + k_t delta_t^T)
@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
-from lmcore.ops.gated_delta_rule.reference import segment_resets
+from lmcore.ops.common.segments import document_index
+from lmcore.ops.gated_delta_rule.base import CHUNK, check_chunk_size
 
 
 def _dot(spec: str, *operands: jax.Array) -> jax.Array:
@@ -48,11 +49,6 @@ def _to_chunks(x_BxTx: jax.Array, chunk: int) -> jax.Array:
 def _pad_tokens(x_BxTx: jax.Array, pad: int, mode: str = "constant") -> jax.Array:
   """Appends ``pad`` tokens on axis 1 (zeros: with beta = 0 and log alpha = 0 they are a no-op)."""
   return jnp.pad(x_BxTx, [(0, 0), (0, pad)] + [(0, 0)] * (x_BxTx.ndim - 2), mode=mode)
-
-
-def _documents(segment_ids_BxT: jax.Array | None, batch_size: int, length: int) -> jax.Array:
-  """int [B, T] document index (resets so far): equal index <=> no reset in between."""
-  return jnp.cumsum(segment_resets(segment_ids_BxT, batch_size, length), axis=1, dtype=jnp.int32)
 
 
 def _pair_log_decays(log_alpha_NxBxHxC: jax.Array) -> jax.Array:
@@ -118,17 +114,18 @@ def _scan_chunks(S0_BxHxKxV, W_NxBxHxCxK, U_NxBxHxCxV, k_end_NxBxHxCxK, whole_Nx
   return S_BxHxKxV, S_in_NxBxHxKxV, delta_NxBxHxCxV
 
 
-def gated_delta_rule_chunked(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxV: jax.Array,
-                             log_alpha_BxTxH: jax.Array, beta_BxTxH: jax.Array,
-                             S0_BxHxKxV: jax.Array, scale: float, chunk_size: int,
-                             segment_ids_BxT: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-  """Chunked form of ``reference.gated_delta_rule_recurrent`` (same arguments plus ``chunk_size``).
+def chunked(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxV: jax.Array,
+            log_alpha_BxTxH: jax.Array, beta_BxTxH: jax.Array, S0_BxHxKxV: jax.Array, *,
+            scale: float, segment_ids_BxT: jax.Array | None,
+            chunk_size: int = CHUNK) -> tuple[jax.Array, jax.Array]:
+  """Chunked form of ``reference.recurrent`` (same arguments plus ``chunk_size`` >= 1).
 
   q, k, v stay in their dtype for the q.k / k.k products (fp32 accumulation); gates, decays, the
   triangular solve, W, U and the state are fp32. The chunk is ``min(chunk_size, T)``; a partial
   last chunk is padded with beta = 0, log alpha = 0 and zero q, k, v, which leave the state as is.
   Returns (o [B, T, H, V] fp32, final S [B, H, K, V] fp32).
   """
+  check_chunk_size(chunk_size)
   batch_size, length = q_BxTxHxK.shape[:2]
   chunk = min(chunk_size, length)
   pad = math.ceil(length / chunk) * chunk - length
@@ -137,7 +134,7 @@ def gated_delta_rule_chunked(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxH
   q, k, v = chunks(q_BxTxHxK), chunks(k_BxTxHxK), chunks(v_BxTxHxV)
   log_alpha_NxBxHxC = chunks(log_alpha_BxTxH.astype(jnp.float32))
   beta_NxBxHxC = chunks(beta_BxTxH.astype(jnp.float32))
-  doc_BxT = _documents(segment_ids_BxT, batch_size, length)
+  doc_BxT = document_index(segment_ids_BxT, batch_size, length)
   doc_NxBxC = _to_chunks(_pad_tokens(doc_BxT, pad, mode="edge"), chunk)
   doc_prev_NxB = jnp.concatenate([doc_NxBxC[:1, :, 0], doc_NxBxC[:-1, :, -1]], axis=0)
 

@@ -1,6 +1,8 @@
-"""Gated linear attention (SPEC §3, §4): ``gated_linear_attention`` and ``LinearAttentionState``."""
+"""Gated linear attention (MATH §3, §4): ``gated_linear_attention`` and ``LinearAttentionState``."""
 
-from lmcore.ops.gated_linear_attention.api import (IMPLEMENTATIONS, LinearAttentionState,
-                                                       document_index, gated_linear_attention)
+from lmcore.ops.gated_linear_attention.api import (IMPLEMENTATIONS, Implementation,
+                                                   gated_linear_attention, resolve_implementation)
+from lmcore.ops.gated_linear_attention.base import LinearAttentionState
 
-__all__ = ["IMPLEMENTATIONS", "LinearAttentionState", "document_index", "gated_linear_attention"]
+__all__ = ["IMPLEMENTATIONS", "Implementation", "LinearAttentionState", "gated_linear_attention",
+           "resolve_implementation"]

@@ -1,6 +1,7 @@
-"""Pallas (Mosaic TPU lowering) kernels for chunked gated linear attention (SPEC §3, §4), with VJP.
+"""Pallas (Mosaic TPU lowering) kernels for chunked gated linear attention (MATH §3, §4), with VJP.
 
-The function is xla.py's and pallas.py's, per head, with b the chunk-local cumulative log gate::
+The function is xla.py's and pallas_triton.py's, per head, with b the chunk-local cumulative log
+gate::
 
     o_i     = scale * [(q_i ⊙ exp(b_i)) S_n  +  sum_{j<=i} (sum_k q_ik k_jk exp(b_ik - b_jk)) v_j]
     S_{n+1} = diag(exp(b_C)) S_n + sum_j (k_j ⊙ exp(b_C - b_j)) v_jᵀ
@@ -19,16 +20,16 @@ computed outside the kernels.
 
 A scalar gate per head makes the intra-chunk scores one matmul times a decay matrix exp(b_i - b_j),
 from the gate as a column [C, 1] and as a row [1, C] (both passed in). A per-key-channel gate uses
-secondary chunking as pallas.py does: for the query sub-chunk of ``sub_chunk`` rows starting at s,
-with its anchor r = b_{s-1}, all earlier keys of the chunk in one matmul of q ⊙ exp(b - r) and
+secondary chunking as pallas_triton.py does: for the query sub-chunk of ``sub_chunk`` rows starting
+at s, with its anchor r = b_{s-1}, all earlier keys of the chunk in one matmul of q ⊙ exp(b - r) and
 k ⊙ exp(r - b) (both exponents <= 0), and the keys inside the sub-chunk exactly in fp32, one key
 (a row slice) at a time. Masked exponents are set to -inf *before* ``exp``. Packed documents
-(``doc_BxT`` from ``api.document_index``) are honoured by masks: a token reads the carried state
+(``doc_BxT``, ``segments.document_index``) are honoured by masks: a token reads the carried state
 only while in the state's document, and a chunk hands on only its last document's writes.
 
 Backward (``jax.custom_vjp``): the forward saves its inputs and the final state only. A forward
 sweep recomputes the chunk states to get dq; a reverse sweep (the chunk index map runs backwards)
-carries dSᵀ in VMEM to get dk, dv and dS_0. The gate gradient is pallas.py's: the output depends on
+carries dSᵀ in VMEM to get dk, dv and dS_0. The gate gradient is pallas_triton.py's: the output depends on
 the cumulative log gate B only through q ⊙ exp(B), k ⊙ exp(-B) and exp(B_T) in the final state, so
 dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ sum_v S_T ⊙ dS_T at t = T) and dg is the reverse cumulative sum of
 dB. With several value tiles the dq, dk of each tile are partial sums added outside.
@@ -47,7 +48,7 @@ from jax.experimental.pallas import tpu as pltpu
 from lmcore.ops.common import pallas_utils as pu
 from lmcore.ops.common.layout import heads_first
 from lmcore.ops.common.segments import ChunkDocuments, chunk_documents
-from lmcore.ops.gated_linear_attention import api
+from lmcore.ops.gated_linear_attention.base import LinearAttentionState, check_shapes, run_backend
 
 LANES, SUBLANES = pu.TPU_LANES, pu.TPU_SUBLANES
 SUB_CHUNK = 16
@@ -233,7 +234,7 @@ def _off_dA(x: _Sub, ch: _Chunk):
 
 def _scores_channel(ch: _Chunk, cfg: KernelConfig):
   """A_ij = sum_k q_ik k_jk exp(b_ik - b_jk) on visible pairs, fp32 [C, C]."""
-  C, dt = ch.q.shape[0], ch.q.dtype
+  dt = ch.q.dtype
   k32 = ch.k.astype(_F32)
   blocks = []
   for x in _subs(ch, cfg.sub_chunk):
@@ -482,17 +483,17 @@ def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: fl
 
 def gated_linear_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array,
                                log_forget: jax.Array | None = None, *,
-                               state: api.LinearAttentionState | None = None,
+                               state: LinearAttentionState | None = None,
                                chunk_size: int = 64, normalize: bool = False, eps: float = 1e-6,
                                scale: float = 1.0, segment_ids: jax.Array | None = None,
                                interpret: bool | pltpu.InterpretParams | None = None, **tuning
-                               ) -> tuple[jax.Array, api.LinearAttentionState]:
-  """``api.gated_linear_attention`` computed by the TPU kernels; same arguments and results.
+                               ) -> tuple[jax.Array, LinearAttentionState]:
+  """``gated_linear_attention`` computed by the TPU kernels; same arguments and results.
 
   ``tuning`` passes ``block_v`` and ``sub_chunk`` to ``chunked``. Zero state, no decay and one
-  document by default, and normalisation: ``api.run_backend``.
+  document by default, and normalisation: ``base.run_backend``.
   """
-  api._check_shapes(q, k, v, log_forget, state, segment_ids)
+  check_shapes(q, k, v, log_forget, state, segment_ids)
   backend = functools.partial(chunked, chunk_size=chunk_size, interpret=interpret, **tuning)
-  return api.run_backend(backend, q, k, v, log_forget, state, normalize=normalize, eps=eps,
-                         scale=scale, segment_ids=segment_ids)
+  return run_backend(backend, q, k, v, log_forget, state, normalize=normalize, eps=eps,
+                     scale=scale, segment_ids=segment_ids)

@@ -1,4 +1,4 @@
-"""Pallas (Triton lowering) kernels for chunked gated linear attention (SPEC §3, §4), custom VJP.
+"""Pallas (Triton lowering) kernels for chunked gated linear attention (MATH §3, §4), custom VJP.
 
 The function is xla.py's, per head, with b the chunk-local cumulative log gate (fp32) and a_n =
 exp(b_C) the decay over chunk n (b_C its total log gate)::
@@ -19,8 +19,8 @@ the diagonal are a matmul of q ⊙ exp(b - r) and k ⊙ exp(r - b) around the qu
 anchor r = b just before it (both exponents <= 0), diagonal blocks exact elementwise fp32 sums.
 Every exponent is <= 0 for gates <= 0, and masked entries are set to -inf *before* ``exp``.
 
-Packed documents (``doc_BxT``, non-decreasing per row, as ``api.document_index`` makes them) are
-honoured by masks inside the kernels: a token reads the carried state only while in the document
+Packed documents (``doc_BxT``, non-decreasing per row, as ``segments.document_index`` makes them)
+are honoured by masks inside the kernels: a token reads the carried state only while in the document
 the state belongs to, and a chunk hands on only its last document's writes (a_n = 0 when a document
 starts inside chunk n).
 
@@ -35,7 +35,7 @@ cumulative sum of dB. With several value tiles each program returns partial dq, 
 values) that are added outside.
 
 Defaults are the best measured on an H200 (B·T = 16384, H = 12, K = V = 64, per-channel gates,
-bf16, fwd+bwd ms at T = 2048 / 8192 / 32768; docs/BENCHMARKS.md, session 4): chunk 16, 8 warps,
+bf16, fwd+bwd ms at T = 2048 / 8192 / 32768; docs/BENCHMARKS.md): chunk 16, 8 warps,
 sub-chunk 16, the Pallas chunk scan: 2.05 / 1.96 / 3.41 (XLA chunked 5.50 / 6.85 / 11.99; FLA's
 chunk_gla 2.62 / 2.60 / 4.22). With the scan's first tiles, chunk 32 was 2.00 / 2.02 / 4.09 against
 chunk 16's 1.99 / 1.93 / 3.97; with XLA's associative scan, chunk 32 2.36 / 2.28 / 4.20, chunk 16
@@ -54,7 +54,8 @@ from jax.experimental import pallas as pl
 
 from lmcore.ops.common import chunk_scan
 from lmcore.ops.common import pallas_utils as pu
-from lmcore.ops.gated_linear_attention import api
+from lmcore.ops.gated_linear_attention.base import (LinearAttentionState, check_chunk_size,
+                                                    check_shapes, run_backend)
 
 # Chunk and sub-chunk (with 8 warps): the best measured on an H200, see the module docstring.
 CHUNK = 16
@@ -421,8 +422,7 @@ def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: fl
   """
   interpret = pu.resolve_interpret(interpret)
   pu.check_backend(interpret, "gated_linear_attention", "implementation='chunked' (XLA)")
-  if chunk_size < 1 or chunk_size & (chunk_size - 1):
-    raise ValueError(f"gated_linear_attention: chunk_size must be a power of two, got {chunk_size}")
+  check_chunk_size(chunk_size)
   pu.check_precision(precision, "gated_linear_attention")
   q_BxTxHxK, k_BxTxHxK, v_BxTxHxV = pu.operands(precision, q_BxTxHxK, k_BxTxHxK, v_BxTxHxV)
   B, T, H, K = q_BxTxHxK.shape
@@ -447,22 +447,22 @@ def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: fl
 
 def gated_linear_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array,
                                   log_forget: jax.Array | None = None, *,
-                                  state: api.LinearAttentionState | None = None,
+                                  state: LinearAttentionState | None = None,
                                   chunk_size: int = CHUNK, normalize: bool = False,
                                   eps: float = 1e-6, scale: float = 1.0,
                                   segment_ids: jax.Array | None = None,
                                   interpret: bool | None = None, precision: str = "input",
-                                  **tuning) -> tuple[jax.Array, api.LinearAttentionState]:
-  """``api.gated_linear_attention`` computed by the Pallas kernels; same arguments and results.
+                                  **tuning) -> tuple[jax.Array, LinearAttentionState]:
+  """``gated_linear_attention`` computed by the Pallas kernels; same arguments and results.
 
   ``precision`` (``pu.PRECISIONS``): o in q's dtype for "input", else fp32 (see ``chunked``).
   ``tuning`` passes ``block_v``, ``sub_chunk``, ``num_warps``, ``num_stages``, ``scan`` to
   ``chunked``.
-  Zero state, no decay and one document by default, and normalisation: ``api.run_backend``.
+  Zero state, no decay and one document by default, and normalisation: ``base.run_backend``.
   """
-  api._check_shapes(q, k, v, log_forget, state, segment_ids)
+  check_shapes(q, k, v, log_forget, state, segment_ids)
   backend = functools.partial(chunked, chunk_size=chunk_size, interpret=interpret,
                               precision=precision, **tuning)
-  return api.run_backend(backend, q, k, v, log_forget, state, normalize=normalize, eps=eps,
-                         scale=scale, segment_ids=segment_ids,
-                         out_dtype=pu.output_dtype(q.dtype, precision))
+  return run_backend(backend, q, k, v, log_forget, state, normalize=normalize, eps=eps,
+                     scale=scale, segment_ids=segment_ids,
+                     out_dtype=pu.output_dtype(q.dtype, precision))

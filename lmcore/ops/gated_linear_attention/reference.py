@@ -7,7 +7,7 @@ key channels when G = 1, or one value per key channel when G = K)::
 
 and return (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32). ``doc_BxT`` numbers the documents of a
 packed row (0 at the first token, +1 at every segment change); the state is reset where it
-changes. Normalisation is layered on top by ``api.py`` (a ones column appended to v carries z).
+changes. Normalisation is layered on top by ``base.run_backend`` (a ones column appended to v carries z).
 """
 
 from __future__ import annotations

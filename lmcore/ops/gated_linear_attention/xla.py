@@ -28,6 +28,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from lmcore.ops.gated_linear_attention.base import check_chunk_size
+
 # The measured-good chunk: fwd+bwd 5.55 / 7.39 / 12.21 ms on an H200 at T = 2048 / 8192 / 32768
 # (B·T = 16384, H = 12, K = V = 64, per-channel gates, bf16).
 CHUNK = 64
@@ -123,7 +125,9 @@ def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: fl
   """Returns (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32); G = 1 (scalar gate) or K (per channel).
 
   Works head-major, [B, H, N, C, ·], so that every contraction has its batch axes leading.
+  ``chunk_size`` must be a power of two.
   """
+  check_chunk_size(chunk_size)
   B, T, H, _ = q_BxTxHxK.shape
   V = v_BxTxHxV.shape[-1]
   C = chunk_size

@@ -1,7 +1,7 @@
 """Pallas (Mosaic TPU lowering) blocked, flash-style SANATAN kernels for any power p, with VJP.
 
-The function is pallas_blocked.py's (attention.py's ``parallel`` and ``blocked`` forms), per head,
-with Phi the feature map of SPEC §1.1 (6, 4 or 3 channels) computed inside the kernels from raw q, k::
+The function is pallas_triton_blocked.py's (``reference.parallel``, ``xla.blocked``), per head, with
+Phi the feature map of MATH §1.1 (6, 4 or 3 channels) computed inside the kernels from raw q, k::
 
     w_tj = [j <= t, same run] ((s_tj + shift) / c)^p,  s_tj = Phi(q_t) · Phi(k_j)  (4ch: max(s, 0)),
     N_t = sum_j w_tj v_j,   D_t = sum_j w_tj,   o_t = N_t / (D_t + eps).
@@ -16,13 +16,14 @@ step. The weights lie in [0, 1] (scores divided by their maximum c), so there is
 Key blocks entirely after the query block are skipped with ``pl.when``, and their index maps clamp
 to the last visible block so that no new block is copied in for them.
 
-Layout (pallas_tpu.py's for the gated op): head-major [B·H, Tp, ·] in blocks of (BQ or BK, 128 m);
-time padded to whole blocks, d and dv to multiples of 128 lanes (zeros: features are masked to zero
-on padded dims, padded values contribute nothing). Compiled blocks hold at least 128 tokens, so the
-[1, BK] key-run row fills whole lanes. Positions and run ids are per batch row, as columns [Tp, 1]
-(queries, key features) and a row [1, Tp] (key runs). The constant channel Phi_a = 1 adds d to every
-score as a number, not a dot (pallas_blocked.py). Pairs with a padded token: a padded query sees real
-keys, but its output is dropped and its cotangent is zero; padded keys sit after every real query.
+Layout (the gated op's pallas_mosaic_tpu.py's): head-major [B·H, Tp, ·] in blocks of (BQ or BK, 128
+m); time padded to whole blocks, d and dv to multiples of 128 lanes (zeros: features are masked to
+zero on padded dims, padded values contribute nothing). Compiled blocks hold at least 128 tokens, so
+the [1, BK] key-run row fills whole lanes. Positions and run ids are per batch row, as columns [Tp,
+1] (queries, key features) and a row [1, Tp] (key runs). The constant channel Phi_a = 1 adds d to
+every score as a number, not a dot (pallas_triton_blocked.py). Pairs with a padded token: a padded
+query sees real keys, but its output is dropped and its cotangent is zero; padded keys sit after
+every real query.
 
 Backward (``jax.custom_vjp``): the forward saves its inputs, o (in v's dtype) and D [Tp, 1] fp32.
 With dN = do / (D + eps) and dD = -(do · o) / (D + eps) (outside the kernels), dw_tj = dN_t · v_j +
@@ -49,12 +50,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from lmcore.ops.common import pallas_utils as pu
-from lmcore.ops.common.layout import heads_first
-from lmcore.ops.common.layout import default_positions
-from sanatan_jax.ops.sanatan_attention import api as attention
-from sanatan_jax.ops.sanatan_attention import pallas_triton_blocked as pallas_blocked
+from lmcore.ops.common.layout import default_positions, heads_first
+from lmcore.ops.common.segments import document_index
+from sanatan_jax.ops.sanatan_attention.base import (EPS, NON_CONSTANT_CHANNELS, block_feature_fn,
+                                                    check_blocked_options, power_weights)
 
-LANES = 128  # a TPU vector register is (8 sublanes, 128 lanes)
+LANES = pu.TPU_LANES
 _F32 = jnp.float32
 
 
@@ -78,7 +79,7 @@ class KernelConfig(NamedTuple):
   @property
   def n_channels(self) -> int:
     """How many feature channels are dots (all but the constant one)."""
-    return len(pallas_blocked._NON_CONSTANT[self.channels])
+    return len(NON_CONSTANT_CHANNELS[self.channels])
 
 
 class _Refs(NamedTuple):
@@ -102,8 +103,8 @@ def _features(u_ref, pos_ref, refs: _Refs, start, cfg: KernelConfig, with_vjp: b
   (channels x [n, dp] in the input dtype, zero on padding), and (if asked) their VJP w.r.t.
   (u, omega, lam_raw)."""
   u = u_ref[...]
-  # The same feature function as the Triton kernels; it takes the positions as a vector [n].
-  fn = pallas_blocked._feature_fn(pos_ref[...][:, 0], start, u.shape, cfg)
+  # The Triton kernels' feature function (base.py); it takes the positions as a vector [n].
+  fn = block_feature_fn(pos_ref[...][:, 0], start, u.shape, cfg)
   args = (u.astype(_F32), refs.omega[...], refs.lam_raw[...])
   phi, vjp = jax.vjp(fn, *args) if with_vjp else (fn(*args), None)
   return tuple(a.astype(u.dtype) for a in phi), vjp
@@ -137,13 +138,14 @@ def _first_query_block(j, cfg: KernelConfig):
 
 def _scores_and_weight_fn(i, j, phi_q, phi_k, refs: _Refs, cfg: KernelConfig):
   """For query block i and key block j: the scores s_tj = d + the per-channel dots, fp32 [BQ, BK],
-  and the weight function s -> w (pallas_blocked's, with the causal and same-run mask)."""
+  and the weight function s -> w (``base.power_weights`` with the causal and same-run mask)."""
   shape = (cfg.block_q, cfg.block_k)
   causal = (i * cfg.block_q + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
             >= j * cfg.block_k + jax.lax.broadcasted_iota(jnp.int32, shape, 1))
   visible = causal & (refs.run_q[...] == refs.run_k[...])
   s = float(cfg.head_dim) + sum(pu.dot(a, b, trans_b=True) for a, b in zip(phi_q, phi_k))
-  return s, lambda s: pallas_blocked._weights(s, visible, cfg)
+  return s, lambda s: power_weights(s, visible, p=cfg.p, channels=cfg.channels,
+                                    three_channel=cfg.three_channel, d=cfg.head_dim)
 
 
 def _weights_and_score_grads(i, j, phi_q, phi_k, refs: _Refs, dN, dD, cfg: KernelConfig):
@@ -178,7 +180,7 @@ def _forward_kernel(*refs, cfg: KernelConfig):
   @pl.when(j == pl.num_programs(2) - 1)
   def _():
     den = den_scratch[...]
-    o_ref[...] = (num_scratch[...] / (den + attention.EPS)).astype(o_ref.dtype)
+    o_ref[...] = (num_scratch[...] / (den + EPS)).astype(o_ref.dtype)
     den_ref[...] = den
 
 
@@ -315,7 +317,7 @@ def _fused_bwd(cfg, residuals, do):
   q, k, v = args[:3]
   BH, Tp, dp = q.shape
   Vp, n = v.shape[-1], cfg.n_channels
-  inv = 1.0 / (den + attention.EPS)
+  inv = 1.0 / (den + EPS)
   do = do.astype(_F32)
   dN = (do * inv).astype(v.dtype)
   dD = -jnp.sum(do * o.astype(_F32), axis=-1, keepdims=True) * inv
@@ -347,7 +349,7 @@ def sanatan_blocked_tpu(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Arr
                         three_channel: str = "clean", rotate: bool = True,
                         interpret: bool | pltpu.InterpretParams | None = None,
                         block_q: int = LANES, block_k: int = LANES) -> jax.Array:
-  """SANATAN attention at any power p and channel variant (SPEC §1.1) by the Mosaic TPU kernels;
+  """SANATAN attention at any power p and channel variant (MATH §1.1) by the Mosaic TPU kernels;
   ``sanatan_blocked_pallas``'s contract (the output of ``sanatan_attention(...,
   implementation="blocked")``), no state.
 
@@ -355,8 +357,8 @@ def sanatan_blocked_tpu(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Arr
     q, k: raw [B, T, H, d] (already divided by sqrt(d)); v: [B, T, H, dv]; bf16 or fp32.
     omega, lam_raw: [H, d] root anchors and raw rotation rates.
     positions: int [B, T] document positions; default 0..T-1.
-    segment_ids: optional [B, T] packed-document ids (attention.py's convention).
-    p, channels, three_channel: the kernel (SPEC §1.1 steps 5-6); any positive integer p.
+    segment_ids: optional [B, T] packed-document ids (api.py's convention).
+    p, channels, three_channel: the kernel (MATH §1.1 steps 5-6); any positive integer p.
     rotate: False drops the temporal rotation (the "no lambda" ablation).
     interpret: True runs Pallas' generic interpreter, a ``pltpu.InterpretParams`` the TPU
       simulator; None interprets off TPU; False compiles (TPU only).
@@ -368,8 +370,7 @@ def sanatan_blocked_tpu(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Arr
   """
   interpret = pu.resolve_tpu_interpret(interpret, "sanatan_blocked_tpu",
                                         "sanatan_attention(implementation='blocked')")
-  pallas_blocked.check_options(p, channels, three_channel, block_q, block_k,
-                               op="sanatan_blocked_tpu")
+  check_blocked_options(p, channels, three_channel, block_q, block_k, op="sanatan_blocked_tpu")
   B, T, H, d = q.shape
   V = v.shape[-1]
   if positions is None:
@@ -382,7 +383,7 @@ def sanatan_blocked_tpu(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Arr
   pos = positions.astype(jnp.int32) if rotate else jnp.zeros((B, T), jnp.int32)
   pos_column = pu.pad_axis(pos, 1, Tp)[:, :, None]
   # Edge-padding keeps padded tokens in the last run; causality hides them from real queries.
-  run = pu.pad_axis(attention.segment_runs(segment_ids, B, T), 1, Tp, mode="edge")
+  run = pu.pad_axis(document_index(segment_ids, B, T), 1, Tp, mode="edge")
   param = lambda x: pu.pad_axis(x.astype(_F32), 1, dp).reshape(H, 1, dp)
   o = _fused(heads_first(q, Tp, dp), heads_first(k, Tp, dp), heads_first(v, Tp, Vp),
              pos_column, run[:, :, None], pos_column, run[:, None, :], param(omega),

@@ -1,20 +1,20 @@
-"""Pallas (Mosaic TPU lowering) kernels for SANATAN p = 1, six channels (SPEC §1.2), with VJP.
+"""Pallas (Mosaic TPU lowering) kernels for SANATAN p = 1, six channels (MATH §1.2), with VJP.
 
-The function is attention.py's write-then-read recurrence, per head::
+The function is ``reference.recurrent``'s write-then-read recurrence, per head::
 
     S_t = S_{t-1} + Phi(k_t) v_tᵀ,   z_t = z_{t-1} + Phi(k_t),
     o_t = Phi(q_t)ᵀ S_t / (Phi(q_t)ᵀ z_t + c eps),
 
-computed in chunks (intra-chunk causal block + fp32 state) with the feature map Phi of SPEC §1.1
+computed in chunks (intra-chunk causal block + fp32 state) with the feature map Phi of MATH §1.1
 evaluated *inside* the kernels from the raw q, k (features.py's functions), so the 6d-wide
 features never reach HBM.
 
-TPU form, as the gated op's pallas_tpu.py: a TPU core runs grid steps one after another, so the
-grid is (batch·head, value tile, chunk) with the chunk axis last and "arbitrary" (sequential; the
-first two are "parallel"), and the fp32 state lives in a VMEM scratch buffer carried from one
+TPU form, as the gated op's pallas_mosaic_tpu.py: a TPU core runs grid steps one after another, so
+the grid is (batch·head, value tile, chunk) with the chunk axis last and "arbitrary" (sequential;
+the first two are "parallel"), and the fp32 state lives in a VMEM scratch buffer carried from one
 chunk's step to the next (loaded from the initial state at chunk 0, written out after the last).
-Arrays are head-major, [B·H, T, ·], time padded to whole chunks; compiled chunks hold at least
-128 tokens.
+Arrays are head-major, [B·H, T, ·], time padded to whole chunks; compiled chunks hold at least 128
+tokens.
 
 Lane-paired channels. The six channels of dimension a are (g, g cos th, g sin th) for the gate
 g = 1 (channels 1, cos th, sin th) and for g = r (channels r, r cos th, r sin th). The kernels
@@ -27,15 +27,15 @@ hold all six channels, and sum_p P_p(q) · P_p(k) = sum_a (1 + rq rk)(1 + cos(th
 state is three [Dp, BV] tiles. At the paper's d = 64 this fills 128 lanes exactly: half the matmul
 work and state of six separately lane-padded channels.
 
-Normaliser as a value column (api.py's normalize trick): v gets a ones column, so the last used
-column of the numerator N is the denominator, and z rides in S as its column V; the kernels are
-plain (unnormalised) linear attention and o = N[:V] / (N[V] + c eps) is taken outside, where XLA
-differentiates it. Padded tokens have v = 0 (ones column included) and zero output cotangents, so
-they neither write nor receive gradients; padded lanes have g = 0.
+Normaliser as a value column (the gated op's ``normalize=True`` trick): v gets a ones column, so the
+last used column of the numerator N is the denominator, and z rides in S as its column V; the
+kernels are plain (unnormalised) linear attention and o = N[:V] / (N[V] + c eps) is taken outside,
+where XLA differentiates it. Padded tokens have v = 0 (ones column included) and zero output
+cotangents, so they neither write nor receive gradients; padded lanes have g = 0.
 
-Packed documents (runs of equal segment ids) follow attention.py, through the gated kernels'
-document masks (pallas_tpu._documents): a token reads the carried state only while in the state's
-run, and a chunk hands on only its last run's writes.
+Packed documents (runs of equal segment ids, ``segments.document_index``) follow api.py, through
+the document masks of ``segments.chunk_documents``: a token reads the carried state only while in
+the state's run, and a chunk hands on only its last run's writes.
 
 Backward (``jax.custom_vjp``): the forward saves its inputs only. A forward sweep recomputes the
 chunk states for d Phi(q); a reverse sweep (the chunk index maps run backwards) carries dS in VMEM
@@ -55,11 +55,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from lmcore.ops.common import pallas_utils as pu
-from lmcore.ops.common.layout import heads_first
-from lmcore.ops.common.segments import ChunkDocuments, chunk_documents
-from lmcore.ops.common.layout import default_positions
+from lmcore.ops.common.layout import default_positions, heads_first
+from lmcore.ops.common.segments import ChunkDocuments, chunk_documents, document_index
 from sanatan_jax import features
-from sanatan_jax.ops.sanatan_attention import api as attention
+from sanatan_jax.ops.sanatan_attention.base import EPS, SanatanState
 
 LANES = pu.TPU_LANES
 CHANNELS = 6
@@ -108,7 +107,7 @@ class _Chunk(NamedTuple):
 def _feature_pairs(u, omega, lam_raw, pos, head_dim: int):
   """P_0, P_1, P_2 (fp32 [C, Dp]) of a chunk of lane-doubled raw q or k [C, Dp] (fp32).
 
-  Roots come from the pre-rotation angles (SPEC §1.1 step 3). The rotation is features.rotate
+  Roots come from the pre-rotation angles (MATH §1.1 step 3). The rotation is features.rotate
   written for a [C, Dp] chunk and a [C, 1] position column (2-D arrays only inside a kernel).
   """
   theta = features.angles(u)
@@ -414,17 +413,17 @@ def _from_kernel_state(S, B, H, d, V):
 def sanatan_p1_tpu(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array,
                    lam_raw: jax.Array, *, positions: jax.Array | None = None,
                    segment_ids: jax.Array | None = None,
-                   state: attention.SanatanState | None = None, chunk_size: int = LANES,
+                   state: SanatanState | None = None, chunk_size: int = LANES,
                    rotate: bool = True, interpret: bool | pltpu.InterpretParams | None = None,
-                   block_v: int = LANES) -> tuple[jax.Array, attention.SanatanState]:
-  """SANATAN p = 1, 6 channels (SPEC §1.2) by the Mosaic TPU kernels; same function and results
+                   block_v: int = LANES) -> tuple[jax.Array, SanatanState]:
+  """SANATAN p = 1, 6 channels (MATH §1.2) by the Mosaic TPU kernels; same function and results
   as ``sanatan_attention(..., p=1, channels=6)`` and ``sanatan_p1_pallas``.
 
   Args:
     q, k: raw [B, T, H, d] (already divided by sqrt(d)); v: [B, T, H, dv]; bf16 or fp32.
     omega, lam_raw: [H, d] root anchors and raw rotation rates.
     positions: int [B, T] document positions; default 0..T-1 offset by ``state.position``.
-    segment_ids: optional [B, T] packed-document ids (attention.py's convention).
+    segment_ids: optional [B, T] packed-document ids (api.py's convention).
     state: a SanatanState to continue from; None means zeros.
     chunk_size: tokens per chunk, a power of two; compiled, at least 128 are used.
     rotate: False drops the temporal rotation (the "no lambda" ablation).
@@ -452,10 +451,10 @@ def sanatan_p1_tpu(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array,
   N, S = _fused(heads_first(_twice(q), Tp, Dp),
                 heads_first(_twice(k), Tp, Dp), heads_first(v1, Tp, Vp),
                 pu.pad_axis(pos, 1, Tp)[..., None],
-                chunk_documents(attention.segment_runs(segment_ids, B, T), Tp, C),
+                chunk_documents(document_index(segment_ids, B, T), Tp, C),
                 param(omega), param(lam_raw), _to_kernel_state(state, B, H, d, V, Dp, Vp), cfg)
   N_BxTxHxV = jnp.swapaxes(N.reshape(B, H, Tp, Vp)[:, :, :T, :V + 1], 1, 2)
-  c_eps = features.score_scale(CHANNELS, "clean", d) * attention.EPS
+  c_eps = features.score_scale(CHANNELS, "clean", d) * EPS
   o = N_BxTxHxV[..., :V] / (N_BxTxHxV[..., V:] + c_eps)
   S, z = _from_kernel_state(S.reshape(B, H, PAIRS, Dp, Vp), B, H, d, V)
-  return o.astype(v.dtype), attention.SanatanState(S, z, positions[:, -1].astype(jnp.int32) + 1)
+  return o.astype(v.dtype), SanatanState(S, z, positions[:, -1].astype(jnp.int32) + 1)

@@ -1,8 +1,8 @@
-"""Pallas (Triton lowering) blocked, flash-style SANATAN kernels for any power p (SPEC §1.1 step 6).
+"""Pallas (Triton lowering) blocked, flash-style SANATAN kernels for any power p (MATH §1.1 step 6).
 
-Per head, with Phi the feature map of SPEC §1.1 (6, 4 or 3 channels) computed *inside* the kernels
-from raw q, k blocks (pallas_p1's feature channels), the function of attention.py's ``parallel``
-and ``blocked`` forms::
+Per head, with Phi the feature map of MATH §1.1 (6, 4 or 3 channels) computed *inside* the kernels
+from raw q, k blocks (``base.feature_channels``), the function of ``reference.parallel`` and
+``xla.blocked``::
 
     w_tj = [j <= t, same run] ((s_tj + shift) / c)^p,  s_tj = Phi(q_t) · Phi(k_j)  (4ch: max(s, 0)),
     N_t = sum_j w_tj v_j,   D_t = sum_j w_tj,   o_t = N_t / (D_t + eps).
@@ -34,8 +34,8 @@ kernel. Two kernels:
 
 The partial parameter gradients are summed outside. Positions and run ids get no gradient.
 
-Packed documents follow attention.py: ``runs`` (non-decreasing per row) number maximal runs of equal
-segment ids, and a token sees only keys of its own run.
+Packed documents follow api.py: ``runs`` (``segments.document_index``, non-decreasing per row)
+number the maximal runs of equal segment ids, and a token sees only keys of its own run.
 """
 
 from __future__ import annotations
@@ -49,16 +49,11 @@ from jax.experimental import pallas as pl
 
 from lmcore.ops.common import pallas_utils as pu
 from lmcore.ops.common.layout import default_positions
-from sanatan_jax import features
-from sanatan_jax.ops.sanatan_attention import api as attention
-from sanatan_jax.ops.sanatan_attention import pallas_triton_p1 as pallas_p1
+from lmcore.ops.common.segments import document_index
+from sanatan_jax.ops.sanatan_attention.base import (EPS, block_feature_fn, check_blocked_options,
+                                                    power_weights)
 
 _F32 = jnp.float32
-# pallas_p1's channels are (1, cos th, sin th, r, r cos th, r sin th); each variant's channels of
-# features.feature_map other than the constant 1 (which is added to the scores as d).
-_NON_CONSTANT = {6: (1, 2, 3, 4, 5), 4: (3, 4, 5), 3: (1, 2)}
-
-
 class KernelConfig(NamedTuple):
   """Static kernel parameters: blocks BQ, BK, real head dim and length, the power and variant."""
 
@@ -83,26 +78,12 @@ class _Block(NamedTuple):
   run: jax.Array  # [n] int32
 
 
-def _feature_fn(pos, start, shape, cfg: KernelConfig):
-  """(u [n, dp], omega [1, dp], lam_raw [1, dp]) -> the variant's non-constant channels (fp32),
-  zero on time and head-dim padding."""
-  token = start + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-  dim = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-  valid = (token < cfg.length) & (dim < cfg.head_dim)
-
-  def fn(u, omega, lam_raw):
-    phi = pallas_p1._feature_channels(u, omega, lam_raw, pos, valid)
-    return tuple(phi[c] for c in _NON_CONSTANT[cfg.channels])
-
-  return fn
-
-
 def _load(refs, params, start, size: int, cfg: KernelConfig, with_vjp: bool = False):
   """Rows ``start : start + size`` of a raw q or k ref as a _Block, and (if asked) the VJP of its
   features w.r.t. (u, omega, lam_raw)."""
   u_ref, pos_ref, run_ref = refs
   u = pu.rows(u_ref, start, size)
-  fn = _feature_fn(pu.rows(pos_ref, start, size), start, u.shape, cfg)
+  fn = block_feature_fn(pu.rows(pos_ref, start, size), start, u.shape, cfg)
   args = (u.astype(_F32), *params)
   phi, vjp = jax.vjp(fn, *args) if with_vjp else (fn(*args), None)
   index = start + jax.lax.broadcasted_iota(jnp.int32, (size,), 0)
@@ -121,10 +102,9 @@ def _visible(query: _Block, key: _Block):
 
 
 def _weights(s, visible, cfg: KernelConfig):
-  """w = ((s + shift) / c)^p on visible pairs, else 0 (features.unit_scores; 4ch clips s at 0)."""
-  u = features.unit_scores(s, channels=cfg.channels, three_channel=cfg.three_channel,
-                           d=cfg.head_dim)
-  return jnp.where(visible, u**cfg.p, 0.0)
+  """w = ((s + shift) / c)^p on visible pairs, else 0 (``base.power_weights``)."""
+  return power_weights(s, visible, p=cfg.p, channels=cfg.channels,
+                       three_channel=cfg.three_channel, d=cfg.head_dim)
 
 
 def _weights_and_score_grads(query: _Block, key: _Block, v, dN, dD, cfg: KernelConfig):
@@ -161,7 +141,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, pos_ref, run_ref, omega_ref, lam_ref, o
 
   init = (jnp.zeros((BQ, v_ref.shape[1]), _F32), jnp.zeros((BQ,), _F32))
   num, den = jax.lax.fori_loop(0, _key_blocks_upto(i, cfg), key_block, init)
-  o_ref[...] = (num / (den[:, None] + attention.EPS)).astype(o_ref.dtype)
+  o_ref[...] = (num / (den[:, None] + EPS)).astype(o_ref.dtype)
   den_ref[...] = den
 
 
@@ -250,7 +230,7 @@ def _fused_bwd(cfg, residuals, do):
   q, k, v, pos, run, omega, lam_raw, o, den = residuals
   B, Tp, H, dp = q.shape
   Vp = v.shape[-1]
-  inv_BxTxH = 1.0 / (den + attention.EPS)
+  inv_BxTxH = 1.0 / (den + EPS)
   do = do.astype(_F32)
   dN = (do * inv_BxTxH[..., None]).astype(v.dtype)
   dD = -jnp.sum(do * o.astype(_F32), axis=-1) * inv_BxTxH
@@ -276,16 +256,6 @@ def _fused_bwd(cfg, residuals, do):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def check_options(p, channels, three_channel, block_q, block_k, op="sanatan_blocked_pallas"):
-  """Raises ValueError naming ``op`` for a bad power, channel variant or block size."""
-  if not isinstance(p, int) or p < 1:
-    raise ValueError(f"{op}: p must be a positive integer, got {p!r}")
-  features.check_channels(channels, three_channel)
-  for name, size in (("block_q", block_q), ("block_k", block_k)):
-    if size < 1 or size & (size - 1):
-      raise ValueError(f"{op}: {name} must be a power of two, got {size}")
-
-
 def sanatan_blocked_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array,
                            lam_raw: jax.Array, *, positions: jax.Array | None = None,
                            segment_ids: jax.Array | None = None, p: int = 2, channels: int = 6,
@@ -293,7 +263,7 @@ def sanatan_blocked_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.
                            interpret: bool | None = None, block_q: int = 32, block_k: int = 32,
                            num_warps: int = 4, num_stages: int = 2,
                            precision: str = "input") -> jax.Array:
-  """SANATAN attention at any power p and channel variant (SPEC §1.1) by the blocked Pallas
+  """SANATAN attention at any power p and channel variant (MATH §1.1) by the blocked Pallas
   kernels; the output of ``sanatan_attention(..., implementation="blocked")``. No state: the
   kernels run whole sequences (p >= 2 and the 4/3-channel ablations have no constant-size state).
 
@@ -301,8 +271,8 @@ def sanatan_blocked_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.
     q, k: raw [B, T, H, d] (already divided by sqrt(d)); v: [B, T, H, dv]; bf16 or fp32.
     omega, lam_raw: [H, d] root anchors and raw rotation rates.
     positions: int [B, T] document positions; default 0..T-1.
-    segment_ids: optional [B, T] packed-document ids (attention.py's convention).
-    p, channels, three_channel: the kernel (SPEC §1.1 steps 5-6); any positive integer p.
+    segment_ids: optional [B, T] packed-document ids (api.py's convention).
+    p, channels, three_channel: the kernel (MATH §1.1 steps 5-6); any positive integer p.
     rotate: False drops the temporal rotation (the "no lambda" ablation).
     interpret: run the kernels interpreted; None means "unless on a GPU".
     block_q, block_k: query and key block lengths, powers of two (>= 16 when compiled; capped at
@@ -317,7 +287,8 @@ def sanatan_blocked_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.
   interpret = pu.resolve_interpret(interpret)
   pu.check_backend(interpret, "sanatan_blocked_pallas",
                    "sanatan_attention(implementation='blocked')")
-  check_options(p, channels, three_channel, block_q, block_k)
+  check_blocked_options(p, channels, three_channel, block_q, block_k,
+                        op="sanatan_blocked_pallas")
   pu.check_precision(precision, "sanatan_blocked_pallas")
   q, k, v = pu.operands(precision, q, k, v)
   B, T, H, d = q.shape
@@ -334,7 +305,7 @@ def sanatan_blocked_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.
   pad_qk = lambda x: pu.pad_axis(pu.pad_axis(x, 1, Tp), 3, dp)
   pos = positions.astype(jnp.int32) if rotate else jnp.zeros((B, T), jnp.int32)
   # Edge-padding keeps padded tokens in the last run; causality hides them from real queries.
-  run = pu.pad_axis(attention.segment_runs(segment_ids, B, T), 1, Tp, mode="edge")
+  run = pu.pad_axis(document_index(segment_ids, B, T), 1, Tp, mode="edge")
   param = lambda x: pu.pad_axis(x.astype(_F32), 1, dp).reshape(H, 1, dp)
   o = _fused(pad_qk(q), pad_qk(k), pu.pad_axis(pu.pad_axis(v, 1, Tp), 3, Vp),
              pu.pad_axis(pos, 1, Tp), run, param(omega), param(lam_raw), cfg)

@@ -1,7 +1,8 @@
-"""Pallas (Triton lowering) kernels for SANATAN p = 1, six channels (SPEC §1.2), with custom VJP.
+"""Pallas (Triton lowering) kernels for SANATAN p = 1, six channels (MATH §1.2), with custom VJP.
 
-Per head, with Phi the six-channel feature map of SPEC §1.1 computed *inside* the kernels from the
-raw q, k chunk (features.py's functions), the write-then-read recurrence of attention.py::
+Per head, with Phi the six-channel feature map of MATH §1.1 computed *inside* the kernels from the
+raw q, k chunk (``base.feature_channels``), the write-then-read recurrence of
+``reference.recurrent``::
 
     S_t = S_{t-1} + Phi(k_t) v_tᵀ,   z_t = z_{t-1} + Phi(k_t),
     o_t = Phi(q_t)ᵀ S_t / (Phi(q_t)ᵀ z_t + c eps)
@@ -38,16 +39,16 @@ d Phi(q) from the start state (``_dq_kernel``), and d Phi(k) and dv from the gra
 chunk (``_dk_dv_kernel``), and chain them through the feature map inside the kernel (``jax.vjp`` of
 the same feature functions) into dq, dk, d omega and d lam_raw. (One kernel for both did the same
 work 11-16% slower on the H200, fwd+bwd: it holds twice the channel arrays at once.) Sums over
-value tiles (dq, dk) and over tiles and chunks (d omega, d lam_raw) are taken outside; the denominator does not depend on the
-value tile, so its gradient terms come from value tile 0 only.
+value tiles (dq, dk) and over tiles and chunks (d omega, d lam_raw) are taken outside; the
+denominator does not depend on the value tile, so its gradient terms come from value tile 0 only.
 
 The start states S_n enter the output kernel in q's dtype and the gradient kernel in v's (and the
 state gradients and dN in v's): the dtypes their dots cast them to anyway, so at bf16 the chunk
 states cross HBM at half width for no loss. The normalisers z and their gradients stay fp32.
 
-Packed documents follow attention.py: ``runs`` (non-decreasing per row) mark maximal runs of equal
-segment ids; a token reads the carried state only in the state's run and a chunk hands on only its
-last run's writes.
+Packed documents follow api.py: ``runs`` (``segments.document_index``, non-decreasing per row)
+number the maximal runs of equal segment ids; a token reads the carried state only in the state's
+run and a chunk hands on only its last run's writes.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ from jax.experimental import pallas as pl
 from lmcore.ops.common import chunk_scan
 from lmcore.ops.common import pallas_utils as pu
 from lmcore.ops.common.layout import default_positions
+from lmcore.ops.common.segments import document_index
 from sanatan_jax import features
-from sanatan_jax.ops.sanatan_attention import api as attention
+from sanatan_jax.ops.sanatan_attention.base import EPS, SanatanState, feature_channels
 
 CHANNELS = 6
 # Fastest on the H200 at T = 8192 (fwd+bwd 8.07 ms with the chunk scan's first tiles, C = 16 8.58,
@@ -97,21 +99,6 @@ class _Chunk(NamedTuple):
   run: jax.Array  # [C] int32
 
 
-def _feature_channels(u, omega, lam_raw, pos, valid):
-  """The six channels of Phi for a chunk of raw q or k [C, dp] (fp32), zero where not ``valid``.
-
-  Roots come from the pre-rotation angles (SPEC §1.1 step 3); the channel order is feature_map's.
-  """
-  theta = features.angles(u)
-  r = features.soft_roots(theta, omega)
-  # features.rotate on a [C, d] chunk, written out: its [B, T, H, d] broadcasting would put 4-D
-  # arrays (and 4-D reductions in the VJP) into the kernel, which the Triton lowering handles badly.
-  rot = theta + pos[:, None].astype(_F32) * (features.LAMBDA_SCALE * jnp.tanh(lam_raw))
-  cos, sin = jnp.cos(rot), jnp.sin(rot)
-  channels = (jnp.ones_like(rot), cos, sin, r, r * cos, r * sin)
-  return tuple(jnp.where(valid, x, 0.0) for x in channels)
-
-
 def _valid(n, cfg: KernelConfig, dp: int):
   """[C, dp] bool: a real token (not time padding) and a real head dimension (not dim padding)."""
   C = cfg.chunk
@@ -126,7 +113,7 @@ def _phi(u_ref, params, n, cfg):
   u = pu.rows(u_ref, n * cfg.chunk, cfg.chunk).astype(_F32)
   pos = pu.rows(pos_ref, n * cfg.chunk, cfg.chunk)
   valid = _valid(n, cfg, u.shape[1])
-  fn = lambda u, omega, lam_raw: _feature_channels(u, omega, lam_raw, pos, valid)
+  fn = lambda u, omega, lam_raw: feature_channels(u, omega, lam_raw, pos, valid)
   phi, vjp = jax.vjp(fn, u, omega_ref[...], lam_ref[...])
   return tuple(x.astype(u_ref.dtype) for x in phi), vjp
 
@@ -469,19 +456,19 @@ def _check(q, v, state):
 def sanatan_p1_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array,
                       lam_raw: jax.Array, *, positions: jax.Array | None = None,
                       segment_ids: jax.Array | None = None,
-                      state: attention.SanatanState | None = None,
+                      state: SanatanState | None = None,
                       chunk_size: int | None = None, rotate: bool = True,
                       interpret: bool | None = None, block_v: int = 64,
                       num_warps: int = 8, num_stages: int = 2, scan: str = "pallas",
-                      precision: str = "input") -> tuple[jax.Array, attention.SanatanState]:
-  """SANATAN p = 1, 6 channels (SPEC §1.2) by the Pallas kernels; same function as
+                      precision: str = "input") -> tuple[jax.Array, SanatanState]:
+  """SANATAN p = 1, 6 channels (MATH §1.2) by the Pallas kernels; same function as
   ``sanatan_attention(..., p=1, channels=6)``.
 
   Args:
     q, k: raw [B, T, H, d] (already divided by sqrt(d)); v: [B, T, H, dv]; bf16 or fp32.
     omega, lam_raw: [H, d] root anchors and raw rotation rates.
     positions: int [B, T] document positions; default 0..T-1 offset by ``state.position``.
-    segment_ids: optional [B, T] packed-document ids (attention.py's convention).
+    segment_ids: optional [B, T] packed-document ids (api.py's convention).
     state: a SanatanState to continue from; None means zeros.
     chunk_size: tokens per chunk, a power of two (>= 16 when compiled); None means ``DEFAULT_CHUNK``.
     rotate: False drops the temporal rotation (the "no lambda" ablation).
@@ -512,16 +499,16 @@ def sanatan_p1_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
   dp, BV = pu.block_size(d, interpret), min(pu.block_size(V, interpret), block_v)
   Tp, Vp = pu.round_up(T, C), pu.round_up(V, BV)
   cfg = KernelConfig(chunk=C, block_v=BV, head_dim=d, length=T,
-                     c_eps=features.score_scale(CHANNELS, "clean", d) * attention.EPS,
+                     c_eps=features.score_scale(CHANNELS, "clean", d) * EPS,
                      interpret=interpret, num_warps=num_warps, num_stages=num_stages, scan=scan,
                      precision=precision)
   pad_qk = lambda x: pu.pad_axis(pu.pad_axis(x, 1, Tp), 3, dp)
   pos = positions.astype(jnp.int32) if rotate else jnp.zeros((B, T), jnp.int32)
-  run = attention.segment_runs(segment_ids, B, T)
+  run = document_index(segment_ids, B, T)
   param = lambda p: pu.pad_axis(p.astype(_F32), 1, dp).reshape(H, 1, dp)
   S0, z0 = _to_kernel_state(state, B, H, d, dp, V, Vp)
   o, S, z = _attend(pad_qk(q), pad_qk(k), pu.pad_axis(pu.pad_axis(v, 1, Tp), 3, Vp),
                     pu.pad_axis(pos, 1, Tp), pu.pad_axis(run, 1, Tp, mode="edge"),
                     param(omega), param(lam_raw), S0, z0, cfg)
   S, z = _from_kernel_state(S, z, d, V)
-  return o[:, :T, :, :V], attention.SanatanState(S, z, positions[:, -1].astype(jnp.int32) + 1)
+  return o[:, :T, :, :V], SanatanState(S, z, positions[:, -1].astype(jnp.int32) + 1)

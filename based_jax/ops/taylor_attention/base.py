@@ -1,0 +1,123 @@
+"""What every Taylor linear attention backend shares (MATH §2.1): the state, argument checks and the
+pieces of the parallel form that the blocked kernels reuse.
+
+Per head, with ``A_tj = phi(q_t)·phi(k_j) = 1 + s + s²/2`` and ``s = q_t·k_j / sqrt(d')``::
+
+    y_t = dt_t · sum_{j<=t} gamma^(t-j) A_tj v_j / (sum_{j<=t} A_tj + eps)
+
+The recurrent state is ``S = sum_j gamma^(T-1-j) phi(k_j) v_j^T`` [F, dv] and ``z = sum_j phi(k_j)``
+[F], both fp32; a state passed in is the prefix of the same sequence (write-then-read: token t sees
+itself). Documents are numbered by ``lmcore.ops.common.segments.document_index``; an incoming state
+continues document 0 of each row.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from based_jax.taylor import Feature, feature_width, taylor_features, taylor_kernel
+
+# The backends without the decay ablation (decay, dt) and those without packed documents.
+NO_DECAY: tuple[str, ...] = ("pallas", "pallas_blocked")
+NO_SEGMENTS: tuple[str, ...] = ("chunked",)
+
+# "auto" on a GPU: the blocked (quadratic) kernels below this length, the chunked ones from it. H200
+# fwd+bwd (B T = 16,384, 16 heads, d' = 16, dv = 64): 1.59 against 4.43 ms at T = 2048, 2.97
+# against 4.31 at 4096, 4.80 against 4.74 at 8192, 33.5 against 10.7 at 32768.
+BLOCKED_BELOW = 8192
+
+
+class TaylorState(NamedTuple):
+  """Recurrent state of Taylor linear attention (fp32)."""
+
+  S: jax.Array  # [B, H, F, dv]: sum_j gamma^(age) phi(k_j) v_j^T
+  z: jax.Array  # [B, H, F]: sum_j phi(k_j), undecayed
+
+
+def zero_state(batch_size: int, n_heads: int, key_dim: int, value_dim: int,
+               feature: Feature = "compact") -> TaylorState:
+  """The start-of-sequence state."""
+  f = feature_width(key_dim, feature)
+  return TaylorState(S=jnp.zeros((batch_size, n_heads, f, value_dim), jnp.float32),
+                     z=jnp.zeros((batch_size, n_heads, f), jnp.float32))
+
+
+def default_decay_rates(n_heads: int) -> jax.Array:
+  """The decay ablation's rates ``gamma_h = 1 - 2^(-3-h)``, h = 0..H-1 (MATH §2.1), fp32 [H]."""
+  return 1.0 - 2.0 ** (-3.0 - jnp.arange(n_heads, dtype=jnp.float32))
+
+
+def check_args(q, k, v, implementation: str, decay, dt, segment_ids) -> None:
+  """Shapes of q, k, v, decay and dt, and whether ``implementation`` takes decay and documents."""
+  if q.shape != k.shape or q.shape[:3] != v.shape[:3]:
+    raise ValueError(f"q, k must be [B, T, H, d'] and v [B, T, H, dv]; "
+                     f"got {q.shape}, {k.shape}, {v.shape}")
+  if decay is not None and decay.shape != q.shape[2:3]:
+    raise ValueError(f"decay must be per-head rates of shape {q.shape[2:3]}, got {decay.shape}")
+  if dt is not None and dt.shape != q.shape[:3]:
+    raise ValueError(f"dt must have shape [B, T, H] = {q.shape[:3]}, got {dt.shape}")
+  if implementation in NO_DECAY and (decay is not None or dt is not None):
+    raise NotImplementedError("the decay ablation (decay, dt) is supported by implementation="
+                              f"'parallel', 'chunked' or 'recurrent', not {implementation!r}")
+  if segment_ids is not None and implementation in NO_SEGMENTS:
+    raise NotImplementedError("segment_ids are supported by implementation='parallel', 'recurrent' "
+                              f"or 'pallas', not {implementation!r}")
+
+
+def as_state(state: TaylorState | None, q: jax.Array, v: jax.Array,
+             feature: Feature) -> TaylorState:
+  """``state`` in fp32, or the zero state for q's batch, heads and key dim and v's value dim."""
+  if state is None:
+    return zero_state(q.shape[0], q.shape[2], q.shape[3], v.shape[-1], feature)
+  return TaylorState(*(x.astype(jnp.float32) for x in state))
+
+
+def decay_inputs(q: jax.Array, decay: jax.Array | None,
+                 dt: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  """``log gamma`` [H] (zeros without decay) and ``dt`` [B, T, H] (ones without), fp32."""
+  batch, length, heads, _ = q.shape
+  log_gamma_H = (jnp.zeros((heads,), jnp.float32) if decay is None
+                 else jnp.log(decay.astype(jnp.float32)))
+  dt_BxTxH = jnp.ones((batch, length, heads), jnp.float32) if dt is None else dt.astype(jnp.float32)
+  return log_gamma_H, dt_BxTxH
+
+
+def mm(spec: str, *operands: jax.Array) -> jax.Array:
+  """einsum accumulated in fp32 at full precision."""
+  return jnp.einsum(spec, *operands, precision=jax.lax.Precision.HIGHEST,
+                    preferred_element_type=jnp.float32)
+
+
+def scores(q_BxTxHxK: jax.Array, k_BxSxHxK: jax.Array) -> jax.Array:
+  """A_ts = 1 + s + s²/2 straight from q·k (no feature map), fp32 [B, H, T, S]."""
+  s_BxHxTxS = mm("bthk,bshk->bhts", q_BxTxHxK, k_BxSxHxK) / math.sqrt(q_BxTxHxK.shape[-1])
+  return taylor_kernel(s_BxHxTxS)
+
+
+def state_reads(q: jax.Array, state: TaylorState, doc_BxT: jax.Array, feature: Feature):
+  """Which tokens read an incoming state (document 0's: [B, T, 1] float) and what they read,
+  phi(q)·S [B, T, H, dv] and phi(q)·z [B, T, H] (fp32, undecayed)."""
+  phi_q_BxTxHxF = taylor_features(q, feature)
+  return ((doc_BxT == 0)[..., None].astype(jnp.float32),
+          (mm("bthf,bhfv->bthv", phi_q_BxTxHxF, state.S),
+           mm("bthf,bhf->bth", phi_q_BxTxHxF, state.z)))
+
+
+def parallel_final_state(k: jax.Array, v: jax.Array, state: TaylorState, log_gamma_H: jax.Array,
+                         doc_BxT: jax.Array, *, feature: Feature) -> TaylorState:
+  """The state after the last token: only the last document's keys, plus the old state if the row
+  is one document."""
+  length = k.shape[1]
+  in_last_BxT = (doc_BxT == doc_BxT[:, -1:]).astype(jnp.float32)
+  age_T = length - 1 - jnp.arange(length)
+  weight_BxTxH = in_last_BxT[..., None] * jnp.exp(age_T[:, None] * log_gamma_H)
+  phi_k_BxTxHxF = taylor_features(k, feature).astype(jnp.float32)
+  keep_B = (doc_BxT[:, -1] == 0).astype(jnp.float32)
+  S = (keep_B[:, None, None, None] * jnp.exp(length * log_gamma_H)[:, None, None] * state.S
+       + mm("bthf,bthv->bhfv", phi_k_BxTxHxF * weight_BxTxH[..., None], v))
+  z = keep_B[:, None, None] * state.z + mm("bthf,bt->bhf", phi_k_BxTxHxF, in_last_BxT)
+  return TaylorState(S, z)

@@ -1,0 +1,392 @@
+"""Decode speed of the paper models, in one process (``scripts/bench_decode.py``).
+
+Each model (random parameters: speed does not depend on them) is run through the compiled generation
+loop of ``lmcore/eval/generate.py`` exactly as ``eval.py --prompt`` runs it. One row is a batch size B
+and a context C: a decode state sized for C tokens is prefilled with C − N uniform random tokens (in
+calls of N tokens), then one timed ``decode`` call samples N tokens greedily per row (N − 1 of them fed
+back through the model), positions C − N … C − 1. A row reports
+
+* ms/token: the wall time of that call (median of ``repeats`` calls after a compiling one, each on a
+  copy of the prefilled state) over N; tokens/s: B · N over the same time;
+* state bytes per sequence: every array of ``model.init_state(1, C)`` (counters included);
+* weights MB: the bytes decoding reads per token, the compute-dtype weights and head (the embedding
+  tables' rows read by the lookup aside), and floor ms: those bytes plus the state of B sequences read
+  once, at the device's memory bandwidth (``HBM_BYTES_PER_S``): a lower bound a step cannot beat;
+* compile s: the wall time of compiling every prefill and decode call of the model's rows, in parallel
+  threads before the first row runs (the same for all of them).
+
+The main grid is every model at every batch and context. Long contexts run at ``long_batches`` only
+and without a learned position table (``model.max_positions=0``; speed does not depend on the table,
+whose length would cap the context): the fixed-state models' per-token time should stay flat while the
+softmax KV cache's grows with C.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks import train_step
+
+# Memory bandwidth per chip (vendors' data sheets), matched against ``device_kind`` (first match wins).
+HBM_BYTES_PER_S = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100", 2.0e12))
+
+# name -> (a preset of benchmarks.train_step, model overrides); the 184M models, BASED 360M, CyFA.
+PRESETS = {
+    "sanatan_p1_184m": ("sanatan_p1_184m", ()),
+    "softmax_184m": ("softmax_184m", ()),
+    "based_360m": ("based_360m", ()),
+    "gla_182m": ("gla_182m", ()),
+    "cyfa": ("cyfa", ()),
+}
+# The same names on the tiny presets (CPU tests and smoke runs); patterns without a count follow
+# ``model.n_layers``.
+TINY_PRESETS = {
+    "sanatan_p1_184m": ("sanatan:tiny_p1_scratch", (("model.pattern", "sanatan"),)),
+    "softmax_184m": ("sanatan:tiny_p1_scratch", (("model.pattern", "softmax"),
+                                                 ("model.mixers", {"softmax": {"n_heads": 8, "rope": False}}))),
+    "based_360m": ("based:tiny", ()),
+    "gla_182m": ("baselines:gla_tiny", ()),
+    "cyfa": ("baselines:cyfa_tiny", ()),
+}
+NO_POSITION_TABLE = (("model.max_positions", 0),)
+
+
+# A flag a user can fix (the message names it and the fix); one class with the train-step benchmark's.
+BenchError = train_step.BenchError
+
+
+@dataclasses.dataclass
+class DecodeRow:
+  model: str
+  mixers: str  # the mixer kinds, "+"-joined
+  params: int
+  batch: int
+  context: int
+  decode_tokens: int
+  position_table: bool  # the model has a learned absolute position table
+  grid: str = "main"  # "main" (batches x contexts) or "long" (long_batches x long_contexts)
+  ms_per_token: float | None = None
+  tokens_per_s: float | None = None
+  state_bytes_per_seq: int | None = None
+  weight_bytes: int | None = None
+  floor_ms: float | None = None
+  compile_s: float | None = None
+  note: str = ""
+
+
+def hbm_bytes_per_s(device: jax.Device | None = None) -> float | None:
+  """The device's memory bandwidth (bytes/s) from ``HBM_BYTES_PER_S``, None when not listed (CPUs)."""
+  device = device or jax.devices()[0]
+  if device.platform == "cpu":
+    return None
+  kind = getattr(device, "device_kind", "")
+  return next((bw for name, bw in HBM_BYTES_PER_S if name.lower() in kind.lower()), None)
+
+
+def model_config(name: str, *, tiny: bool = False, overrides=()):
+  """The typed ``ModelConfig`` of a model of ``PRESETS`` (or ``TINY_PRESETS``), then ``overrides``
+  ((dotted key, value) pairs; keys the preset lacks are skipped)."""
+  from lmcore import config as cfg_lib
+
+  table = TINY_PRESETS if tiny else PRESETS
+  if name not in table:
+    raise BenchError(f"--models: unknown model {name!r}; use some of {', '.join(table)}.")
+  preset, preset_overrides = table[name]
+  cd = train_step.preset_config(preset)
+  for key, value in preset_overrides:
+    if key == "model.mixers":  # replaces the whole mapping (a new mixer kind)
+      cd.model.mixers = value
+  train_step.apply_overrides(cd, [kv for kv in preset_overrides if kv[0] != "model.mixers"] + list(overrides))
+  try:
+    return cfg_lib.model_config(cd.model)
+  except cfg_lib.ConfigError as e:
+    raise BenchError(f"model {name}: {e}") from None
+
+
+def _state_bytes_per_seq(model, context: int) -> int:
+  shapes = jax.eval_shape(lambda: model.init_state(1, context))
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+def _weight_bytes(weights) -> int:
+  """Bytes of the decode weights a token reads: all but the embedding tables (the lookup reads B rows)."""
+  total = 0
+  for path, leaf in jax.tree_util.tree_flatten_with_path((weights.params, weights.unembed_DxV))[0]:
+    keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    if not {"embed", "pos_embed"} & set(keys):
+      total += leaf.size * leaf.dtype.itemsize
+  return total
+
+
+def _copy(tree):
+  return jax.tree.map(jnp.copy, tree)
+
+
+def _prefill_lengths(context: int, decode_tokens: int) -> list[int]:
+  """The lengths of the prefill calls: C − N tokens in calls of N."""
+  prefill = context - decode_tokens
+  return [min(decode_tokens, prefill - start) for start in range(0, prefill, decode_tokens)]
+
+
+def compile_grid(gen, grid, decode_tokens: int, workers: int = 0) -> float:
+  """Compiles prefill and decode for every (batch, context) of ``grid`` (shapes deduplicated) in parallel
+  threads before anything runs; returns the wall seconds."""
+  import concurrent.futures
+
+  from lmcore.eval.generate import Sampling
+
+  jobs = {}
+  for _, batch, context in grid:
+    state = jax.eval_shape(lambda: gen.init_state(batch, context))
+    key = (batch, str(jax.tree.map(lambda x: (x.shape, x.dtype), state)))
+    lengths = jobs.setdefault(key, (batch, context, set()))[2]
+    lengths.update(_prefill_lengths(context, decode_tokens))
+  workers = workers or max(1, min(len(jobs), (os.cpu_count() or 2) // 2))
+  start = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    futures = [pool.submit(gen.compile, batch, context, prefill_lengths=sorted(lengths),
+                           max_new_tokens=decode_tokens, sampling=Sampling(temperature=0))
+               for batch, context, lengths in jobs.values()]
+    for future in futures:
+      future.result()
+  return time.perf_counter() - start
+
+
+def measure(gen, row: DecodeRow, *, repeats: int, bandwidth: float | None, seed: int = 0) -> DecodeRow:
+  """Prefills a state for ``row.context`` and times ``row.decode_tokens`` greedy tokens (module docstring)."""
+  from lmcore.eval.generate import Sampling
+
+  B, C, N = row.batch, row.context, row.decode_tokens
+  state = gen.init_state(B, C)
+  rng = np.random.default_rng(seed)
+  logits = None
+  for length in _prefill_lengths(C, N):
+    logits, state = gen.prefill(rng.integers(0, gen.config.vocab_size, (B, length), dtype=np.int32), state)
+  jax.block_until_ready((logits, state))
+  greedy = Sampling(temperature=0)
+  times = []
+  for _ in range(repeats + 1):
+    fresh = _copy(state)
+    jax.block_until_ready(fresh)
+    start = time.perf_counter()
+    out, n_new, end_state = gen.decode(logits, fresh, max_new_tokens=N, sampling=greedy)
+    jax.block_until_ready(out)
+    times.append(time.perf_counter() - start)
+    del out, n_new, end_state
+  decode_s = statistics.median(times[1:])
+  row.ms_per_token = decode_s / N * 1e3
+  row.tokens_per_s = B * N / decode_s
+  if bandwidth:
+    row.floor_ms = (row.weight_bytes + B * row.state_bytes_per_seq) / bandwidth * 1e3
+  return row
+
+
+def run(models: list[str], *, batches: list[int], contexts: list[int], long_contexts: list[int] = (),
+        long_batches: list[int] = (1,), decode_tokens: int = 128, repeats: int = 3, tiny: bool = False,
+        overrides: list[str] = (), jsonl: str = "", max_seconds: float = 0.0) -> list[DecodeRow]:
+  """Every model at every (batch, context), then at ``long_batches`` × ``long_contexts`` without a
+  position table; one after another in this process. A row that fails (out of memory, say) keeps its
+  error as a note; rows not started within ``max_seconds`` (0: no limit) are noted as skipped. Rows are
+  appended to ``jsonl`` as they are measured."""
+  from lmcore.eval.generate import Generator
+  from lmcore.model import LanguageModel, count_params
+
+  if decode_tokens < 1 or repeats < 1:
+    raise BenchError(f"--decode_tokens={decode_tokens} and --repeats={repeats} must both be >= 1.")
+  parsed = [train_step.parse_override(o) for o in overrides]
+  for c in list(contexts) + list(long_contexts):
+    if c <= decode_tokens:
+      raise BenchError(f"--contexts/--long_contexts: {c} must exceed --decode_tokens={decode_tokens}.")
+  plans = []  # (name, config, [(grid, batch, context)]): one model and its compilations per plan
+  for name in models:
+    config = model_config(name, tiny=tiny, overrides=parsed)
+    main = [("main", b, c) for b in batches for c in contexts]
+    long = [("long", b, c) for b in long_batches for c in long_contexts]
+    if config.max_positions and long:
+      plans += [(name, config, main),
+                (name, model_config(name, tiny=tiny, overrides=parsed + list(NO_POSITION_TABLE)), long)]
+    else:
+      plans.append((name, config, main + long))
+  bandwidth = hbm_bytes_per_s()
+  started, rows = time.perf_counter(), []
+  out_of_time = lambda: max_seconds and time.perf_counter() - started > max_seconds
+  for name, config, grid in plans:
+    mixers = "+".join(sorted(set(config.layer_kinds())))
+    model = gen = None
+    if not out_of_time():
+      model = LanguageModel(config, rngs=nnx.Rngs(0))
+      gen = Generator(model)
+      try:
+        compile_s = compile_grid(gen, grid, decode_tokens)
+        print(f"{name}: compiled the prefill and decode of {len(grid)} rows in {compile_s:.1f} s", flush=True)
+      except Exception as e:  # each row compiles (and fails) on its own then, with its own note
+        compile_s = None
+        print(f"{name}: ahead-of-time compilation failed ({type(e).__name__}); rows compile as they run",
+              flush=True)
+    for grid_name, batch, context in grid:
+      row = DecodeRow(name, mixers, 0, batch, context, decode_tokens, bool(config.max_positions), grid_name)
+      if gen is None or out_of_time():
+        row.note = f"skipped: past --max_seconds={max_seconds:g}"
+      else:
+        row.params, row.weight_bytes = count_params(model), _weight_bytes(gen.weights)
+        row.state_bytes_per_seq, row.compile_s = _state_bytes_per_seq(model, context), compile_s
+        try:
+          measure(gen, row, repeats=repeats, bandwidth=bandwidth)
+        except BenchError:
+          raise
+        except Exception as e:  # out of memory: report it and go on
+          row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+      print(f"  {format_row_line(row)}", flush=True)
+      rows.append(row)
+      if jsonl:
+        os.makedirs(os.path.dirname(os.path.abspath(jsonl)), exist_ok=True)
+        with open(jsonl, "a") as f:
+          f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+    del model, gen
+    gc.collect()
+    jax.clear_caches()
+  return rows
+
+
+def _fmt(x, spec: str, scale: float = 1.0) -> str:
+  return "—" if x is None else format(x * scale, spec)
+
+
+def format_row_line(r: DecodeRow) -> str:
+  head = f"{r.model}{'' if r.position_table else ' (no position table)'} B={r.batch} C={r.context}: "
+  if r.ms_per_token is None:
+    return head + (r.note or "failed")
+  return (head + f"{r.ms_per_token:.3f} ms/token, {r.tokens_per_s:,.0f} tok/s, state "
+          f"{_fmt(r.state_bytes_per_seq, ',.0f')} B/seq, floor {_fmt(r.floor_ms, '.3f')} ms")
+
+
+def format_table(rows: list[DecodeRow]) -> str:
+  lines = ["| model | mixers | params | position table | batch | context | ms/token | tokens/s | "
+           "state bytes / seq | weights MB | floor ms | compile s | note |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(
+        f"| {r.model} | {r.mixers} | {_fmt(r.params or None, ',.1f', 1e-6)}M | "
+        f"{'yes' if r.position_table else 'no'} | {r.batch} | {r.context:,} | {_fmt(r.ms_per_token, '.3f')} | "
+        f"{_fmt(r.tokens_per_s, ',.0f')} | {_fmt(r.state_bytes_per_seq, ',.0f')} | "
+        f"{_fmt(r.weight_bytes, ',.1f', 1e-6)} | {_fmt(r.floor_ms, '.3f')} | {_fmt(r.compile_s, '.1f')} | "
+        f"{r.note} |")
+  return "\n".join(lines)
+
+
+def _timed(rows, model, batch=None, context=None):
+  return [r for r in rows if r.model == model and r.ms_per_token is not None
+          and (batch is None or r.batch == batch) and (context is None or r.context == context)]
+
+
+def target_lines(rows: list[DecodeRow], *, model: str = "sanatan_p1_184m",
+                 reference: str = "softmax_184m") -> list[str]:
+  """The decode targets read off the rows: ``model`` at batch 1 ≤ 0.3 ms/token, and within ± 10 % of its
+  median over every measured context; at batch 64, context 2048, ≥ 4× the tokens/s of ``reference``."""
+  lines = []
+  batch1 = sorted(_timed(rows, model, batch=1), key=lambda r: r.context)
+  if batch1:
+    worst = max(r.ms_per_token for r in batch1)
+    lines.append(f"- {model}, batch 1: {worst:.3f} ms/token at worst over contexts "
+                 f"{batch1[0].context:,}–{batch1[-1].context:,} (target ≤ 0.3: "
+                 f"{'met' if worst <= 0.3 else 'not met'}).")
+    median = statistics.median(r.ms_per_token for r in batch1)
+    spread = max(abs(r.ms_per_token / median - 1) for r in batch1)
+    lines.append(f"- {model}, batch 1, flat over context: {min(r.ms_per_token for r in batch1):.3f}–"
+                 f"{worst:.3f} ms/token, at most {spread:.1%} from the median "
+                 f"(target ± 10 %: {'met' if spread <= 0.1 else 'not met'}).")
+  ours, theirs = _timed(rows, model, 64, 2048), _timed(rows, reference, 64, 2048)
+  if ours and theirs:
+    ratio = ours[0].tokens_per_s / theirs[0].tokens_per_s
+    lines.append(f"- batch 64, context 2,048: {model} {ours[0].tokens_per_s:,.0f} tokens/s, {reference} "
+                 f"{theirs[0].tokens_per_s:,.0f}: {ratio:.2f}× (target ≥ 4×: {'met' if ratio >= 4 else 'not met'}).")
+  return lines
+
+
+def notes(decode_tokens: int) -> str:
+  """What the columns mean, under the table."""
+  return (f"Each row prefills C − {decode_tokens} random tokens, then one compiled `decode` call samples "
+          f"{decode_tokens} tokens greedily per row (`lmcore/eval/generate.py`); ms/token is that call's "
+          "median time (after a compiling call) over the tokens, tokens/s = batch × tokens / time. State "
+          "bytes: every array of the decode state of one sequence. Weights MB: the compute-dtype weights "
+          "and head read per token. Floor: weights plus the state of the batch read once at the device's "
+          "memory bandwidth. Compile s: all of a model's prefill and decode calls, compiled in parallel "
+          "threads before its rows. The long-context rows run without a learned position table "
+          "(`model.max_positions=0`; position table: no).")
+
+
+def plot_tokens_per_s(rows: list[DecodeRow], path: str, title: str = "") -> None:
+  """tokens/s vs batch (log-log), one line per model and context (the main grid's contexts)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  timed = [r for r in rows if r.tokens_per_s and r.grid == "main"]
+  fig, ax = plt.subplots(figsize=(6.4, 4.4))
+  palette = plt.get_cmap("tab10")
+  models = list(dict.fromkeys(r.model for r in timed))
+  contexts = sorted({r.context for r in timed})
+  styles = ["-", "--", ":", "-."]
+  for i, model in enumerate(models):
+    for j, context in enumerate(contexts):
+      series = sorted({r.batch: r for r in timed if r.model == model and r.context == context}.values(),
+                      key=lambda r: r.batch)
+      if len(series) > 1:
+        ax.plot([r.batch for r in series], [r.tokens_per_s for r in series], styles[j % len(styles)],
+                marker="o", color=palette(i % 10), label=f"{model}, context {context:,}")
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  batches = sorted({r.batch for r in timed})
+  ax.set_xticks(batches, [str(b) for b in batches])
+  ax.set_xlabel("batch (sequences decoded together)")
+  ax.set_ylabel("generated tokens/s")
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(fontsize="x-small")
+  if title:
+    ax.set_title(title)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def report(rows: list[DecodeRow], *, markdown: str, plot: str, command: str, decode_tokens: int) -> str:
+  """Prints the table and the target lines, appends them (with the command) as a dated block to
+  ``markdown`` ('' = none) and plots tokens/s vs batch into ``plot`` ('' = none); returns the table."""
+  from benchmarks import harness
+
+  table = format_table(rows)
+  targets = target_lines(rows)
+  print(table + ("\n\n" + "\n".join(targets) if targets else ""), flush=True)
+  device = harness.device_name()
+  if markdown:
+    blocks = [table, notes(decode_tokens)] + (["\n".join(targets)] if targets else [])
+    harness.append_markdown(markdown, blocks, datetime.date.today().isoformat(), device, [command],
+                            topic="decode")
+  if plot:
+    plot_tokens_per_s(rows, plot, title=f"decode on {device}")
+    print(f"wrote {plot}", flush=True)
+  return table
+
+
+def parse_ints(text: Any, flag: str) -> list[int]:
+  """"1,8,64" -> [1, 8, 64]; a BenchError naming ``flag`` otherwise."""
+  try:
+    values = [int(v) for v in (text if isinstance(text, (list, tuple)) else str(text).split(",")) if str(v).strip()]
+  except ValueError:
+    raise BenchError(f"--{flag}={text!r}: give comma-separated positive integers, e.g. 1,8,64.") from None
+  if any(v < 1 for v in values):
+    raise BenchError(f"--{flag}={text!r}: every value must be >= 1.")
+  return values

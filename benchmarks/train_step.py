@@ -1,0 +1,331 @@
+"""The whole training step of the paper presets, timed in one process (``scripts/bench_train.py``).
+
+Each preset runs the project's own step (``lmcore.train.loop.make_train_step``: model, loss, AdamW with
+clipping and schedule, gradient accumulation) on synthetic tokens, at a common global batch and sequence
+length, keeping the preset's micro-batch (its memory plan: ``batch_size / grad_accum``). Measured per
+preset: compile seconds (lowering + XLA compilation), ms per step and tokens/s over the timed steps
+(after warm-up steps), MFU from the model card's training FLOPs per token and, as in the papers' "6N"
+convention, from 6 × parameters, XLA's memory plan of the compiled step and the device's peak memory.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import datetime
+import gc
+import importlib
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+GIB = 2 ** 30
+
+
+def _softmax_184m() -> ml_collections.ConfigDict:
+  """Softmax attention on the SANATAN 184M backbone: the same embedding, absolute position table, 12
+  layers of SwiGLU and width, 12 heads of 64; no RoPE (positions come from the backbone's table, as
+  for SANATAN)."""
+  from configs import common, sanatan
+
+  return common.experiment(
+      model=dict(sanatan.MODEL_184M, pattern="softmax*12"),
+      mixers={"softmax": dict(n_heads=12, head_dim=64, rope=False)}, train=sanatan.paper_train(),
+      data=sanatan.paper_data(), sources=sanatan.paper_sources(), tokenizer=sanatan.paper_tokenizer(),
+      heldout=sanatan.paper_heldout(), name="softmax_184m")
+
+
+# Named presets: (config module, preset) or a builder. Any "module:preset" of configs/ works too.
+PRESETS = {
+    "softmax_184m": _softmax_184m,
+    "sanatan_p1_184m": ("sanatan", "184m_p1_scratch"),
+    "sanatan_p2_184m": ("sanatan", "184m_p2"),
+    "gla_182m": ("baselines", "gla_182m"),
+    "cyfa": ("baselines", "cyfa_equal_state"),
+    "based_360m": ("based", "360m"),
+    "based_1p3b": ("based", "1p3b"),
+}
+
+
+class BenchError(ValueError):
+  """A flag a user can fix; the message names it and the fix."""
+
+
+@dataclasses.dataclass
+class TrainRow:
+  preset: str
+  variant: str  # the --sweep value ("" without a sweep)
+  mixers: str  # the mixer kinds of the model, "+"-joined
+  batch: int
+  seq_len: int
+  grad_accum: int
+  params: int
+  step_ms: float | None = None
+  tokens_per_s: float | None = None
+  flops_per_token: float | None = None  # the model card's training FLOPs per token
+  mfu: float | None = None
+  mfu_6n: float | None = None
+  compile_s: float | None = None
+  xla_memory_gib: float | None = None  # arguments + outputs + temporaries of the compiled step
+  peak_memory_gib: float | None = None  # the device's peak since the process started
+  loss: float | None = None
+  vs_softmax: float | None = None
+  note: str = ""
+
+
+def preset_config(name: str) -> ml_collections.ConfigDict:
+  """The ConfigDict of a named preset or of ``module:preset`` (a file of configs/)."""
+  if name in PRESETS:
+    entry = PRESETS[name]
+    if callable(entry):
+      return entry()
+    module, preset = entry
+  elif ":" in name:
+    module, preset = name.split(":", 1)
+    module = os.path.splitext(os.path.basename(module))[0]
+  else:
+    raise BenchError(f"--presets: unknown preset {name!r}; use one of {', '.join(PRESETS)} or "
+                     f"'<config file>:<preset>' (e.g. 'sanatan:tiny').")
+  try:
+    config_module = importlib.import_module(f"configs.{module}")
+  except ModuleNotFoundError:
+    raise BenchError(f"--presets: no config file configs/{module}.py (in {name!r}).") from None
+  if preset not in config_module.PRESETS:
+    raise BenchError(f"--presets: configs/{module}.py has no preset {preset!r}; valid: "
+                     f"{', '.join(config_module.PRESETS)}.")
+  return config_module.get_config(preset)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+  """"a.b=value" -> ("a.b", value); the value is a Python literal where it parses as one, else a string."""
+  key, sep, raw = text.partition("=")
+  if not sep or not key.strip():
+    raise BenchError(f"--override {text!r}: give KEY=VALUE, e.g. train.loss_impl=materialized.")
+  try:
+    value = ast.literal_eval(raw)
+  except (ValueError, SyntaxError):
+    value = raw
+  return key.strip(), value
+
+
+def _has_path(cd: ml_collections.ConfigDict, key: str) -> bool:
+  node = cd
+  for part in key.split("."):
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      return False
+    node = node[part]
+  return True
+
+
+def apply_overrides(cd: ml_collections.ConfigDict, overrides: list[tuple[str, Any]]) -> list[str]:
+  """Sets every override whose key the preset has; returns the keys it does not have (e.g. another
+  family's mixer)."""
+  missing = []
+  for key, value in overrides:
+    if not _has_path(cd, key):
+      missing.append(key)
+      continue
+    parent, _, leaf = key.rpartition(".")
+    node = cd
+    for part in parent.split(".") if parent else []:
+      node = node[part]
+    if isinstance(node[leaf], float) and isinstance(value, int) and not isinstance(value, bool):
+      value = float(value)
+    try:
+      node[leaf] = value
+    except TypeError as e:
+      raise BenchError(f"--override {key}={value!r}: {e}") from None
+  return missing
+
+
+def bench_config(name: str, *, batch: int, seq_len: int, overrides: list[tuple[str, Any]]):
+  """The typed config of preset ``name`` at global batch ``batch`` and ``seq_len``, the preset's
+  micro-batch kept (grad_accum = batch / micro-batch), then ``overrides``; and the override keys the
+  preset lacks."""
+  from lmcore import config as cfg_lib
+
+  cd = preset_config(name)
+  micro = max(1, cd.train.batch_size // cd.train.grad_accum)
+  cd.train.batch_size = batch
+  cd.train.grad_accum = max(1, batch // micro) if batch % micro == 0 else 1
+  cd.data.seq_len = seq_len
+  if cd.model.max_positions and cd.model.max_positions < seq_len:
+    cd.model.max_positions = seq_len
+  missing = apply_overrides(cd, overrides)
+  try:
+    return cfg_lib.experiment_config(cd), missing
+  except cfg_lib.ConfigError as e:
+    raise BenchError(f"preset {name}: {e}") from None
+
+
+def synthetic_batch(config, seed: int = 0) -> dict[str, np.ndarray]:
+  """Uniform random tokens [B, T + 1] (and one document per row where the preset packs documents)."""
+  B, T = config.train.batch_size, config.data.seq_len
+  rng = np.random.default_rng(seed)
+  batch = {"tokens": rng.integers(0, config.model.vocab_size, (B, T + 1), dtype=np.int32)}
+  if config.data.segment_ids:
+    batch["positions"] = np.broadcast_to(np.arange(T + 1, dtype=np.int32), (B, T + 1)).copy()
+    batch["segment_ids"] = np.zeros((B, T + 1), np.int32)
+  return batch
+
+
+def _memory_plan_bytes(compiled) -> int | None:
+  try:
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+               - m.alias_size_in_bytes)
+  except Exception:  # Not every backend reports a memory plan.
+    return None
+
+
+def measure(name: str, config, *, steps: int, warmup: int, variant: str = "") -> TrainRow:
+  """Compiles and times ``config``'s train step on synthetic tokens (see the module docstring), with the
+  mesh, shardings and initialisation of a training run (``lmcore.train.state``)."""
+  from lmcore import model_card
+  from lmcore.train import perf, sharding
+  from lmcore.train import state as state_lib
+  from lmcore.train.loop import make_train_step
+  from lmcore.train.optim import make_optimizer
+
+  mesh = sharding.make_mesh(config.mesh)
+  sharding.check_batch(mesh, config.train.batch_size, config.train.grad_accum)
+  tx = make_optimizer(config.train)
+  graphdef, _, _, shardings = state_lib.make_shardings(config, mesh, tx)
+  params, rest = state_lib.init_params(config, shardings)
+  opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
+  batch = sharding.global_batch(synthetic_batch(config), mesh)
+  n_params = sum(x.size for x in jax.tree.leaves(params))
+  row = TrainRow(name, variant, "+".join(sorted(set(config.model.layer_kinds()))), config.train.batch_size,
+                 config.data.seq_len, config.train.grad_accum, n_params)
+
+  with jax.set_mesh(mesh):  # the Pallas kernels' shard_map reads the mesh from here
+    start = time.perf_counter()
+    compiled = make_train_step(graphdef, tx, config, shardings).lower(params, opt_state, rest, batch, 0).compile()
+    row.compile_s = time.perf_counter() - start
+    plan = _memory_plan_bytes(compiled)
+    row.xla_memory_gib = None if plan is None else plan / GIB
+    for step in range(warmup):
+      params, opt_state, metrics = compiled(params, opt_state, rest, batch, step)
+    jax.block_until_ready(params)
+    start = time.perf_counter()
+    for step in range(warmup, warmup + steps):
+      params, opt_state, metrics = compiled(params, opt_state, rest, batch, step)
+    jax.block_until_ready((params, metrics))
+  step_s = (time.perf_counter() - start) / steps
+  row.step_ms, row.tokens_per_s = step_s * 1e3, row.batch * row.seq_len / step_s
+  row.loss = float(metrics["loss"])
+  peak = perf.peak_memory_bytes()
+  row.peak_memory_gib = None if peak is None else peak / GIB
+  if perf.peak_flops() is not None:  # no MFU without a peak (CPUs): skip the card's lowering
+    row.flops_per_token = model_card.card(config.model, config.data.seq_len)["flops_per_token_train"]
+    row.mfu = perf.mfu(row.tokens_per_s, row.flops_per_token)
+    row.mfu_6n = perf.mfu(row.tokens_per_s, 6 * n_params)
+  return row
+
+
+def run(presets: list[str], *, batch: int, seq_len: int, steps: int, warmup: int = 2,
+        overrides: list[str] = (), sweep: str = "", jsonl: str = "") -> list[TrainRow]:
+  """Every preset (× every ``sweep`` value, "KEY=V1,V2"), one after another in this process; a preset
+  that fails (out of memory, say) becomes a row with a note. Rows are appended to ``jsonl`` as they
+  are measured."""
+  parsed = [parse_override(o) for o in overrides]
+  variants = [("", [])]
+  if sweep:
+    key, _, values = sweep.partition("=")
+    if not values:
+      raise BenchError(f"--sweep {sweep!r}: give KEY=V1,V2, e.g. train.loss_impl=fused,materialized.")
+    variants = [(f"{key}={v}", [parse_override(f"{key}={v}")]) for v in values.split(",")]
+  configs, unused = [], {key for key, _ in parsed + variants[-1][1]}
+  for name in presets:
+    for variant, extra in variants:
+      config, missing = bench_config(name, batch=batch, seq_len=seq_len, overrides=parsed + extra)
+      unused -= {key for key, _ in parsed + extra} - set(missing)
+      configs.append((name, variant, config))
+  if unused:
+    raise BenchError(f"--override/--sweep: no selected preset has {', '.join(sorted(unused))}; check the spelling "
+                     f"(keys as in --config.<key> of train.py).")
+  rows = []
+  for name, variant, config in configs:
+    print(f"{name} {variant}: batch {config.train.batch_size} × {config.data.seq_len}, "
+          f"grad_accum {config.train.grad_accum}", flush=True)
+    try:
+      row = measure(name, config, steps=steps, warmup=warmup, variant=variant)
+    except Exception as e:  # OOM or a missing kernel: report it and go on with the next preset.
+      row = TrainRow(name, variant, "+".join(sorted(set(config.model.layer_kinds()))),
+                     config.train.batch_size, config.data.seq_len, config.train.grad_accum, 0,
+                     note=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+    print(f"  {format_row_line(row)}", flush=True)
+    rows.append(row)
+    if jsonl:
+      os.makedirs(os.path.dirname(os.path.abspath(jsonl)), exist_ok=True)
+      with open(jsonl, "a") as f:
+        f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+    gc.collect()
+    jax.clear_caches()
+  return with_ratios(rows)
+
+
+def with_ratios(rows: list[TrainRow]) -> list[TrainRow]:
+  """tokens/s of each row over the softmax-only model's in the same variant (none without one)."""
+  softmax = {r.variant: r for r in rows if r.mixers == "softmax" and r.tokens_per_s}
+  for r in rows:
+    ref = softmax.get(r.variant)
+    r.vs_softmax = r.tokens_per_s / ref.tokens_per_s if ref is not None and r.tokens_per_s else None
+  return rows
+
+
+def _fmt(x, spec: str, scale: float = 1.0) -> str:
+  return "—" if x is None else format(x * scale, spec)
+
+
+def format_row_line(r: TrainRow) -> str:
+  if r.tokens_per_s is None:
+    return f"failed: {r.note}"
+  return (f"{r.tokens_per_s:,.0f} tok/s, {_fmt(r.step_ms, '.1f')} ms/step, MFU {_fmt(r.mfu, '.1%')}, "
+          f"compile {_fmt(r.compile_s, '.1f')} s, XLA plan {_fmt(r.xla_memory_gib, '.2f')} GiB, "
+          f"device peak {_fmt(r.peak_memory_gib, '.2f')} GiB, loss {_fmt(r.loss, '.3f')}")
+
+
+def format_table(rows: list[TrainRow]) -> str:
+  lines = ["| preset | variant | mixers | B × T (accum) | params | step ms | tok/s | vs softmax | MFU | MFU (6N) "
+           "| compile s | XLA plan GiB | device peak GiB | note |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    vs = "" if r.vs_softmax is None else f"{r.vs_softmax:.2f}×"
+    lines.append(
+        f"| {r.preset} | {r.variant} | {r.mixers} | {r.batch} × {r.seq_len} ({r.grad_accum}) | "
+        f"{r.params / 1e6:,.1f}M | {_fmt(r.step_ms, '.1f')} | {_fmt(r.tokens_per_s, ',.0f')} | {vs} | "
+        f"{_fmt(r.mfu, '.1%')} | {_fmt(r.mfu_6n, '.1%')} | {_fmt(r.compile_s, '.1f')} | "
+        f"{_fmt(r.xla_memory_gib, '.2f')} | {_fmt(r.peak_memory_gib, '.2f')} | {r.note} |")
+  return "\n".join(lines)
+
+
+def notes(rows: list[TrainRow]) -> str:
+  """What the columns mean, under the table."""
+  return ("MFU: the model card's training FLOPs per token (XLA cost analysis of the forward and backward, "
+          "Pallas mixers counted as their XLA forms) × tokens/s over the devices' dense bf16 peak; MFU (6N): "
+          "6 × parameters instead. XLA plan: arguments + outputs + temporaries of the compiled step. Device "
+          "peak: `memory_stats()['peak_bytes_in_use']` since the process started (monotone over the rows: "
+          "a row's own peak is at most this).")
+
+
+def report(rows: list[TrainRow], *, out: str, markdown: str, command: str) -> str:
+  """Prints the table, appends it (with the command) as a dated block to ``markdown`` ('' = none) and
+  plots tokens/s per preset into ``<out>/train_step.png``; returns the table."""
+  from benchmarks import harness, plots
+
+  table = format_table(rows)
+  print(table, flush=True)
+  device = harness.device_name()
+  if markdown:
+    harness.append_markdown(markdown, [table, notes(rows)], datetime.date.today().isoformat(), device,
+                            [command], topic="train step")
+  plot = os.path.join(out, "train_step.png")
+  plots.plot_train_tokens_per_s(rows, plot, title=f"train step on {device}")
+  print(f"wrote {plot}", flush=True)
+  return table

@@ -1,0 +1,40 @@
+"""Errors a user can fix. Their message is one line naming the field (or file) and the fix.
+
+``train.py``, ``eval.py`` and the scripts print such an error as that one line and exit with
+``exit_code``, without a traceback (``lmcore.cli``); anything else is a bug and keeps its traceback.
+Each class also derives from the builtin a caller would expect (``ValueError``, ``FileNotFoundError``,
+...), so ``except ValueError`` still catches a bad value.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+  """Raised for input the user can correct; printed as one line by the entry points."""
+
+  exit_code = 2
+
+
+class ConfigError(UserError, ValueError):
+  """A configuration value a user can fix: the message names the key and the fix."""
+
+
+class DataError(UserError, ValueError):
+  """Data or a tokenizer that does not fit the configuration."""
+
+
+class MissingFileError(UserError, FileNotFoundError):
+  """A configured path (data glob, tokenizer, checkpoint) that holds nothing usable."""
+
+
+class MissingKeyError(UserError, KeyError):
+  """A configured JSON key, parquet column or dataset feature that the data does not have."""
+
+  def __str__(self) -> str:  # KeyError would quote the message
+    return str(self.args[0]) if self.args else ""
+
+
+class Diverged(UserError, FloatingPointError):
+  """Training produced a non-finite loss; checkpoints already written are kept."""
+
+  exit_code = 3

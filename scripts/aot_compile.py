@@ -1,0 +1,253 @@
+"""Compile a preset's exact train step for a TPU slice or a GPU host, on any machine, and say whether it
+fits in device memory.
+
+    python scripts/aot_compile.py --config=configs/sanatan.py:184m_p2 --topology=v4-8
+    python scripts/aot_compile.py --config=configs/sanatan.py:184m_p2 --topology=v4:2x2x1 \
+        --config.mesh.data=1 --config.mesh.fsdp=-1
+    python scripts/aot_compile.py --config=configs/based.py:1p3b --gpus=8 --gpu_memory_gib=140
+
+The step is the one ``train.py`` runs (``lmcore.train.loop.make_train_step`` with the config's mesh,
+shardings, gradient accumulation, remat and loss), lowered with abstract inputs and compiled for the
+target: nothing is allocated. TPU targets need libtpu (``pip install -e '.[tpu]'``) but no TPU: the
+compiler runs on the CPU. GPU targets need a CUDA host (the N GPUs are mocked if fewer are present).
+
+Prints per-device memory (arguments = parameters, optimizer state and batch; temporaries; total
+against the device's memory), the compiler's FLOPs per device per step, and "fits with N% headroom"
+or "does not fit by X GiB" (exit status 1). Topology names: docs/SCALING.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# libtpu takes a machine-wide lock when it loads; other JAX processes on a CPU host (which also load it
+# when it is installed) would otherwise make the compile fail.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+
+from lmcore import cli  # noqa: E402
+from lmcore import config as cfg_lib  # noqa: E402
+from lmcore import model_card  # noqa: E402
+from lmcore.errors import UserError  # noqa: E402
+from lmcore.train import loop, sharding, state  # noqa: E402
+from lmcore.train.optim import make_optimizer  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file and preset.", lock_config=True)
+_TOPOLOGY = flags.DEFINE_string("topology", "", "TPU slice: a name of TPU_SLICES (v4-8, v5p-8, ...) or a "
+                                "topology like v4:2x2x1.")
+_NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "TPU slices (multislice over the data-centre network).")
+_GPUS = flags.DEFINE_integer("gpus", 0, "Compile for this many GPUs of one host instead of a TPU slice.")
+_GPU_MEMORY_GIB = flags.DEFINE_float("gpu_memory_gib", 0.0, "Memory of one GPU (default: what the first "
+                                     "GPU reports).")
+_JSON = flags.DEFINE_string("json", "", "Also append the result as one JSON line to this file.")
+_HLO = flags.DEFINE_string("hlo", "", "Also write the compiled step's HLO text to this file.")
+
+GIB = 2 ** 30
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuSlice:
+  topology: str  # get_topology_desc's topology_name
+  chip_config: str  # "megacore": one device per chip (v4, v5p), else "default"
+  chips_per_host: tuple[int, int, int]
+
+
+# Cloud TPU slice names (v4/v5p count TensorCores, two per chip; v5e/v6e count chips).
+TPU_SLICES = {
+    "v4-8": TpuSlice("v4:2x2x1", "megacore", (2, 2, 1)),
+    "v4-16": TpuSlice("v4:2x2x2", "megacore", (2, 2, 1)),
+    "v4-32": TpuSlice("v4:2x2x4", "megacore", (2, 2, 1)),
+    "v5p-8": TpuSlice("v5p:2x2x1", "megacore", (2, 2, 1)),
+    "v5p-16": TpuSlice("v5p:2x2x2", "megacore", (2, 2, 1)),
+    "v5e-4": TpuSlice("v5e:2x2", "default", (2, 2, 1)),
+    "v5e-8": TpuSlice("v5e:2x4", "default", (2, 4, 1)),
+    "v5e-16": TpuSlice("v5e:4x4", "default", (2, 4, 1)),
+    "v6e-4": TpuSlice("v6e:2x2", "default", (2, 2, 1)),
+    "v6e-8": TpuSlice("v6e:2x4", "default", (2, 4, 1)),
+}
+# HBM a program may use per device, by device_kind: the limit libtpu 0.0.48's compiler reports in its
+# out-of-memory message (physical HBM: v4 32 GiB, v5e 16, v5p 95, v6e 32).
+TPU_HBM_GIB = {"TPU v4": 30.75, "TPU v5 lite": 15.75, "TPU v5": 95.73, "TPU v6 lite": 31.24}
+
+
+def tpu_slice(name: str) -> TpuSlice:
+  """A name of ``TPU_SLICES``, or a topology such as "v4:2x2x1" / "v5e:2x4"."""
+  if name in TPU_SLICES:
+    return TPU_SLICES[name]
+  match = re.fullmatch(r"(v4|v5p|v5e|v6e):(\d+)x(\d+)(?:x(\d+))?", name)
+  if not match:
+    raise UserError(f"--topology={name!r}: give one of {', '.join(TPU_SLICES)} or a topology like "
+                    f"v4:2x2x1, v5p:2x2x2, v5e:2x4, v6e:4x4.")
+  generation = match.group(1)
+  dims = [int(d) for d in match.group(2, 3)]
+  if generation in ("v4", "v5p"):
+    return TpuSlice(name, "megacore", (2, 2, 1))
+  return TpuSlice(name, "default", (min(dims[0], 2), min(dims[1], 4), 1))
+
+
+def tpu_devices(name: str, num_slices: int) -> list:
+  try:
+    import libtpu  # noqa: F401  (only to say clearly that it is missing)
+  except ImportError:
+    raise UserError("compiling for a TPU needs libtpu on this machine (no TPU needed): "
+                    "pip install -e '.[tpu]'") from None
+  from jax.experimental import topologies
+
+  target = tpu_slice(name)
+  return list(topologies.get_topology_desc(
+      topology_name=target.topology, platform="tpu", chip_config_name=target.chip_config,
+      chips_per_host_bounds=target.chips_per_host, num_slices=num_slices).devices)
+
+
+def gpu_devices(count: int) -> list:
+  try:
+    devices = jax.devices("gpu")
+  except RuntimeError:
+    devices = []
+  if not devices:
+    raise UserError(f"--gpus={count} needs a machine with a CUDA GPU and jax[cuda] installed; this one has "
+                    f"only {jax.default_backend()} devices. Compile for a TPU with --topology instead.")
+  return devices[:count]
+
+
+def device_memory_gib(device) -> float:
+  if device.platform == "tpu":
+    for kind, gib in TPU_HBM_GIB.items():
+      if device.device_kind == kind:
+        return gib
+    raise UserError(f"no HBM size known for {device.device_kind!r}; add it to TPU_HBM_GIB.")
+  if _GPU_MEMORY_GIB.value:
+    return _GPU_MEMORY_GIB.value
+  limit = (device.memory_stats() or {}).get("bytes_limit")
+  if not limit:
+    raise UserError("this GPU does not report its memory; pass --gpu_memory_gib.")
+  return limit / GIB
+
+
+def shard_bytes(abstract_tree) -> int:
+  """Bytes one device holds of ``abstract_tree`` (sharded ShapeDtypeStructs)."""
+  total = 0
+  for x in jax.tree.leaves(abstract_tree):
+    shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+    total += math.prod(shape) * x.dtype.itemsize
+  return total
+
+
+def abstract_inputs(config: cfg_lib.ExperimentConfig, mesh):
+  """The jitted train step and its abstract arguments (params, opt_state, rest, batch, step)."""
+  tx = make_optimizer(config.train)
+  graphdef, abstract_params, abstract_rest, shardings = state.make_shardings(config, mesh, tx)
+  params = sharding.with_shardings(abstract_params, shardings.params)
+  opt_state = sharding.with_shardings(jax.eval_shape(tx.init, abstract_params), shardings.opt_state)
+  rest = sharding.with_shardings(abstract_rest, shardings.rest)
+  step = jax.ShapeDtypeStruct((), jax.numpy.int32, sharding=shardings.replicated)
+  args = (params, opt_state, rest, state.abstract_batch(config, shardings), step)
+  return loop.make_train_step(graphdef, tx, config, shardings), args
+
+
+def compile_step(config: cfg_lib.ExperimentConfig, devices) -> dict:
+  mesh = sharding.make_mesh(config.mesh, devices)
+  sharding.check_batch(mesh, config.train.batch_size, config.train.grad_accum)
+  step_fn, args = abstract_inputs(config, mesh)
+  memory_gib = device_memory_gib(devices[0])
+  record = {"devices": len(devices), "device_kind": devices[0].device_kind,
+            "mesh": dict(mesh.shape), "device_memory_gib": memory_gib,
+            "argument_gib": shard_bytes(args) / GIB}
+  # Lowering reads the mesh from the context: the Pallas kernels' shard_map needs it, and for a TPU
+  # target compiled on a CPU host only the abstract mesh is available to them.
+  with jax.set_mesh(mesh), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    lowered = step_fn.lower(*args)
+  try:
+    compiled = lowered.compile()
+  except Exception as e:  # XlaRuntimeError; only an out-of-memory verdict is a result, not a crash.
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    temp = re.search(r"temporaries \(([\d.]+)([GM])\)", str(e))
+    temp_gib = float(temp.group(1)) / (1024 if temp.group(2) == "M" else 1) if temp else float("nan")
+    record.update(fits=False, temp_gib=temp_gib, total_gib=record["argument_gib"] + temp_gib,
+                  compiler_message=str(e).strip().splitlines()[0][:300])
+    return record
+  if _HLO.value:
+    with open(_HLO.value, "w") as f:
+      f.write(compiled.as_text())
+  stats = compiled.memory_analysis()
+  cost = compiled.cost_analysis() or {}
+  cost = cost[0] if isinstance(cost, list) else cost
+  total = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+           + stats.temp_size_in_bytes + stats.generated_code_size_in_bytes)
+  record.update(argument_gib=stats.argument_size_in_bytes / GIB, output_gib=stats.output_size_in_bytes / GIB,
+                alias_gib=stats.alias_size_in_bytes / GIB, temp_gib=stats.temp_size_in_bytes / GIB,
+                code_gib=stats.generated_code_size_in_bytes / GIB, total_gib=total / GIB,
+                xla_flops_per_device=float(cost.get("flops", float("nan"))), fits=total / GIB <= memory_gib)
+  return record
+
+
+def model_flops_per_device(config: cfg_lib.ExperimentConfig, devices: int) -> float | None:
+  """Training FLOPs of one step per device: the model card's FLOPs per token × tokens / devices."""
+  per_token = model_card.card(config.model, config.data.seq_len)["flops_per_token_train"]
+  if per_token is None:
+    return None
+  return per_token * config.train.batch_size * config.data.seq_len / devices
+
+
+def report(name: str, target: str, config: cfg_lib.ExperimentConfig, record: dict) -> str:
+  mesh = " ".join(f"{k}={v}" for k, v in record["mesh"].items())
+  train = config.train
+  lines = [f"{name} on {target}: {record['devices']} x {record['device_kind']} "
+           f"({record['device_memory_gib']:.2f} GiB each), mesh {mesh}, batch {train.batch_size} x "
+           f"{config.data.seq_len} in {train.grad_accum} micro-batches, remat {config.model.remat}"]
+  if "temp_gib" in record and "output_gib" in record:
+    lines.append(f"per device: arguments {record['argument_gib']:.2f} GiB (parameters, optimizer state, "
+                 f"batch), temporaries {record['temp_gib']:.2f} GiB, outputs {record['output_gib']:.2f} GiB "
+                 f"({record['alias_gib']:.2f} GiB donated), code {record['code_gib']:.2f} GiB: total "
+                 f"{record['total_gib']:.2f} of {record['device_memory_gib']:.2f} GiB")
+    model_flops = record.get("model_flops_per_device")
+    lines.append(f"FLOPs per device per step: {'n/a' if model_flops is None else f'{model_flops:.4g}'} (model card: "
+                 f"FLOPs/token x tokens / devices); XLA's count of the compiled step, which counts each loop "
+                 f"body once: {record['xla_flops_per_device']:.4g}")
+  else:
+    lines.append(f"per device: arguments {record['argument_gib']:.2f} GiB, temporaries "
+                 f"{record['temp_gib']:.2f} GiB (compiler: {record['compiler_message']})")
+  headroom = 1 - record["total_gib"] / record["device_memory_gib"]
+  record["headroom"] = headroom
+  if record["fits"]:
+    lines.append(f"fits with {100 * headroom:.0f}% headroom")
+  else:
+    lines.append(f"does not fit by {record['total_gib'] - record['device_memory_gib']:.2f} GiB")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  if bool(_TOPOLOGY.value) == bool(_GPUS.value):
+    raise UserError("give exactly one target: --topology=<TPU slice> or --gpus=N.")
+  if _GPUS.value:
+    jax.config.update("jax_mock_gpu_topology", f"1 x 1 x {_GPUS.value}")
+    devices, target = gpu_devices(_GPUS.value), f"{_GPUS.value} GPUs"
+  else:
+    jax.config.update("jax_platforms", "cpu")  # the host only compiles; its own backend stays CPU
+    devices, target = tpu_devices(_TOPOLOGY.value, _NUM_SLICES.value), _TOPOLOGY.value
+  config = cfg_lib.experiment_config(_CONFIG.value)
+  name = config.name or "config"
+  record = compile_step(config, devices)
+  record["model_flops_per_device"] = model_flops_per_device(config, len(devices))
+  print(report(name, target, config, record), flush=True)
+  if _JSON.value:
+    with open(_JSON.value, "a") as f:
+      f.write(json.dumps({"name": name, "target": target, **record}) + "\n")
+  return 0 if record["fits"] else 1
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config"])
+  cli.run(main)

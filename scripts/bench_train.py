@@ -1,0 +1,53 @@
+"""Whole-step benchmark: the real train step of the paper presets on synthetic tokens, in one process.
+
+Prints, per preset: ms per step, tokens/s (and the ratio to the softmax model of the same run), MFU,
+compile seconds, XLA's memory plan of the step and the device's peak memory; appends the table as a
+dated block to docs/BENCHMARKS.md, the rows to ``<out>/train_step.jsonl`` and plots tokens/s per preset
+(``<out>/train_step.png``). See ``benchmarks/train_step.py`` for what is measured.
+
+    python scripts/bench_train.py [--presets=softmax_184m,sanatan_p1_184m,...] [--batch=32] \
+        [--seq_len=2048] [--steps=10] [--override=train.loss_impl=materialized] \
+        [--sweep=train.loss_impl=fused,materialized] [--out=runs/bench_train]
+
+Presets: the names in ``benchmarks.train_step.PRESETS`` or any ``<config file>:<preset>`` of configs/
+(e.g. ``sanatan:tiny``). Each keeps its own micro-batch (grad_accum = batch / micro-batch).
+"""
+
+import os
+import sys
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import train_step  # noqa: E402
+
+_PRESETS = flags.DEFINE_list("presets", list(train_step.PRESETS), "Presets to time, in this order.")
+_BATCH = flags.DEFINE_integer("batch", 32, "Global sequences per step.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence.")
+_STEPS = flags.DEFINE_integer("steps", 10, "Timed steps (after the warm-up steps).")
+_WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed steps after compilation.")
+_OVERRIDE = flags.DEFINE_multi_string("override", [], "KEY=VALUE set in every preset that has KEY "
+                                      "(e.g. train.loss_impl=materialized, model.mixers.sanatan.implementation="
+                                      "chunked); repeatable.")
+_SWEEP = flags.DEFINE_string("sweep", "", "KEY=V1,V2: every preset once per value, e.g. "
+                             "train.loss_impl=fused,materialized.")
+_OUT = flags.DEFINE_string("out", "runs/bench_train", "Directory of train_step.jsonl and train_step.png.")
+_MARKDOWN = flags.DEFINE_string("markdown", "docs/BENCHMARKS.md", "File the dated table is appended to "
+                                "('' = none).")
+
+
+def main(argv):
+  del argv
+  out = _OUT.value
+  try:
+    rows = train_step.run(_PRESETS.value, batch=_BATCH.value, seq_len=_SEQ_LEN.value, steps=_STEPS.value,
+                          warmup=_WARMUP.value, overrides=_OVERRIDE.value, sweep=_SWEEP.value,
+                          jsonl=os.path.join(out, "train_step.jsonl"))
+  except train_step.BenchError as e:
+    sys.exit(f"error: {e}")
+  train_step.report(rows, out=out, markdown=_MARKDOWN.value, command="python " + " ".join(sys.argv))
+
+
+if __name__ == "__main__":
+  app.run(main)

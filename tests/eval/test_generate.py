@@ -1,0 +1,146 @@
+"""The compiled generation loop: greedy samples equal the argmax of a full forward for every mixer family
+(prompts of different lengths in one batch), EOS stopping, the sampling filters, and the input errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lmcore import config as cfg_lib
+from lmcore.eval.generate import Generator, Sampling, generate, sample_logits
+from lmcore.model import LanguageModel
+
+VOCAB = 61
+# Every mixer family, hybrids where a family is small; untied heads and a larger init make the argmax
+# depend on the context (a tied tiny model mostly repeats its input token).
+FAMILIES = {
+    "sanatan_p1": ("sanatan*2", {"sanatan": {"n_heads": 2, "head_dim": 8, "p": 1}}),
+    "based": ("base_conv*3;taylor@1;swa@2", {"taylor": {"n_heads": 2, "feature_dim": 8},
+                                             "swa": {"n_heads": 2, "window": 3}, "base_conv": {}}),
+    "softmax": ("softmax*2", {"softmax": {"n_heads": 2}}),
+    "gla": ("gla*2", {"gla": {"n_heads": 2}}),
+    "cyfa_gdn": ("cyfa*1,gdn*1", {"cyfa": {"n_heads": 2, "head_dim": 8, "v_head_dim": 8},
+                                  "gdn": {"n_heads": 2, "head_dim": 8}}),
+    "linear_baselines": ("linear_transformer*1,performer*1,cosformer*1",
+                         {kind: {"n_heads": 2, "head_dim": 16}
+                          for kind in ("linear_transformer", "performer", "cosformer")}),
+}
+PROMPTS = [[5, 17, 3, 40, 22], [9], [31, 2, 7]]
+
+
+def make_model(pattern, mixers, seed=0, **fields):
+  values = dict(vocab_size=VOCAB, d_model=32, n_layers=_layers(pattern), pattern=pattern, mlp_hidden=48, dtype="float32", tie_embeddings=False, init_std=0.2, mixers=mixers)
+  return LanguageModel(cfg_lib.model_config({**values, **fields}), rngs=nnx.Rngs(seed))
+
+
+def _layers(pattern):
+  head = pattern.split(";")[0]
+  return sum(int(run.partition("*")[2] or 1) for run in head.split(","))
+
+
+def argmax_of_full_forward(model, prompts, generated):
+  """Every row's argmax after each of its prefixes: one causal forward over prompt + generated[:-1]
+  (rows right-padded to one length, which causality makes harmless)."""
+  rows = [p + g[:-1] for p, g in zip(prompts, generated)]
+  tokens_BxT = np.zeros((len(rows), max(map(len, rows))), np.int32)
+  for b, row in enumerate(rows):
+    tokens_BxT[b, :len(row)] = row
+  graphdef, state = nnx.split(model)
+  logits_BxTxV = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens)[0])(state, tokens_BxT)
+  argmax_BxT = np.asarray(jnp.argmax(logits_BxTxV, axis=-1))
+  return [argmax_BxT[b, len(p) - 1:len(r)].tolist() for b, (p, r) in enumerate(zip(prompts, rows))]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generation_equals_argmax_of_the_full_forward(family):
+  """Prompts of lengths 5, 1 and 3 in one batch (rows fed their own prompt tails inside the loop),
+  8 tokens each (past the SWA window of 3): every sample is the full forward's argmax (fp32)."""
+  model = make_model(*FAMILIES[family])
+  out = generate(model, PROMPTS, max_new_tokens=8, sampling=Sampling(temperature=0))
+  assert [len(row) for row in out] == [8, 8, 8]
+  assert out == argmax_of_full_forward(model, PROMPTS, out)
+  assert len({t for row in out for t in row}) > 4, out  # the check compares varied tokens
+
+
+def test_learned_positions_follow_each_row_and_their_limit_is_checked():
+  model = make_model(*FAMILIES["softmax"], max_positions=12)
+  out = generate(model, PROMPTS, max_new_tokens=8, sampling=Sampling(temperature=0))
+  assert out == argmax_of_full_forward(model, PROMPTS, out)
+  with pytest.raises(ValueError, match=r"model.max_positions=12"):
+    generate(model, PROMPTS, max_new_tokens=9)
+
+
+def test_eos_stops_each_row_at_its_first_eos_and_top_k_1_sampling_is_greedy():
+  """With eos_id, each row is the greedy continuation cut after its first EOS (EOS included); top_k = 1
+  at temperature 1 draws the argmax, so the sampled (while-loop) path must give the same tokens."""
+  model = make_model(*FAMILIES["sanatan_p1"])
+  greedy = generate(model, PROMPTS, max_new_tokens=8, sampling=Sampling(temperature=0))
+  eos = greedy[0][2]
+  cut = [row[:row.index(eos) + 1] if eos in row else row for row in greedy]
+  assert len(cut[0]) == 3 and any(len(row) == 8 for row in cut)
+  assert generate(model, PROMPTS, max_new_tokens=8, sampling=Sampling(temperature=1.0, top_k=1),
+                  eos_id=eos) == cut
+
+
+def test_decode_returns_the_state_after_the_fed_tokens():
+  """The loop's final state equals a prefill of the prompt and every recorded token but the last."""
+  model = make_model(*FAMILIES["sanatan_p1"])
+  gen = Generator(model)
+  prompt = jnp.asarray([PROMPTS[0]], jnp.int32)
+  logits, state = gen.prefill(prompt, gen.init_state(1, 16))
+  out, n_new, state = gen.decode(logits, state, max_new_tokens=4, sampling=Sampling(temperature=0))
+  assert int(n_new[0]) == 4
+  fed = jnp.concatenate([prompt, out[:, :3]], axis=1)
+  _, expected = gen.prefill(fed, gen.init_state(1, 16))
+  for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def _draws(logits_V, sampling, n=4000, seed=0):
+  logits_NxV = jnp.broadcast_to(jnp.asarray(logits_V, jnp.float32), (n, len(logits_V)))
+  return np.asarray(sample_logits(logits_NxV, jax.random.key(seed), sampling))
+
+
+def test_top_k_and_top_p_keep_only_the_most_likely_tokens_in_proportion():
+  probs = np.array([0.05, 0.5, 0.15, 0.3])  # order by probability: 1, 3, 2, 0
+  logits = np.log(probs)
+  assert set(_draws(logits, Sampling(top_k=2))) == {1, 3}
+  assert set(_draws(logits, Sampling(top_p=0.75))) == {1, 3}  # 0.5 + 0.3 reach 0.75
+  assert set(_draws(logits, Sampling(top_p=0.85))) == {1, 3, 2}
+  assert set(_draws(logits, Sampling(top_k=3, top_p=0.5))) == {1}
+  draws = _draws(logits, Sampling())
+  np.testing.assert_allclose(np.bincount(draws, minlength=4) / len(draws), probs, atol=0.03)
+  kept = _draws(logits, Sampling(top_p=0.85))
+  np.testing.assert_allclose(np.bincount(kept, minlength=4)[[1, 3, 2]] / len(kept),
+                             probs[[1, 3, 2]] / 0.95, atol=0.03)
+  assert set(_draws(logits, Sampling(temperature=0.05))) == {1}
+  assert set(_draws(logits, Sampling(temperature=0))) == {1}
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(top_k=-2), "top_k must be an integer >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+])
+def test_bad_sampling_options_name_the_field(fields, message):
+  with pytest.raises(ValueError, match=message):
+    Sampling(**fields)
+
+
+def test_sanatan_p2_says_it_has_no_constant_state_before_running():
+  model = make_model("sanatan*2", {"sanatan": {"n_heads": 2, "head_dim": 8, "p": 2}})
+  with pytest.raises(ValueError, match=r"p=2.*no constant-size state") as error:
+    generate(model, PROMPTS, max_new_tokens=2)
+  assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("prompts,message", [
+    ([[1, 2], []], "prompt 1 must be a non-empty list"),
+    ([[1, VOCAB]], rf"prompt 0 has token ids outside 0..{VOCAB - 1}"),
+    ([], "prompts must be a non-empty list"),
+])
+def test_bad_prompts_name_the_prompt(prompts, message):
+  model = make_model(*FAMILIES["softmax"])
+  with pytest.raises(ValueError, match=message):
+    generate(model, prompts, max_new_tokens=2)

@@ -1,0 +1,64 @@
+"""The tiled XLA forms (xla.py) pass the shared checks of ``SanatanAttentionTestBase``; ``blocked``
+equals ``parallel`` for every power and channel variant without a T x T array, and ``chunked``
+takes bf16 inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lmcore.numerics import relative_l2
+from sanatan_jax import sanatan_attention
+
+from .test_base import (GRAD_TOL, OUT_TOL, SanatanAttentionTestBase, attend, inputs, jit,
+                        outputs_and_grads)
+
+# All 12 (p, variant) pairs. Gradients on two of them (p = 1 six-channel ones are in the shared
+# gradient check): the tiling, remat and block skipping they check do not depend on the variant.
+_GRAD_CASES = {(2, 6, "clean"), (4, 4, "clean")}
+
+
+class TestBlocked(SanatanAttentionTestBase):
+  implementation = "blocked"
+  future_power = (2, 4, "clean")
+  packed_power = 4
+
+  @pytest.mark.parametrize("p", [1, 2, 4])
+  @pytest.mark.parametrize("channels,three_channel", [(6, "clean"), (4, "clean"), (3, "legacy"),
+                                                      (3, "clean")])
+  def test_blocked_equals_parallel_for_all_powers_and_channels(self, p, channels, three_channel):
+    x = inputs(7 * p + channels, 33)
+    kw = dict(p=p, channels=channels, three_channel=three_channel)
+    if (p, channels, three_channel) not in _GRAD_CASES:
+      o_ref, o = (attend(*x, implementation=impl, **kw)[0] for impl in ("parallel", "blocked"))
+      assert relative_l2(o, o_ref) <= OUT_TOL
+      return
+    do = jnp.asarray(np.random.default_rng(p).normal(size=x[2].shape), jnp.float32)
+    o_ref, g_ref = outputs_and_grads(x, do, implementation="parallel", **kw)
+    o, g = outputs_and_grads(x, do, implementation="blocked", **kw)
+    assert relative_l2(o, o_ref) <= OUT_TOL
+    for name, a, b in zip(("q", "k", "v", "omega", "lam_raw"), g, g_ref):
+      assert relative_l2(a, b) <= GRAD_TOL, name
+
+  def test_blocked_gradient_never_holds_a_t_by_t_array(self):
+    T = 8192
+    shapes = [jax.ShapeDtypeStruct(s, jnp.float32)
+              for s in ((1, T, 1, 4), (1, T, 1, 4), (1, T, 1, 4), (1, 4), (1, 4))]
+    loss = lambda *a: jnp.sum(sanatan_attention(*a, p=2, implementation="blocked",
+                                                block_size=64)[0])
+    compiled = jit(jax.grad(loss, tuple(range(5)))).lower(*shapes).compile()
+    # O(T * block) scratch: ~0.04 of one T x T fp32 matrix at this T (it halves when T doubles).
+    assert compiled.memory_analysis().temp_size_in_bytes <= 0.1 * 4 * T * T
+
+
+class TestChunked(SanatanAttentionTestBase):
+  implementation = "chunked"
+
+  def test_bfloat16_inputs_give_bfloat16_outputs_and_float32_state(self):
+    x = inputs(16, 33)
+    o32 = attend(*x, implementation="chunked")[0]
+    bf16 = [a.astype(jnp.bfloat16) for a in x[:3]]
+    o16, state16 = attend(*bf16, *x[3:], implementation="chunked")
+    assert o16.dtype == jnp.bfloat16 and state16.S.dtype == jnp.float32
+    # bf16 rounds q, k, v and the features by up to 2^-9 relative.
+    assert relative_l2(o16.astype(jnp.float32), o32) <= 3e-2

@@ -1,0 +1,135 @@
+"""The same training steps on several device meshes, in one process with 8 fake CPU devices.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/scale/mesh_worker.py OUT.json
+
+One fp32 model holds a layer of every mixer family (SANATAN through its Pallas kernel, interpreted on
+CPU). From the same initial parameters it takes ``STEPS`` optimizer steps of 2 micro-batches on one
+device and on each mesh of ``MESHES``. Writes, per mesh, the largest relative difference from the
+one-device run of the losses, the gradient norms and the final parameters (max |Δ| / max |p| per
+parameter), and the all-gathers in the compiled step whose result has a sequence-length dimension
+(activations; parameter all-gathers of FSDP are expected).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from configs import common  # noqa: E402
+from lmcore import config as cfg_lib  # noqa: E402
+from lmcore.train import loop, sharding, state  # noqa: E402
+from lmcore.train.optim import make_optimizer  # noqa: E402
+
+jax.config.update("jax_disable_most_optimizations", True)  # halves the compile time; same math
+
+MESHES = [tuple(map(int, m.split("x"))) for m in os.environ.get("MESHES", "8x1x1,2x4x1,2x2x2").split(",")]
+# Step 1 runs at learning rate 0 (warmup from 0) and fills Adam's moments; step 2 moves the parameters.
+# More steps would compare Adam's early, sign-like updates of gradients that are rounding noise.
+STEPS = 2
+SEQ_LEN = 24  # no parameter has a dimension of 24 or 25: an all-gather with one gathers activations
+HEADS = dict(n_heads=2, head_dim=8)
+MIXERS = {
+    "softmax": dict(n_heads=2),
+    "sanatan": dict(HEADS, p=1, implementation="pallas", chunk_size=8),
+    "taylor": dict(n_heads=2, feature_dim=4, chunk_size=8),
+    "swa": dict(n_heads=2, window=4, block_size=8),
+    "base_conv": {},
+    "gla": dict(n_heads=2, chunk_size=8),
+    "gdn": dict(HEADS, chunk_size=8),
+    "cyfa": dict(HEADS, v_head_dim=8, chunk_size=8),
+    "linear_transformer": dict(HEADS, chunk_size=8),
+    "performer": dict(HEADS, n_features=8, chunk_size=8),
+    "cosformer": dict(HEADS, chunk_size=8, max_len=SEQ_LEN),
+}
+
+
+def experiment(mesh: tuple[int, int, int], mixers=None) -> cfg_lib.ExperimentConfig:
+  mixers = MIXERS if mixers is None else mixers
+  cd = common.experiment(
+      model=dict(vocab_size=256, d_model=32, n_layers=len(mixers), pattern=",".join(f"{k}*1" for k in mixers),
+                 mlp_hidden=64, dtype="float32"),
+      mixers=mixers, train=dict(batch_size=16, grad_accum=2, steps=STEPS, warmup_steps=1, learning_rate=1e-3),
+      data=dict(seq_len=SEQ_LEN), mesh=dict(zip(("data", "fsdp", "tensor"), mesh)))
+  return cfg_lib.experiment_config(cd)
+
+
+def batches(config: cfg_lib.ExperimentConfig) -> list[dict[str, np.ndarray]]:
+  rng = np.random.default_rng(0)
+  shape = (config.train.batch_size, config.data.seq_len + 1)
+  return [{"tokens": rng.integers(0, config.model.vocab_size, shape, dtype=np.int32)} for _ in range(STEPS)]
+
+
+def activation_all_gathers(hlo: str, seq_len: int) -> list[dict]:
+  """Floating-point all-gathers in the HLO text whose result has a dimension of ``seq_len`` (or
+  ``seq_len + 1``): activations. Returns their dtype, shape and gathered dimension."""
+  gathers = []
+  for line in hlo.splitlines():
+    match = re.search(r"=\s*(\w+)\[([\d,]*)\]\S*\s+all-gather(?:-start)?\(.*dimensions=\{(\d+)\}", line)
+    if not match or not match.group(1).startswith(("f", "bf")):
+      continue
+    dims = [int(d) for d in match.group(2).split(",") if d]
+    if seq_len in dims or seq_len + 1 in dims:
+      gathers.append({"dtype": match.group(1), "shape": dims, "dimension": int(match.group(3))})
+  return gathers
+
+
+def train(config: cfg_lib.ExperimentConfig, devices, initial=None) -> dict:
+  """``STEPS`` train steps on the config's mesh over ``devices``, from ``initial`` (numpy params, rest)
+  or a fresh initialisation."""
+  mesh = sharding.make_mesh(config.mesh, devices)
+  tx = make_optimizer(config.train)
+  graphdef, _, _, shardings = state.make_shardings(config, mesh, tx)
+  if initial is None:
+    params, rest = state.init_params(config, shardings)
+    initial = jax.tree.map(np.asarray, (params, rest))
+  params, rest = jax.device_put(initial, (shardings.params, shardings.rest))
+  opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
+  step_fn = loop.make_train_step(graphdef, tx, config, shardings)
+  losses, grad_norms, hlo = [], [], ""
+  with jax.set_mesh(mesh):
+    for i, batch in enumerate(batches(config)):
+      batch = sharding.global_batch(batch, mesh)
+      if i == 0:
+        hlo = step_fn.lower(params, opt_state, rest, batch, 0).compile().as_text()
+      params, opt_state, metrics = step_fn(params, opt_state, rest, batch, i)
+      losses.append(float(metrics["loss"]))
+      grad_norms.append(float(metrics["grad_norm"]))
+  flat = {"/".join(sharding.path_names(p)): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+  return {"losses": losses, "grad_norms": grad_norms, "params": flat, "initial": initial,
+          "activation_all_gathers": activation_all_gathers(hlo, config.data.seq_len)}
+
+
+def rel(a, b) -> float:
+  return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def main(out_path: str) -> None:
+  start = time.process_time()
+  reference = train(experiment((1, 1, 1)), jax.devices()[:1])
+  results = {"reference_losses": reference["losses"], "meshes": {}}
+  for mesh_shape in MESHES:
+    run = train(experiment(mesh_shape), jax.devices(), reference["initial"])
+    param_rel = {k: float(np.max(np.abs(run["params"][k] - v)) / np.max(np.abs(v)))
+                 for k, v in reference["params"].items()}
+    worst = max(param_rel, key=param_rel.get)
+    results["meshes"]["x".join(map(str, mesh_shape))] = {
+        "losses": run["losses"], "loss_rel": rel(run["losses"], reference["losses"]),
+        "grad_norm_rel": rel(run["grad_norms"], reference["grad_norms"]),
+        "param_rel": param_rel[worst], "worst_param": worst,
+        "activation_all_gathers": run["activation_all_gathers"]}
+  results["cpu_seconds"] = time.process_time() - start
+  with open(out_path, "w") as f:
+    json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1])

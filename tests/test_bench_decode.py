@@ -1,0 +1,74 @@
+"""The decode benchmark (scripts/bench_decode.py) on CPU: tiny models timed in this process through the
+compiled generation loop, the table, JSONL rows, dated markdown block and plot; the targets read off rows;
+the paper models' configs; flags checked."""
+
+import json
+
+import pytest
+
+from benchmarks import decode
+
+TINY = ["model.vocab_size=256", "model.d_model=32", "model.mlp_hidden=64", "model.n_layers=1"]
+
+
+def test_tiny_models_are_timed_on_the_main_and_long_grids_and_reported(tmp_path):
+  jsonl, markdown, plot = tmp_path / "out" / "decode.jsonl", tmp_path / "BENCH.md", tmp_path / "d.png"
+  rows = decode.run(["sanatan_p1_184m", "softmax_184m"], batches=[1, 2], contexts=[12], long_contexts=[24],
+                    decode_tokens=4, repeats=1, tiny=True,
+                    overrides=TINY, jsonl=str(jsonl))
+  assert [(r.model, r.grid, r.batch, r.context, r.position_table) for r in rows] == [
+      ("sanatan_p1_184m", "main", 1, 12, True), ("sanatan_p1_184m", "main", 2, 12, True),
+      ("sanatan_p1_184m", "long", 1, 24, False),  # past the table: run without it
+      ("softmax_184m", "main", 1, 12, True), ("softmax_184m", "main", 2, 12, True),
+      ("softmax_184m", "long", 1, 24, False)]
+  for row in rows:
+    assert not row.note and row.ms_per_token > 0 and row.compile_s >= 0, row
+    assert row.tokens_per_s == pytest.approx(row.batch / row.ms_per_token * 1e3)
+    assert row.weight_bytes > 0 and row.floor_ms is None  # CPUs have no listed bandwidth
+  state_bytes = {(r.model, r.context): r.state_bytes_per_seq for r in rows}
+  assert state_bytes["sanatan_p1_184m", 12] == state_bytes["sanatan_p1_184m", 24]  # a constant state
+  assert state_bytes["softmax_184m", 24] > state_bytes["softmax_184m", 12]  # a growing KV cache
+  assert [json.loads(line)["context"] for line in jsonl.read_text().splitlines()] == [12, 12, 24, 12, 12, 24]
+  table = decode.report(rows, markdown=str(markdown), plot=str(plot), command="python x", decode_tokens=4)
+  assert "| sanatan_p1_184m | sanatan |" in table and "| softmax_184m | softmax |" in table
+  text = markdown.read_text()
+  assert "decode on cpu" in text and "`python x`" in text and table in text
+  assert "sanatan_p1_184m, batch 1:" in text  # the target lines
+  assert plot.stat().st_size > 1000
+
+
+def _row(model, batch, context, ms):
+  return decode.DecodeRow(model, "x", 1, batch, context, 128, True, ms_per_token=ms,
+                          tokens_per_s=batch * 1e3 / ms)
+
+
+def test_targets_are_read_off_the_rows():
+  rows = [_row("sanatan_p1_184m", 1, 1024, 0.25), _row("sanatan_p1_184m", 1, 32768, 0.26),
+          _row("sanatan_p1_184m", 64, 2048, 1.0), _row("softmax_184m", 64, 2048, 5.0)]
+  lines = decode.target_lines(rows)
+  assert lines[0].endswith("0.260 ms/token at worst over contexts 1,024–32,768 (target ≤ 0.3: met).")
+  assert "(target ± 10 %: met)" in lines[1]
+  assert lines[2].endswith("5.00× (target ≥ 4×: met).")
+  slow = decode.target_lines([_row("sanatan_p1_184m", 1, 1024, 0.25), _row("sanatan_p1_184m", 1, 8192, 0.4)])
+  assert "not met" in slow[0] and "not met" in slow[1] and len(slow) == 2
+
+
+def test_the_paper_models_and_their_long_context_variants():
+  configs = {name: decode.model_config(name) for name in decode.PRESETS}
+  assert configs["softmax_184m"].layer_kinds() == ("softmax",) * 12
+  assert configs["sanatan_p1_184m"].mixers["sanatan"].p == 1
+  assert configs["sanatan_p1_184m"].max_positions == 2048
+  assert decode.model_config("sanatan_p1_184m", overrides=decode.NO_POSITION_TABLE).max_positions == 0
+  assert configs["based_360m"].max_positions == 0 and configs["gla_182m"].max_positions == 0
+  assert decode.model_config("softmax_184m", tiny=True).layer_kinds() == ("softmax",) * 4
+  assert decode.model_config("sanatan_p1_184m", tiny=True, overrides=[("model.n_layers", 1)]).layer_kinds() == (
+      "sanatan",)
+
+
+def test_bad_flags_say_what_to_fix():
+  with pytest.raises(decode.BenchError, match="unknown model 'nope'; use some of sanatan_p1_184m"):
+    decode.run(["nope"], batches=[1], contexts=[16], decode_tokens=4)
+  with pytest.raises(decode.BenchError, match="8 must exceed --decode_tokens=8"):
+    decode.run(["cyfa"], batches=[1], contexts=[8], decode_tokens=8)
+  with pytest.raises(decode.BenchError, match="--batches='1,x'"):
+    decode.parse_ints("1,x", "batches")

@@ -1,0 +1,75 @@
+"""The whole-step benchmark (scripts/bench_train.py) on CPU: two tiny presets timed in this process, the
+table with ratios to softmax, the JSONL rows, the plot and the dated markdown block; flags checked."""
+
+import json
+
+import pytest
+
+from benchmarks import train_step
+
+TINY = ["model.vocab_size=256", "model.d_model=32", "model.mlp_hidden=64"]
+
+
+def test_two_tiny_presets_are_timed_and_reported(tmp_path):
+  jsonl, markdown = tmp_path / "out" / "train_step.jsonl", tmp_path / "BENCH.md"
+  rows = train_step.run(["baselines:softmax_tiny", "sanatan:tiny"], batch=2, seq_len=16, steps=2, warmup=1,
+                        overrides=TINY, jsonl=str(jsonl))
+  softmax, sanatan = rows
+  assert (softmax.mixers, sanatan.mixers) == ("softmax", "sanatan")
+  for row in rows:
+    assert row.tokens_per_s > 0 and row.step_ms > 0 and row.compile_s > 0, row
+    assert row.tokens_per_s == pytest.approx(2 * 16 / row.step_ms * 1e3)
+    assert row.params > 0 and row.loss > 0 and not row.note
+    assert row.mfu is None and row.peak_memory_gib is None  # CPUs have no peak FLOPs or memory stats
+    assert row.xla_memory_gib > 0
+  assert softmax.vs_softmax == 1.0
+  assert sanatan.vs_softmax == pytest.approx(sanatan.tokens_per_s / softmax.tokens_per_s)
+  assert [json.loads(line)["preset"] for line in jsonl.read_text().splitlines()] == [
+      "baselines:softmax_tiny", "sanatan:tiny"]
+  table = train_step.report(rows, out=str(tmp_path / "out"), markdown=str(markdown), command="python x")
+  assert "| sanatan:tiny |  | sanatan | 2 × 16 (1) |" in table
+  text = markdown.read_text()
+  assert "train step on cpu" in text and "`python x`" in text and table in text
+  assert (tmp_path / "out" / "train_step.png").stat().st_size > 1000
+
+
+def test_a_failing_preset_becomes_a_row_and_a_sweep_runs_each_value(monkeypatch):
+  seen = []
+
+  def fake_measure(name, config, *, steps, warmup, variant=""):
+    seen.append((name, variant, config.train.loss_impl))
+    if config.train.loss_impl == "materialized":
+      raise MemoryError("RESOURCE_EXHAUSTED: out of memory")
+    return train_step.TrainRow(name, variant, "softmax", 2, 16, 1, 10, step_ms=1.0, tokens_per_s=32e3)
+
+  monkeypatch.setattr(train_step, "measure", fake_measure)
+  monkeypatch.setattr(train_step.jax, "clear_caches", lambda: None)
+  rows = train_step.run(["baselines:softmax_tiny"], batch=2, seq_len=16, steps=1,
+                        sweep="train.loss_impl=fused,materialized")
+  assert seen == [("baselines:softmax_tiny", "train.loss_impl=fused", "fused"),
+                  ("baselines:softmax_tiny", "train.loss_impl=materialized", "materialized")]
+  assert rows[0].tokens_per_s == 32e3 and rows[1].tokens_per_s is None
+  assert rows[1].note == "MemoryError: RESOURCE_EXHAUSTED: out of memory"
+
+
+def test_each_preset_keeps_its_micro_batch_at_the_common_batch():
+  configs = {name: train_step.bench_config(name, batch=32, seq_len=2048, overrides=[])[0]
+             for name in ("softmax_184m", "sanatan_p2_184m", "based_360m")}
+  assert configs["sanatan_p2_184m"].train.grad_accum == 4  # micro-batches of 8, as the preset trains
+  assert configs["based_360m"].train.grad_accum == 1  # its micro-batch is 32
+  softmax = configs["softmax_184m"].model
+  assert softmax.layer_kinds() == ("softmax",) * 12 and softmax.vocab_size == 126_349
+  assert softmax.mixers["softmax"].n_heads == 12 and not softmax.mixers["softmax"].rope
+
+
+def test_bad_flags_say_what_to_fix():
+  with pytest.raises(train_step.BenchError, match="unknown preset 'nope'; use one of softmax_184m"):
+    train_step.run(["nope"], batch=2, seq_len=16, steps=1)
+  with pytest.raises(train_step.BenchError, match="configs/sanatan.py has no preset 'huge'"):
+    train_step.run(["sanatan:huge"], batch=2, seq_len=16, steps=1)
+  with pytest.raises(train_step.BenchError, match="no selected preset has train.los_impl"):
+    train_step.run(["baselines:softmax_tiny"], batch=2, seq_len=16, steps=1, overrides=["train.los_impl=fused"])
+  with pytest.raises(train_step.BenchError, match="give KEY=VALUE"):
+    train_step.run(["baselines:softmax_tiny"], batch=2, seq_len=16, steps=1, overrides=["train.steps"])
+  with pytest.raises(train_step.BenchError, match="train.loss_impl='fast'; valid"):
+    train_step.run(["baselines:softmax_tiny"], batch=2, seq_len=16, steps=1, overrides=["train.loss_impl=fast"])
