@@ -9,75 +9,26 @@ Counted FLOPs per head (forward; forward+backward is counted as 3× forward):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import functools
 import glob
-import json
 import os
 import re
-import statistics
-import time
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-HEADS, HEAD_DIM = 12, 64  # the SANATAN / GLA-reference shape of issue 7
+# The rows' bookkeeping is part of this module's API for the scripts (``bench.Row``, ``bench.time_fn`` ...).
+from benchmarks.rows import (CHUNK, Row, RowLog, chunked_flops, device_name, exclusive,  # noqa: F401
+                             measure, parallel_flops, time_fn)
+
+HEADS, HEAD_DIM = 12, 64  # the 184M SANATAN model's head shape (also GLA's reference shape)
 TAYLOR_HEADS, TAYLOR_DIM = 16, 16
-CHUNK = 64
 TPU_CHUNK = 128  # the Mosaic kernels' smallest compiled chunk
 PARALLEL_MAX_SCORES = 2 ** 33  # skip the materialised form beyond ~8.6e9 score entries
 GATED_PARALLEL_MAX_SCORES = 2 ** 24  # the gated one's scores are K = 64 times wider (see gated_cases)
 FP32_PRECISIONS = ("tf32", "float32")  # kernel_precision cases for bf16 inputs (_precision_cases)
-
-
-@dataclasses.dataclass
-class Row:
-  op: str
-  impl: str
-  length: int
-  batch: int
-  fwd_ms: float | None
-  fwdbwd_ms: float | None
-  flops_fwd: float
-  reference: str = ""
-  note: str = ""
-  ratio_fwdbwd: float | None = None
-  vs_softmax: float | None = None
-
-
-def device_name() -> str:
-  device = jax.devices()[0]
-  return f"{device.platform}: {getattr(device, 'device_kind', str(device))}"
-
-
-@contextlib.contextmanager
-def exclusive(lock_path: str = ""):
-  """Holds an exclusive ``flock`` on ``lock_path`` (nothing when empty), so that benchmark processes
-  sharing one device compile side by side but time one at a time."""
-  if not lock_path:
-    yield
-    return
-  with open(lock_path, "a") as f:
-    fcntl.flock(f, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def time_fn(fn: Callable, *args, repeats: int = 10) -> float:
-  """Median wall time in ms of ``fn(*args)`` (compiled already) after 4 warm-up calls."""
-  for _ in range(4):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(times)
 
 
 def _fwd_and_fwdbwd(op: Callable, args: tuple, repeats: int, lock: str = "") -> tuple[float, float]:
@@ -96,14 +47,6 @@ def _fwd_and_fwdbwd(op: Callable, args: tuple, repeats: int, lock: str = "") -> 
 
 def _randn(key, shape, dtype, scale=1.0):
   return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-
-
-def chunked_flops(batch, length, heads, features, values, chunk=CHUNK):
-  return batch * heads * length * (2 * chunk * (features + values) + 4 * features * values)
-
-
-def parallel_flops(batch, length, heads, features, values):
-  return batch * heads * length * length * (features + values)
 
 
 def _pallas_name() -> str:
@@ -309,55 +252,6 @@ OPS = {"sanatan_p1": sanatan_cases, "sanatan_p2": sanatan_p2_cases, "gated": gat
        "taylor": taylor_cases, "softmax": softmax_cases}
 REFERENCE = {"sanatan_p1": "chunked (xla)", "sanatan_p2": "blocked (xla)", "gated": "chunked (xla)",
              "taylor": "chunked (xla)"}
-
-
-class RowLog:
-  """Rows measured so far, appended to a JSONL file (when given) the moment each is measured.
-
-  Rows already in the file are loaded and not measured again, so a benchmark stopped by a time limit
-  continues where it stopped when run again with the same file. A row that failed (an error note, no
-  time) is tried again; the file's last row of each (op, implementation, length) wins.
-  """
-
-  def __init__(self, path: str = ""):
-    self.path, self._rows = path, {}
-    if path and os.path.exists(path):
-      with open(path) as f:
-        for line in f:
-          if line.strip():
-            row = Row(**json.loads(line))
-            self._rows[row.op, row.impl, row.length] = row
-
-  @property
-  def rows(self) -> list[Row]:
-    return list(self._rows.values())
-
-  def has(self, op: str, impl: str, length: int) -> bool:
-    row = self._rows.get((op, impl, length))
-    return row is not None and row.fwdbwd_ms is not None
-
-  def add(self, row: Row) -> None:
-    self._rows[row.op, row.impl, row.length] = row
-    print(f"  {row.op} {row.impl} T={row.length}: {row.fwd_ms} / {row.fwdbwd_ms} ms {row.note}", flush=True)
-    if self.path:
-      os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-      with open(self.path, "a") as f:
-        f.write(json.dumps(dataclasses.asdict(row)) + "\n")
-
-
-def measure(log: RowLog, op_name: str, impl: str, length: int, batch: int, fn: Callable | str,
-            time_fwd_and_fwdbwd: Callable[[Callable], tuple[float, float]], flops: float) -> None:
-  """Times ``fn`` (a string is a reason it cannot run) unless ``log`` has the row; errors become notes."""
-  if log.has(op_name, impl, length):
-    return
-  if isinstance(fn, str):
-    log.add(Row(op_name, impl, length, batch, None, None, 0.0, note=fn))
-    return
-  try:
-    fwd, fwdbwd = time_fwd_and_fwdbwd(fn)
-    log.add(Row(op_name, impl, length, batch, fwd, fwdbwd, flops))
-  except Exception as e:  # An OOM or a backend without the kernel: report it, keep going.
-    log.add(Row(op_name, impl, length, batch, None, None, 0.0, note=f"{type(e).__name__}: {str(e)[:80]}"))
 
 
 def run_op(log: RowLog, op_name: str, length: int, tokens: int, dtype: str, repeats: int,

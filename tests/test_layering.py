@@ -1,0 +1,129 @@
+"""The architecture as tests: imports go downward (entry points -> families -> lmcore; inside an op,
+api -> backends -> base -> lmcore.ops.common), there are no import cycles, lmcore names no model
+family and no benchmark code, and no module uses another module's private names."""
+
+import ast
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("lmcore", "sanatan_jax", "based_jax", "benchmarks", "configs")
+FAMILIES = ("sanatan_jax", "based_jax")
+
+
+def _modules() -> dict[str, str]:
+  """Dotted module name -> file path for every project module."""
+  found = {}
+  for package in PACKAGES:
+    for root, _, files in os.walk(os.path.join(REPO, package)):
+      for name in files:
+        if name.endswith(".py"):
+          rel = os.path.relpath(os.path.join(root, name), REPO)[:-3].replace(os.sep, ".")
+          found[rel.removesuffix(".__init__")] = os.path.join(root, name)
+  return found
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+  """The project module an imported dotted name refers to (itself or its longest module prefix)."""
+  while name:
+    if name in MODULES:
+      return name
+    name = name.rpartition(".")[0]
+  return None
+
+
+def _imports(module: str) -> list[tuple[str, str]]:
+  """(imported project module, imported name or "") for every import statement of ``module``."""
+  tree = ast.parse(open(MODULES[module]).read())
+  package = module if MODULES[module].endswith("__init__.py") else module.rpartition(".")[0]
+  out = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      out += [(target, "") for alias in node.names if (target := _resolve(alias.name))]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+      for alias in node.names:
+        target = _resolve(f"{base}.{alias.name}") or _resolve(base)
+        if target:
+          out.append((target, "" if target == f"{base}.{alias.name}" else alias.name))
+  return out
+
+
+GRAPH = {m: sorted({t for t, _ in _imports(m) if t != m}) for m in MODULES}
+
+
+def _is_package_of(a: str, b: str) -> bool:
+  return b.startswith(a + ".")
+
+
+def test_there_are_no_import_cycles():
+  """Edges from a package's ``__init__`` to its own submodules are how packages re-export; every
+  other edge must point to a module that never leads back."""
+  edges = {m: [t for t in ts if not _is_package_of(m, t)] for m, ts in GRAPH.items()}
+  state: dict[str, int] = {}
+  cycles = []
+
+  def visit(m, path):
+    state[m] = 1
+    for t in edges[m]:
+      if state.get(t) == 1:
+        cycles.append(" -> ".join(path[path.index(t):] + [t]))
+      elif t not in state:
+        visit(t, path + [t])
+    state[m] = 2
+
+  for m in MODULES:
+    if m not in state:
+      visit(m, [m])
+  assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_lmcore_imports_no_model_family_and_no_benchmark_code():
+  bad = [f"{m} imports {t}" for m, ts in GRAPH.items() if m.startswith("lmcore")
+         for t in ts if t.startswith(FAMILIES + ("benchmarks", "configs"))]
+  assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("op", ["lmcore.ops.gated_linear_attention", "lmcore.ops.gated_delta_rule",
+                                "sanatan_jax.ops.sanatan_attention", "based_jax.ops.taylor_attention"])
+def test_op_backends_import_base_and_common_never_api(op):
+  members = [m for m in MODULES if m.startswith(op + ".")]
+  assert {f"{op}.api", f"{op}.base", f"{op}.reference", f"{op}.xla"} <= set(members)
+  bad = []
+  for m in members:
+    if m.endswith(".api"):
+      continue
+    for t in GRAPH[m]:
+      if t == f"{op}.api" or (m.endswith(".base") and t.startswith(op + ".")):
+        bad.append(f"{m} imports {t}")
+      if t.startswith(("lmcore.mixers", "lmcore.train", "lmcore.eval", "lmcore.model")):
+        bad.append(f"{m} imports {t} (an op must not import the layers above it)")
+  assert not bad, "\n".join(bad)
+
+
+def test_no_module_imports_another_modules_private_names():
+  bad = [f"{m} imports {t}.{name}" for m in MODULES for t, name in _imports(m)
+         if name.startswith("_") and not name.startswith("__") and t != m]
+  for m, path in MODULES.items():
+    aliases = {}
+    tree = ast.parse(open(path).read())
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+        for alias in node.names:
+          if _resolve(f"{node.module}.{alias.name}") == f"{node.module}.{alias.name}":
+            aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+      elif isinstance(node, ast.Import):
+        for alias in node.names:
+          if alias.asname and _resolve(alias.name) == alias.name:
+            aliases[alias.asname] = alias.name
+    for node in ast.walk(tree):
+      if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+          and node.value.id in aliases and node.attr.startswith("_") and not node.attr.startswith("__")):
+        bad.append(f"{m} uses {aliases[node.value.id]}.{node.attr}")
+  assert not bad, "\n".join(sorted(set(bad)))
