@@ -58,7 +58,7 @@ def _pallas_name() -> str:
 
 def _precision_cases(pallas_case: Callable[[str], Callable], dtype) -> dict:
   """``pallas (tf32)`` and ``pallas (float32)``, ``pallas_case(precision)``: the GPU kernel on fp32
-  copies of low-precision inputs (issue 7's bf16 agreement); none for fp32 inputs or on a TPU."""
+  copies of low-precision inputs (the bf16 agreement limit of 2e-3); none for fp32 inputs or on a TPU."""
   from lmcore.ops.common import pallas_utils
 
   if jnp.dtype(dtype) == jnp.float32 or pallas_utils.backend() == "tpu":

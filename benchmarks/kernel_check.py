@@ -1,11 +1,11 @@
-"""Compiled Pallas kernels against the XLA paths on the same inputs (issue 7's agreement criterion).
+"""Compiled Pallas kernels against the XLA paths on the same inputs.
 
 For every op of ``benchmarks.harness`` with kernels, every ``pallas*`` case is compared with the op's XLA
 reference case (``bench.REFERENCE``): the output o and the gradient of ``sum(o · do)`` with respect to
 every input, as relative L2 ``||a - b|| / ||b||``. As in FLA's tests (fla.md §3), the reference is
 computed in fp32 — from the same inputs upcast, when the kernel runs in bf16 — at full fp32 matmul
 precision (GPUs otherwise use TF32 for fp32 dots), so a bf16 row measures the kernel's own rounding.
-A row passes when its largest error is within the limit of its dtype (1e-5 in fp32; issue 7: 2e-3 in
+A row passes when its largest error is within the limit of its dtype (1e-5 in fp32; 2e-3 in
 bf16). For scale, a bf16 row also reports the XLA reference's own largest error in bf16 and the
 rounding floor: the largest error of the fp32 reference's own results merely rounded to bf16, which no
 bf16 kernel can go below. (A kernel with bf16 outputs also gets a bf16 output gradient, which puts its

@@ -1,11 +1,11 @@
-"""BASED (SPEC §2): Taylor linear attention + sliding-window attention + short gated convolutions.
+"""BASED (MATH §2): Taylor linear attention + sliding-window attention + short gated convolutions.
 
 Presets:
   tiny                                embedded corpus, 2 CPU cores
   360m, 360m_30b, 360m_50b           the Pile, GPT-2 BPE (10B tokens = 20,000 steps by default)
   1p3b, 1p3b_30b, 1p3b_50b           likewise for the 1.3B model (50B = 100,000 steps, 1,000 warmup)
   1p3b_released_window               1.3B with the window the released code really used (128)
-  1p3b_decay                         the decay ablation the released ``based-1b`` config names (SPEC §2.1)
+  1p3b_decay                         the decay ablation the released ``based-1b`` config names (MATH §2.1)
 
 Window semantics: our ``window`` is the true look-back (keys i−window … i). The paper's Table 7 gives
 64 (360M) and 16 (1.3B); the released configs say 128/256 but pass ``window_size // 2`` to
@@ -18,7 +18,7 @@ flash-attn, so they looked back 64 (360M) and 128 (1.3B).
 
 from configs import common
 
-# Tokens -> (steps, warmup steps) at 524,288 tokens per step (SPEC §2.4). 30B: our choice of warmup.
+# Tokens -> (steps, warmup steps) at 524,288 tokens per step (MATH §2.4). 30B: our choice of warmup.
 BUDGETS = {"10b": (20_000, 200), "30b": (60_000, 1_000), "50b": (100_000, 1_000)}
 
 SIZES = {

@@ -1,9 +1,9 @@
-"""Baseline mixers in the shared backbone (SPEC §3, §4).
+"""Baseline mixers in the shared backbone (MATH §3, §4).
 
 Presets: ``tiny`` (softmax) and ``<mixer>_tiny`` for every baseline (embedded corpus, 2 CPU cores);
 ``gla_182m`` (the SANATAN paper's GLA reference: FLA's layer, 4 heads, 182,217,984 params tied at
-vocab 126,349) and ``gla_182m_12heads`` (SPEC §4's exact 182,216,448);
-``cyfa_equal_state`` / ``gdn_equal_state`` (CyFA vs Gated DeltaNet at equal recurrent state, seed 002);
+vocab 126,349) and ``gla_182m_12heads`` (MATH §4's exact 182,216,448);
+``cyfa_equal_state`` / ``gdn_equal_state`` (CyFA vs Gated DeltaNet at equal recurrent state, MATH §3);
 ``hybrid_cyfa_gdn`` (CyFA in the lower layers, Gated DeltaNet in the upper ones).
 
     python train.py --config=configs/baselines.py:gla_tiny --workdir=runs/gla_tiny
@@ -21,7 +21,7 @@ def _tiny(kind: str, **mixer_fields):
 
 def gla_182m(n_heads: int = 4):
   """FLA GLA layer defaults at hidden 768 (4 heads, expand_k 0.5, expand_v 1, gate rank 16):
-  182,217,984 parameters tied. SPEC §4's 182,216,448 is the same model with 12 heads (its output
+  182,217,984 parameters tied. MATH §4's 182,216,448 is the same model with 12 heads (its output
   group-norm weight has 64 entries instead of 192): preset ``gla_182m_12heads`` (docs/DECISIONS.md)."""
   return common.experiment(
       model=dict(vocab_size=126_349, d_model=768, n_layers=12, pattern="gla*12", mlp_hidden=2048,
@@ -31,7 +31,7 @@ def gla_182m(n_heads: int = 4):
       name=f"gla_182m_{n_heads}heads")
 
 
-# Equal recurrent state (seed 002's rule): CyFA and GDN both carry S ∈ R^{128×128} per head, 4 heads at
+# Equal recurrent state (the CyFA article's rule, MATH §3): CyFA and GDN both carry S ∈ R^{128×128} per head, 4 heads at
 # D = 512 (262,144 B per layer). Totals per layer differ slightly: CyFA also stores the op's key-sum
 # slot z (264,192 B), GDN its short-conv windows (280,576 B); parameters 33.61M vs 33.65M. The model
 # card printed at the start of every run (and scripts/model_card.py) shows all three numbers.

@@ -1,4 +1,4 @@
-"""MQAR, zoology's synthetic recall benchmark (SPEC §6.5; ``lmcore.mqar``).
+"""MQAR, zoology's synthetic recall benchmark (MATH §6.5; ``lmcore.mqar``).
 
 Presets (``--config=configs/mqar.py:<preset>``):
   tiny     CPU smoke run: softmax, vocab 256, 4,096 examples of (64, 4), 2 epochs, lr 1e-2

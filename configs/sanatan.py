@@ -1,4 +1,4 @@
-"""SANATAN (SPEC §1): root-parity gated angular attention, two-stage p=2 -> p=1 schedule.
+"""SANATAN (MATH §1): root-parity gated angular attention, two-stage p=2 -> p=1 schedule.
 
 Presets:
   tiny, tiny_p1_adapt, tiny_p1_scratch   embedded corpus, 2 CPU cores (the quick start chains them)
@@ -19,7 +19,7 @@ Every ablation is also an override of the base preset, e.g. ``--config.model.mix
 
 from configs import common
 
-TOKENS_PER_STEP = 32 * 2048  # 65,536 (SPEC §1.4)
+TOKENS_PER_STEP = 32 * 2048  # 65,536 (MATH §1.4)
 
 
 def paper_tokenizer():
@@ -28,7 +28,7 @@ def paper_tokenizer():
 
 
 def paper_sources():
-  """SPEC §1.4 document sampling probabilities. ``heldout_skip`` draws the held-out set deep in each
+  """MATH §1.4 document sampling probabilities. ``heldout_skip`` draws the held-out set deep in each
   stream, past what training consumes (the seed says ~0.8M–4M documents; the split is our choice)."""
   def source(weight, heldout_skip, kind="parquet"):
     return dict(kind=kind, path="", weight=weight, heldout_skip=heldout_skip)

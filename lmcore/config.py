@@ -22,7 +22,7 @@ from lmcore.registry import mixer_class
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """The backbone (SPEC §5): embeddings -> L pre-norm blocks (mixer, MLP) -> final norm -> head.
+  """The backbone (MATH §5): embeddings -> L pre-norm blocks (mixer, MLP) -> final norm -> head.
 
   ``pattern`` names the mixer of every layer: ``"sanatan*12"``, ``"cyfa*8,gdn*4"``, or a default
   kind followed by index overrides, ``"base_conv*27;taylor@1,6,11;swa@2,7,12"`` (0-based indices).
@@ -41,7 +41,7 @@ class ModelConfig:
   max_positions: int = 0  # > 0: a learned absolute position table of this length
   tie_embeddings: bool = True
   init_std: float = 0.02
-  scale_out_init: bool = False  # out projections N(0, init_std / sqrt(2 L)) (BASED, SPEC §2.4)
+  scale_out_init: bool = False  # out projections N(0, init_std / sqrt(2 L)) (BASED, MATH §2.4)
   dtype: str = "bfloat16"  # activation dtype; parameters are always fp32
   remat: bool = False  # recompute each block's activations in the backward (memory for compute)
 
@@ -72,7 +72,7 @@ class TrainConfig:
   keep_last: int = 2
   keep_every: int = 0  # also keep every K-th step forever (0: off)
   init_from: str = ""  # a checkpoint directory (or a workdir) to load parameters from (staged training)
-  init_data_from: str = ""  # continue the data stream of that run (SPEC §1.4 stage 2)
+  init_data_from: str = ""  # continue the data stream of that run (MATH §1.4 stage 2)
   monitor_every: int = 0  # per-layer mixer monitors (CyFA), 0: off
   loss_impl: str = "auto"  # "fused" | "materialized" | "auto" (per backend: lmcore.train.loss.AUTO_LOSS_IMPL)
   loss_block_tokens: int = 0  # tokens per block of the fused loss (0: 2^27 logits per block)
@@ -82,13 +82,13 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-  """Held-out evaluation (SPEC §6.3)."""
+  """Held-out evaluation (MATH §6.3)."""
 
   batch_size: int = 8
   paired: bool = True  # fixed-state models: the same sequences through two implementations
   paired_a: str = ""  # "" = as trained (e.g. "parallel")
   paired_b: str = "recurrent"
-  gate_stats: bool = False  # SANATAN root-gate statistics (SPEC §1.3)
+  gate_stats: bool = False  # SANATAN root-gate statistics (MATH §1.3)
   gate_stats_sequences: int = 8
 
 

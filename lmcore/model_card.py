@@ -1,4 +1,4 @@
-"""The three numbers seed 002 says must match before two models are compared (SPEC §3):
+"""The three numbers that must match before two models are compared (MATH §3):
 parameters, recurrent-state bytes per sequence, and FLOPs per token (forward and training).
 
 FLOPs come from XLA's cost analysis of the lowered (not compiled) forward and gradient functions at

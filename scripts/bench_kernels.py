@@ -1,4 +1,4 @@
-"""Kernel benchmark (issue 7): forward and forward+backward time of each op, in one process.
+"""Kernel benchmark: forward and forward+backward time of each op, in one process.
 
 For every op and T ∈ {2048, 8192, 32768} at a fixed number of tokens per batch (B = tokens // T):
 our Pallas kernel, our XLA chunked path, the materialised parallel reference (skipped where its T×T

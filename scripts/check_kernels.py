@@ -1,4 +1,4 @@
-"""Compiled Pallas kernels vs the XLA paths, outputs and gradients (issue 7): one table, one command.
+"""Compiled Pallas kernels vs the XLA paths, outputs and gradients: one table, one command.
 
     python scripts/check_kernels.py [--length=1024] [--batch=2] [--dtypes=float32,bfloat16] \
         [--jsonl=runs/bench/agreement.jsonl] [--out=docs/BENCHMARKS.md]

@@ -2,7 +2,7 @@
 
     python scripts/model_card.py --config=configs/baselines.py:cyfa_equal_state
 
-These are the three numbers seed 002 says must match before two models are compared. Nothing is
+These are the three numbers that must match before two models are compared. Nothing is
 allocated: the model is built abstractly (``nnx.eval_shape``) and FLOPs come from XLA's cost analysis.
 """
 

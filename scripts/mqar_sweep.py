@@ -1,4 +1,4 @@
-"""The MQAR sweep (SPEC §6.5): mixers × widths × learning rates -> one JSONL row per run, resumable.
+"""The MQAR sweep (MATH §6.5): mixers × widths × learning rates -> one JSONL row per run, resumable.
 
     python scripts/mqar_sweep.py --config=configs/mqar.py:sweep --out=runs/mqar/sweep.jsonl
     python scripts/mqar_sweep.py --mixers=based,softmax --widths=64 --lrs=1e-3,1e-2 --epochs=4

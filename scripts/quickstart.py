@@ -42,7 +42,7 @@ def stage_configs(workdir: str, stage1_steps: int | None, stage2_steps: int | No
 
 
 def unadapted_readout(stage1: cfg_lib.ExperimentConfig, stage1_dir: str) -> dict:
-  """The stage-1 parameters evaluated at p = 1 (SPEC §1.4's unadapted control)."""
+  """The stage-1 parameters evaluated at p = 1 (MATH §1.4's unadapted control)."""
   readout = dataclasses.replace(stage1, model=evaluate.with_mixer_overrides(stage1.model, p=1),
                                 eval=dataclasses.replace(stage1.eval, paired=False, gate_stats=False))
   return evaluate.evaluate_checkpoint(readout, stage1_dir, out_dir=os.path.join(stage1_dir, "readout_p1"))

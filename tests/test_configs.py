@@ -1,4 +1,4 @@
-"""Every preset of every config file loads into typed configs; paper models have the SPEC's sizes."""
+"""Every preset of every config file loads into typed configs; paper models have the sizes of docs/MATH.md."""
 
 import importlib
 
@@ -39,7 +39,7 @@ def count(name, preset):
 
 
 def test_sanatan_184m_has_183_581_184_parameters():
-  """SPEC §1.4: embeddings 97,036,032 + positions 1,572,864 + 12 × 7,080,960 + final norm 768."""
+  """MATH §1.4: embeddings 97,036,032 + positions 1,572,864 + 12 × 7,080,960 + final norm 768."""
   assert count("sanatan", "184m_p2") == 183_581_184
   assert count("sanatan", "184m_p1_adapt") == 183_581_184
 
@@ -50,7 +50,7 @@ def test_based_models_have_the_released_parameter_counts():
 
 
 def test_gla_reference_has_fla_layer_parameter_count():
-  """FLA's GLA layer at hidden 768 with its default 4 heads: 182,217,984 tied. SPEC §4 says 182,216,448,
+  """FLA's GLA layer at hidden 768 with its default 4 heads: 182,217,984 tied. MATH §4 says 182,216,448,
   1,536 fewer = 12 layers × 128: the output group-norm weight has head_v_dim = 192 entries at 4 heads
   and would need 64 (12 heads) to match. We keep the layer the paper names (docs/DECISIONS.md)."""
   assert count("baselines", "gla_182m") == 182_217_984

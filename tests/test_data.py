@@ -45,7 +45,7 @@ def cache_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def stdlib_tokenizer(cache_dir):
-  """The embedded tokenizer at its default 8k vocabulary, trained once per session (~5 s)."""
+  """The embedded tokenizer at its default 8k vocabulary, trained once per test run (~5 s)."""
   return tokenizers.load_tokenizer(TokenizerConfig(), cache_dir)
 
 

@@ -1,6 +1,6 @@
 """The GPU kernels' ``kernel_precision``: at "float32" (and "tf32") the Pallas kernels run on fp32
-copies of bf16 inputs and return fp32, so the op agrees with the fp32 XLA path within issue 7's
-bf16 limit (2e-3, relative L2) on the output and every input gradient; at "input" (the default)
+copies of bf16 inputs and return fp32, so the op agrees with the fp32 XLA path within the
+bf16 agreement limit (2e-3, relative L2) on the output and every input gradient; at "input" (the default)
 they keep bf16 operands and outputs. "tf32" reaches the Triton dots as Precision.DEFAULT (TF32 on
 the GPU; on CPU, where the kernels run interpreted, it computes in full fp32).
 """

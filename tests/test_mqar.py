@@ -1,4 +1,4 @@
-"""MQAR (SPEC §6.5): the generator's invariants, the zoology state accounting, the training recipe's
+"""MQAR (MATH §6.5): the generator's invariants, the zoology state accounting, the training recipe's
 pieces against direct transcriptions, and a CPU smoke sweep that learns recall and plots it."""
 
 import itertools

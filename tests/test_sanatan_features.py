@@ -1,4 +1,4 @@
-"""SANATAN feature maps (SPEC §1.1) against direct numpy transcriptions of each formula."""
+"""SANATAN feature maps (MATH §1.1) against direct numpy transcriptions of each formula."""
 
 import math
 
@@ -25,7 +25,7 @@ def _np_roots(theta, omega, gamma=10.0):
 
 
 def _np_phi(theta_rot, r, channels):
-  """Phi_a stacked per dimension a, then concatenated over a (SPEC §1.1 step 5)."""
+  """Phi_a stacked per dimension a, then concatenated over a (MATH §1.1 step 5)."""
   c, s = np.cos(theta_rot), np.sin(theta_rot)
   one = np.ones_like(theta_rot)
   blocks = {6: [one, c, s, r, r * c, r * s], 4: [one, r, r * c, r * s], 3: [one, c, s]}[channels]

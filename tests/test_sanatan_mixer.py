@@ -1,4 +1,4 @@
-"""SanatanMixer (SPEC §1.1 data flow, §1.2 state and memory, §1.4 size) and gate stats (§1.3)."""
+"""SanatanMixer (MATH §1.1 data flow, §1.2 state and memory, §1.4 size) and gate stats (§1.3)."""
 
 import math
 
@@ -76,7 +76,7 @@ def test_parallel_blocked_chunked_recurrent_mixers_agree():
 
 
 def test_mixer_follows_spec_data_flow():
-  """y = Wo(SANATAN(x Wq / sqrt(d), x Wk / sqrt(d), x Wv)), no biases, omega = pi/4 (SPEC §1.1)."""
+  """y = Wo(SANATAN(x Wq / sqrt(d), x Wk / sqrt(d), x Wv)), no biases, omega = pi/4 (MATH §1.1)."""
   mixer = _mixer(p=2, implementation="parallel")
   np.testing.assert_array_equal(mixer.omega[...], np.float32(math.pi / 4))
   assert all(layer.bias is None for layer in (mixer.wq, mixer.wk, mixer.wv, mixer.wo))
@@ -131,7 +131,7 @@ def test_config_rejects_unknown_or_unsupported_options():
 
 
 def _abstract_184m_mixer():
-  """One layer of the 184M model (SPEC §1.4), shapes only."""
+  """One layer of the 184M model (MATH §1.4), shapes only."""
   cfg = SanatanMixer.Config(n_heads=12, head_dim=64)
   return nnx.eval_shape(lambda: SanatanMixer(cfg, d_model=768, rngs=nnx.Rngs(0)))
 
@@ -140,7 +140,7 @@ def test_184m_mixer_has_spec_parameter_count():
   params = nnx.state(_abstract_184m_mixer(), nnx.Param)
   attention = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
   assert attention == 4 * 768**2 + 2 * 12 * 64 == 2_360_832
-  # With the 2048 SwiGLU and two RMSNorms this is SPEC §1.4's 7,080,960 per block.
+  # With the 2048 SwiGLU and two RMSNorms this is MATH §1.4's 7,080,960 per block.
   assert attention + 3 * 768 * 2048 + 2 * 768 == 7_080_960
 
 
@@ -164,7 +164,7 @@ def test_roots_are_soft_roots_of_pre_rotation_projection_angles():
 
 
 def _brute_force_gate_stats(rq, rk, positions):
-  """The SPEC §1.3 definitions as loops over sequences, sampled queries and causal keys."""
+  """The MATH §1.3 definitions as loops over sequences, sampled queries and causal keys."""
   mismatched, gates, entries = 0, [], 0
   for b, t_P in enumerate(positions):
     for t in t_P:

@@ -1,4 +1,4 @@
-"""The data layer (SPEC §6.1–§6.4): sources, mixtures, tokenizers, packing, held-out sets and the
+"""The data layer (MATH §6.1–§6.4): sources, mixtures, tokenizers, packing, held-out sets and the
 embedded corpus.
 
 Typical use::

@@ -1,4 +1,4 @@
-"""Typed data configuration (SPEC §1.4, §6.1–§6.4): sources, tokenizer, held-out set, packing."""
+"""Typed data configuration (MATH §1.4, §6.1–§6.4): sources, tokenizer, held-out set, packing."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class SourceConfig:
     weight: document sampling probability; normalised over the sources of the mixture.
     skip: documents skipped at the start of this source.
     heldout_split: split the held-out set is drawn from; "" = ``split`` ("heldout" for the embedded corpus).
-    heldout_skip: documents skipped when drawing the held-out set ("deep in each stream", SPEC §1.4).
+    heldout_skip: documents skipped when drawing the held-out set ("deep in each stream", MATH §1.4).
       When the held-out split equals the training split, training stops at this document, so
       the two never overlap.
     heldout_fraction: share of the documents held out by a stable hash of their identity (file path
@@ -108,7 +108,7 @@ class TokenizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class HeldoutConfig:
-  """The fixed held-out evaluation set (SPEC §1.4, §6.3).
+  """The fixed held-out evaluation set (MATH §1.4, §6.3).
 
   Attributes:
     seed: shuffles the held-out documents of each source.
@@ -135,7 +135,7 @@ class DataConfig:
     heldout: see ``HeldoutConfig``.
     seq_len: T; windows hold T + 1 tokens (inputs and shifted targets).
     shuffle_seed: document order seed, combined with the run seed.
-    segment_ids: SPEC §6.4 — positions restart at document boundaries (and mixers reset state);
+    segment_ids: MATH §6.4 — positions restart at document boundaries (and mixers reset state);
       False reproduces the papers (one stream window, positions 0..T).
     worker_count: Grain worker processes (0 = in the training process).
     cache_dir: tokenizer cache; "" = $FSLM_CACHE or ~/.cache/fixed_state_lm.

@@ -1,4 +1,4 @@
-"""Raw text / jsonl / parquet files -> ArrayRecord shards, one utf-8 document per record (SPEC §6.1).
+"""Raw text / jsonl / parquet files -> ArrayRecord shards, one utf-8 document per record (MATH §6.1).
 
 ArrayRecord gives O(1) random access per document, which global shuffling needs; the shards are read
 back by the ``array_record`` source kind (``data.sources[i].kind='array_record'``).

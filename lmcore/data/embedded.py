@@ -1,4 +1,4 @@
-"""The embedded default corpus (SPEC §6.2): the running interpreter's Python standard library source.
+"""The embedded default corpus (MATH §6.2): the running interpreter's Python standard library source.
 
 Every Python installation carries it, so a fresh machine trains on real text without a download.
 Documents are whole ``.py`` files under ``sysconfig.get_paths()["stdlib"]``, excluding test folders

@@ -1,4 +1,4 @@
-"""The fixed held-out set (SPEC §1.4, §6.3) and the unigram-entropy reference.
+"""The fixed held-out set (MATH §1.4, §6.3) and the unigram-entropy reference.
 
 Per source: the documents ``[heldout_skip, end)`` of its held-out split (or, with a
 ``heldout_fraction``, the documents its hash holds out of the training split), shuffled once with the

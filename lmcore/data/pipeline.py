@@ -1,4 +1,4 @@
-"""The training input pipeline (SPEC §1.4, §6.1, §6.4) as one checkpointable Grain iterator.
+"""The training input pipeline (MATH §1.4, §6.1, §6.4) as one checkpointable Grain iterator.
 
 Per source: documents ``[skip, stop)`` -> seeded shuffle (a new permutation every epoch) -> repeat
 forever. Sources are mixed by Grain's weighted interleave (deterministic and evenly spread, so the
@@ -147,7 +147,7 @@ def pack(documents: grain.IterDataset, seq_len: int) -> grain.IterDataset:
 class FinishWindows:
   """Packed windows (or batches of them) -> {tokens, segment_ids, positions}, all int32.
 
-  ``positions`` follow documents when ``segment_ids`` is on (SPEC §6.4), else count 0..T along the
+  ``positions`` follow documents when ``segment_ids`` is on (MATH §6.4), else count 0..T along the
   window (one stream, as in the papers). ``segment_ids`` always mark the documents.
   """
 

@@ -1,4 +1,4 @@
-"""Random-access document sources (SPEC §6.1): ``len(source)`` documents, ``source[i]`` -> str.
+"""Random-access document sources (MATH §6.1): ``len(source)`` documents, ``source[i]`` -> str.
 
 Each satisfies Grain's ``RandomAccessDataSource`` protocol, pickles cheaply (open handles and caches
 are rebuilt in each process) and reads documents on demand. For corpora beyond a few GB prefer

@@ -1,5 +1,5 @@
-"""Tokenizers from local files (SPEC §6.1): SentencePiece ``.model``, Hugging Face ``tokenizer.json``,
-and the embedded SentencePiece model (SPEC §6.2).
+"""Tokenizers from local files (MATH §6.1): SentencePiece ``.model``, Hugging Face ``tokenizer.json``,
+and the embedded SentencePiece model (MATH §6.2).
 
 Every tokenizer is a small picklable object (Grain workers receive a copy): it holds the serialized
 model and builds the backend lazily in each process.

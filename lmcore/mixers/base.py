@@ -19,7 +19,7 @@ and called, for training, prefill and one-token decode alike, as::
   another segment and resets its state at a boundary. A mixer or implementation that cannot honour it
   raises ``NotImplementedError`` naming the supported alternative.
 * ``init_state(batch_size, max_len)`` returns the zero state pytree; ``state_bytes(batch_size, max_len)``
-  the bytes that state occupies (SPEC accounting, used by model cards and the MQAR plot).
+  the bytes that state occupies (the accounting of docs/MATH.md §6.5, used by model cards and the MQAR plot).
 * Every mixer class has a nested frozen dataclass ``Config`` whose fields all have defaults; the
   config files set its fields by name and unknown names are rejected.
 """
@@ -37,7 +37,7 @@ from flax import nnx
 class InitSpec:
   """Initialisation scales: every projection N(0, std); output projections N(0, out_std).
 
-  BASED (SPEC §2.4) uses std 0.02 and out_std = 0.02 / sqrt(2 L).
+  BASED (MATH §2.4) uses std 0.02 and out_std = 0.02 / sqrt(2 L).
   """
 
   std: float = 0.02

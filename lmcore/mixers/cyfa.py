@@ -1,4 +1,4 @@
-"""CyFA — gated accumulation without the delta rule (SPEC §3, seed 002).
+"""CyFA — gated accumulation without the delta rule (MATH §3).
 
 Per head, with the fp32 state S_t in R^{d_k x d_v}::
 

@@ -1,4 +1,4 @@
-"""GLA — Gated Linear Attention (SPEC §4), parameter for parameter FLA's GatedLinearAttention layer.
+"""GLA — Gated Linear Attention (MATH §4), parameter for parameter FLA's GatedLinearAttention layer.
 
 Per head, with d_k = expand_k·D / H and d_v = expand_v·D / H (no biases except b_up)::
 

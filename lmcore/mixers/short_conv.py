@@ -1,4 +1,4 @@
-"""Depthwise causal short convolution with a decode state (used by Gated DeltaNet, SPEC §4).
+"""Depthwise causal short convolution with a decode state (used by Gated DeltaNet, MATH §4).
 
     y_t = act( sum_{i=0}^{W-1} w_i * x_{t-W+1+i} )      per channel, W = kernel_size,
 

@@ -1,4 +1,4 @@
-"""Softmax attention (Transformer++ style, SPEC §4): causal MHA, RoPE or none, KV-cache decoding."""
+"""Softmax attention (Transformer++ style, MATH §4): causal MHA, RoPE or none, KV-cache decoding."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Typed MQAR configuration: the ConfigDict of ``configs/mqar.py``, converted once (SPEC §6.5)."""
+"""Typed MQAR configuration: the ConfigDict of ``configs/mqar.py``, converted once (MATH §6.5)."""
 
 from __future__ import annotations
 

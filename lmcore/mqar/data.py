@@ -1,4 +1,4 @@
-"""MQAR data: zoology's multi-query associative recall generator and its batching (SPEC §6.5).
+"""MQAR data: zoology's multi-query associative recall generator and its batching (MATH §6.5).
 
 One example of length L with ``kv`` pairs (based_zoology.md §7.1)::
 

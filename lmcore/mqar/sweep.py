@@ -1,4 +1,4 @@
-"""The MQAR sweep: mixers × widths × learning rates, one JSONL row per run, resumable (SPEC §6.5).
+"""The MQAR sweep: mixers × widths × learning rates, one JSONL row per run, resumable (MATH §6.5).
 
 Each grid point is a mixer with its fields at one width; the learning rates of a point are trained
 side by side (``lmcore.mqar.train``). A run already in the JSONL (same point, lr, epochs and number
@@ -48,7 +48,7 @@ def based(d_model: int, feature_dim: int) -> SweepPoint:
 
 
 def sanatan(p: int, d_model: int, head_dim: int = 16) -> SweepPoint:
-  # p >= 2 has no recurrence (SPEC §1.2): parallel form, and a k/v cache in the state accounting.
+  # p >= 2 has no recurrence (MATH §1.2): parallel form, and a k/v cache in the state accounting.
   return point(f"sanatan_p{p}", "sanatan", d_model, n_heads=1, head_dim=head_dim, v_head_dim=d_model,
                p=p, channels=6, implementation="chunked" if p == 1 else "parallel")
 

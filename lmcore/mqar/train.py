@@ -1,4 +1,4 @@
-"""MQAR training and evaluation: zoology's recipe in JAX (SPEC §6.5, based_zoology.md §7.3–7.5).
+"""MQAR training and evaluation: zoology's recipe in JAX (MATH §6.5, based_zoology.md §7.3–7.5).
 
 Model: token embedding -> zoology BaseConv -> the mixer under test -> LayerNorm -> tied head; no MLP
 (zoology's Identity state mixer: residual += LN(residual) after each mixer), fp32. Recipe: AdamW

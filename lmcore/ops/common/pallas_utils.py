@@ -56,11 +56,10 @@ def default_implementation() -> str:
   """What "auto" (and None) picks for the chunked ops (SANATAN p = 1, gated): "pallas" on GPU, else
   XLA "chunked".
 
-  Measured on one H200 (docs/BENCHMARKS.md, sessions 4 and 5), fwd+bwd over our XLA path at
+  Measured on one H200 (docs/BENCHMARKS.md, 2026-11-29/30), fwd+bwd over our XLA path at
   T = 2048 / 8192 / 32768: SANATAN p = 1 1.64× / 2.62× / 3.98×, gated 2.95× / 3.72× / 3.59×
   (Taylor 2.05× / 3.71× / 5.97×, SANATAN p = 2 blocked 1.21× / 2.59× / 4.73×). TPUs keep XLA:
-  libtpu has never compiled the Mosaic kernels (no TPU was lent), so they are neither verified nor
-  timed there.
+  the Mosaic kernels have not been timed on a TPU yet.
   """
   return "pallas" if backend() == "gpu" else "chunked"
 

@@ -1,13 +1,17 @@
-"""SANATAN power-normalised causal attention (MATH §1.1 step 6, §1.2): one function, five forms.
+"""SANATAN power-normalised causal attention (MATH §1.1 step 6, §1.2): one function, six forms.
 
     a_tj = (s_tj / c)^p / (sum_{l<=t} (s_tl / c)^p + eps),  o_t = sum_{j<=t} a_tj v_j,  eps = 1e-6,
 
 with ``s_tj = Phi(q_t).Phi(k_j)`` (sanatan_jax.features; 4ch clips ``s`` at 0, 3ch legacy adds d).
 
-* ``parallel`` (reference.py): the materialised T x T form; any p and channel variant.
+* ``parallel`` (xla.py): the materialised form in blocks of query rows (the causal half), with a
+  custom VJP that recomputes the scores; any p and channel variant. Its plain autodiff form,
+  ``reference.parallel``, is the tests' reference.
 * ``recurrent`` (reference.py; p = 1, 6ch): the token-by-token write-then-read recurrence.
 * ``blocked`` (xla.py): ``parallel`` tiled over query and key blocks, never a T x T array.
-* ``chunked`` (xla.py; p = 1, 6ch): chunked linear attention, intra-chunk block + fp32 state.
+* ``chunked`` (xla.py; p = 1, 6ch): chunked linear attention, every chunk at once, the states entering
+  the chunks as a cumulative sum over chunks (fp32).
+* ``chunked_scan`` (xla.py; p = 1, 6ch): the same chunks one ``lax.scan`` step each.
 * ``pallas``: kernels with the features computed inside them and a custom VJP. p = 1 with 6ch: the
   chunked recurrence, parallel over chunks (pallas_triton_p1.py; its own chunk, not
   ``chunk_size``; on a TPU the Mosaic kernels of pallas_mosaic_tpu_p1.py). Every other p and
@@ -37,7 +41,8 @@ from sanatan_jax.ops.sanatan_attention import reference, xla
 from sanatan_jax.ops.sanatan_attention.base import (Options, SanatanState, check_state,
                                                     has_constant_state, validate_options)
 
-Implementation = Literal["parallel", "blocked", "chunked", "recurrent", "pallas", "auto"]
+Implementation = Literal["parallel", "blocked", "chunked", "chunked_scan", "recurrent", "pallas",
+                         "auto"]
 # A form: (q, k, v, omega, lam_raw, *, positions, segment_ids, state, options) -> (o, state).
 Backend = Callable[..., tuple[jax.Array, SanatanState | None]]
 
@@ -60,9 +65,10 @@ def _pallas(q, k, v, omega, lam_raw, *, positions=None, segment_ids=None, state=
 
 
 IMPLEMENTATIONS: dict[str, Backend] = {
-    "parallel": reference.parallel,
+    "parallel": xla.parallel,
     "blocked": xla.blocked,
     "chunked": xla.chunked,
+    "chunked_scan": xla.chunked_scan,
     "recurrent": reference.recurrent,
     "pallas": _pallas,
 }
@@ -103,10 +109,12 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
     positions: int [B, T] document positions; default 0..T-1 offset by ``state.position``.
     segment_ids: optional [B, T] packed-document ids (see the module docstring).
     p, channels, three_channel: the kernel (MATH §1.1 steps 5-6).
-    implementation: "parallel" | "blocked" | "chunked" | "recurrent" | "pallas" (same function);
+    implementation: "parallel" | "blocked" | "chunked" | "chunked_scan" | "recurrent" | "pallas"
+      (same function);
       "auto" or None picks the measured fastest for the backend (``resolve_implementation``).
     state: a SanatanState to continue from (p = 1, 6ch only).
-    chunk_size, block_size: tile lengths of "chunked" and "blocked".
+    chunk_size, block_size: tile lengths of "chunked" / "chunked_scan" and of "blocked" / "parallel"
+      (its query rows).
     rotate: False drops the temporal rotation (the "no lambda" ablation).
     kernel_precision: the Pallas GPU kernels' dot operands, "input" (the inputs' dtype), "tf32"
       or "float32" (fp32 throughout, fp32 o; ``pallas_utils.PRECISIONS``). Other implementations

@@ -1,20 +1,43 @@
 """The tiled XLA forms of SANATAN attention (MATH §1.1 step 6, §1.2).
 
+* ``parallel``: ``reference.parallel``'s sum in blocks of query rows, each against the keys up to its
+  last row (the causal half only), with a custom VJP that recomputes each block's scores in the
+  backward pass: the residuals are the features and values, never a T x T array. Any p and channels.
 * ``blocked``: ``reference.parallel``'s sum tiled over query and key blocks; no T x T array is ever
   held, in the forward or (through rematerialisation of each query block) the backward pass.
   Scores lie in [0, 1] after division by c, so no running maximum is needed. Any p and channels.
-* ``chunked`` (p = 1, 6ch): chunked linear attention, intra-chunk causal block + fp32 state.
+* ``chunked`` (p = 1, 6ch): chunked linear attention on whole arrays: every chunk's intra-chunk
+  block and state update as batched einsums, the states entering the chunks as a (document-gated)
+  cumulative sum over chunks.
+* ``chunked_scan`` (p = 1, 6ch): the same chunks visited one after another by ``lax.scan``.
+
+Matmul operands stay in the inputs' dtype (bf16 in training) with fp32 accumulation; fp32 inputs
+multiply at full fp32 precision (``dot``). States and normalisers are fp32.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from lmcore.ops.common.segments import chunk_documents
 from sanatan_jax.ops.sanatan_attention import base
 from sanatan_jax.ops.sanatan_attention.base import EPS, F32, Options, SanatanState, einsum
+
+# The parallel form's query blocks: ``block_size`` rows, at most this many blocks (each block is
+# its own program region, so their number bounds the compile time).
+PARALLEL_MAX_BLOCKS = 16
+
+
+def dot(spec: str, *operands: jax.Array) -> jax.Array:
+  """``jnp.einsum`` accumulating (and returning) float32: low-precision operands (bf16) multiply as
+  they are, float32 ones at full precision."""
+  full = any(x.dtype == F32 for x in operands)
+  return jnp.einsum(spec, *operands, preferred_element_type=F32,
+                    precision=jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT)
 
 
 def _to_blocks(x_BxTx: jax.Array, size: int, pad_mode: str = "constant") -> jax.Array:
@@ -79,12 +102,12 @@ def blocked(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array, lam_raw:
   return base.power_output(_from_blocks(num_N, T), _from_blocks(den_N, T), v, x, state, options)
 
 
-def chunked(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array, lam_raw: jax.Array, *,
-            positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-            state: SanatanState | None = None,
-            options: Options = Options()) -> tuple[jax.Array, SanatanState]:
-  """The chunked p = 1 form in chunks of ``options.chunk_size``: o [B, T, H, dv] in v's dtype and
-  the final state (MATH §1.2)."""
+def chunked_scan(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array, lam_raw: jax.Array, *,
+                 positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                 state: SanatanState | None = None,
+                 options: Options = Options()) -> tuple[jax.Array, SanatanState]:
+  """The chunked p = 1 form in chunks of ``options.chunk_size``, one chunk per ``lax.scan`` step
+  carrying the fp32 state: o [B, T, H, dv] in v's dtype and the final state (MATH §1.2)."""
   x = base.prepare(q, k, omega, lam_raw, positions, segment_ids, state, options)
   B, T, H, _ = q.shape
   S_BxHxFxV, z_BxHxF = base.start_state(state, B, H, x.phi_q.shape[-1], v.shape[-1])
@@ -122,3 +145,170 @@ def chunked(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array, lam_raw:
   (S_BxHxFxV, z_BxHxF, _), o_NxBxCxHxV = jax.lax.scan(step, init, xs)
   new_state = SanatanState(S_BxHxFxV, z_BxHxF, base.next_position(x.positions))
   return _from_blocks(o_NxBxCxHxV, T).astype(v.dtype), new_state
+
+
+def chunked(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array, lam_raw: jax.Array, *,
+            positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+            state: SanatanState | None = None,
+            options: Options = Options()) -> tuple[jax.Array, SanatanState]:
+  """The chunked p = 1 form of MATH §1.2 in chunks of ``options.chunk_size``, all chunks at once:
+  o [B, T, H, dv] in v's dtype and the final state.
+
+  Per chunk n: the masked block A_n = Mask ⊙ Phi(Q_n) Phi(K_n)ᵀ and the chunk's state increment
+  ΔS_n = Phi(K_n)ᵀ V_n (of its last document's tokens); the state entering chunk n is the gated
+  prefix sum S_<n = Σ_{m<n} ΔS_m over the chunks since the last document start (a plain cumsum
+  without documents). A token reads S_<n only if it is in the document of the token before its
+  chunk; the incoming ``state`` belongs to each row's first document (``base.read_state``).
+  """
+  x = base.prepare(q, k, omega, lam_raw, positions, segment_ids, state, options)
+  B, T, H, _ = q.shape
+  C = min(options.chunk_size, T)
+  N = -(-T // C)
+  chunks = lambda a: jnp.pad(a, [(0, 0), (0, N * C - T)] + [(0, 0)] * (a.ndim - 2)).reshape(
+      B, N, C, *a.shape[2:])
+  q_BxNxCxHxF, k_BxNxCxHxF, v_BxNxCxHxV = chunks(x.phi_q), chunks(x.phi_k), chunks(v)
+  mask_CxC = jnp.tril(jnp.ones((C, C), bool))[None, None, None]
+  k_state_BxNxCxHxF, keep_BxN, reads_BxNxC = k_BxNxCxHxF, None, None
+  if segment_ids is not None:
+    docs = chunk_documents(x.doc, N * C, C)  # edge-padded: padding tokens stay in the last document
+    doc_BxNxC = docs.doc.reshape(B, N, C)
+    mask_CxC = mask_CxC & (doc_BxNxC[:, :, None, :, None] == doc_BxNxC[:, :, None, None, :])
+    writes_BxNxC = docs.writes.reshape(B, N, C).astype(bool)  # in the document leaving the chunk
+    k_state_BxNxCxHxF = jnp.where(writes_BxNxC[..., None, None], k_BxNxCxHxF, 0)
+    reads_BxNxC = docs.reads.reshape(B, N, C).astype(bool)
+    last_BxN = doc_BxNxC[:, :, -1]
+    keep_BxN = last_BxN == jnp.pad(last_BxN[:, :-1], ((0, 0), (1, 0)))  # the chunk adds to the state
+  s_BxNxHxCxC = jnp.where(mask_CxC, dot("bnqhf,bnkhf->bnhqk", q_BxNxCxHxF, k_BxNxCxHxF), 0.0)
+  num_BxNxCxHxV = dot("bnhqk,bnkhv->bnqhv", s_BxNxHxCxC.astype(v.dtype), v_BxNxCxHxV)
+  den_BxNxCxH = jnp.sum(s_BxNxHxCxC, axis=-1).transpose(0, 1, 3, 2)
+  # Inter-chunk: states leaving each chunk (fp32), shifted by one chunk to those entering it.
+  S_out_BxNxHxFxV = _gated_cumsum(keep_BxN, dot("bnkhf,bnkhv->bnhfv", k_state_BxNxCxHxF, v_BxNxCxHxV))
+  z_out_BxNxHxF = _gated_cumsum(keep_BxN, jnp.sum(k_state_BxNxCxHxF.astype(F32), axis=2))
+  S_in_BxNxHxFxV = _shift_chunks(S_out_BxNxHxFxV).astype(q_BxNxCxHxF.dtype)
+  state_num_BxNxCxHxV = dot("bnqhf,bnhfv->bnqhv", q_BxNxCxHxF, S_in_BxNxHxFxV)
+  state_den_BxNxCxH = dot("bnqhf,bnhf->bnqh", q_BxNxCxHxF, _shift_chunks(z_out_BxNxHxF))
+  if reads_BxNxC is not None:
+    state_num_BxNxCxHxV = jnp.where(reads_BxNxC[..., None, None], state_num_BxNxCxHxV, 0.0)
+    state_den_BxNxCxH = jnp.where(reads_BxNxC[..., None], state_den_BxNxCxH, 0.0)
+  num_BxTxHxV = (num_BxNxCxHxV + state_num_BxNxCxHxV).reshape(B, N * C, H, -1)[:, :T]
+  den_BxTxH = (den_BxNxCxH + state_den_BxNxCxH).reshape(B, N * C, H)[:, :T]
+  S_BxHxFxV, z_BxHxF = S_out_BxNxHxFxV[:, -1], z_out_BxNxHxF[:, -1]
+  if state is not None:
+    state_num, state_den = base.read_state(x.phi_q, x.doc, state)
+    num_BxTxHxV, den_BxTxH = num_BxTxHxV + state_num, den_BxTxH + state_den
+    keep_B = x.doc[:, -1] == 0  # the last token is still in the incoming state's document
+    S_BxHxFxV = S_BxHxFxV + jnp.where(keep_B[:, None, None, None], state.S, 0.0)
+    z_BxHxF = z_BxHxF + jnp.where(keep_B[:, None, None], state.z, 0.0)
+  o_BxTxHxV = num_BxTxHxV / (den_BxTxH[..., None] + x.c * EPS)
+  return o_BxTxHxV.astype(v.dtype), SanatanState(S_BxHxFxV, z_BxHxF, base.next_position(x.positions))
+
+
+def _gated_cumsum(keep_BxN: jax.Array | None, x_BxNx: jax.Array) -> jax.Array:
+  """y_n = keep_n · y_{n-1} + x_n along axis 1 (y_{-1} = 0): a cumulative sum restarted where ``keep``
+  is False, by an associative scan (exact: no differences of prefix sums); None: a plain cumsum."""
+  if keep_BxN is None:
+    return jnp.cumsum(x_BxNx, axis=1)
+  keep_BxNx1 = keep_BxN.reshape(keep_BxN.shape + (1,) * (x_BxNx.ndim - 2)).astype(x_BxNx.dtype)
+
+  def combine(earlier, later):
+    (keep_a, y_a), (keep_b, y_b) = earlier, later
+    return keep_a * keep_b, keep_b * y_a + y_b
+
+  return jax.lax.associative_scan(combine, (keep_BxNx1, x_BxNx), axis=1)[1]
+
+
+def _shift_chunks(y_BxNx: jax.Array) -> jax.Array:
+  """[y_0, ..., y_{N-1}] -> [0, y_0, ..., y_{N-2}] along axis 1 (what leaves chunk n-1 enters n)."""
+  return jnp.pad(y_BxNx[:, :-1], [(0, 0), (1, 0)] + [(0, 0)] * (y_BxNx.ndim - 2))
+
+
+def query_blocks(T: int, block_size: int, max_blocks: int = PARALLEL_MAX_BLOCKS) -> tuple[tuple[int, int], ...]:
+  """(first, stop) rows of the parallel form's query blocks: ``block_size`` rows, more where T needs
+  over ``max_blocks`` of them."""
+  rows = max(block_size, -(-T // max_blocks))
+  return tuple((a, min(a + rows, T)) for a in range(0, T, rows))
+
+
+class _Power(NamedTuple):
+  """The static configuration of ``_power_sums``."""
+
+  p: int
+  channels: int
+  three_channel: str
+  d: int
+  blocks: tuple[tuple[int, int], ...]
+  documents: bool
+
+
+def parallel(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array, lam_raw: jax.Array, *,
+             positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+             state: SanatanState | None = None,
+             options: Options = Options()) -> tuple[jax.Array, SanatanState | None]:
+  """``reference.parallel`` in query blocks of ``options.block_size`` rows (see the module
+  docstring): o [B, T, H, dv] in v's dtype and, at p = 1 with 6 channels, the final state."""
+  x = base.prepare(q, k, omega, lam_raw, positions, segment_ids, state, options)
+  config = _Power(options.p, options.channels, options.three_channel, q.shape[-1],
+                  query_blocks(q.shape[1], options.block_size), segment_ids is not None)
+  num_BxTxHxV, den_BxTxH = _power_sums(x.phi_q, x.phi_k, v, x.doc, config)
+  return base.power_output(num_BxTxHxV, den_BxTxH, v, x, state, options)
+
+
+def _block_scores(phi_q_BxRxHxF, phi_k_BxTxHxF, doc_BxT, first: int, stop: int, config: _Power):
+  """Scores [B, H, R, stop] of query rows first:stop against keys 0:stop, and the weights as a
+  function of them (``base.power_weights`` under the causal and document mask)."""
+  s_BxHxRxS = dot("bthf,bshf->bhts", phi_q_BxRxHxF, phi_k_BxTxHxF[:, :stop])
+  mask_1x1xRxS = (first + jnp.arange(stop - first))[:, None] >= jnp.arange(stop)[None, :]
+  mask_1x1xRxS = mask_1x1xRxS[None, None]
+  if config.documents:
+    same_BxRxS = doc_BxT[:, first:stop, None] == doc_BxT[:, None, :stop]
+    mask_1x1xRxS = mask_1x1xRxS & same_BxRxS[:, None]
+
+  def weights(s):
+    return base.power_weights(s, mask_1x1xRxS, p=config.p, channels=config.channels,
+                              three_channel=config.three_channel, d=config.d)
+
+  return s_BxHxRxS, weights
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _power_sums(phi_q_BxTxHxF, phi_k_BxTxHxF, v_BxTxHxV, doc_BxT, config: _Power):
+  """N = Σ_j w_tj v_j [B, T, H, dv] and D = Σ_j w_tj [B, T, H] (fp32), one query block at a time."""
+  nums, dens = [], []
+  for first, stop in config.blocks:
+    s, weights = _block_scores(phi_q_BxTxHxF[:, first:stop], phi_k_BxTxHxF, doc_BxT, first, stop, config)
+    w_BxHxRxS = weights(s)
+    nums.append(dot("bhts,bshv->bthv", w_BxHxRxS.astype(v_BxTxHxV.dtype), v_BxTxHxV[:, :stop]))
+    dens.append(jnp.sum(w_BxHxRxS, axis=-1).transpose(0, 2, 1))
+  return jnp.concatenate(nums, axis=1), jnp.concatenate(dens, axis=1)
+
+
+def _power_sums_fwd(phi_q_BxTxHxF, phi_k_BxTxHxF, v_BxTxHxV, doc_BxT, config: _Power):
+  sums = _power_sums(phi_q_BxTxHxF, phi_k_BxTxHxF, v_BxTxHxV, doc_BxT, config)
+  return sums, (phi_q_BxTxHxF, phi_k_BxTxHxF, v_BxTxHxV, doc_BxT)
+
+
+def _power_sums_bwd(config: _Power, residuals, cotangents):
+  """Per query block, the scores again, then dw = dN vᵀ + dD, dv += wᵀ dN, ds = dw ⊙ ∂w/∂s,
+  dPhi(q) = ds Phi(k), dPhi(k) += dsᵀ Phi(q)."""
+  phi_q_BxTxHxF, phi_k_BxTxHxF, v_BxTxHxV, doc_BxT = residuals
+  dnum_BxTxHxV, dden_BxTxH = cotangents
+  dq_blocks = []
+  dk_BxTxHxF = jnp.zeros(phi_k_BxTxHxF.shape, F32)
+  dv_BxTxHxV = jnp.zeros(v_BxTxHxV.shape, F32)
+  for first, stop in config.blocks:
+    phi_q_BxRxHxF = phi_q_BxTxHxF[:, first:stop]
+    s, weights = _block_scores(phi_q_BxRxHxF, phi_k_BxTxHxF, doc_BxT, first, stop, config)
+    w_BxHxRxS, weights_vjp = jax.vjp(weights, s)
+    dnum_BxRxHxV = dnum_BxTxHxV[:, first:stop].astype(v_BxTxHxV.dtype)
+    dw_BxHxRxS = (dot("bthv,bshv->bhts", dnum_BxRxHxV, v_BxTxHxV[:, :stop])
+                  + dden_BxTxH[:, first:stop].transpose(0, 2, 1)[..., None])
+    dv_BxTxHxV = dv_BxTxHxV.at[:, :stop].add(
+        dot("bhts,bthv->bshv", w_BxHxRxS.astype(v_BxTxHxV.dtype), dnum_BxRxHxV))
+    ds_BxHxRxS = weights_vjp(dw_BxHxRxS)[0].astype(phi_q_BxTxHxF.dtype)
+    dq_blocks.append(dot("bhts,bshf->bthf", ds_BxHxRxS, phi_k_BxTxHxF[:, :stop]))
+    dk_BxTxHxF = dk_BxTxHxF.at[:, :stop].add(dot("bhts,bthf->bshf", ds_BxHxRxS, phi_q_BxRxHxF))
+  return (jnp.concatenate(dq_blocks, axis=1).astype(phi_q_BxTxHxF.dtype),
+          dk_BxTxHxF.astype(phi_k_BxTxHxF.dtype), dv_BxTxHxV.astype(v_BxTxHxV.dtype), None)
+
+
+_power_sums.defvjp(_power_sums_fwd, _power_sums_bwd)

@@ -1,7 +1,9 @@
 """SANATAN attention (MATH §1.1 step 6, §1.2): every implementation computes the same function.
 
 ``SanatanAttentionTestBase`` holds the checks every implementation passes; each backend's test file
-subclasses it with its ``implementation`` (test_reference.py, test_xla.py, test_pallas_*.py).
+subclasses it with its ``implementation`` (test_reference.py, test_xla.py, test_pallas_*.py). The
+reference is ``reference.parallel``, the plain materialised form differentiated by autodiff, named
+"reference" here (``attention``); every other name goes through ``sanatan_attention``.
 
 Errors are relative L2 ``||a - b|| / ||b||`` at fp32. Outputs and states agree to 1e-5 (the forms
 differ only in summation order); gradients to 1e-4 (they pass through the saturating tanh roots
@@ -20,7 +22,8 @@ import pytest
 
 from lmcore.numerics import relative_l2
 from sanatan_jax import SanatanState, sanatan_attention
-from sanatan_jax.ops.sanatan_attention.base import sanatan_features
+from sanatan_jax.ops.sanatan_attention import reference
+from sanatan_jax.ops.sanatan_attention.base import Options, sanatan_features
 
 OUT_TOL, GRAD_TOL = 1e-5, 1e-4
 CHUNK = BLOCK = 16
@@ -41,13 +44,25 @@ def jit(fn, **kw):
   return jax.jit(fn, compiler_options=_FAST_COMPILE, **kw)
 
 
-def options(implementation="parallel", p=1, channels=6, three_channel="clean", **kw):
+def options(implementation="reference", p=1, channels=6, three_channel="clean", **kw):
   """Every static option spelled out with the test tile sizes, so equal calls share a program."""
   return dict(implementation=implementation, p=p, channels=channels, three_channel=three_channel,
               chunk_size=CHUNK, block_size=BLOCK, **kw)
 
 
-_attend_jit = jit(sanatan_attention, static_argnames=_STATIC)
+def attention(q, k, v, omega, lam_raw, *, implementation, p, channels, three_channel, chunk_size,
+              block_size, rotate=True, **kw):
+  """``sanatan_attention``, or for implementation "reference" ``reference.parallel`` itself."""
+  if implementation != "reference":
+    return sanatan_attention(q, k, v, omega, lam_raw, implementation=implementation, p=p, channels=channels,
+                             three_channel=three_channel, chunk_size=chunk_size, block_size=block_size,
+                             rotate=rotate, **kw)
+  return reference.parallel(q, k, v, omega, lam_raw, options=Options(
+      p=p, channels=channels, three_channel=three_channel, rotate=rotate, chunk_size=chunk_size,
+      block_size=block_size), **kw)
+
+
+_attend_jit = jit(attention, static_argnames=_STATIC)
 
 
 def attend(*args, **kw):
@@ -81,7 +96,7 @@ def outputs_and_grads(inputs, do, **kw):
   """o and the gradients of <o, do> w.r.t. q, k, v, omega, lam_raw, from one compiled program."""
 
   def run(*args):
-    o, vjp = jax.vjp(lambda *a: sanatan_attention(*a, **options(**kw))[0], *args)
+    o, vjp = jax.vjp(lambda *a: attention(*a, **options(**kw))[0], *args)
     return o, vjp(do)
 
   return jit(run)(*inputs)
@@ -94,7 +109,7 @@ def _p1_grads(implementation, inputs, state, segment_ids, seed):
                 for x in (inputs[2], state.S, state.z))
 
   def loss(q, k, v, omega, lam_raw, S0, z0):
-    o, new = sanatan_attention(q, k, v, omega, lam_raw, **options(
+    o, new = attention(q, k, v, omega, lam_raw, **options(
         state=SanatanState(S0, z0, state.position), segment_ids=segment_ids,
         implementation=implementation))
     return jnp.sum(o * do) + jnp.sum(new.S * dS) + jnp.sum(new.z * dz)
@@ -125,8 +140,8 @@ class SanatanAttentionTestBase:
   packed_power: int | None = None
 
   def _skip_if_reference(self):
-    if self.implementation == "parallel":
-      pytest.skip("parallel is the reference")
+    if self.implementation == "reference":
+      pytest.skip("reference.parallel is the reference")
 
   @pytest.mark.parametrize("T,with_state", [(1, True), (7, False), (33, False)])
   def test_p1_equals_parallel_for_odd_lengths(self, T, with_state):
@@ -144,7 +159,7 @@ class SanatanAttentionTestBase:
     state = prefix_state(4)
     # Row 0 keeps the incoming state for 20 tokens; row 1 resets it twice, once inside a chunk.
     segment_ids = jnp.asarray([[0] * 20 + [1] * 13, [0] * 5 + [1] * 20 + [2] * 8])
-    g_ref = _p1_grads("parallel", x, state, segment_ids, 5)
+    g_ref = _p1_grads("reference", x, state, segment_ids, 5)
     g = _p1_grads(self.implementation, x, state, segment_ids, 5)
     for name, a, b in zip(("q", "k", "v", "omega", "lam_raw", "S0", "z0"), g, g_ref):
       assert relative_l2(a, b) <= GRAD_TOL, name
