@@ -7,6 +7,10 @@ from typing import Any, Callable
 
 import ml_collections
 
+# The model families register their mixer kinds on import. The entry points of pyproject.toml do the
+# same for an installed project; importing them here also serves a source checkout on PYTHONPATH.
+import based_jax  # noqa: F401
+import sanatan_jax  # noqa: F401
 from lmcore import config as cfg_lib
 from lmcore.data.config import HeldoutConfig, SourceConfig, TokenizerConfig
 from lmcore.registry import mixer_class
