@@ -18,10 +18,12 @@ from flax import nnx
 from based_jax.base_conv import silu_gated_conv, zoology_gated_conv
 from based_jax.ops.taylor_attention import (TaylorState, default_decay_rates,
                                             taylor_linear_attention, zero_state)
+from based_jax.ops.taylor_attention.api import resolve_implementation
 from based_jax.sliding_window import (WindowState, rotary, sliding_window_attention,
                                       zero_window_state)
 from based_jax.taylor import feature_width
 from lmcore.ops.common import pallas_utils
+from lmcore.mixers import flops
 from lmcore.mixers.base import InitSpec, dense, float_bytes
 from lmcore.ops.common.layout import default_positions
 
@@ -107,6 +109,32 @@ class TaylorLinearAttention(nnx.Module):
     f = feature_width(cfg.feature_dim, cfg.feature)
     return float_bytes((batch_size, cfg.n_heads, f, self.head_dim), (batch_size, cfg.n_heads, f))
 
+  def flops_per_token(self, seq_len: int) -> float:
+    """Forward FLOPs per token (``lmcore.mixers.flops``; "auto" as on a GPU, where it depends on T):
+    the projections, 2 · D · (2 H d' + D) + 2 · D · D (+ 2 · D · H with the decay), plus per head,
+    with dv = D / H, dv + 1 mixed columns (the normaliser) and scores A = 1 + s + s²/2 taken from
+    the raw s = q · k / sqrt(d') (width d', not F) wherever they are pairwise:
+
+    * ``parallel``, ``pallas_blocked``: the causal half, 2 · (d' + dv + 1) · (T + 1) / 2;
+    * ``chunked``: 2 · C' · (d' + dv + 1) + 4 · F · (dv + 1), C' = min(chunk_size, T) and
+      F = ``taylor.feature_width(d', feature)`` (153 compact, 273 full at d' = 16);
+    * ``pallas``: the same with F = ``feature_width(d', "full")``, the kernels' state rows
+      (d' + 1 groups of d' plus the constant row) whatever ``feature``;
+    * ``recurrent``: 4 · F · (dv + 1).
+    """
+    cfg = self.config
+    d, V = cfg.feature_dim, self.head_dim + 1
+    name = flops.on_gpu(resolve_implementation, cfg.implementation, length=seq_len,
+                        decay=cfg.decay)
+    if name in ("parallel", "pallas_blocked"):
+      mixing = flops.quadratic(d, V, seq_len)
+    elif name == "recurrent":
+      mixing = flops.recurrent(feature_width(d, cfg.feature), V)
+    else:
+      F = feature_width(d, "full" if name == "pallas" else cfg.feature)
+      mixing = flops.chunked(F, V, cfg.chunk_size, seq_len, score_width=d)
+    return flops.dense(self) + cfg.n_heads * mixing
+
 
 class SlidingWindowAttention(nnx.Module):
   """Sliding-window softmax attention (MATH §2.2) with rotary q, k and a ring-buffer decode state.
@@ -161,6 +189,22 @@ class SlidingWindowAttention(nnx.Module):
     return float_bytes((batch_size, self.config.window + 1, 2 * self.d_model),
                        itemsize=jnp.dtype(self.dtype).itemsize)
 
+  def flops_per_token(self, seq_len: int) -> float:
+    """Forward FLOPs per token (``lmcore.mixers.flops``): the projections, 2 · D · 3D + 2 · D · D,
+    plus per head (d = D / H):
+
+    * ``blocked``: 2 · 2d per visible key, token t seeing min(t + 1, window + 1) keys, averaged
+      over t < T (4 · d · (window + 1) once T >> window); the keys of the two blocks a query block
+      reads that the window hides are not counted;
+    * ``full`` (every key of the call, masked): the causal half, 2 · 2d · (T + 1) / 2.
+    """
+    cfg, d = self.config, self.head_dim
+    if cfg.implementation == "full":
+      mixing = flops.quadratic(d, d, seq_len)
+    else:
+      mixing = flops.sliding_window(d, d, cfg.window, seq_len)
+    return flops.dense(self) + cfg.n_heads * mixing
+
 
 class _ConvWindow:
   """Decode state of a short causal convolution: its last K-1 inputs, [B, K-1, conv_width]."""
@@ -211,6 +255,12 @@ class BaseConv(_ConvWindow, nnx.Module):
                                      segment_ids=segment_ids_BxT)
     return self.out_proj(y_BxTxE), state
 
+  def flops_per_token(self, seq_len: int) -> float:
+    """Forward FLOPs per token (``lmcore.mixers.flops``), any ``seq_len``: ``in_proj`` 2 · D · 4D,
+    ``out_proj`` 2 · 2D · D and the depthwise convolution 2 · K · 2D (the gate is elementwise)."""
+    del seq_len
+    return flops.dense(self) + flops.short_conv(self.config.kernel_size, self.conv_width)
+
 
 class ZoologyBaseConv(_ConvWindow, nnx.Module):
   """zoology's synthetic BaseConv (based_zoology §4.2): ``conv(x) ⊙ projection(x) + x``.
@@ -239,3 +289,9 @@ class ZoologyBaseConv(_ConvWindow, nnx.Module):
     del positions_BxT  # A convolution needs no positions.
     return zoology_gated_conv(x_BxTxD, self.projection(x_BxTxD), self.conv_kernel[...],
                               self.conv_bias[...], state=state, segment_ids=segment_ids_BxT)
+
+  def flops_per_token(self, seq_len: int) -> float:
+    """Forward FLOPs per token (``lmcore.mixers.flops``), any ``seq_len``: ``projection``
+    2 · D · D and the depthwise convolution 2 · K · D."""
+    del seq_len
+    return flops.dense(self) + flops.short_conv(self.config.kernel_size, self.conv_width)

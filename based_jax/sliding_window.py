@@ -78,7 +78,8 @@ def sliding_window_attention(
   doc_start_BxT = _doc_starts(pos_BxT, init.start, segment_ids)
   # Without an incoming state the ring buffer is empty: skip its keys altogether.
   ring = None if state is None else (init.k, init.v, _ring_positions(init.length, window + 1))
-  attend = _attend_full if implementation == "full" else _attend_blocked
+  # One token (decoding) attends to the ring and itself directly: blocks would only add padding.
+  attend = _attend_full if implementation == "full" or length == 1 else _attend_blocked
   o = attend(q, k, v, pos_BxT, doc_start_BxT, ring, window=window, block_size=block_size)
   return o, _advance(init, k, v, doc_start_BxT[:, -1])
 
@@ -101,6 +102,12 @@ def _advance(state, k_BxTxHxK, v_BxTxHxV, last_start_B):
   """Write the call's keys/values into the ring (the last ``window + 1`` of them win)."""
   length = k_BxTxHxK.shape[1]
   new_length_B = state.length + length
+  if length == 1:  # decoding: write the one slot of each row in place, not the whole ring
+    slot_B = jnp.mod(state.length, state.k.shape[1])
+    write_slot = jax.vmap(lambda ring, new, slot: jax.lax.dynamic_update_slice_in_dim(
+        ring, new.astype(ring.dtype), slot, axis=0))
+    return WindowState(write_slot(state.k, k_BxTxHxK, slot_B), write_slot(state.v, v_BxTxHxV, slot_B),
+                       new_length_B, last_start_B)
   held_BxR = _ring_positions(new_length_B, state.k.shape[1])
   fresh_BxR = held_BxR >= state.length[:, None]
   idx_BxRx1x1 = jnp.clip(held_BxR - state.length[:, None], 0, length - 1)[..., None, None]

@@ -75,22 +75,33 @@ def _sanatan_args(batch, length, dtype):
           jax.random.normal(keys[3], (HEADS, HEAD_DIM)))
 
 
+def _sanatan_reference(**options):
+  """``reference.parallel`` (the materialised form, differentiated by autodiff) as a case."""
+  from sanatan_jax.ops.sanatan_attention import base, reference
+
+  return lambda q, k, v, w, l: reference.parallel(q, k, v, w, l, options=base.Options(**options))[0]
+
+
 def sanatan_cases(batch, length, dtype):
+  """SANATAN p = 1: the kernel, the XLA chunked form (all chunks at once, C = 64 and 128), the
+  chunk-by-chunk ``lax.scan`` form it replaced, and the materialised reference."""
   from sanatan_jax import sanatan_attention
   from sanatan_jax.ops.sanatan_attention import pallas_triton_p1 as pallas_p1
 
   args = _sanatan_args(batch, length, dtype)
 
-  def op(impl):
-    return lambda q, k, v, w, l: sanatan_attention(q, k, v, w, l, implementation=impl, chunk_size=CHUNK)[0]
+  def op(impl, chunk=CHUNK):
+    return lambda q, k, v, w, l: sanatan_attention(q, k, v, w, l, implementation=impl, chunk_size=chunk)[0]
 
   kernel = lambda precision: lambda q, k, v, w, l: pallas_p1.sanatan_p1_pallas(
       q, k, v, w, l, precision=precision)[0]
-  cases = {**_sanatan_pallas(), **_precision_cases(kernel, dtype), "chunked (xla)": op("chunked")}
+  cases = {**_sanatan_pallas(), **_precision_cases(kernel, dtype), "chunked (xla)": op("chunked"),
+           "chunked (xla, C=128)": op("chunked", 128), "chunked_scan (xla)": op("chunked_scan")}
   if batch * HEADS * length * length <= PARALLEL_MAX_SCORES:
-    cases["parallel (reference)"] = op("parallel")
+    cases["parallel (reference)"] = _sanatan_reference()
   F = 6 * HEAD_DIM
   flops = {impl: chunked_flops(batch, length, HEADS, F, HEAD_DIM) for impl in cases}
+  flops["chunked (xla, C=128)"] = chunked_flops(batch, length, HEADS, F, HEAD_DIM, chunk=128)
   for impl in cases:  # the Triton kernel's own chunk
     if impl.startswith("pallas") and impl != "pallas (tpu)":
       flops[impl] = chunked_flops(batch, length, HEADS, F, HEAD_DIM, chunk=pallas_p1.DEFAULT_CHUNK)
@@ -112,8 +123,9 @@ def _sanatan_pallas() -> dict:
 
 
 def sanatan_p2_cases(batch, length, dtype):
-  """SANATAN p = 2 (no recurrence): the blocked Pallas kernel vs XLA blocked vs the materialised form,
-  each credited the causal half of the scores and mixing, 2·T²·(F + V)/2 per head with F = 6d."""
+  """SANATAN p = 2 (no recurrence): the blocked Pallas kernel vs XLA blocked vs the XLA parallel form
+  (query blocks, custom VJP) vs the materialised reference (autodiff), each credited the causal half
+  of the scores and mixing, 2·T²·(F + V)/2 per head with F = 6d."""
   from sanatan_jax import sanatan_attention
 
   def op(impl, **options):
@@ -122,9 +134,9 @@ def sanatan_p2_cases(batch, length, dtype):
 
   kernel = lambda precision: op("pallas", kernel_precision=precision)
   cases = {_pallas_name(): op("pallas"), **_precision_cases(kernel, dtype),
-           "blocked (xla)": op("blocked")}
+           "blocked (xla)": op("blocked"), "parallel (xla)": op("parallel")}
   if batch * HEADS * length * length <= PARALLEL_MAX_SCORES:
-    cases["parallel (reference)"] = op("parallel")
+    cases["parallel (reference)"] = _sanatan_reference(p=2)
   flops = parallel_flops(batch, length, HEADS, 6 * HEAD_DIM, HEAD_DIM)
   return _sanatan_args(batch, length, dtype), cases, {name: flops for name in cases}
 

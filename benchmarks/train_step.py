@@ -245,6 +245,9 @@ def run(presets: list[str], *, batch: int, seq_len: int, steps: int, warmup: int
     for variant, extra in variants:
       config, missing = bench_config(name, batch=batch, seq_len=seq_len, overrides=parsed + extra)
       unused -= {key for key, _ in parsed + extra} - set(missing)
+      if extra and extra[0][0] in missing:  # the preset lacks the swept key: measure it once
+        configs.append((name, "", config))
+        break
       configs.append((name, variant, config))
   if unused:
     raise BenchError(f"--override/--sweep: no selected preset has {', '.join(sorted(unused))}; check the spelling "
@@ -271,10 +274,11 @@ def run(presets: list[str], *, batch: int, seq_len: int, steps: int, warmup: int
 
 
 def with_ratios(rows: list[TrainRow]) -> list[TrainRow]:
-  """tokens/s of each row over the softmax-only model's in the same variant (none without one)."""
+  """tokens/s of each row over the softmax-only model's in the same variant, else the one measured
+  without a variant (a softmax preset lacks a swept mixer key); none without either."""
   softmax = {r.variant: r for r in rows if r.mixers == "softmax" and r.tokens_per_s}
   for r in rows:
-    ref = softmax.get(r.variant)
+    ref = softmax.get(r.variant) or softmax.get("")
     r.vs_softmax = r.tokens_per_s / ref.tokens_per_s if ref is not None and r.tokens_per_s else None
   return rows
 
@@ -307,8 +311,8 @@ def format_table(rows: list[TrainRow]) -> str:
 
 def notes(rows: list[TrainRow]) -> str:
   """What the columns mean, under the table."""
-  return ("MFU: the model card's training FLOPs per token (XLA cost analysis of the forward and backward, "
-          "Pallas mixers counted as their XLA forms) × tokens/s over the devices' dense bf16 peak; MFU (6N): "
+  return ("MFU: the model card's training FLOPs per token (3 × its analytic forward count, "
+          "lmcore/model_card.py) × tokens/s over the devices' dense bf16 peak; MFU (6N): "
           "6 × parameters instead. XLA plan: arguments + outputs + temporaries of the compiled step. Device "
           "peak: `memory_stats()['peak_bytes_in_use']` since the process started (monotone over the rows: "
           "a row's own peak is at most this).")

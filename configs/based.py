@@ -53,7 +53,9 @@ def paper(size: str, budget: str = "10b", window: int | None = None, decay: bool
                  seed=1111, log_every=50, checkpoint_every=1000, keep_every=10_000, eval_every=2000,
                  eval_batches=0),
       data=dict(seq_len=2048), sources=pile_sources(), tokenizer=gpt2_tokenizer(),
-      heldout=dict(seed=4321, num_sequences=1000), name=f"based_{size}_{budget}")
+      heldout=dict(seed=4321, num_sequences=1000), name=f"based_{size}_{budget}",
+      # FSDP over every device (8 GPUs: parameters and AdamW state 1/8 per GPU); docs/SCALING.md.
+      mesh=dict(data=1, fsdp=-1))
 
 
 def tiny():

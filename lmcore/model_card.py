@@ -1,59 +1,61 @@
-"""The three numbers that must match before two models are compared (MATH §3):
-parameters, recurrent-state bytes per sequence, and FLOPs per token (forward and training).
+"""The three numbers to hold equal, or report, when two models are compared (MATH §3): parameters,
+recurrent-state bytes per sequence, and FLOPs per token (forward and training).
 
-FLOPs come from XLA's cost analysis of the lowered (not compiled) forward and gradient functions at
-the configured sequence length and implementation ("auto" counted as its XLA form on every host: XLA
-sees no FLOPs inside a Pallas kernel), divided by the tokens of one sequence.
+FLOPs are counted analytically, per token of a fresh sequence of the configured length T:
+
+    forward = sum over layers (mixer.flops_per_token(T) + MLP) + unembedding,
+    MLP = 2 · 3 · D · mlp_hidden (SwiGLU's gate, up and down kernels; 0 without an MLP),
+    unembedding = 2 · D · V (tied or not; the embedding and position lookups cost nothing),
+    train = 3 × forward (the backward pass costs twice the forward; remat's recomputation is
+    not counted, as in the usual MFU convention).
+
+Each mixer counts its dense kernels and the sequence-mixing work of its configured implementation,
+"auto" as it resolves on a GPU; the conventions (causal half for quadratic forms, the whole
+intra-chunk block for chunked ones, multiply-adds as 2 FLOPs, elementwise work not counted) are in
+``lmcore/mixers/flops.py``. XLA's cost analysis is not used: it counts a ``lax.scan`` body once and
+sees nothing inside a Pallas kernel.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from lmcore.config import ModelConfig
-from lmcore.ops.common import pallas_utils
 from lmcore.model import LanguageModel, count_params
 
 
-def _lowered_flops(fn, *args) -> float | None:
-  try:
-    cost = jax.jit(fn).lower(*args).cost_analysis()
-  except Exception:  # Some backends/ops have no cost model; the card then says "n/a".
-    return None
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return float(cost.get("flops", 0.0)) if cost else None
+def flops_per_token(config: ModelConfig, seq_len: int, model: LanguageModel | None = None
+                    ) -> dict[str, float]:
+  """Forward FLOPs per token by part (module docstring): ``{"mixers", "mlp", "unembedding",
+  "forward", "train"}``. ``model``: the (abstract) model of ``config``, built here when omitted."""
+  if seq_len < 1:
+    raise ValueError(f"data.seq_len={seq_len}: FLOPs per token need a sequence of at least one token.")
+  if model is None:
+    model = nnx.eval_shape(lambda: LanguageModel(config, rngs=nnx.Rngs(0)))
+  D = config.d_model
+  mixers = sum(float(block.mixer.flops_per_token(seq_len)) for block in model.blocks)
+  mlp = len(model.blocks) * 2.0 * 3 * D * config.mlp_hidden if config.mlp == "swiglu" else 0.0
+  unembedding = 2.0 * D * config.vocab_size
+  forward = mixers + mlp + unembedding
+  return {"mixers": mixers, "mlp": mlp, "unembedding": unembedding, "forward": forward,
+          "train": 3.0 * forward}
 
 
 def card(config: ModelConfig, seq_len: int) -> dict[str, Any]:
   abstract = nnx.eval_shape(lambda: LanguageModel(config, rngs=nnx.Rngs(0)))
-  graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
   n_params = count_params(abstract)
   embedding = config.vocab_size * config.d_model * (1 if config.tie_embeddings else 2)
   try:
     state_bytes = abstract.state_bytes(1, seq_len)
   except (ValueError, NotImplementedError):
     state_bytes = None  # e.g. SANATAN p >= 2: no constant-size state
-  tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
-
-  def forward(params, rest, tokens):
-    return nnx.merge(graphdef, params, rest)(tokens)[0]
-
-  def loss(params, rest, tokens):
-    logits = forward(params, rest, tokens)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
-
-  with pallas_utils.assume_backend("cpu"):  # "auto" mixers count as their XLA forms (see there)
-    fwd = _lowered_flops(forward, params, rest, tokens)
-    train = _lowered_flops(jax.grad(loss), params, rest, tokens)
+  flops = flops_per_token(config, seq_len, abstract)
   return {"params": n_params, "params_non_embedding": n_params - embedding,
           "state_bytes_per_sequence": state_bytes, "seq_len": seq_len,
-          "flops_per_token_forward": None if fwd is None else fwd / seq_len,
-          "flops_per_token_train": None if train is None else train / seq_len,
+          "flops_per_token_forward": flops["forward"], "flops_per_token_train": flops["train"],
+          "flops_per_token_forward_parts": {k: flops[k] for k in ("mixers", "mlp", "unembedding")},
           "layers": list(config.layer_kinds())}
 
 

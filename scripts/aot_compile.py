@@ -39,6 +39,7 @@ from lmcore import cli  # noqa: E402
 from lmcore import config as cfg_lib  # noqa: E402
 from lmcore import model_card  # noqa: E402
 from lmcore.errors import UserError  # noqa: E402
+from lmcore.model import with_mixer_overrides  # noqa: E402
 from lmcore.train import loop, sharding, state  # noqa: E402
 from lmcore.train.optim import make_optimizer  # noqa: E402
 
@@ -160,7 +161,9 @@ def compile_step(config: cfg_lib.ExperimentConfig, devices) -> dict:
   sharding.check_batch(mesh, config.train.batch_size, config.train.grad_accum)
   step_fn, args = abstract_inputs(config, mesh)
   memory_gib = device_memory_gib(devices[0])
-  record = {"devices": len(devices), "device_kind": devices[0].device_kind,
+  implementations = {kind: mixer.implementation for kind, mixer in config.model.mixers.items()
+                     if getattr(mixer, "implementation", "")}
+  record = {"devices": len(devices), "device_kind": devices[0].device_kind, "implementations": implementations,
             "mesh": dict(mesh.shape), "device_memory_gib": memory_gib,
             "argument_gib": shard_bytes(args) / GIB}
   # Lowering reads the mesh from the context: the Pallas kernels' shard_map needs it, and for a TPU
@@ -193,8 +196,13 @@ def compile_step(config: cfg_lib.ExperimentConfig, devices) -> dict:
 
 
 def model_flops_per_device(config: cfg_lib.ExperimentConfig, devices: int) -> float | None:
-  """Training FLOPs of one step per device: the model card's FLOPs per token × tokens / devices."""
-  per_token = model_card.card(config.model, config.data.seq_len)["flops_per_token_train"]
+  """Training FLOPs of one step per device: the model card's FLOPs per token × tokens / devices.
+  Pallas mixers are counted as their XLA forms ("auto" on a CPU host), whose math they share: XLA's
+  cost model sees nothing inside a kernel."""
+  kernels = {kind for kind, mixer in config.model.mixers.items()
+             if getattr(mixer, "implementation", "") in ("pallas", "pallas_blocked")}
+  model = with_mixer_overrides(config.model, kernels, implementation="auto") if kernels else config.model
+  per_token = model_card.card(model, config.data.seq_len)["flops_per_token_train"]
   if per_token is None:
     return None
   return per_token * config.train.batch_size * config.data.seq_len / devices
@@ -205,7 +213,8 @@ def report(name: str, target: str, config: cfg_lib.ExperimentConfig, record: dic
   train = config.train
   lines = [f"{name} on {target}: {record['devices']} x {record['device_kind']} "
            f"({record['device_memory_gib']:.2f} GiB each), mesh {mesh}, batch {train.batch_size} x "
-           f"{config.data.seq_len} in {train.grad_accum} micro-batches, remat {config.model.remat}"]
+           f"{config.data.seq_len} in {train.grad_accum} micro-batches, remat {config.model.remat}, "
+           f"implementation {record['implementations'] or 'n/a'}"]
   if "temp_gib" in record and "output_gib" in record:
     lines.append(f"per device: arguments {record['argument_gib']:.2f} GiB (parameters, optimizer state, "
                  f"batch), temporaries {record['temp_gib']:.2f} GiB, outputs {record['output_gib']:.2f} GiB "

@@ -5,7 +5,7 @@ table) at ``--long_batches``; prints the table and the decode targets, appends t
 docs/BENCHMARKS.md, writes the rows as JSONL and plots tokens/s vs batch. See ``benchmarks/decode.py``
 for what a row measures.
 
-    python scripts/bench_decode.py [--models=sanatan_p1_184m,softmax_184m,based_360m,gla_182m,cyfa] \
+    python scripts/bench_decode.py [--models=sanatan_p1_184m,softmax_184m,softmax_184m_bf16_cache,...] \
         [--batches=1,8,64,256] [--contexts=1024,2048] [--long_contexts=4096,8192,16384,32768] \
         [--long_batches=1] [--decode_tokens=128] [--repeats=3] [--max_seconds=0] \
         [--jsonl=runs/bench_decode/decode.jsonl] [--plot=docs/bench_decode.png] [--markdown=docs/BENCHMARKS.md]

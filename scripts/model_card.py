@@ -3,7 +3,8 @@
     python scripts/model_card.py --config=configs/baselines.py:cyfa_equal_state
 
 These are the three numbers that must match before two models are compared. Nothing is
-allocated: the model is built abstractly (``nnx.eval_shape``) and FLOPs come from XLA's cost analysis.
+allocated: the model is built abstractly (``nnx.eval_shape``) and FLOPs are counted analytically
+(``lmcore/model_card.py``; ``--json`` also gives the forward count by part).
 """
 
 import json

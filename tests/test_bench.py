@@ -86,3 +86,15 @@ def test_chunk_scan_benchmark_times_every_setting_and_appends_its_table(tmp_path
   assert len(rows) == 8
   assert all(" — " not in row and row.split(" | ")[4] != "—" for row in rows), rows
   assert "(chunk scan)" in out.read_text()
+
+
+def test_sanatan_xla_cases_compute_the_reference_function():
+  """The XLA cases of the SANATAN benchmarks (chunked at two chunk sizes, chunk_scan, the parallel form
+  with its custom VJP, XLA blocked) equal the materialised reference on one fp32 case of 64 tokens."""
+  for op_name, names in (("sanatan_p1", ("chunked (xla)", "chunked (xla, C=128)", "chunked_scan (xla)")),
+                         ("sanatan_p2", ("parallel (xla)", "blocked (xla)"))):
+    args, cases, _ = bench.OPS[op_name](1, 64, "float32")
+    want = cases["parallel (reference)"](*args)
+    for name in names:
+      got = cases[name](*args)
+      assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5, (op_name, name)

@@ -56,6 +56,8 @@ def test_targets_are_read_off_the_rows():
 def test_the_paper_models_and_their_long_context_variants():
   configs = {name: decode.model_config(name) for name in decode.PRESETS}
   assert configs["softmax_184m"].layer_kinds() == ("softmax",) * 12
+  assert configs["softmax_184m"].mixers["softmax"].cache_dtype == "float32"
+  assert configs["softmax_184m_bf16_cache"].mixers["softmax"].cache_dtype == "bfloat16"
   assert configs["sanatan_p1_184m"].mixers["sanatan"].p == 1
   assert configs["sanatan_p1_184m"].max_positions == 2048
   assert decode.model_config("sanatan_p1_184m", overrides=decode.NO_POSITION_TABLE).max_positions == 0

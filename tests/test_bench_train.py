@@ -40,7 +40,9 @@ def test_a_failing_preset_becomes_a_row_and_a_sweep_runs_each_value(monkeypatch)
     seen.append((name, variant, config.train.loss_impl))
     if config.train.loss_impl == "materialized":
       raise MemoryError("RESOURCE_EXHAUSTED: out of memory")
-    return train_step.TrainRow(name, variant, "softmax", 2, 16, 1, 10, step_ms=1.0, tokens_per_s=32e3)
+    mixers = "+".join(sorted(set(config.model.layer_kinds())))
+    return train_step.TrainRow(name, variant, mixers, 2, 16, 1, 10, step_ms=1.0,
+                               tokens_per_s=32e3 if mixers == "softmax" else 16e3)
 
   monkeypatch.setattr(train_step, "measure", fake_measure)
   monkeypatch.setattr(train_step.jax, "clear_caches", lambda: None)
@@ -50,6 +52,14 @@ def test_a_failing_preset_becomes_a_row_and_a_sweep_runs_each_value(monkeypatch)
                   ("baselines:softmax_tiny", "train.loss_impl=materialized", "materialized")]
   assert rows[0].tokens_per_s == 32e3 and rows[1].tokens_per_s is None
   assert rows[1].note == "MemoryError: RESOURCE_EXHAUSTED: out of memory"
+  # A preset without the swept key runs once, and is the softmax reference of every variant.
+  seen.clear()
+  rows = train_step.run(["baselines:softmax_tiny", "sanatan:tiny"], batch=2, seq_len=16, steps=1,
+                        sweep="model.mixers.sanatan.p=1,2")
+  assert [(name, variant) for name, variant, _ in seen] == [
+      ("baselines:softmax_tiny", ""), ("sanatan:tiny", "model.mixers.sanatan.p=1"),
+      ("sanatan:tiny", "model.mixers.sanatan.p=2")]
+  assert [row.vs_softmax for row in rows] == [1.0, 0.5, 0.5]
 
 
 def test_each_preset_keeps_its_micro_batch_at_the_common_batch():

@@ -20,6 +20,9 @@ and called, for training, prefill and one-token decode alike, as::
   raises ``NotImplementedError`` naming the supported alternative.
 * ``init_state(batch_size, max_len)`` returns the zero state pytree; ``state_bytes(batch_size, max_len)``
   the bytes that state occupies (the accounting of docs/MATH.md §6.5, used by model cards and the MQAR plot).
+* ``flops_per_token(seq_len)`` returns the layer's forward FLOPs per token over a causal sequence of
+  ``seq_len`` tokens (dense kernels plus the configured implementation's sequence mixing; the
+  conventions are in ``lmcore/mixers/flops.py``), which the model card sums.
 * Every mixer class has a nested frozen dataclass ``Config`` whose fields all have defaults; the
   config files set its fields by name and unknown names are rejected.
 """

@@ -6,7 +6,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lmcore.mixers import flops
 from lmcore.mixers.base import float_bytes
+from lmcore.ops.gated_linear_attention import pallas_triton, resolve_implementation, xla
 
 
 class HeadRMSNorm(nnx.Module):
@@ -51,3 +53,24 @@ def implementation_for(configured: str, length: int) -> str:
 def linear_state_bytes(batch_size: int, n_heads: int, key_dim: int, value_dim: int) -> int:
   """Bytes of a ``LinearAttentionState`` (S and z, fp32)."""
   return float_bytes((batch_size, n_heads, key_dim, value_dim), (batch_size, n_heads, key_dim))
+
+
+def linear_attention_flops(implementation: str, chunk_size: int | None, n_heads: int, features: int,
+                           values: int, seq_len: int) -> float:
+  """Sequence-mixing FLOPs per token of ``gated_linear_attention`` over ``n_heads`` heads of key width
+  F = ``features`` and V = ``values`` mixed columns (V + 1 for a normalised form), conventions of
+  ``lmcore.mixers.flops``, "auto" resolved as on a GPU:
+
+  * ``parallel``: per head 2 · (F + V) · (T + 1) / 2 (the causal half);
+  * ``recurrent``: per head 4 · F · V;
+  * ``chunked`` / ``xla`` / ``pallas``: per head 2 · C' · (F + V) + 4 · F · V with C' = min(C, T),
+    C = ``chunk_size`` or the implementation's default (XLA 64, the Triton kernel 16).
+  """
+  name = flops.on_gpu(resolve_implementation, implementation)
+  if name == "parallel":
+    return n_heads * flops.quadratic(features, values, seq_len)
+  if name == "recurrent":
+    return n_heads * flops.recurrent(features, values)
+  default = pallas_triton.CHUNK if name == "pallas" else xla.CHUNK
+  chunk = default if chunk_size is None else chunk_size
+  return n_heads * flops.chunked(features, values, chunk, seq_len)

@@ -39,8 +39,9 @@ from lmcore.ops.gated_linear_attention import gated_linear_attention
 
 from lmcore.ops.common import pallas_utils
 from lmcore.mixers.base import InitSpec, dense
-from lmcore.mixers.common import (HeadRMSNorm, implementation_for, linear_state_bytes,
-                                  merge_heads, split_heads)
+from lmcore.mixers import flops
+from lmcore.mixers.common import (HeadRMSNorm, implementation_for, linear_attention_flops,
+                                  linear_state_bytes, merge_heads, split_heads)
 
 
 class CyFAGates(NamedTuple):
@@ -110,6 +111,15 @@ class CyFA(nnx.Module):
   def state_bytes(self, batch_size: int, max_len: int | None = None) -> int:
     c = self.config
     return linear_state_bytes(batch_size, c.n_heads, c.head_dim, c.v_head_dim)
+
+  def flops_per_token(self, seq_len: int) -> float:
+    """Forward FLOPs per token (``lmcore.mixers.flops``): the dense kernels (q, k, v, the three gate
+    projections, the output gate when on, o), plus the gated op per head at F = d_k, V = d_v for
+    the configured implementation (``linear_attention_flops``: chunked
+    2 · C' · (d_k + d_v) + 4 · d_k · d_v)."""
+    c = self.config
+    return flops.dense(self) + linear_attention_flops(
+        c.implementation, c.chunk_size, c.n_heads, c.head_dim, c.v_head_dim, seq_len)
 
   def gates(self, x_BxTxD: jax.Array) -> CyFAGates:
     """log f, i and the unclipped w, in fp32."""

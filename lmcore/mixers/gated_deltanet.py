@@ -31,8 +31,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lmcore.ops.gated_delta_rule import DeltaRuleState, gated_delta_rule, resolve_implementation
+from lmcore.mixers import flops
 from lmcore.mixers.base import InitSpec, dense, float_bytes
 from lmcore.mixers.short_conv import ShortConv
+from lmcore.mixers.common import implementation_for
 
 NO_WEIGHT_DECAY = ("A_log", "dt_bias")
 A_INIT_MAX = 16.0
@@ -135,6 +137,28 @@ class GatedDeltaNet(nnx.Module):
     conv_bytes = sum(conv.state_bytes(batch_size) for conv in convs)
     return S_bytes + conv_bytes
 
+  def flops_per_token(self, seq_len: int) -> float:
+    """Forward FLOPs per token (``lmcore.mixers.flops``): the dense kernels, 2 · D · (2 H K + 2 H V
+    + 2 H) + 2 · H V · D, the three short convolutions, 2 · W · (2 H K + H V), and per head the
+    gated delta rule of the configured implementation:
+
+    * ``recurrent``: 6 · K · V (kᵀ S, the rank-one write, the read Sᵀ q);
+    * ``chunked`` / ``xla`` (the WY form of ``lmcore/ops/gated_delta_rule/xla.py``), per chunk of
+      C' = min(C, T) tokens: K Kᵀ 2 C'² K; the unit-lower triangular solve for W and U,
+      C'² (K + V) (half a dense C' x C' product on K + V columns); Δ = U - W S 2 C' K V; the state
+      update (K e^(b_C - b))ᵀ Δ 2 C' K V; the read (Q e^b) S 2 C' K V; Q Kᵀ 2 C'² K; the scores
+      times Δ 2 C'² V. Per token: C' · (5 K + 3 V) + 6 · K · V.
+    """
+    c = self.config
+    H, K, V, T = c.n_heads, c.head_dim, c.value_dim, seq_len
+    convs = flops.short_conv(c.conv_size, H * (2 * K + V))
+    if resolve_implementation(c.implementation) == "recurrent":
+      rule = 6.0 * K * V
+    else:
+      chunk = min(c.chunk_size, T)
+      rule = chunk * (5.0 * K + 3.0 * V) + 6.0 * K * V
+    return flops.dense(self) + convs + H * rule
+
   def _gates(self, x_BxTxD: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(log alpha = -exp(A_log) softplus(x Wa + dt_bias), beta = sigmoid(x Wb)), fp32 [B, T, H]."""
     x32_BxTxD = x_BxTxD.astype(jnp.float32)
@@ -157,8 +181,8 @@ class GatedDeltaNet(nnx.Module):
     log_alpha_BxTxH, beta_BxTxH = self._gates(x_BxTxD)
     o_BxTxHxV, delta = gated_delta_rule(
         _l2_normalise(q.reshape(per_head)), _l2_normalise(k.reshape(per_head)), v.reshape(per_head),
-        log_alpha_BxTxH, beta_BxTxH, implementation=config.implementation, state=state.delta,
-        chunk_size=config.chunk_size, segment_ids=segment_ids_BxT)
+        log_alpha_BxTxH, beta_BxTxH, implementation=implementation_for(config.implementation, length),
+        state=state.delta, chunk_size=config.chunk_size, segment_ids=segment_ids_BxT)
     gate_BxTxHxV = self.g_proj(x_BxTxD).reshape(per_head).astype(jnp.float32)
     o_BxTxHxV = self.o_norm(o_BxTxHxV.astype(jnp.float32)) * jax.nn.silu(gate_BxTxHxV)
     y_BxTxD = self.o_proj(o_BxTxHxV.reshape(batch_size, length, -1).astype(self.dtype))

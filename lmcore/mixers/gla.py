@@ -27,8 +27,9 @@ from lmcore.ops.gated_linear_attention import gated_linear_attention
 
 from lmcore.ops.common import pallas_utils
 from lmcore.mixers.base import InitSpec, dense
-from lmcore.mixers.common import (HeadRMSNorm, implementation_for, linear_state_bytes,
-                                  merge_heads, split_heads)
+from lmcore.mixers import flops
+from lmcore.mixers.common import (HeadRMSNorm, implementation_for, linear_attention_flops,
+                                  linear_state_bytes, merge_heads, split_heads)
 
 
 class GLA(nnx.Module):
@@ -71,6 +72,15 @@ class GLA(nnx.Module):
 
   def state_bytes(self, batch_size: int, max_len: int | None = None) -> int:
     return linear_state_bytes(batch_size, self.config.n_heads, self.head_k_dim, self.head_v_dim)
+
+  def flops_per_token(self, seq_len: int) -> float:
+    """Forward FLOPs per token (``lmcore.mixers.flops``): the dense kernels, 2 · D · (2 expand_k D
+    + 2 expand_v D + r) + 2 · r · expand_k D + 2 · expand_v D · D, plus the gated op per head at
+    F = d_k, V = d_v for the configured implementation (``linear_attention_flops``: chunked
+    2 · C' · (d_k + d_v) + 4 · d_k · d_v)."""
+    c = self.config
+    return flops.dense(self) + linear_attention_flops(
+        c.implementation, c.chunk_size, c.n_heads, self.head_k_dim, self.head_v_dim, seq_len)
 
   def log_forget(self, x_BxTxD: jax.Array) -> jax.Array:
     """log α [B, T, H, d_k], fp32: logsigmoid of the low-rank gate over the normaliser."""

@@ -32,7 +32,9 @@ from lmcore.ops.common import pallas_utils
 from lmcore.ops.common.segments import document_index
 from lmcore.mixers.base import InitSpec, dense, float_bytes
 from lmcore.ops.common.layout import default_positions
-from lmcore.mixers.common import implementation_for, linear_state_bytes, merge_heads, split_heads
+from lmcore.mixers import flops
+from lmcore.mixers.common import (implementation_for, linear_attention_flops, linear_state_bytes,
+                                  merge_heads, split_heads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +63,19 @@ class _NormalisedLinearAttention(nnx.Module):
     self.wk = dense(d_model, inner, std=init.std, dtype=dtype, rngs=rngs)
     self.wv = dense(d_model, inner, std=init.std, dtype=dtype, rngs=rngs)
     self.wo = dense(inner, d_model, std=init.out_std, dtype=dtype, rngs=rngs)
+
+  def feature_width(self) -> int:
+    """F: the width of φ(q), φ(k) per head (d here)."""
+    return self.config.head_dim
+
+  def flops_per_token(self, seq_len: int) -> float:
+    """Forward FLOPs per token (``lmcore.mixers.flops``): the four projections, 2 · 4 · D · H d,
+    plus the normalised op per head at F = ``feature_width()`` and V = d + 1 (the normaliser's
+    ones column) for the configured implementation (``linear_attention_flops``: chunked
+    2 · C' · (F + d + 1) + 4 · F · (d + 1)); the feature maps are elementwise."""
+    c = self.config
+    return flops.dense(self) + linear_attention_flops(
+        c.implementation, c.chunk_size, c.n_heads, self.feature_width(), c.head_dim + 1, seq_len)
 
   def _project(self, x_BxTxD):
     H = self.config.n_heads
@@ -189,6 +204,16 @@ class Performer(_NormalisedLinearAttention):
     return (linear_state_bytes(batch_size, c.n_heads, c.n_features, c.head_dim)
             + float_bytes((batch_size, c.n_heads)))
 
+  def feature_width(self) -> int:
+    """F = m random features per head."""
+    return self.config.n_features
+
+  def flops_per_token(self, seq_len: int) -> float:
+    """The normalised form's count at F = m (see the base class) plus the random-feature
+    projections of q and k, 2 · 2 · d · m per head."""
+    c = self.config
+    return super().flops_per_token(seq_len) + c.n_heads * 4.0 * c.head_dim * c.n_features
+
   def log_features(self, x_BxTxHxd: jax.Array) -> jax.Array:
     """log φ(x) = W x' - ||x'||² / 2 - log(m) / 2 with x' = x / d^{1/4}, fp32 [B, T, H, m]."""
     x = x_BxTxHxd.astype(jnp.float32) * self.config.head_dim**-0.25
@@ -240,6 +265,10 @@ class CosFormer(_NormalisedLinearAttention):
   def state_bytes(self, batch_size: int, max_len: int | None = None) -> int:
     c = self.config
     return linear_state_bytes(batch_size, c.n_heads, 2 * c.head_dim, c.head_dim) + 4 * batch_size
+
+  def feature_width(self) -> int:
+    """F = 2d: the cos and sin halves."""
+    return 2 * self.config.head_dim
 
   def features(self, x_BxTxHxd: jax.Array, positions_BxT: jax.Array) -> jax.Array:
     """[relu(x) cos(π i / 2M), relu(x) sin(π i / 2M)], fp32 [B, T, H, 2d]."""

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lmcore.mixers.base import InitSpec, dense, float_bytes
+from lmcore.mixers import flops
 from lmcore.ops.common.layout import default_positions
 from lmcore.mixers.rotary import rotary
 
@@ -32,6 +33,11 @@ class SoftmaxAttention(nnx.Module):
     rope: bool = True  # False: no positional signal here (use the backbone's absolute table)
     rope_base: float = 10000.0
     implementation: str = ""  # "" picks cuDNN on GPU and XLA elsewhere; or "xla" / "cudnn"
+    cache_dtype: str = "float32"  # the decode KV cache: "float32", or "bfloat16" (half the bytes)
+
+    def __post_init__(self):
+      if self.cache_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"softmax cache_dtype must be 'float32' or 'bfloat16', got {self.cache_dtype!r}")
 
   def __init__(self, config: Config, *, d_model: int, init: InitSpec, dtype=jnp.float32,
                rngs: nnx.Rngs):
@@ -46,11 +52,20 @@ class SoftmaxAttention(nnx.Module):
 
   def init_state(self, batch_size: int, max_len: int) -> KVCache:
     shape = (batch_size, max_len, self.n_heads, self.head_dim)
-    return KVCache(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
-                   jnp.zeros((), jnp.int32))
+    dtype = jnp.dtype(self.config.cache_dtype)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
 
   def state_bytes(self, batch_size: int, max_len: int) -> int:
-    return float_bytes((2, batch_size, max_len, self.n_heads, self.head_dim))
+    return float_bytes((2, batch_size, max_len, self.n_heads, self.head_dim),
+                       itemsize=jnp.dtype(self.config.cache_dtype).itemsize)
+
+  def flops_per_token(self, seq_len: int) -> float:
+    """Forward FLOPs per token (conventions: ``lmcore.mixers.flops``): the four projections,
+    2 · 4 · D · H d, plus per head the causal half of the scores and mixing, 2 · 2d · (T + 1) / 2,
+    for every implementation (XLA materialises T x T and masks; cuDNN's flash kernel skips the
+    masked blocks)."""
+    d = self.head_dim
+    return flops.dense(self) + self.n_heads * flops.quadratic(d, d, seq_len)
 
   def __call__(self, x_BxTxD, state: KVCache | None = None, positions_BxT=None, segment_ids_BxT=None):
     B, T, _ = x_BxTxD.shape
@@ -86,15 +101,18 @@ class SoftmaxAttention(nnx.Module):
     return jax.nn.dot_product_attention(q, k, v, mask=mask_Bx1xTxT, implementation="xla")
 
   def _attend_cache(self, q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, state: KVCache):
-    """Writes the new keys/values at ``length`` and attends causally over the filled cache (fp32)."""
+    """Writes the new keys/values at ``length`` and attends causally over the filled cache: operands
+    in the cache's dtype, scores, softmax and sums in fp32."""
     T, S = q_BxTxHxd.shape[1], state.k.shape[1]
-    start = state.length
-    k_cache = jax.lax.dynamic_update_slice_in_dim(state.k, k_BxTxHxd.astype(jnp.float32), start, axis=1)
-    v_cache = jax.lax.dynamic_update_slice_in_dim(state.v, v_BxTxHxd.astype(jnp.float32), start, axis=1)
-    scores_BxHxTxS = jnp.einsum("bthd,bshd->bhts", q_BxTxHxd.astype(jnp.float32), k_cache,
-                                precision=jax.lax.Precision.HIGHEST) / jnp.sqrt(self.head_dim)
+    start, dtype = state.length, state.k.dtype
+    k_cache = jax.lax.dynamic_update_slice_in_dim(state.k, k_BxTxHxd.astype(dtype), start, axis=1)
+    v_cache = jax.lax.dynamic_update_slice_in_dim(state.v, v_BxTxHxd.astype(dtype), start, axis=1)
+    scores_BxHxTxS = jnp.einsum("bthd,bshd->bhts", q_BxTxHxd.astype(dtype), k_cache,
+                                precision=jax.lax.Precision.HIGHEST,
+                                preferred_element_type=jnp.float32) / jnp.sqrt(self.head_dim)
     visible_TxS = jnp.arange(S)[None, :] <= (start + jnp.arange(T))[:, None]
     scores_BxHxTxS = jnp.where(visible_TxS, scores_BxHxTxS, -jnp.inf)
     probs_BxHxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1)
-    o_BxTxHxd = jnp.einsum("bhts,bshd->bthd", probs_BxHxTxS, v_cache, precision=jax.lax.Precision.HIGHEST)
+    o_BxTxHxd = jnp.einsum("bhts,bshd->bthd", probs_BxHxTxS.astype(dtype), v_cache,
+                           precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     return o_BxTxHxd, KVCache(k_cache, v_cache, start + T)

@@ -6,13 +6,13 @@ The mesh has three axes (``lmcore.config.MeshConfig``, docs/SCALING.md):
   data    the batch is split across it, parameters are replicated along it;
   fsdp    the batch is split across it too, and parameters and optimizer state are sharded along it
           (each device holds 1/fsdp of every large matrix; XLA gathers a matrix where it is used);
-  tensor  attention heads, MLP columns and the vocabulary are split across it; the batch is not.
+  tensor  attention heads and MLP columns are split across it; the batch is not.
 
 A parameter's dimensions get *logical* names from its path and shape (``logical_axes``: embed, heads,
 mlp, vocab, ...), and one table (``RULES``) maps each logical name to mesh axes. A dimension that does
 not divide evenly by its mesh axes stays whole (replicated), so every model works on every mesh; the
 rules only decide memory and communication. The same rules drive the ``shard_map`` around the Pallas
-kernels (``lmcore.ops.common.shard_map``), through ``BATCH_AXES`` and ``HEAD_AXIS``.
+kernels (``lmcore.ops.common.shard_map``, where ``BATCH_AXES`` and ``HEAD_AXIS`` are defined).
 
 Multi-host: ``initialize_distributed()`` runs before anything touches a device; a detected cluster that
 does not come up is an error naming what was detected. Each process feeds its own rows of the batch
@@ -35,16 +35,18 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from lmcore.config import MeshConfig
 from lmcore.errors import ConfigError, UserError
+from lmcore.ops.common.shard_map import BATCH_AXES, HEAD_AXIS
 
 MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")  # the mesh axes the batch dimension is split over
-HEAD_AXIS = "tensor"  # the mesh axis attention heads are split over
+# BATCH_AXES: the mesh axes the batch dimension is split over; HEAD_AXIS: the one heads are split over.
 
 # Logical axis -> mesh axis (or axes, or None: never split). The one table for every model.
 RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": BATCH_AXES,
     "embed": "fsdp",  # d_model, the dimension every large matrix has: FSDP shards it
-    "vocab": "tensor",
+    # Not split: XLA looks rows up in a vocabulary split over devices by gathering activations over
+    # the batch; the table is still split along d_model by FSDP.
+    "vocab": None,
     "heads": HEAD_AXIS,  # a mixer's projected width (heads × head dim)
     "mlp": "tensor",
     "positions": None,

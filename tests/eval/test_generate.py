@@ -1,7 +1,10 @@
 """The compiled generation loop: greedy samples equal the argmax of a full forward for every mixer family
 (prompts of different lengths in one batch), EOS stopping, the sampling filters, and the input errors."""
 
+import dataclasses
+
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,6 +12,8 @@ from flax import nnx
 
 from lmcore import config as cfg_lib
 from lmcore.eval.generate import Generator, Sampling, generate, sample_logits
+from lmcore.mixers.base import InitSpec
+from lmcore.mixers.softmax import SoftmaxAttention
 from lmcore.model import LanguageModel
 
 VOCAB = 61
@@ -61,6 +66,31 @@ def test_greedy_generation_equals_argmax_of_the_full_forward(family):
   assert [len(row) for row in out] == [8, 8, 8]
   assert out == argmax_of_full_forward(model, PROMPTS, out)
   assert len({t for row in out for t in row}) > 4, out  # the check compares varied tokens
+
+
+def _primitives(jaxpr) -> set[str]:
+  """Every primitive of a jaxpr, nested jaxprs (jit, custom_jvp, scan bodies) included."""
+  found = set()
+  for eqn in jaxpr.eqns:
+    found.add(eqn.primitive.name)
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          found |= _primitives(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          found |= _primitives(sub)
+  return found
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_one_token_step_has_no_loop_and_no_kernel_call(family):
+  """Decoding one token runs each mixer's one-step form: no scan or while loop (a serial loop of one
+  step), no Pallas kernel and no chunked padding path."""
+  model = make_model(*FAMILIES[family])
+  graphdef, state = nnx.split(model)
+  step = lambda state, tokens, decode: nnx.merge(graphdef, state)(tokens, state=decode)
+  jaxpr = jax.make_jaxpr(step)(state, jnp.zeros((2, 1), jnp.int32), model.init_state(2, 8))
+  assert not _primitives(jaxpr.jaxpr) & {"scan", "while", "pallas_call", "cond"}
 
 
 def test_learned_positions_follow_each_row_and_their_limit_is_checked():
@@ -144,3 +174,23 @@ def test_bad_prompts_name_the_prompt(prompts, message):
   model = make_model(*FAMILIES["softmax"])
   with pytest.raises(ValueError, match=message):
     generate(model, prompts, max_new_tokens=2)
+
+
+def test_a_bf16_kv_cache_holds_half_the_bytes_and_decodes_within_bf16_rounding():
+  """cache_dtype="bfloat16": the same layer decoded through a bf16 cache (prefill of 4, then one token
+  at a time) stays within bf16 rounding of the full fp32 forward."""
+  config = SoftmaxAttention.Config(n_heads=2)
+  fp32 = SoftmaxAttention(config, d_model=16, init=InitSpec(0.3, 0.3), rngs=nnx.Rngs(0))
+  bf16 = SoftmaxAttention(dataclasses.replace(config, cache_dtype="bfloat16"), d_model=16,
+                          init=InitSpec(0.3, 0.3), rngs=nnx.Rngs(0))
+  x_BxTxD = jax.random.normal(jax.random.key(1), (2, 7, 16))
+  full, _ = fp32(x_BxTxD)
+  state = bf16.init_state(2, 8)
+  assert state.k.dtype == jnp.bfloat16 and 2 * bf16.state_bytes(2, 8) == fp32.state_bytes(2, 8)
+  pieces = []
+  for start, stop in ((0, 4), (4, 5), (5, 6), (6, 7)):
+    y, state = bf16(x_BxTxD[:, start:stop], state)
+    pieces.append(y)
+  np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, rtol=2e-2, atol=2e-2)
+  with pytest.raises(ValueError, match="cache_dtype must be 'float32' or 'bfloat16'"):
+    SoftmaxAttention.Config(cache_dtype="float16")

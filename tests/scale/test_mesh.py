@@ -39,8 +39,8 @@ def test_rules_shard_weights_on_d_model_and_replicate_what_does_not_divide():
   def spec(path, shape):
     return sharding.spec_for(sharding.logical_axes(path.split("/"), shape, d), shape, mesh)
 
-  assert spec("embed/embedding", (126_349, d)) == P(None, "fsdp")  # an odd vocabulary is not split
-  assert spec("embed/embedding", (50_264, d)) == P("tensor", "fsdp")
+  assert spec("embed/embedding", (126_349, d)) == P(None, "fsdp")  # the vocabulary is never split
+  assert spec("head/kernel", (d, 50_264)) == P("fsdp")
   assert spec("blocks/0/mixer/wq/kernel", (d, 384)) == P("fsdp", "tensor")
   assert spec("blocks/0/mixer/wo/kernel", (384, d)) == P("tensor", "fsdp")
   assert spec("blocks/0/mlp/w_down/kernel", (2048, d)) == P("tensor", "fsdp")
@@ -61,8 +61,8 @@ def _run(cmd, env=None, check=True):
 
 @pytest.mark.slow
 def test_every_mixer_family_trains_the_same_on_three_meshes_as_on_one_device(tmp_path):
-  """fp32, 2 steps of 2 micro-batches: losses and gradient norms within 1e-5 relative, every parameter
-  within 1e-5 of its largest entry. No floating-point all-gather of an activation (an array with the
+  """fp32, 2 steps of 2 micro-batches (three Pallas kernels interpreted): losses, gradient norms and
+  the final parameters (as a whole: relative L2, and max |Δ| / max |p|) within 1e-5. No floating-point all-gather of an activation (an array with the
   sequence dimension) along the batch; without a tensor axis, none at all."""
   out = tmp_path / "meshes.json"
   _run([sys.executable, "tests/scale/mesh_worker.py", str(out)], env=EIGHT_DEVICES)
@@ -71,12 +71,13 @@ def test_every_mixer_family_trains_the_same_on_three_meshes_as_on_one_device(tmp
   for name, mesh in results["meshes"].items():
     assert mesh["loss_rel"] <= 1e-5, (name, mesh["losses"], results["reference_losses"])
     assert mesh["grad_norm_rel"] <= 1e-5, (name, mesh)
-    assert mesh["param_rel"] <= 1e-5, (name, mesh["worst_param"], mesh["param_rel"])
+    assert mesh["param_rel_l2"] <= 1e-5 and mesh["param_rel_max"] <= 1e-5, (name, mesh)
     gathers = mesh["activation_all_gathers"]
     if name.endswith("x1"):
       assert not gathers, (name, gathers)
     else:  # tensor parallelism gathers features within the tensor group, never the batch
       assert all(g["dimension"] != 0 for g in gathers), (name, gathers)
+  assert results["indivisible_batch_max_abs_diff"] <= 1e-6
 
 
 TRAIN = ["--config.model.d_model=32", "--config.model.n_layers=2", "--config.model.pattern=sanatan*2",

@@ -25,10 +25,10 @@ def _materialized_sum(h_BxTxD, w_DxV, targets_BxT, weights_BxT):
   return (optax.softmax_cross_entropy_with_integer_labels(logits, targets_BxT) * weights_BxT).sum()
 
 
-@pytest.mark.parametrize("B,T,D,V,block_tokens", [(2, 37, 24, 101, 16), (3, 5, 8, 67, 0), (1, 64, 16, 50, 64)])
+@pytest.mark.parametrize("B,T,D,V,block_tokens", [(2, 37, 24, 101, 16), (3, 5, 8, 67, 0)])
 def test_fused_equals_materialized_loss_and_grads_fp32(B, T, D, V, block_tokens):
-  """Odd T (padded blocks), V of no particular multiple, one block or several, with weights: loss and
-  both gradients within 1e-6 relative in fp32."""
+  """Odd T, odd V (the vocabulary is never split), with weights; three blocks of 13 steps (two padded
+  steps) or the default single block: loss and both gradients within 1e-6 relative in fp32."""
   keys = jax.random.split(jax.random.key(B * T + V), 4)
   h = jax.random.normal(keys[0], (B, T, D))
   w = jax.random.normal(keys[1], (D, V)) / np.sqrt(D) * 3

@@ -32,6 +32,7 @@ Implementations (``IMPLEMENTATIONS``):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Literal
 
@@ -42,29 +43,37 @@ from based_jax.ops.taylor_attention.base import BLOCKED_BELOW, TaylorState, chec
 from based_jax.ops.taylor_attention.reference import parallel, recurrent
 from based_jax.ops.taylor_attention.xla import chunked
 from based_jax.taylor import Feature
-from lmcore.ops.common import implementations, pallas_utils
+from lmcore.ops.common import implementations, pallas_utils, shard_map
 
 Implementation = Literal["parallel", "chunked", "recurrent", "pallas", "pallas_blocked", "auto"]
 
 
+# Each array's leading dimensions for the kernels' shard_map (shard_map.run_sharded).
+_LAYOUTS = dict(q="BTH", k="BTH", v="BTH", state="BH", segment_ids="B")
+_OUT_LAYOUTS = ("BTH", TaylorState(S="BH", z="BH"))
+
+
 def _pallas(q, k, v, *, state, eps, feature, chunk_size, decay, dt, segment_ids,
             kernel_precision):
-  """The chunked kernels of the current backend: Mosaic on a TPU, Triton elsewhere."""
+  """The chunked kernels of the current backend: Mosaic on a TPU, Triton elsewhere; each device of
+  the mesh in context runs them on its own rows and heads (``shard_map.run_sharded``)."""
   del decay, dt  # check_args rejects them
   options = pallas_utils.kernel_options(kernel_precision, "taylor_linear_attention")
   kernels = (pallas_mosaic_tpu.taylor_linear_attention_tpu if pallas_utils.backend() == "tpu"
              else pallas_triton.taylor_linear_attention_pallas)
-  return kernels(q, k, v, state=state, eps=eps, feature=feature, chunk_size=chunk_size,
-                 segment_ids=segment_ids, **options)
+  kernel = functools.partial(kernels, eps=eps, feature=feature, chunk_size=chunk_size, **options)
+  return shard_map.run_sharded(kernel, dict(q=q, k=k, v=v, state=state, segment_ids=segment_ids), _LAYOUTS,
+                               _OUT_LAYOUTS)
 
 
 def _pallas_blocked(q, k, v, *, state, eps, feature, chunk_size, decay, dt, segment_ids,
                     kernel_precision):
-  """The blocked Triton kernels plus the prefix state's read."""
+  """The blocked Triton kernels plus the prefix state's read, per device like ``_pallas``."""
   del chunk_size, decay, dt  # check_args rejects decay and dt
-  return pallas_triton_blocked.taylor_linear_attention_blocked(
-      q, k, v, state=state, eps=eps, feature=feature, segment_ids=segment_ids,
-      precision=kernel_precision)
+  kernel = functools.partial(pallas_triton_blocked.taylor_linear_attention_blocked, eps=eps, feature=feature,
+                             precision=kernel_precision)
+  return shard_map.run_sharded(kernel, dict(q=q, k=k, v=v, state=state, segment_ids=segment_ids), _LAYOUTS,
+                               _OUT_LAYOUTS)
 
 
 IMPLEMENTATIONS: dict[str, Callable[..., tuple[jax.Array, TaylorState]]] = {

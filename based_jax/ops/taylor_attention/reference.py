@@ -52,6 +52,7 @@ def recurrent(q: jax.Array, k: jax.Array, v: jax.Array, *, state: TaylorState | 
   """``lax.scan`` over tokens: write, then read; the state resets where a document starts.
 
   ``S <- gamma S + phi(k) v^T``, ``z <- z + phi(k)``, ``o = dt phi(q)·S / (phi(q)·z + eps)``.
+  One token (decoding) is one step without a scan.
   """
   del chunk_size, kernel_precision
   batch, length = q.shape[:2]
@@ -61,17 +62,23 @@ def recurrent(q: jax.Array, k: jax.Array, v: jax.Array, *, state: TaylorState | 
   reset_BxT = document_starts(segment_ids, batch, length)
 
   def step(state, x):
+    # Products and sums over F rather than dots, so that XLA can compute the new state and the
+    # readout in one pass over S (a decode step reads the fp32 state once and writes it once).
     phi_q_BxHxF, phi_k_BxHxF, v_BxHxV, dt_BxH, reset_B = x
+    phi_q_BxHxF = phi_q_BxHxF.astype(jnp.float32)
     keep_B = 1.0 - reset_B.astype(jnp.float32)
     S = (keep_B[:, None, None, None] * gamma_H[:, None, None] * state.S
          + phi_k_BxHxF[..., None] * v_BxHxV.astype(jnp.float32)[..., None, :])
     z = keep_B[:, None, None] * state.z + phi_k_BxHxF
-    num_BxHxV = mm("bhf,bhfv->bhv", phi_q_BxHxF, S)
-    den_BxH = mm("bhf,bhf->bh", phi_q_BxHxF, z)
+    num_BxHxV = jnp.sum(phi_q_BxHxF[..., None] * S, axis=-2)
+    den_BxH = jnp.sum(phi_q_BxHxF * z, axis=-1)
     return TaylorState(S, z), dt_BxH[..., None] * num_BxHxV / (den_BxH[..., None] + eps)
 
   time_major = lambda x: jnp.moveaxis(x, 1, 0)
   xs = (taylor_features(q, feature), taylor_features(k, feature).astype(jnp.float32), v, dt_BxTxH,
         reset_BxT)
+  if length == 1:
+    state, o_BxHxV = step(state, jax.tree.map(lambda x: x[:, 0], xs))
+    return o_BxHxV[:, None].astype(v.dtype), state
   state, o_TxBxHxV = jax.lax.scan(step, state, jax.tree.map(time_major, xs))
   return time_major(o_TxBxHxV).astype(v.dtype), state

@@ -32,8 +32,8 @@ _ASSUMED_BACKEND: list[str] = []
 @contextlib.contextmanager
 def assume_backend(platform: str):
   """Within the block ``backend()`` says ``platform``, so "auto" resolves as on that platform: the
-  model card counts FLOPs of the XLA forms on a GPU host (XLA's cost model sees no FLOPs inside a
-  Pallas kernel, a custom call)."""
+  mixers' FLOP counts take the form "auto" runs on a GPU, whatever the host
+  (``lmcore.mixers.flops.on_gpu``)."""
   _ASSUMED_BACKEND.append(platform)
   try:
     yield

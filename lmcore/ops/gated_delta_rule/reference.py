@@ -38,10 +38,16 @@ def recurrent(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxV: jax.Array,
               scale: float, segment_ids_BxT: jax.Array | None) -> tuple[jax.Array, jax.Array]:
   """``lax.scan`` over tokens in float32; returns (o [B, T, H, V] fp32, final S [B, H, K, V] fp32).
 
-  Where ``segment_ids`` changes between consecutive tokens the state is reset to zero first.
+  Where ``segment_ids`` changes between consecutive tokens the state is reset to zero first. One token
+  (decoding) is one step without a scan.
   """
   batch_size, length = q_BxTxHxK.shape[:2]
   resets_BxT = document_starts(segment_ids_BxT, batch_size, length)
+  if length == 1:
+    inputs = tuple(x[:, 0].astype(jnp.float32) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, log_alpha_BxTxH,
+                                                          beta_BxTxH))
+    S_BxHxKxV, o_BxHxV = _step(S0_BxHxKxV, (*inputs, resets_BxT[:, 0]), scale=scale)
+    return o_BxHxV[:, None], S_BxHxKxV
   time_major = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)
   xs = (time_major(q_BxTxHxK), time_major(k_BxTxHxK), time_major(v_BxTxHxV),
         time_major(log_alpha_BxTxH), time_major(beta_BxTxH), jnp.moveaxis(resets_BxT, 1, 0))

@@ -19,7 +19,8 @@ Implementations (all compute the same function; tests/ops/gated_linear_attention
   * ``chunked`` / ``xla``: chunks of ``chunk_size`` tokens, ``lax.scan`` over chunks (xla.py);
   * ``pallas``: the Triton-Pallas kernel (pallas_triton.py; interpret mode off GPU), on TPU the
     Mosaic kernel (pallas_mosaic_tpu.py);
-  * ``auto`` (or None): ``pallas`` on GPU, ``chunked`` elsewhere (``resolve_implementation``).
+  * ``auto`` (or None): ``pallas`` on GPU for heads up to 128 wide, ``chunked`` otherwise and
+    elsewhere (``resolve_implementation``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import jax
 
 from lmcore.ops.common import implementations
 from lmcore.ops.common import pallas_utils
+from lmcore.ops.common import shard_map
 from lmcore.ops.gated_linear_attention import pallas_mosaic_tpu
 from lmcore.ops.gated_linear_attention import pallas_triton
 from lmcore.ops.gated_linear_attention import reference
@@ -43,10 +45,15 @@ Implementation = Literal["recurrent", "parallel", "chunked", "xla", "pallas"]
 
 def _pallas(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: float, doc_BxT,
             **options):
-  """The kernels of this backend: Mosaic on TPU, else Triton (interpreted off GPU)."""
+  """The kernels of this backend: Mosaic on TPU, else Triton (interpreted off GPU), on each device's
+  rows and heads of the mesh in context (``shard_map.run_sharded``)."""
   kernels = pallas_mosaic_tpu if pallas_utils.backend() == "tpu" else pallas_triton
-  return kernels.chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, scale=scale,
-                         doc_BxT=doc_BxT, **options)
+  inputs = dict(q_BxTxHxK=q_BxTxHxK, k_BxTxHxK=k_BxTxHxK, v_BxTxHxV=v_BxTxHxV, g_BxTxHxG=g_BxTxHxG,
+                S0_BxHxKxV=S0_BxHxKxV, doc_BxT=doc_BxT)
+  layouts = dict(q_BxTxHxK="BTH", k_BxTxHxK="BTH", v_BxTxHxV="BTH", g_BxTxHxG="BTH", S0_BxHxKxV="BH",
+                 doc_BxT="B")
+  return shard_map.run_sharded(functools.partial(kernels.chunked, scale=scale, **options), inputs, layouts,
+                               ("BTH", "BH"))
 
 
 # Each backend has base.py's contract; the chunked ones also take ``chunk_size``.
@@ -60,12 +67,25 @@ IMPLEMENTATIONS: dict[str, Callable] = {
 _CHUNKED = ("chunked", "xla", "pallas")
 
 
+# The widest key and value a head may have for "auto" to pick the Triton kernel. Measured on one H200
+# (fwd+bwd, bf16): at K = V = 64 the kernel takes 1.17 ms against XLA chunked's 1.98; at K = 192,
+# V = 384 with per-key gates it takes 84.0 ms against 6.53 (docs/BENCHMARKS.md).
+KERNEL_MAX_KEY, KERNEL_MAX_VALUE = 128, 128
+
+
 def resolve_implementation(implementation: str | None, **problem) -> str:
-  """"auto" and None: ``pallas_utils.default_implementation()`` ("pallas" on GPU, else "chunked");
-  a name of ``IMPLEMENTATIONS`` as is; anything else a ValueError. ``problem`` is not read."""
-  del problem
-  return implementations.resolve(OP, implementation, IMPLEMENTATIONS,
-                                 pallas_utils.default_implementation)
+  """"auto" and None: "pallas" on a GPU for heads of at most ``KERNEL_MAX_KEY`` keys and
+  ``KERNEL_MAX_VALUE`` values (``key_dim=``, ``value_dim=``; unknown widths count as small), else
+  XLA "chunked"; a name of ``IMPLEMENTATIONS`` as is; anything else a ValueError."""
+  key_dim, value_dim = problem.get("key_dim", 0), problem.get("value_dim", 0)
+
+  def auto() -> str:
+    default = pallas_utils.default_implementation()
+    if default == "pallas" and (key_dim > KERNEL_MAX_KEY or value_dim > KERNEL_MAX_VALUE):
+      return "chunked"
+    return default
+
+  return implementations.resolve(OP, implementation, IMPLEMENTATIONS, auto)
 
 
 def gated_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -84,7 +104,7 @@ def gated_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     log_forget: [B, T, H] (scalar per head) or [B, T, H, K] (per key channel) log forget gate,
       values <= 0 (not checked; the chunked form relies on it), accumulated in fp32; None: no decay.
     implementation: a name of ``IMPLEMENTATIONS``; "auto" or None picks the measured fastest for
-      the backend (``resolve_implementation``: "pallas" on GPU, "chunked" elsewhere).
+      the backend and head widths (``resolve_implementation``).
     state: the state before the first token; None means zeros (start of a sequence).
     chunk_size: tokens per chunk of the chunked forms, a power of two; None: the implementation's
       measured best (``xla.CHUNK`` = 64, ``pallas_triton.CHUNK`` = 16; the TPU kernel's own).
@@ -99,7 +119,7 @@ def gated_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array,
       implementations ignore it.
   """
   check_shapes(q, k, v, log_forget, state, segment_ids)
-  implementation = resolve_implementation(implementation)
+  implementation = resolve_implementation(implementation, key_dim=q.shape[-1], value_dim=v.shape[-1])
   pallas_utils.check_precision(kernel_precision, OP)
   options = {}
   if chunk_size is not None and implementation in _CHUNKED:

@@ -24,22 +24,26 @@ def _f32(x: jax.Array) -> jax.Array:
 
 def recurrent(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: float, doc_BxT):
   """``lax.scan`` over tokens: decay, add k vᵀ, then read, so token t sees itself. Also the decode
-  path (T = 1)."""
+  path: one token is one step without a scan."""
   starts_BxT = jnp.concatenate([jnp.zeros_like(doc_BxT[:, :1], bool),
                                 doc_BxT[:, 1:] != doc_BxT[:, :-1]], axis=1)
 
   def step(S_BxHxKxV, inputs):
+    # The readout as products and a sum over K rather than a dot, so that XLA can compute the new
+    # state and the readout in one pass over S (a decode step reads the state once, writes it once).
     q_BxHxK, k_BxHxK, v_BxHxV, g_BxHxG, start_B = inputs
     S_BxHxKxV = jnp.where(start_B[:, None, None, None], 0.0, S_BxHxKxV)
     S_BxHxKxV = (jnp.exp(g_BxHxG)[..., None] * S_BxHxKxV
                  + k_BxHxK[..., :, None] * v_BxHxV[..., None, :])
-    o_BxHxV = scale * jnp.einsum("bhk,bhkv->bhv", q_BxHxK, S_BxHxKxV, precision=_HIGHEST)
+    o_BxHxV = scale * jnp.sum(q_BxHxK[..., :, None] * S_BxHxKxV, axis=-2)
     return S_BxHxKxV, o_BxHxV
 
+  xs = (_f32(q_BxTxHxK), _f32(k_BxTxHxK), _f32(v_BxTxHxV), _f32(g_BxTxHxG), starts_BxT)
+  if q_BxTxHxK.shape[1] == 1:
+    S_BxHxKxV, o_BxHxV = step(_f32(S0_BxHxKxV), tuple(x[:, 0] for x in xs))
+    return o_BxHxV[:, None], S_BxHxKxV
   time_major = lambda x: jnp.moveaxis(x, 1, 0)
-  xs = tuple(time_major(x) for x in (_f32(q_BxTxHxK), _f32(k_BxTxHxK), _f32(v_BxTxHxV),
-                                     _f32(g_BxTxHxG), starts_BxT))
-  S_BxHxKxV, o_TxBxHxV = jax.lax.scan(step, _f32(S0_BxHxKxV), xs)
+  S_BxHxKxV, o_TxBxHxV = jax.lax.scan(step, _f32(S0_BxHxKxV), tuple(time_major(x) for x in xs))
   return jnp.moveaxis(o_TxBxHxV, 0, 1), S_BxHxKxV
 
 

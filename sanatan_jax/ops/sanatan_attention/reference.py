@@ -33,26 +33,43 @@ def parallel(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array, lam_raw
   return base.power_output(num_BxTxHxV, den_BxTxH, v, x, state, options)
 
 
+def token_step(S_BxHxFxV, z_BxHxF, q_BxHxF, k_BxHxF, v_BxHxV, c: float):
+  """One token of the recurrence: the new (S, z) and o [B, H, dv] (fp32).
+
+  Written as products and sums over F rather than dots, so that XLA can compute the new state and
+  the readout in one pass over S (a decode step reads the fp32 state once and writes it once).
+  """
+  k_BxHxF, q_BxHxF = k_BxHxF.astype(base.F32), q_BxHxF.astype(base.F32)
+  S_BxHxFxV = S_BxHxFxV + k_BxHxF[..., :, None] * v_BxHxV.astype(base.F32)[..., None, :]
+  z_BxHxF = z_BxHxF + k_BxHxF
+  num_BxHxV = jnp.sum(q_BxHxF[..., :, None] * S_BxHxFxV, axis=-2)
+  den_BxH = jnp.sum(q_BxHxF * z_BxHxF, axis=-1)
+  return S_BxHxFxV, z_BxHxF, num_BxHxV / (den_BxH[..., None] + c * EPS)
+
+
 def recurrent(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array, lam_raw: jax.Array, *,
               positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
               state: SanatanState | None = None,
               options: Options = Options()) -> tuple[jax.Array, SanatanState]:
   """Token-by-token write-then-read recurrence (p = 1, 6 channels): o [B, T, H, dv] in v's dtype
-  and the final state."""
+  and the final state. One token (decoding) is one ``token_step``, without a scan."""
   x = base.prepare(q, k, omega, lam_raw, positions, segment_ids, state, options)
-  B, _, H, _ = q.shape
+  B, T, H, _ = q.shape
   S_BxHxFxV, z_BxHxF = base.start_state(state, B, H, x.phi_q.shape[-1], v.shape[-1])
+  if T == 1:  # a lone token continues the incoming state's document
+    S_BxHxFxV, z_BxHxF, o_BxHxV = token_step(S_BxHxFxV, z_BxHxF, x.phi_q[:, 0], x.phi_k[:, 0], v[:, 0],
+                                             x.c)
+    new_state = SanatanState(S_BxHxFxV, z_BxHxF, base.next_position(x.positions))
+    return o_BxHxV[:, None].astype(v.dtype), new_state
 
   def step(carry, xs):
     S_BxHxFxV, z_BxHxF, doc_prev_B = carry
     q_BxHxF, k_BxHxF, v_BxHxV, doc_B = xs
     keep_B = doc_B == doc_prev_B
-    S_BxHxFxV = (jnp.where(keep_B[:, None, None, None], S_BxHxFxV, 0.0)
-                 + einsum("bhf,bhv->bhfv", k_BxHxF, v_BxHxV))
-    z_BxHxF = jnp.where(keep_B[:, None, None], z_BxHxF, 0.0) + k_BxHxF.astype(base.F32)
-    num_BxHxV = einsum("bhf,bhfv->bhv", q_BxHxF, S_BxHxFxV)
-    den_BxH = einsum("bhf,bhf->bh", q_BxHxF, z_BxHxF)
-    return (S_BxHxFxV, z_BxHxF, doc_B), num_BxHxV / (den_BxH[..., None] + x.c * EPS)
+    S_BxHxFxV = jnp.where(keep_B[:, None, None, None], S_BxHxFxV, 0.0)
+    z_BxHxF = jnp.where(keep_B[:, None, None], z_BxHxF, 0.0)
+    S_BxHxFxV, z_BxHxF, o_BxHxV = token_step(S_BxHxFxV, z_BxHxF, q_BxHxF, k_BxHxF, v_BxHxV, x.c)
+    return (S_BxHxFxV, z_BxHxF, doc_B), o_BxHxV
 
   xs = tuple(a.swapaxes(0, 1) for a in (x.phi_q, x.phi_k, v, x.doc))
   init = (S_BxHxFxV, z_BxHxF, jnp.zeros((B,), jnp.int32))

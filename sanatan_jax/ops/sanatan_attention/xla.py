@@ -23,6 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from lmcore.ops.common import pallas_utils
 from lmcore.ops.common.segments import chunk_documents
 from sanatan_jax.ops.sanatan_attention import base
 from sanatan_jax.ops.sanatan_attention.base import EPS, F32, Options, SanatanState, einsum
@@ -34,7 +35,10 @@ PARALLEL_MAX_BLOCKS = 16
 
 def dot(spec: str, *operands: jax.Array) -> jax.Array:
   """``jnp.einsum`` accumulating (and returning) float32: low-precision operands (bf16) multiply as
-  they are, float32 ones at full precision."""
+  they are, float32 ones at full precision. On a CPU every operand is widened to float32 first (its
+  dot has no bf16 x bf16 -> fp32 kernel for every layout)."""
+  if pallas_utils.backend() == "cpu":
+    operands = tuple(x.astype(F32) for x in operands)
   full = any(x.dtype == F32 for x in operands)
   return jnp.einsum(spec, *operands, preferred_element_type=F32,
                     precision=jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT)
@@ -274,12 +278,22 @@ def _block_scores(phi_q_BxRxHxF, phi_k_BxTxHxF, doc_BxT, first: int, stop: int, 
 def _power_sums(phi_q_BxTxHxF, phi_k_BxTxHxF, v_BxTxHxV, doc_BxT, config: _Power):
   """N = Σ_j w_tj v_j [B, T, H, dv] and D = Σ_j w_tj [B, T, H] (fp32), one query block at a time."""
   nums, dens = [], []
+  inputs = (phi_q_BxTxHxF, phi_k_BxTxHxF, v_BxTxHxV)
   for first, stop in config.blocks:
+    phi_q_BxTxHxF, phi_k_BxTxHxF, v_BxTxHxV = inputs
     s, weights = _block_scores(phi_q_BxTxHxF[:, first:stop], phi_k_BxTxHxF, doc_BxT, first, stop, config)
     w_BxHxRxS = weights(s)
     nums.append(dot("bhts,bshv->bthv", w_BxHxRxS.astype(v_BxTxHxV.dtype), v_BxTxHxV[:, :stop]))
     dens.append(jnp.sum(w_BxHxRxS, axis=-1).transpose(0, 2, 1))
+    inputs = _after(inputs, (nums[-1], dens[-1]))
   return jnp.concatenate(nums, axis=1), jnp.concatenate(dens, axis=1)
+
+
+def _after(inputs, results):
+  """``inputs`` as values available only once ``results`` are: the next query block starts after
+  this one ends, so one block's T-wide scratch is live at a time (XLA would otherwise be free to
+  compute every block's scores first)."""
+  return jax.lax.optimization_barrier((inputs, results))[0]
 
 
 def _power_sums_fwd(phi_q_BxTxHxF, phi_k_BxTxHxF, v_BxTxHxV, doc_BxT, config: _Power):
@@ -295,7 +309,9 @@ def _power_sums_bwd(config: _Power, residuals, cotangents):
   dq_blocks = []
   dk_BxTxHxF = jnp.zeros(phi_k_BxTxHxF.shape, F32)
   dv_BxTxHxV = jnp.zeros(v_BxTxHxV.shape, F32)
+  inputs = (phi_q_BxTxHxF, phi_k_BxTxHxF, v_BxTxHxV, dnum_BxTxHxV, dden_BxTxH)
   for first, stop in config.blocks:
+    phi_q_BxTxHxF, phi_k_BxTxHxF, v_BxTxHxV, dnum_BxTxHxV, dden_BxTxH = inputs
     phi_q_BxRxHxF = phi_q_BxTxHxF[:, first:stop]
     s, weights = _block_scores(phi_q_BxRxHxF, phi_k_BxTxHxF, doc_BxT, first, stop, config)
     w_BxHxRxS, weights_vjp = jax.vjp(weights, s)
@@ -307,6 +323,7 @@ def _power_sums_bwd(config: _Power, residuals, cotangents):
     ds_BxHxRxS = weights_vjp(dw_BxHxRxS)[0].astype(phi_q_BxTxHxF.dtype)
     dq_blocks.append(dot("bhts,bshf->bthf", ds_BxHxRxS, phi_k_BxTxHxF[:, :stop]))
     dk_BxTxHxF = dk_BxTxHxF.at[:, :stop].add(dot("bhts,bthf->bshf", ds_BxHxRxS, phi_q_BxRxHxF))
+    inputs = _after(inputs, (dq_blocks[-1], dk_BxTxHxF, dv_BxTxHxV))
   return (jnp.concatenate(dq_blocks, axis=1).astype(phi_q_BxTxHxF.dtype),
           dk_BxTxHxF.astype(phi_k_BxTxHxF.dtype), dv_BxTxHxV.astype(v_BxTxHxV.dtype), None)
 

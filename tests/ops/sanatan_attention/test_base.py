@@ -129,7 +129,7 @@ def _packed(seed):
 
 class SanatanAttentionTestBase:
   """The checks every implementation passes: p = 1 outputs, states and gradients equal the
-  materialised ``parallel`` form's for odd lengths, with a state and packed documents; two pieces
+  reference's (``reference.parallel``) for odd lengths, with a state and packed documents; two pieces
   equal the whole; no output depends on a later token or on another document. Forms that run
   p >= 2 (``powers``) also pass the causality and packed-document checks at a power."""
 

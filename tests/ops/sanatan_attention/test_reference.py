@@ -4,7 +4,7 @@ from .test_base import SanatanAttentionTestBase
 
 
 class TestParallel(SanatanAttentionTestBase):
-  implementation = "parallel"
+  implementation = "reference"  # reference.parallel
   future_power = (4, 6, "clean")
   packed_power = 4
 

@@ -1,6 +1,6 @@
 """The tiled XLA forms (xla.py) pass the shared checks of ``SanatanAttentionTestBase``; ``blocked``
-equals ``parallel`` for every power and channel variant without a T x T array, and ``chunked``
-takes bf16 inputs."""
+and ``parallel`` equal the reference for every power and channel variant without a T x T array in
+their gradients, ``chunked`` and ``chunked_scan`` take bf16 inputs."""
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +30,11 @@ class TestBlocked(SanatanAttentionTestBase):
     x = inputs(7 * p + channels, 33)
     kw = dict(p=p, channels=channels, three_channel=three_channel)
     if (p, channels, three_channel) not in _GRAD_CASES:
-      o_ref, o = (attend(*x, implementation=impl, **kw)[0] for impl in ("parallel", "blocked"))
+      o_ref, o = (attend(*x, implementation=impl, **kw)[0] for impl in ("reference", "blocked"))
       assert relative_l2(o, o_ref) <= OUT_TOL
       return
     do = jnp.asarray(np.random.default_rng(p).normal(size=x[2].shape), jnp.float32)
-    o_ref, g_ref = outputs_and_grads(x, do, implementation="parallel", **kw)
+    o_ref, g_ref = outputs_and_grads(x, do, implementation="reference", **kw)
     o, g = outputs_and_grads(x, do, implementation="blocked", **kw)
     assert relative_l2(o, o_ref) <= OUT_TOL
     for name, a, b in zip(("q", "k", "v", "omega", "lam_raw"), g, g_ref):
@@ -51,14 +51,59 @@ class TestBlocked(SanatanAttentionTestBase):
     assert compiled.memory_analysis().temp_size_in_bytes <= 0.1 * 4 * T * T
 
 
-class TestChunked(SanatanAttentionTestBase):
-  implementation = "chunked"
+class TestParallel(SanatanAttentionTestBase):
+  """Query blocks of BLOCK = 16 rows: T = 33 runs three blocks, the last of one row."""
+
+  implementation = "parallel"
+  future_power = (2, 6, "clean")
+  packed_power = 2
+
+  @pytest.mark.parametrize("p,channels,three_channel", [(2, 6, "clean"), (4, 4, "clean"), (2, 3, "legacy"),
+                                                        (2, 3, "clean")])
+  def test_parallel_equals_the_reference_with_gradients_for_every_variant(self, p, channels, three_channel):
+    """Outputs and the gradients of its custom VJP against autodiff of ``reference.parallel``, with
+    packed documents (one starting inside a query block)."""
+    x = inputs(3 * p + channels, 33)
+    segment_ids = jnp.asarray([[0] * 20 + [1] * 13, [0] * 5 + [1] * 28])
+    do = jnp.asarray(np.random.default_rng(p).normal(size=x[2].shape), jnp.float32)
+    kw = dict(p=p, channels=channels, three_channel=three_channel, segment_ids=segment_ids)
+    o_ref, g_ref = outputs_and_grads(x, do, implementation="reference", **kw)
+    o, g = outputs_and_grads(x, do, implementation="parallel", **kw)
+    assert relative_l2(o, o_ref) <= OUT_TOL
+    for name, a, b in zip(("q", "k", "v", "omega", "lam_raw"), g, g_ref):
+      assert relative_l2(a, b) <= GRAD_TOL, name
+
+  def test_parallel_gradient_holds_no_t_by_t_array(self):
+    """At T = 4096 (16 blocks of 256 rows) the compiled gradient's scratch is a few blocks of scores,
+    O(T · T / 16), where autodiff of the materialised form keeps several T x T arrays."""
+    T = 4096
+    shapes = [jax.ShapeDtypeStruct(s, jnp.float32)
+              for s in ((1, T, 1, 4), (1, T, 1, 4), (1, T, 1, 4), (1, 4), (1, 4))]
+    loss = lambda *a: jnp.sum(sanatan_attention(*a, p=2, implementation="parallel", block_size=256)[0])
+    compiled = jit(jax.grad(loss, tuple(range(5)))).lower(*shapes).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes <= 0.5 * 4 * T * T
+
+
+class _ChunkedBf16:
+  implementation: str
 
   def test_bfloat16_inputs_give_bfloat16_outputs_and_float32_state(self):
     x = inputs(16, 33)
-    o32 = attend(*x, implementation="chunked")[0]
+    o32 = attend(*x, implementation=self.implementation)[0]
     bf16 = [a.astype(jnp.bfloat16) for a in x[:3]]
-    o16, state16 = attend(*bf16, *x[3:], implementation="chunked")
+    o16, state16 = attend(*bf16, *x[3:], implementation=self.implementation)
     assert o16.dtype == jnp.bfloat16 and state16.S.dtype == jnp.float32
     # bf16 rounds q, k, v and the features by up to 2^-9 relative.
     assert relative_l2(o16.astype(jnp.float32), o32) <= 3e-2
+
+
+class TestChunked(_ChunkedBf16, SanatanAttentionTestBase):
+  """Every chunk at once, the entering states as a cumulative sum over chunks."""
+
+  implementation = "chunked"
+
+
+class TestChunkedScan(_ChunkedBf16, SanatanAttentionTestBase):
+  """One ``lax.scan`` step per chunk."""
+
+  implementation = "chunked_scan"

@@ -1,0 +1,77 @@
+"""Analytic forward FLOPs per token, the pieces every mixer's ``flops_per_token(seq_len)`` adds up.
+
+The model card (``lmcore/model_card.py``) sums them over the layers. Conventions, one for all mixers:
+
+* A multiply-add is 2 FLOPs. Only contractions count (dense kernels, scores, mixing, state reads and
+  writes, depthwise convolution taps); elementwise work (biases, norms, activations, gate
+  nonlinearities, feature maps, softmax, decays) does not.
+* Per token of a fresh causal sequence of T = ``seq_len`` tokens, averaged over its T positions.
+* Dense kernels: 2 · in · out each (``dense``).
+* Materialised, blocked and flash quadratic forms: the causal half, T (T + 1) / 2 visible pairs over
+  T tokens, i.e. per head 2 · (F + V) · (T + 1) / 2 for scores of width F and mixing of width V
+  (``quadratic``); what the implementation computes above the diagonal is not counted.
+* Chunked linear forms, chunk C' = min(C, T): per head 2 · C' · (F + V) + 4 · F · V (the whole
+  C' x C' intra-chunk block's scores and mixing, then the state read and the state write;
+  ``chunked``, the convention of ``benchmarks/rows.py``'s ``chunked_flops``).
+* Recurrent forms: per head 4 · F · V (the write k vᵀ and the read Sᵀ q; ``recurrent``).
+* Depthwise causal convolutions: 2 · taps · channels (``short_conv``).
+* A normalised form (a denominator sum_j φ(q)·φ(k_j)) mixes V + 1 columns: the ones column the ops
+  append to v.
+* "auto" counts as the form it resolves to on a GPU (``on_gpu``), whatever the host: the kernels
+  the paper runs train with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from flax import nnx
+
+from lmcore.ops.common import pallas_utils
+
+
+def dense(module: nnx.Module) -> float:
+  """2 · in · out summed over every ``nnx.Linear`` inside ``module`` (abstract modules too)."""
+  return float(sum(2 * m.in_features * m.out_features for _, m in nnx.iter_graph(module)
+                   if isinstance(m, nnx.Linear)))
+
+
+def quadratic(score_width: int, value_width: int, seq_len: int) -> float:
+  """One head of a quadratic form over the causal half: 2 · (F + V) · (T + 1) / 2 per token."""
+  return (score_width + value_width) * (seq_len + 1.0)
+
+
+def chunked(features: int, values: int, chunk: int, seq_len: int,
+            score_width: int | None = None) -> float:
+  """One head of a chunked linear form: 2 · C' · (F_s + V) + 4 · F · V per token, C' = min(C, T).
+
+  ``score_width`` F_s is the width the intra-chunk scores are computed at (default ``features``;
+  Taylor attention scores from the raw q · k).
+  """
+  c = min(chunk, seq_len)
+  scores = features if score_width is None else score_width
+  return 2.0 * c * (scores + values) + 4.0 * features * values
+
+
+def recurrent(features: int, values: int) -> float:
+  """One head of a token-by-token recurrence: 4 · F · V per token (write k vᵀ, read Sᵀ q)."""
+  return 4.0 * features * values
+
+
+def sliding_window(key_dim: int, value_dim: int, window: int, seq_len: int) -> float:
+  """One head of sliding-window attention: 2 · (d + V) per visible key, token t seeing
+  min(t + 1, window + 1) keys, averaged over t < T (4 · d · (window + 1) once T >> window)."""
+  w, T = window + 1, seq_len
+  visible = (min(T, w) * (min(T, w) + 1) / 2 + max(T - w, 0) * w) / T
+  return 2.0 * (key_dim + value_dim) * visible
+
+
+def short_conv(taps: int, channels: int) -> float:
+  """A depthwise causal convolution: 2 · taps · channels per token."""
+  return 2.0 * taps * channels
+
+
+def on_gpu(resolve: Callable[..., str], implementation: str | None, **problem) -> str:
+  """``resolve(implementation, **problem)`` as on a GPU host: the name "auto" runs there."""
+  with pallas_utils.assume_backend("gpu"):
+    return resolve(implementation, **problem)
