@@ -7,7 +7,7 @@ VENV_STAMP := .venv/.installed-stamp
 $(VENV_STAMP): pyproject.toml
 	test -x $(PY) || python3.12 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,wandb,lint]"
+	$(PY) -m pip install -q -e ".[test,wandb,lint,tpu]"
 	touch $(VENV_STAMP)
 
 demo: $(VENV_STAMP)
