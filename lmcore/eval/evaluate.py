@@ -164,15 +164,18 @@ def evaluate_params(config: ExperimentConfig, out_dir: str, graphdef, params, re
   if config.eval.paired:
     record.update(paired_evaluation(config, params, rest, heldout))
   layers = gate_statistics(config, graphdef, params, rest, heldout) if config.eval.gate_stats else []
+  writes = jax.process_index() == 0  # every process computes the record; one writes it
   if layers:
-    with open(os.path.join(out_dir, f"gate_stats_{step}.jsonl"), "w") as f:
-      f.writelines(json.dumps(r) + "\n" for r in layers)
+    if writes:
+      with open(os.path.join(out_dir, f"gate_stats_{step}.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in layers)
     record["gate_stats_file"] = f"gate_stats_{step}.jsonl"
   _check_finite(record, step)
   path = os.path.join(out_dir, f"eval_{step}.json")
-  with open(path + ".tmp", "w") as f:
-    json.dump(record, f, indent=1, allow_nan=False)
-  os.replace(path + ".tmp", path)
+  if writes:
+    with open(path + ".tmp", "w") as f:
+      json.dump(record, f, indent=1, allow_nan=False)
+    os.replace(path + ".tmp", path)
   lines = summary_lines(config, record)
   if writer is not None:
     writer.write(step, {f"eval/{k}": v for k, v in record.items() if isinstance(v, (int, float))})
