@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7's GPU evidence in one call: the compiled-kernel agreement check and the kernel benchmark.
+# The kernels' GPU evidence in one call: the compiled-kernel agreement check and the kernel benchmark.
 # One process per sequence length, one for FLA's kernels and one for the check run side by side; they
 # compile in parallel (compilation dominates) and take turns timing (`--lock`). Every process writes
 # its rows to a JSONL in DIR as it measures them, and a rerun with the same DIR measures only what is
