@@ -19,23 +19,10 @@ import pytest
 
 from lmcore.data import embedded, heldout, pipeline, sources, tokenizers
 from lmcore.data.config import DataConfig, HeldoutConfig, SourceConfig, TokenizerConfig
+from data_cases import CharTokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ["first document", "second one\nwith two lines", "third: ünïcödé ✓", "fourth", "fifth and last"]
-
-
-class CharTokenizer:
-  """One id per character (ASCII test documents), EOS = 0: windows can be checked by eye."""
-
-  name = "chars"
-  vocab_size = 128
-  eos_id = 0
-
-  def encode(self, text: str) -> list[int]:
-    return [ord(c) for c in text]
-
-  def decode(self, ids) -> str:
-    return "".join(chr(i) for i in ids)
 
 
 @pytest.fixture(scope="session")

@@ -17,20 +17,7 @@ from lmcore.data import heldout, pipeline, sources
 from lmcore.data.config import DataConfig, HeldoutConfig, SourceConfig
 from lmcore.data.convert import convert_to_array_record
 from lmcore.errors import ConfigError, DataError
-
-
-class CharTokenizer:
-  """One id per character, EOS = 0: a window decodes back to the text it holds."""
-
-  name = "chars"
-  vocab_size = 128
-  eos_id = 0
-
-  def encode(self, text: str) -> list[int]:
-    return [ord(c) for c in text]
-
-  def decode(self, ids) -> str:
-    return "".join(chr(i) for i in ids)
+from data_cases import CharTokenizer
 
 
 def texts(n: int) -> list[str]:

@@ -34,7 +34,7 @@ def test_peak_flops_come_from_the_device_table(monkeypatch):
   assert perf.peak_flops(device("TPU v4", "tpu")) == 275e12
   assert perf.peak_flops(device("cpu", "cpu")) is None and perf.peak_flops(device("Unknown GPU")) is None
   monkeypatch.setattr(perf, "peak_flops", lambda device=None: 989e12)
-  # The softmax row: 183K tok/s at 6 × 184M FLOPs per token on one H200 is 20.4% MFU.
+  # A softmax row: 183K tok/s at 6 × 184M FLOPs per token on one H200 is 20.4% MFU.
   assert perf.mfu(183e3, 6 * 184e6, devices=1) == pytest.approx(0.2043, abs=1e-4)
   assert perf.mfu(183e3, None) is None
 
