@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks import train_step
+from benchmarks import plots, train_step
+from benchmarks.rows import fmt
 
 # Memory bandwidth per chip (vendors' data sheets), matched against ``device_kind`` (first match wins).
 HBM_BYTES_PER_S = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100", 2.0e12))
@@ -266,16 +267,12 @@ def run(models: list[str], *, batches: list[int], contexts: list[int], long_cont
   return rows
 
 
-def _fmt(x, spec: str, scale: float = 1.0) -> str:
-  return "—" if x is None else format(x * scale, spec)
-
-
 def format_row_line(r: DecodeRow) -> str:
   head = f"{r.model}{'' if r.position_table else ' (no position table)'} B={r.batch} C={r.context}: "
   if r.ms_per_token is None:
     return head + (r.note or "failed")
   return (head + f"{r.ms_per_token:.3f} ms/token, {r.tokens_per_s:,.0f} tok/s, state "
-          f"{_fmt(r.state_bytes_per_seq, ',.0f')} B/seq, floor {_fmt(r.floor_ms, '.3f')} ms")
+          f"{fmt(r.state_bytes_per_seq, ',.0f')} B/seq, floor {fmt(r.floor_ms, '.3f')} ms")
 
 
 def format_table(rows: list[DecodeRow]) -> str:
@@ -284,10 +281,10 @@ def format_table(rows: list[DecodeRow]) -> str:
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     lines.append(
-        f"| {r.model} | {r.mixers} | {_fmt(r.params or None, ',.1f', 1e-6)}M | "
-        f"{'yes' if r.position_table else 'no'} | {r.batch} | {r.context:,} | {_fmt(r.ms_per_token, '.3f')} | "
-        f"{_fmt(r.tokens_per_s, ',.0f')} | {_fmt(r.state_bytes_per_seq, ',.0f')} | "
-        f"{_fmt(r.weight_bytes, ',.1f', 1e-6)} | {_fmt(r.floor_ms, '.3f')} | {_fmt(r.compile_s, '.1f')} | "
+        f"| {r.model} | {r.mixers} | {fmt(r.params or None, ',.1f', 1e-6)}M | "
+        f"{'yes' if r.position_table else 'no'} | {r.batch} | {r.context:,} | {fmt(r.ms_per_token, '.3f')} | "
+        f"{fmt(r.tokens_per_s, ',.0f')} | {fmt(r.state_bytes_per_seq, ',.0f')} | "
+        f"{fmt(r.weight_bytes, ',.1f', 1e-6)} | {fmt(r.floor_ms, '.3f')} | {fmt(r.compile_s, '.1f')} | "
         f"{r.note} |")
   return "\n".join(lines)
 
@@ -339,9 +336,7 @@ def notes(decode_tokens: int) -> str:
 
 def plot_tokens_per_s(rows: list[DecodeRow], path: str, title: str = "") -> None:
   """tokens/s vs batch (log-log), one line per model and context (the main grid's contexts)."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = plots.pyplot()
 
   timed = [r for r in rows if r.tokens_per_s and r.grid == "main"]
   fig, ax = plt.subplots(figsize=(6.4, 4.4))
@@ -364,12 +359,7 @@ def plot_tokens_per_s(rows: list[DecodeRow], path: str, title: str = "") -> None
   ax.set_ylabel("generated tokens/s")
   ax.grid(True, which="both", alpha=0.3)
   ax.legend(fontsize="x-small")
-  if title:
-    ax.set_title(title)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  plots.save(fig, path, title)
 
 
 def report(rows: list[DecodeRow], *, markdown: str, plot: str, command: str, decode_tokens: int) -> str:

@@ -8,6 +8,25 @@ import os
 from benchmarks.harness import Row
 
 
+def pyplot():
+  """matplotlib.pyplot on the file-only Agg backend (imported on first use: plotting is optional)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt
+
+
+def save(fig, path: str, title: str = "") -> None:
+  """Titles ``fig`` (if ``title``), writes it to ``path`` as a PNG (creating the folder) and closes it."""
+  import matplotlib.pyplot as plt
+  if title:
+    fig.suptitle(title)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def tokens_per_s(row: Row) -> float | None:
   """Forward+backward tokens per second of ``row`` (None when it did not run)."""
   return row.batch * row.length / row.fwdbwd_ms * 1e3 if row.fwdbwd_ms else None
@@ -17,9 +36,7 @@ def plot_tokens_per_s(rows: list[Row], path: str, title: str = "") -> None:
   """fwd+bwd tokens/s vs T (log2 x, log y), one panel per op, one line per implementation (in order of
   appearance, one colour per implementation name across panels), softmax as a dashed reference line
   in every panel; saved as a PNG."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = pyplot()
 
   timed = [r for r in rows if tokens_per_s(r)]
   softmax = [r for r in timed if r.op == "softmax"]
@@ -49,20 +66,13 @@ def plot_tokens_per_s(rows: list[Row], path: str, title: str = "") -> None:
     ax.legend(fontsize="x-small")
   for ax in list(axes.flat)[len(ops):]:
     ax.set_visible(False)
-  if title:
-    fig.suptitle(title)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save(fig, path, title)
 
 
 def plot_train_tokens_per_s(rows, path: str, title: str = "") -> None:
   """Training tokens/s per preset (``benchmarks.train_step.TrainRow``), one horizontal bar each, labelled
   with tokens/s and the ratio to softmax; presets that failed are listed with 0. Saved as a PNG."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = pyplot()
 
   labels = [r.preset + (f" [{r.variant}]" if r.variant else "") for r in rows]
   values = [r.tokens_per_s or 0.0 for r in rows]
@@ -78,9 +88,4 @@ def plot_train_tokens_per_s(rows, path: str, title: str = "") -> None:
   ax.invert_yaxis()
   ax.set_xlabel("training tokens/s")
   ax.set_xlim(0, 1.35 * max(values + [1.0]))
-  if title:
-    ax.set_title(title)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save(fig, path, title)

@@ -18,6 +18,11 @@ import jax
 CHUNK = 64
 
 
+def fmt(x, spec: str, scale: float = 1.0) -> str:
+  """``x * scale`` formatted with ``spec``, or "—" for a value that was not measured."""
+  return "—" if x is None else format(x * scale, spec)
+
+
 @dataclasses.dataclass
 class Row:
   op: str

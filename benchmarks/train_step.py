@@ -24,6 +24,8 @@ import jax
 import ml_collections
 import numpy as np
 
+from benchmarks.rows import fmt
+
 GIB = 2 ** 30
 
 
@@ -283,16 +285,12 @@ def with_ratios(rows: list[TrainRow]) -> list[TrainRow]:
   return rows
 
 
-def _fmt(x, spec: str, scale: float = 1.0) -> str:
-  return "—" if x is None else format(x * scale, spec)
-
-
 def format_row_line(r: TrainRow) -> str:
   if r.tokens_per_s is None:
     return f"failed: {r.note}"
-  return (f"{r.tokens_per_s:,.0f} tok/s, {_fmt(r.step_ms, '.1f')} ms/step, MFU {_fmt(r.mfu, '.1%')}, "
-          f"compile {_fmt(r.compile_s, '.1f')} s, XLA plan {_fmt(r.xla_memory_gib, '.2f')} GiB, "
-          f"device peak {_fmt(r.peak_memory_gib, '.2f')} GiB, loss {_fmt(r.loss, '.3f')}")
+  return (f"{r.tokens_per_s:,.0f} tok/s, {fmt(r.step_ms, '.1f')} ms/step, MFU {fmt(r.mfu, '.1%')}, "
+          f"compile {fmt(r.compile_s, '.1f')} s, XLA plan {fmt(r.xla_memory_gib, '.2f')} GiB, "
+          f"device peak {fmt(r.peak_memory_gib, '.2f')} GiB, loss {fmt(r.loss, '.3f')}")
 
 
 def format_table(rows: list[TrainRow]) -> str:
@@ -303,9 +301,9 @@ def format_table(rows: list[TrainRow]) -> str:
     vs = "" if r.vs_softmax is None else f"{r.vs_softmax:.2f}×"
     lines.append(
         f"| {r.preset} | {r.variant} | {r.mixers} | {r.batch} × {r.seq_len} ({r.grad_accum}) | "
-        f"{r.params / 1e6:,.1f}M | {_fmt(r.step_ms, '.1f')} | {_fmt(r.tokens_per_s, ',.0f')} | {vs} | "
-        f"{_fmt(r.mfu, '.1%')} | {_fmt(r.mfu_6n, '.1%')} | {_fmt(r.compile_s, '.1f')} | "
-        f"{_fmt(r.xla_memory_gib, '.2f')} | {_fmt(r.peak_memory_gib, '.2f')} | {r.note} |")
+        f"{r.params / 1e6:,.1f}M | {fmt(r.step_ms, '.1f')} | {fmt(r.tokens_per_s, ',.0f')} | {vs} | "
+        f"{fmt(r.mfu, '.1%')} | {fmt(r.mfu_6n, '.1%')} | {fmt(r.compile_s, '.1f')} | "
+        f"{fmt(r.xla_memory_gib, '.2f')} | {fmt(r.peak_memory_gib, '.2f')} | {r.note} |")
   return "\n".join(lines)
 
 
