@@ -240,6 +240,23 @@ def test_prepare_data_script_writes_shards_that_read_back(tmp_path, capsys, monk
   assert documents_of(sources.make_source(shards, "train"), 5) == DOCS
 
 
+def test_prepare_data_shuffle_seed_spreads_files_over_shards_in_a_fixed_order(tmp_path):
+  from lmcore.data.convert import convert_to_array_record
+  for i in range(12):
+    (tmp_path / f"in{i:02d}.txt").write_text(f"doc {i}")
+  def shard_docs(seed, out):
+    paths = convert_to_array_record(f"{tmp_path}/in*.txt", str(tmp_path / out), kind="text", docs_per_shard=4,
+                                    shuffle_seed=seed, show_progress=False)
+    return [documents_of(sources.make_source(SourceConfig(name="s", kind="array_record", path=p), "train"), 4)
+            for p in paths]
+  sorted_order = [d for shard in shard_docs(None, "sorted") for d in shard]
+  first, again = shard_docs(7, "a"), shard_docs(7, "b")
+  assert sorted_order == [f"doc {i}" for i in range(12)]
+  assert first == again, "the same seed gives the same shards"
+  assert sorted(d for shard in first for d in shard) == sorted(sorted_order)
+  assert [d for shard in first for d in shard] != sorted_order
+
+
 # ------------------------------------------------------------------------------- mixture and order
 
 

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from typing import TextIO
 
+import numpy as np
 import pyarrow.parquet as pq
 from array_record.python.array_record_module import ArrayRecordWriter
 
@@ -21,7 +22,8 @@ from lmcore.data.sources import resolve_files
 
 CONVERTIBLE_KINDS = ("text", "jsonl", "parquet")
 # group_size:1 makes every record its own chunk: random reads decode one document, not a group.
-_WRITER_OPTIONS = "group_size:1"
+# ArrayRecord compresses each chunk with zstd unless the options say "uncompressed".
+DEFAULT_WRITER_OPTIONS = "group_size:1"
 
 
 def _documents(kind: str, files: list[str], text_key: str) -> Iterator[str]:
@@ -82,8 +84,14 @@ class Progress:
 
 def convert_to_array_record(input_glob: str, output_dir: str, *, kind: str, text_key: str = "text",
                             docs_per_shard: int = 100_000, prefix: str = "docs",
+                            shuffle_seed: int | None = None, writer_options: str = DEFAULT_WRITER_OPTIONS,
                             show_progress: bool = True) -> list[str]:
   """Writes ``<output_dir>/<prefix>-NNNNN.array_record`` shards; returns their paths in order.
+
+  Files are read in sorted order, or in a seeded random order with ``shuffle_seed`` (then every shard
+  is a uniform sample of the files, and any subset of shards is a smaller corpus of the same mix).
+  ``writer_options`` are ArrayRecord's (e.g. "group_size:1,uncompressed" for shards that an external
+  compressor such as xz shrinks further); the records, and so the training data, do not depend on them.
 
   Progress (documents, MB, documents/s, ETA when the total is known) goes to stderr about once a second.
   """
@@ -92,6 +100,8 @@ def convert_to_array_record(input_glob: str, output_dir: str, *, kind: str, text
   if docs_per_shard < 1:
     raise ValueError(f"--docs_per_shard must be >= 1 (got {docs_per_shard}).")
   files = resolve_files(input_glob, source=f"Conversion of {kind} files", key="--input")
+  if shuffle_seed is not None:
+    files = [files[i] for i in np.random.default_rng(shuffle_seed).permutation(len(files))]
   output = pathlib.Path(output_dir).expanduser()
   output.mkdir(parents=True, exist_ok=True)
   progress = Progress(_count_documents(kind, files)) if show_progress else None
@@ -101,7 +111,7 @@ def convert_to_array_record(input_glob: str, output_dir: str, *, kind: str, text
       if writer is not None:
         writer.close()
       shards.append(str(output / f"{prefix}-{len(shards):05d}.array_record"))
-      writer, in_shard = ArrayRecordWriter(shards[-1], _WRITER_OPTIONS), 0
+      writer, in_shard = ArrayRecordWriter(shards[-1], writer_options), 0
     record = document.encode("utf-8")
     writer.write(record)
     in_shard += 1
