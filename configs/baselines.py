@@ -4,13 +4,16 @@ Presets: ``tiny`` (softmax) and ``<mixer>_tiny`` for every baseline (embedded co
 ``gla_182m`` (the SANATAN paper's GLA reference: FLA's layer, 4 heads, 182,217,984 params tied at
 vocab 126,349) and ``gla_182m_12heads`` (MATH §4's exact 182,216,448);
 ``cyfa_equal_state`` / ``gdn_equal_state`` (CyFA vs Gated DeltaNet at equal recurrent state, MATH §3);
-``hybrid_cyfa_gdn`` (CyFA in the lower layers, Gated DeltaNet in the upper ones).
+``hybrid_cyfa_gdn`` (CyFA in the lower layers, Gated DeltaNet in the upper ones);
+``repro_softmax`` / ``repro_gla`` (the controls of scripts/reproduce.py, at the size and tokens of
+``configs/sanatan.py:repro_p1_scratch``).
 
     python train.py --config=configs/baselines.py:gla_tiny --workdir=runs/gla_tiny
 """
 
 from configs import common
-from configs.sanatan import paper_data, paper_heldout, paper_sources, paper_tokenizer, paper_train
+from configs.sanatan import (REPRO_CORPUS, REPRO_GPU, ReproScale, paper_data, paper_heldout, paper_sources,
+                             paper_tokenizer, paper_train, repro_control, repro_experiment)
 
 
 def _tiny(kind: str, **mixer_fields):
@@ -29,6 +32,22 @@ def gla_182m(n_heads: int = 4):
       mixers={"gla": {"n_heads": n_heads, "implementation": "auto"}}, train=paper_train(), data=paper_data(),
       sources=paper_sources(), tokenizer=paper_tokenizer(), heldout=paper_heldout(),
       name=f"gla_182m_{n_heads}heads")
+
+
+def repro_softmax(stage1_steps: int | None = None, scale: ReproScale = REPRO_GPU,
+                  corpus: str | None = REPRO_CORPUS):
+  """The reproduction chain's softmax control (scripts/reproduce.py): SANATAN's backbone and heads,
+  positions from its learned table (no RoPE), as many tokens as SANATAN's stage 1 + stage 2."""
+  mixer = dict(n_heads=scale.n_heads, head_dim=scale.head_dim, rope=False)
+  return repro_experiment("softmax", mixer, repro_control(stage1_steps, scale), scale, corpus, "softmax_repro",
+                          eval=dict(paired=False))
+
+
+def repro_gla(stage1_steps: int | None = None, scale: ReproScale = REPRO_GPU, corpus: str | None = REPRO_CORPUS):
+  """The chain's GLA control, ``gla_182m`` at the chain's width: FLA's layer with 4 heads, no position
+  table, norm eps 1e-6; the same tokens as the softmax control."""
+  return repro_experiment("gla", dict(n_heads=4, implementation="auto"), repro_control(stage1_steps, scale), scale,
+                          corpus, "gla_repro", max_positions=0, norm_eps=1e-6)
 
 
 # Equal recurrent state (the CyFA article's rule, MATH §3): CyFA and GDN both carry S ∈ R^{128×128} per head, 4 heads at
@@ -72,6 +91,8 @@ PRESETS = {
     "cyfa_equal_state": cyfa_equal_state,
     "gdn_equal_state": gdn_equal_state,
     "hybrid_cyfa_gdn": hybrid_cyfa_gdn,
+    "repro_softmax": repro_softmax,
+    "repro_gla": repro_gla,
 }
 
 

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import sanatan  # noqa: E402
 from lmcore import config as cfg_lib  # noqa: E402
-from lmcore.eval import evaluate  # noqa: E402
+from lmcore.train import chain  # noqa: E402
 from lmcore.train import loop as train_lib  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/quickstart", "Where both stages write.")
@@ -41,11 +41,9 @@ def stage_configs(workdir: str, stage1_steps: int | None, stage2_steps: int | No
   return stage1, stage2, stage1_dir, os.path.join(workdir, "stage2_p1")
 
 
-def unadapted_readout(stage1: cfg_lib.ExperimentConfig, stage1_dir: str) -> dict:
-  """The stage-1 parameters evaluated at p = 1 (MATH §1.4's unadapted control)."""
-  readout = dataclasses.replace(stage1, model=evaluate.with_mixer_overrides(stage1.model, p=1),
-                                eval=dataclasses.replace(stage1.eval, paired=False, gate_stats=False))
-  return evaluate.evaluate_checkpoint(readout, stage1_dir, out_dir=os.path.join(stage1_dir, "readout_p1"))
+def unadapted_readout(stage1: cfg_lib.ExperimentConfig, stage1_dir: str, step: int) -> dict:
+  """The stage-1 parameters of ``step`` evaluated at p = 1 (MATH §1.4's unadapted control)."""
+  return chain.readout(stage1, stage1_dir, step, os.path.join(stage1_dir, "readout_p1"), p=1)
 
 
 def results_table(stage1: dict, readout: dict, stage2: dict) -> str:
@@ -74,7 +72,7 @@ def main(argv):
   if "stopped_by" in record1:
     return  # SIGTERM/SIGINT: stage 1 saved its checkpoint; rerun to continue.
   print("== stage 1 read out at p = 1 (unadapted control) ==", flush=True)
-  readout = unadapted_readout(stage1, stage1_dir)
+  readout = unadapted_readout(stage1, stage1_dir, record1["step"])
   print("== stage 2: SANATAN p = 1, initialised from stage 1 ==", flush=True)
   record2 = train_lib.train_and_evaluate(stage2, stage2_dir)
   if "stopped_by" in record2:

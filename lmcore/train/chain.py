@@ -1,0 +1,121 @@
+"""Chains of runs (staged training) that a rerun continues: a finished run or evaluation is read back
+from its ``eval_<step>.json`` instead of being trained or computed again, and what a run logged to
+``metrics.jsonl`` is read back as a loss curve and a training time.
+
+``scripts/quickstart.py`` and ``scripts/reproduce.py`` build their chains from these pieces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from lmcore.config import ExperimentConfig
+from lmcore.eval import evaluate
+from lmcore.model import with_mixer_overrides
+from lmcore.train import loop as train_lib
+from lmcore.train import sharding
+from lmcore.train.checkpoint import CheckpointError
+
+
+def read_record(out_dir: str, step: int) -> dict[str, Any] | None:
+  """The evaluation record ``<out_dir>/eval_<step>.json``, None when there is none."""
+  path = os.path.join(out_dir, f"eval_{step}.json")
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def train_or_read(config: ExperimentConfig, workdir: str) -> dict[str, Any]:
+  """The final evaluation record of the run ``config`` in ``workdir``: read back when the run finished
+  and was evaluated, else trained (resuming its checkpoints) and evaluated. A run stopped by
+  SIGTERM/SIGINT returns ``{"stopped_by": ..., "step": ...}`` as ``train_and_evaluate`` does."""
+  record = read_record(workdir, config.train.steps)
+  return record if record is not None else train_lib.train_and_evaluate(config, workdir)
+
+
+def evaluate_step(config: ExperimentConfig, workdir: str, step: int, out_dir: str = "") -> dict[str, Any]:
+  """The held-out evaluation of checkpoint ``step`` of ``workdir`` under ``config``, written to
+  ``<out_dir>/eval_<step>.json`` (default: the workdir) or read back from it."""
+  out_dir = out_dir or workdir
+  record = read_record(out_dir, step)
+  if record is None:
+    with jax.set_mesh(sharding.make_mesh(config.mesh)):  # the kernels' shard_map reads the mesh from here
+      record = evaluate.evaluate_checkpoint(config, workdir, step, out_dir=out_dir)
+  return record
+
+
+def readout(config: ExperimentConfig, workdir: str, step: int, out_dir: str, **mixer_overrides) -> dict[str, Any]:
+  """Checkpoint ``step`` read out with mixer fields replaced (e.g. a p = 2 SANATAN model at ``p=1``,
+  MATH §1.4's unadapted control): the held-out loss only, no paired implementations, no gate statistics."""
+  readout_config = dataclasses.replace(
+      config, model=with_mixer_overrides(config.model, **mixer_overrides),
+      eval=dataclasses.replace(config.eval, paired=False, gate_stats=False))
+  return evaluate_step(readout_config, workdir, step, out_dir)
+
+
+def view_path(workdir: str, step: int) -> str:
+  """Where ``step_view(workdir, step)`` puts its folder."""
+  return os.path.join(workdir, "views", str(step))
+
+
+def step_view(workdir: str, step: int) -> str:
+  """A folder ``view_path(workdir, step)`` whose only checkpoint is ``step`` of ``workdir`` (a relative
+  symbolic link): ``train.init_from`` and ``train.init_data_from`` read a run's latest step, and this
+  makes an earlier kept step the latest."""
+  source = os.path.join(workdir, "checkpoints", str(step))
+  if not os.path.isdir(source):
+    kept = sorted(int(n) for n in os.listdir(os.path.dirname(source)) if n.isdigit()) if os.path.isdir(
+        os.path.dirname(source)) else []
+    raise CheckpointError(f"{workdir} keeps no checkpoint of step {step} (kept: {kept}); it was trained with "
+                          "other settings. Use a new workdir.")
+  view = view_path(workdir, step)
+  link = os.path.join(view, "checkpoints", str(step))
+  if not os.path.islink(link):
+    os.makedirs(os.path.dirname(link), exist_ok=True)
+    os.symlink(os.path.relpath(source, os.path.dirname(link)), link)
+  return view
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+  """The rows of ``<workdir>/metrics.jsonl`` in the order written (empty when there is none)."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.isfile(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def loss_curve(rows: list[dict[str, Any]], key: str = "loss") -> tuple[np.ndarray, np.ndarray]:
+  """(steps, values) of ``key`` in step order; where a resumed run logged a step again, its last value."""
+  values = {row["step"]: row[key] for row in rows if key in row}
+  steps = np.array(sorted(values), dtype=np.int64)
+  return steps, np.array([values[s] for s in steps], dtype=np.float64)
+
+
+def training_seconds(rows: list[dict[str, Any]]) -> float:
+  """Seconds spent training, summed over every process that trained the run (resumes included).
+
+  Every step writes a row with its loss; every ``log_every``-th row also holds ``step_s``, the mean
+  seconds per step since the previous such row of the same process (compilation and checkpoint saves
+  included, evaluation and setup not). A process starts where the step count stops rising: its first
+  row is the step after the checkpoint it resumed from.
+  """
+  total, previous, anchor = 0.0, None, 0
+  for row in rows:
+    if "loss" not in row:
+      continue
+    step = row["step"]
+    if previous is None or step <= previous:
+      anchor = step - 1
+    if "step_s" in row:
+      total += row["step_s"] * (step - anchor)
+      anchor = step
+    previous = step
+  return total

@@ -1,0 +1,151 @@
+"""The reproduction chain of SANATAN's two-stage claim (scripts/reproduce.py): its presets state the
+documented sizes and step relations, a missing corpus is one line before any folder exists, and the
+chain at CPU scale writes its table, readouts and plot, and a rerun trains nothing and gives the same
+table."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import baselines, sanatan
+from lmcore import config as cfg_lib
+from lmcore.errors import ConfigError
+from lmcore.model import abstract_param_count
+from lmcore.train import chain
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "scripts", "reproduce.py")
+
+
+def typed(cd) -> cfg_lib.ExperimentConfig:
+  return cfg_lib.experiment_config(cd)
+
+
+def test_presets_have_the_documented_sizes_and_step_relations():
+  stage1, stage2 = typed(sanatan.get_config("repro_p2")), typed(sanatan.get_config("repro_p1_adapt"))
+  scratch = typed(sanatan.get_config("repro_p1_scratch"))
+  softmax, gla = typed(baselines.get_config("repro_softmax")), typed(baselines.get_config("repro_gla"))
+  s1 = stage1.train.steps
+  assert s1 == 4000 and stage2.train.steps == round(0.06 * s1) == 240
+  assert scratch.train.steps == softmax.train.steps == gla.train.steps == s1 + stage2.train.steps
+  assert stage2.train.learning_rate == pytest.approx(stage1.train.learning_rate / 10)
+  assert stage1.train.learning_rate == scratch.train.learning_rate == softmax.train.learning_rate == 6e-4
+  assert stage1.train.warmup_steps == round(0.02 * s1) and stage2.train.warmup_steps == round(0.05 * 240)
+  assert stage2.train.init_from == stage2.train.init_data_from == "runs/reproduce/p2"
+  for config in (stage1, stage2, scratch, softmax, gla):
+    train, model, data = config.train, config.model, config.data
+    assert (train.batch_size, train.grad_accum, data.seq_len) == (32, 1, 1024)
+    assert (train.b2, train.weight_decay, train.grad_clip, train.min_lr_ratio) == (0.95, 0.1, 1.0, 0.1)
+    assert (model.n_layers, model.d_model, model.mlp_hidden, model.vocab_size) == (8, 512, 1408, 16_384)
+    assert model.dtype == "bfloat16" and model.tie_embeddings
+    (source,) = data.sources
+    assert (source.name, source.kind, source.path) == ("linux", "array_record", "runs/linux/shards/*.array_record")
+    assert source.heldout_fraction == 0.01 and data.heldout.num_sequences == 256 and data.worker_count == 8
+    assert (data.tokenizer.kind, data.tokenizer.path) == ("sentencepiece", "runs/linux/tokenizer.model")
+  sanatan_mixers = [c.model.mixers["sanatan"] for c in (stage1, stage2, scratch)]
+  assert [(m.p, m.implementation, m.n_heads, m.head_dim) for m in sanatan_mixers] == [
+      (2, "parallel", 8, 64), (1, "auto", 8, 64), (1, "auto", 8, 64)]
+  assert stage1.model.max_positions == softmax.model.max_positions == 1024 and gla.model.max_positions == 0
+  assert gla.model.mixers["gla"].n_heads == 4 and not softmax.model.mixers["softmax"].rope
+  # Stage 1 keeps the steps the chain reads out (0.25 and 0.5 of it); the last is the latest.
+  assert all(step % stage1.train.keep_every == 0 and stage1.train.keep_every % stage1.train.checkpoint_every == 0
+             for step in (1000, 2000))
+  # Embeddings 16,384 × 512 + positions 1,024 × 512 + 8 blocks × (4 · 512² + omega, lam 2 · 512 + SwiGLU
+  # 3 · 512 · 1,408 + norms 2 · 512) + final norm 512.
+  assert abstract_param_count(stage1.model) == 8_388_608 + 524_288 + 8 * 3_213_312 + 512 == 34_619_904
+  for config in (softmax, gla):
+    assert abstract_param_count(config.model) == pytest.approx(34_619_904, rel=0.02)
+
+
+@pytest.mark.parametrize("stage1_steps", [1000, 2500])
+def test_every_step_count_derives_from_stage_one(stage1_steps):
+  steps = sanatan.repro_steps(stage1_steps)
+  assert steps["stage2"] == round(0.06 * stage1_steps) and steps["scratch"] == stage1_steps + steps["stage2"]
+  stage1 = typed(sanatan.repro_p2(stage1_steps))
+  assert typed(sanatan.repro_p1_adapt(stage1_steps)).train.steps == steps["stage2"]
+  assert typed(baselines.repro_gla(stage1_steps)).train.steps == steps["scratch"]
+  for step in sanatan.length_steps(stage1_steps)[:-1]:
+    assert step % stage1.train.keep_every == 0 and stage1.train.keep_every % stage1.train.checkpoint_every == 0
+
+
+def test_a_length_grid_that_would_keep_too_many_checkpoints_is_refused():
+  assert sanatan.stage1_checkpointing(4000, (0.25, 0.5, 1)) == {"checkpoint_every": 500, "keep_every": 1000}
+  with pytest.raises(ConfigError, match="coarser grid"):
+    sanatan.stage1_checkpointing(4000, (0.33, 0.5, 1))
+  with pytest.raises(ConfigError, match=r"in \(0, 1\]"):
+    sanatan.length_steps(4000, (0.5, 1.5))
+
+
+def test_training_seconds_and_loss_curve_follow_a_resumed_run():
+  # Process 1 logs steps 1..6 (step_s at 1 and 4) and dies after its checkpoint at step 4;
+  # process 2 resumes at step 4 and logs 5..8 (step_s at 8).
+  rows = ([{"step": 1, "loss": 9.0, "step_s": 5.0}, {"step": 2, "loss": 8.0}, {"step": 3, "loss": 7.0},
+           {"step": 4, "loss": 6.0, "step_s": 1.0}, {"step": 5, "loss": 5.5}, {"step": 6, "loss": 5.4}]
+          + [{"step": 5, "loss": 5.0}, {"step": 6, "loss": 4.5}, {"step": 7, "loss": 4.0},
+             {"step": 8, "loss": 3.5, "step_s": 2.0}, {"step": 8, "eval/loss": 3.9}])
+  assert chain.training_seconds(rows) == 5.0 + 3 * 1.0 + 4 * 2.0
+  steps, loss = chain.loss_curve(rows)
+  assert steps.tolist() == list(range(1, 9)) and loss.tolist() == [9, 8, 7, 6, 5, 4.5, 4, 3.5]
+  assert chain.loss_curve(rows, "eval/loss")[1].tolist() == [3.9]
+
+
+def run_script(*args, expect: int = 0):
+  proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=REPO, capture_output=True, text=True, timeout=600,
+                        env={**os.environ, "WANDB_MODE": "disabled"})
+  assert proc.returncode == expect, f"STDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
+  return proc
+
+
+def test_a_missing_corpus_is_one_line_before_any_folder(tmp_path):
+  workdir = tmp_path / "chain"
+  proc = run_script(f"--workdir={workdir}", f"--corpus={tmp_path / 'no_corpus'}", expect=2)
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("MissingFileError: --corpus="), proc.stderr
+  assert "tokenizer.model" in lines[0] and not workdir.exists()
+
+
+def finite_numbers(value):
+  if isinstance(value, dict):
+    return all(finite_numbers(v) for v in value.values())
+  if isinstance(value, list):
+    return all(finite_numbers(v) for v in value)
+  return not isinstance(value, float) or math.isfinite(value)
+
+
+@pytest.mark.slow
+def test_tiny_chain_writes_table_readouts_and_plot_and_a_rerun_trains_nothing(tmp_path):
+  workdir = tmp_path / "chain"
+  # Every run; stage 2 from half of stage 1 (through a view of a kept step), readouts at 0.5 and 1.
+  args = ["--tiny", f"--workdir={workdir}", "--lengths=0.5,1", "--adapt_lengths=0.5",
+          "--override=wandb.mode=disabled"]
+  first = run_script(*args).stdout
+  results = json.load(open(workdir / "results.json"))
+  table = (workdir / "results.md").read_text()
+  runs = results["runs"]
+  assert list(runs) == ["p2", "adapt_4", "scratch", "softmax", "gla"]
+  for run in runs.values():
+    assert f"| {run['label']} | {run['steps']:,} |" in table and math.isfinite(run["loss"])
+  assert finite_numbers(results)
+  assert [r["step"] for r in results["lengths"]] == [4, 8]
+  assert results["lengths"][0]["adapted_loss"] == runs["adapt_4"]["loss"]
+  assert runs["adapt_4"]["loss"] != results["lengths"][0]["loss_p1_readout"]  # stage 2 trained
+  assert results["lengths"][1]["adapted_loss"] is None
+  for row in results["lengths"]:
+    assert row["gap"] == pytest.approx(row["loss_p1_readout"] - row["loss_p2"])
+    assert f"| {row['step']:,} ({row['fraction']:.2f}) |" in table
+  stage2 = runs["adapt_4"]["eval"]
+  assert abs(stage2["paired_diff"]) < 1e-4 and stage2["max_abs_dlogit"] < 1e-4
+  assert runs["scratch"]["steps"] == runs["softmax"]["steps"] == runs["gla"]["steps"] == 8 + 1
+  assert len(results["gate_stats"]["stage1"]) == len(results["gate_stats"]["stage2"]) == 2
+  assert (workdir / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert "Initialised parameters from step 4" in first
+
+  metrics = {p: p.read_bytes() for p in workdir.glob("*/metrics.jsonl")}
+  again = run_script(*args).stdout
+  assert again.count("(finished: read back)") == 5 and "step 1/" not in again and "Resumed" not in again
+  assert (workdir / "results.md").read_text() == table
+  assert {p: p.read_bytes() for p in workdir.glob("*/metrics.jsonl")} == metrics
