@@ -94,8 +94,8 @@ def gated_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                            state: LinearAttentionState | None = None,
                            chunk_size: int | None = None,
                            normalize: bool = False, eps: float = 1e-6, scale: float = 1.0,
-                           segment_ids: jax.Array | None = None, kernel_precision: str = "input"
-                           ) -> tuple[jax.Array, LinearAttentionState]:
+                           segment_ids: jax.Array | None = None, kernel_precision: str = "input",
+                           chunked_remat: bool = True) -> tuple[jax.Array, LinearAttentionState]:
   """Gated (optionally normalised) linear attention; returns (o [B, T, H, V] in q's dtype, state).
 
   Args:
@@ -117,6 +117,8 @@ def gated_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     kernel_precision: the Pallas GPU kernel's dot operands, "input" (the inputs' dtype), "tf32" or
       "float32" (fp32 throughout, and o in fp32; ``pallas_utils.PRECISIONS``). Other
       implementations ignore it.
+    chunked_remat: "chunked" / "xla" only: the backward pass recomputes the forward from the
+      inputs instead of keeping the chunk states and intra-chunk blocks (``xla.chunked``).
   """
   check_shapes(q, k, v, log_forget, state, segment_ids)
   implementation = resolve_implementation(implementation, key_dim=q.shape[-1], value_dim=v.shape[-1])
@@ -126,6 +128,8 @@ def gated_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     options["chunk_size"] = chunk_size
   if implementation == "pallas":
     options.update(pallas_utils.kernel_options(kernel_precision, OP))
+  if implementation in ("chunked", "xla"):
+    options["remat"] = chunked_remat
   backend = IMPLEMENTATIONS[implementation]
   precision = kernel_precision if implementation == "pallas" else "input"
   return run_backend(functools.partial(backend, **options), q, k, v, log_forget, state,

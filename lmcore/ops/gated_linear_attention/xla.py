@@ -16,6 +16,7 @@ exponents <= 0), diagonal blocks elementwise in fp32.
 Matmul operands stay in the input dtype with fp32 accumulation; gates, decays, scores and states
 are fp32. Intra-chunk work runs for all chunks at once (head-major layout [B, H, N, C, ·], so every
 contraction has its batch axes leading); ``lax.scan`` over chunks carries only the fp32 state.
+By default the backward pass recomputes the forward from the inputs (``chunked``'s ``remat``).
 The last chunk is padded with k = v = 0 and g = 0, which leaves the state untouched. Packed
 documents (``doc_BxT``) are honoured by masks: a token reads the carried state only while still in
 the document the state belongs to, and a chunk hands on only its last document's writes.
@@ -23,6 +24,7 @@ the document the state belongs to, and a chunk hands on only its last document's
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -121,13 +123,31 @@ def _chunk_states(k_BxHxNxCxK, v_BxHxNxCxV, b_BxHxNxCxG, S0_BxHxKxV, masks: _Doc
 
 
 def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: float, doc_BxT,
-            chunk_size: int = CHUNK):
+            chunk_size: int = CHUNK, remat: bool = True):
   """Returns (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32); G = 1 (scalar gate) or K (per channel).
 
   Works head-major, [B, H, N, C, ·], so that every contraction has its batch axes leading.
   ``chunk_size`` must be a power of two.
+
+  ``remat``: the backward pass recomputes the forward from the op's inputs (``jax.checkpoint``
+  around the whole form), so what waits for it is q, k, v, g, S0 and the int document index:
+  O(B T H (K + V)). Autodiff of the form itself keeps, per layer until its backward pass, the
+  chunk-start states [B, H, N, K, V] (fp32 and in q's dtype), the blocks A [B, H, N, C, C], the
+  decayed q and k [B, H, N, C, K] and, with per-channel gates, the diagonal sub-chunk terms
+  [B, H, N, C/c, c, c, K] (fp32, c = ``SUB_CHUNK``). The recomputation runs the same operations,
+  so outputs and gradients are those without it; it costs one more forward pass of the op in the
+  backward pass.
   """
   check_chunk_size(chunk_size)
+  core = functools.partial(_chunked_core, scale=scale, chunk_size=chunk_size)
+  if remat:
+    core = jax.checkpoint(core)
+  return core(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, doc_BxT)
+
+
+def _chunked_core(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, doc_BxT, *,
+                  scale: float, chunk_size: int):
+  """``chunked`` without the recomputation (what autodiff differentiates)."""
   B, T, H, _ = q_BxTxHxK.shape
   V = v_BxTxHxV.shape[-1]
   C = chunk_size

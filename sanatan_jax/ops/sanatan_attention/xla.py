@@ -8,7 +8,8 @@
   Scores lie in [0, 1] after division by c, so no running maximum is needed. Any p and channels.
 * ``chunked`` (p = 1, 6ch): chunked linear attention on whole arrays: every chunk's intra-chunk
   block and state update as batched einsums, the states entering the chunks as a (document-gated)
-  cumulative sum over chunks.
+  cumulative sum over chunks; by default its backward pass recomputes all of this from the inputs
+  (``Options.chunked_remat``), keeping no features, blocks or state stacks.
 * ``chunked_scan`` (p = 1, 6ch): the same chunks visited one after another by ``lax.scan``.
 
 Matmul operands stay in the inputs' dtype (bf16 in training) with fp32 accumulation; fp32 inputs
@@ -156,7 +157,25 @@ def chunked(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array, lam_raw:
             state: SanatanState | None = None,
             options: Options = Options()) -> tuple[jax.Array, SanatanState]:
   """The chunked p = 1 form of MATH §1.2 in chunks of ``options.chunk_size``, all chunks at once:
-  o [B, T, H, dv] in v's dtype and the final state.
+  o [B, T, H, dv] in v's dtype and the final state (``_chunked_core``).
+
+  With ``options.chunked_remat`` the backward pass recomputes the forward from the op's inputs
+  (``jax.checkpoint`` around the whole form, features included), so what waits for it is q, k, v,
+  omega, lam_raw, the int positions and segment ids and the state: O(B T H d). Autodiff of the form
+  itself keeps, per layer until its backward pass, the features Phi(q), Phi(k) [B, T, H, F] (F = 6d)
+  and their fp32 channels, the masked blocks A_n [B, N, H, C, C] and the state stacks
+  S_<n [B, N, H, F, dv]. The recomputation runs the same operations, so outputs and gradients are
+  those without it; it costs one more forward pass of the op in the backward pass.
+  """
+  core = functools.partial(_chunked_core, options=options)
+  if options.chunked_remat:
+    core = jax.checkpoint(core)
+  return core(q, k, v, omega, lam_raw, positions, segment_ids, state)
+
+
+def _chunked_core(q, k, v, omega, lam_raw, positions, segment_ids, state,
+                  options: Options) -> tuple[jax.Array, SanatanState]:
+  """``chunked`` without the recomputation (what autodiff differentiates).
 
   Per chunk n: the masked block A_n = Mask ⊙ Phi(Q_n) Phi(K_n)ᵀ and the chunk's state increment
   ΔS_n = Phi(K_n)ᵀ V_n (of its last document's tokens); the state entering chunk n is the gated

@@ -40,3 +40,39 @@ class TestChunked(GatedLinearAttentionTestBase):
     o_ref, _ = _op(q, k, v, log_forget, state=state, implementation="recurrent", normalize=True)
     assert o.dtype == jnp.bfloat16 and new.S.dtype == jnp.float32 and new.z.dtype == jnp.float32
     assert relative_l2(o, o_ref) < 2e-2  # bf16 has an 8-bit mantissa (relative rounding 4e-3)
+
+  def test_recomputing_backward_equals_keeping_the_forward(self):
+    """``chunked_remat`` changes only what the backward pass keeps: outputs, state and gradients are
+    those of plain autodiff of the same form (same operations; fp32 summation order at most)."""
+    inputs = gla_inputs(13, 40, "channel", True)
+    got, want = (outputs_and_grads(self.op(chunk_size=CHUNK, chunked_remat=remat), *inputs, True)
+                 for remat in (True, False))
+    assert_same(got, want, "chunked_remat", rtol=1e-6, gate_rtol=1e-6)
+
+
+def _bytes(arrays) -> int:
+  return sum(a.size * a.dtype.itemsize for a in arrays)
+
+
+@pytest.mark.parametrize("gate", ["channel", "head"])
+def test_chunked_backward_keeps_the_inputs_not_chunk_states_or_blocks(gate):
+  """With ``chunked_remat`` (the default) the backward pass recomputes everything from the inputs, so
+  what ``jax.vjp`` keeps for it (the leaves of its VJP function, traced only) is at most twice the
+  inputs' bytes and no chunk-stacked (5-d or wider) array. Without it, autodiff keeps the chunk-start
+  states [B, H, N, K, V], the [B, H, N, C, C] blocks and (per-channel gates) the diagonal sub-chunk
+  terms: 7 (scalar gate) to 24 (per channel) times the inputs here, which these bounds catch."""
+  q, k, v, log_forget, state = gla_inputs(5, 40, gate, True)  # 3 chunks of 16, the last one partial
+  segment_ids = jnp.asarray([[0] * 21 + [1] * 19, [0] * 40])
+  x = (q, k, v, log_forget, state)
+
+  def kept(remat):
+    def o_and_state(*args):
+      return gated_linear_attention(*args[:4], state=args[4], chunk_size=CHUNK, normalize=True,
+                                    segment_ids=segment_ids, chunked_remat=remat)
+    return jax.tree.leaves(jax.eval_shape(lambda *a: jax.vjp(o_and_state, *a)[1], *x))
+
+  input_bytes = _bytes((*jax.tree.leaves(x), segment_ids))
+  with_remat, without = kept(True), kept(False)
+  assert _bytes(with_remat) <= 2 * input_bytes
+  assert max(a.ndim for a in with_remat) <= 4
+  assert _bytes(without) > 4 * input_bytes and max(a.ndim for a in without) >= 5

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from lmcore.numerics import relative_l2
-from sanatan_jax import sanatan_attention
+from sanatan_jax import SanatanState, sanatan_attention
 
 from .test_base import (GRAD_TOL, OUT_TOL, SanatanAttentionTestBase, attend, inputs, jit,
                         outputs_and_grads)
@@ -102,8 +102,51 @@ class TestChunked(_ChunkedBf16, SanatanAttentionTestBase):
 
   implementation = "chunked"
 
+  def test_recomputing_backward_equals_keeping_the_forward(self):
+    """``chunked_remat`` changes only what the backward pass keeps: outputs and gradients are those
+    of plain autodiff of the same form (same operations; fp32 summation order at most)."""
+    x = inputs(21, 33)
+    do = jnp.asarray(np.random.default_rng(21).normal(size=x[2].shape), jnp.float32)
+    (o, g), (o_ref, g_ref) = (outputs_and_grads(x, do, implementation="chunked", chunked_remat=remat)
+                              for remat in (True, False))
+    assert relative_l2(o, o_ref) <= 1e-6
+    for name, a, b in zip(("q", "k", "v", "omega", "lam_raw"), g, g_ref):
+      assert relative_l2(a, b) <= 1e-6, name
+
 
 class TestChunkedScan(_ChunkedBf16, SanatanAttentionTestBase):
   """One ``lax.scan`` step per chunk."""
 
   implementation = "chunked_scan"
+
+
+def _kept_for_backward(fn, *args) -> list[jax.ShapeDtypeStruct]:
+  """The arrays ``jax.vjp`` keeps for the backward pass of ``fn`` (the leaves of its VJP function),
+  traced only."""
+  return jax.tree.leaves(jax.eval_shape(lambda *a: jax.vjp(fn, *a)[1], *args))
+
+
+def _bytes(arrays) -> int:
+  return sum(a.size * a.dtype.itemsize for a in arrays)
+
+
+def test_chunked_backward_keeps_the_inputs_not_features_blocks_or_state_stacks():
+  """With ``chunked_remat`` (the default) the backward pass recomputes everything from the inputs, so
+  what waits for it is at most twice the inputs' bytes and no chunk-stacked (5-d) array. Without it,
+  autodiff keeps the 6d-wide features, the [B, N, H, C, C] blocks and the [B, N, H, F, dv] state
+  stacks: 19 times the inputs here, which these bounds catch."""
+  x = (*inputs(3, 40), jnp.ones((2, 2, 24, 5)), jnp.ones((2, 2, 24)))  # 3 chunks of 16, one partial
+  segment_ids = jnp.asarray([[0] * 21 + [1] * 19, [0] * 40])
+
+  def kept(remat):
+    def o_and_state(q, k, v, omega, lam_raw, S, z):
+      return sanatan_attention(q, k, v, omega, lam_raw, implementation="chunked", chunk_size=16,
+                               state=SanatanState(S, z, jnp.full((2,), 3, jnp.int32)),
+                               segment_ids=segment_ids, chunked_remat=remat)
+    return _kept_for_backward(o_and_state, *x)
+
+  input_bytes = _bytes((*x, segment_ids))
+  with_remat, without = kept(True), kept(False)
+  assert _bytes(with_remat) <= 2 * input_bytes
+  assert max(a.ndim for a in with_remat) <= 4
+  assert _bytes(without) > 4 * input_bytes and max(a.ndim for a in without) >= 5
