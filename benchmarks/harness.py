@@ -83,9 +83,12 @@ def _sanatan_reference(**options):
 
 
 def sanatan_cases(batch, length, dtype):
-  """SANATAN p = 1: the kernel, the XLA chunked form (all chunks at once, C = 64 and 128), the
-  chunk-by-chunk ``lax.scan`` form it replaced, and the materialised reference."""
+  """SANATAN p = 1: the kernel, the fused-chunk Triton kernel ("pallas_fused", GPU only), the XLA
+  chunked form (all chunks at once, C = 64 and 128), the chunk-by-chunk ``lax.scan`` form it
+  replaced, and the materialised reference."""
+  from lmcore.ops.common import pallas_utils
   from sanatan_jax import sanatan_attention
+  from sanatan_jax.ops.sanatan_attention import pallas_triton_fused as fused
   from sanatan_jax.ops.sanatan_attention import pallas_triton_p1 as pallas_p1
 
   args = _sanatan_args(batch, length, dtype)
@@ -95,8 +98,10 @@ def sanatan_cases(batch, length, dtype):
 
   kernel = lambda precision: lambda q, k, v, w, l: pallas_p1.sanatan_p1_pallas(
       q, k, v, w, l, precision=precision)[0]
-  cases = {**_sanatan_pallas(), **_precision_cases(kernel, dtype), "chunked (xla)": op("chunked"),
-           "chunked (xla, C=128)": op("chunked", 128), "chunked_scan (xla)": op("chunked_scan")}
+  fused_case = ("a Triton (GPU) kernel" if pallas_utils.backend() == "tpu" else op("pallas_fused"))
+  cases = {**_sanatan_pallas(), **_precision_cases(kernel, dtype), "pallas_fused": fused_case,
+           "chunked (xla)": op("chunked"), "chunked (xla, C=128)": op("chunked", 128),
+           "chunked_scan (xla)": op("chunked_scan")}
   if batch * HEADS * length * length <= PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = _sanatan_reference()
   F = 6 * HEAD_DIM
@@ -107,6 +112,7 @@ def sanatan_cases(batch, length, dtype):
       flops[impl] = chunked_flops(batch, length, HEADS, F, HEAD_DIM, chunk=pallas_p1.DEFAULT_CHUNK)
   if "pallas (tpu)" in cases:  # compiled Mosaic chunks are >= 128 tokens
     flops["pallas (tpu)"] = chunked_flops(batch, length, HEADS, F, HEAD_DIM, chunk=TPU_CHUNK)
+  flops["pallas_fused"] = chunked_flops(batch, length, HEADS, F, HEAD_DIM, chunk=fused.DEFAULT_CHUNK)
   flops["parallel (reference)"] = parallel_flops(batch, length, HEADS, F, HEAD_DIM)
   return args, cases, flops
 
@@ -123,9 +129,11 @@ def _sanatan_pallas() -> dict:
 
 
 def sanatan_p2_cases(batch, length, dtype):
-  """SANATAN p = 2 (no recurrence): the blocked Pallas kernel vs XLA blocked vs the XLA parallel form
-  (query blocks, custom VJP) vs the materialised reference (autodiff), each credited the causal half
-  of the scores and mixing, 2·T²·(F + V)/2 per head with F = 6d."""
+  """SANATAN p = 2 (no recurrence): the blocked Pallas kernel and the flash one ("pallas_flash",
+  Triton only) vs XLA blocked vs the XLA parallel form (query blocks, custom VJP) vs the
+  materialised reference (autodiff), each credited the causal half of the scores and mixing,
+  2·T²·(F + V)/2 per head with F = 6d."""
+  from lmcore.ops.common import pallas_utils
   from sanatan_jax import sanatan_attention
 
   def op(impl, **options):
@@ -133,7 +141,8 @@ def sanatan_p2_cases(batch, length, dtype):
                                                    **options)[0]
 
   kernel = lambda precision: op("pallas", kernel_precision=precision)
-  cases = {_pallas_name(): op("pallas"), **_precision_cases(kernel, dtype),
+  flash = ("a Triton (GPU) kernel" if pallas_utils.backend() == "tpu" else op("pallas_flash"))
+  cases = {_pallas_name(): op("pallas"), **_precision_cases(kernel, dtype), "pallas_flash": flash,
            "blocked (xla)": op("blocked"), "parallel (xla)": op("parallel")}
   if batch * HEADS * length * length <= PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = _sanatan_reference(p=2)
@@ -235,6 +244,69 @@ TUNING = {
 }
 
 
+# Tilings of the SANATAN flash kernels tried by ``--tune=sanatan_p2`` (forward, backward), each
+# (block, loop, warps, stages) as ``pallas_triton_flash.Tiles``; the first is its default.
+FLASH_TUNING = [((128, 64, 8, 2), (128, 32, 8, 2)),
+                ((128, 64, 8, 3), (64, 32, 8, 2)),
+                ((128, 32, 8, 3), (128, 16, 8, 2)),
+                ((64, 64, 4, 2), (64, 64, 4, 2)),
+                ((128, 128, 8, 1), (128, 32, 8, 3))]
+
+
+def _tiles_name(tiles) -> str:
+  """"pallas_flash (fwd 128x64 8w 2s, bwd 128x32 8w 2s)" for a FLASH_TUNING entry."""
+  part = lambda t: f"{t[0]}x{t[1]} {t[2]}w {t[3]}s"
+  return f"pallas_flash (fwd {part(tiles[0])}, bwd {part(tiles[1])})"
+
+
+def flash_tuning_cases(batch: int, length: int, dtype) -> tuple[tuple, dict, dict]:
+  """(args, cases, flops) of the SANATAN p = 2 flash kernel at every FLASH_TUNING tiling."""
+  from sanatan_jax.ops.sanatan_attention import pallas_triton_flash as flash
+
+  args, _, flops = sanatan_p2_cases(batch, length, dtype)
+  cases = {}
+  for forward, backward in FLASH_TUNING:
+    tiles = flash.FlashTiles(flash.Tiles(*forward), flash.Tiles(*backward))
+    cases[_tiles_name((forward, backward))] = (
+        lambda q, k, v, w, l, tiles=tiles: flash.sanatan_flash_pallas(q, k, v, w, l, p=2, tiles=tiles))
+  return args, cases, {name: flops["pallas_flash"] for name in cases}
+
+
+# Tilings of the SANATAN p = 1 fused-chunk kernels tried by ``--tune=sanatan_p1_fused`` (forward,
+# dq, dk/dv), each (chunk, value tile, channels per program, warps, stages) as
+# ``pallas_triton_fused.Tiles``; the first is its bf16 default. Their rows are the op "sanatan_p1".
+FUSED_TUNING = [((64, 64, 1, 4, 2), (64, 64, 1, 4, 2), (64, 64, 1, 8, 2)),
+                ((64, 64, 1, 8, 2), (64, 64, 1, 8, 2), (64, 64, 1, 8, 2)),
+                ((64, 32, 1, 4, 2), (64, 32, 1, 4, 2), (64, 32, 1, 8, 2)),
+                ((64, 16, 1, 4, 2), (64, 16, 1, 4, 2), (64, 16, 1, 4, 2)),
+                ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 1, 8, 2)),
+                ((128, 64, 1, 8, 2), (128, 64, 1, 8, 2), (64, 64, 1, 8, 2)),
+                ((64, 64, 2, 8, 2), (64, 64, 2, 8, 2), (64, 64, 1, 8, 2))]
+# Tuning names whose rows belong to another op's table.
+TUNED_OPS = {"sanatan_p1_fused": "sanatan_p1"}
+
+
+def _fused_name(tiles) -> str:
+  """"pallas_fused (fwd 64x64 c1 4w 2s, dq ..., dkv ...)" for a FUSED_TUNING entry."""
+  part = lambda t: f"{t[0]}x{t[1]} c{t[2]} {t[3]}w {t[4]}s"
+  return f"pallas_fused (fwd {part(tiles[0])}, dq {part(tiles[1])}, dkv {part(tiles[2])})"
+
+
+def fused_tuning_cases(batch: int, length: int, dtype) -> tuple[tuple, dict, dict]:
+  """(args, cases, flops) of the SANATAN p = 1 fused-chunk kernels at every FUSED_TUNING tiling."""
+  from sanatan_jax.ops.sanatan_attention import pallas_triton_fused as fused
+
+  args = _sanatan_args(batch, length, dtype)
+  cases, flops = {}, {}
+  for entry in FUSED_TUNING:
+    tiles = fused.FusedTiles(*(fused.Tiles(*t) for t in entry))
+    name = _fused_name(entry)
+    cases[name] = lambda q, k, v, w, l, tiles=tiles: fused.sanatan_fused_pallas(q, k, v, w, l,
+                                                                                tiles=tiles)[0]
+    flops[name] = chunked_flops(batch, length, HEADS, 6 * HEAD_DIM, HEAD_DIM, chunk=entry[0][0])
+  return args, cases, flops
+
+
 def _setting_name(setting: dict) -> str:
   """"pallas (C=32, 8 warps, block_v 64)" for a TUNING entry."""
   parts = [f"C={setting['chunk_size']}", f"{setting['num_warps']} warps"]
@@ -243,12 +315,19 @@ def _setting_name(setting: dict) -> str:
 
 
 def tuning_cases(op_name: str, batch: int, length: int, dtype) -> tuple[tuple, dict, dict]:
-  """(args, cases, flops) of the Triton kernel of ``op_name`` at every TUNING setting."""
+  """(args, cases, flops) of the Triton kernel of ``op_name`` at every TUNING setting; for
+  "sanatan_p2", the flash kernel at every FLASH_TUNING tiling; for "sanatan_p1_fused", the
+  fused-chunk kernel at every FUSED_TUNING tiling."""
   from lmcore.ops.gated_linear_attention import pallas_triton as pallas
   from sanatan_jax.ops.sanatan_attention.pallas_triton_p1 import sanatan_p1_pallas
 
+  if op_name == "sanatan_p2":
+    return flash_tuning_cases(batch, length, dtype)
+  if op_name == "sanatan_p1_fused":
+    return fused_tuning_cases(batch, length, dtype)
   if op_name not in TUNING:
-    raise ValueError(f"no tuning settings for op {op_name!r}; tunable: {', '.join(TUNING)}")
+    raise ValueError(f"no tuning settings for op {op_name!r}; tunable: "
+                     f"{', '.join([*TUNING, 'sanatan_p2', 'sanatan_p1_fused'])}")
   args, _, _ = OPS[op_name](batch, length, dtype)
   kernel = {"sanatan_p1": sanatan_p1_pallas, "gated": pallas.gated_linear_attention_pallas}[op_name]
   features = 6 * HEAD_DIM if op_name == "sanatan_p1" else HEAD_DIM
@@ -273,8 +352,8 @@ def run_op(log: RowLog, op_name: str, length: int, tokens: int, dtype: str, repe
   make_cases = functools.partial(tuning_cases, op_name) if tune else OPS[op_name]
   args, cases, flops = make_cases(batch, length, jnp.dtype(dtype))
   for impl, fn in cases.items():
-    measure(log, op_name, impl, length, batch, fn, lambda fn: _fwd_and_fwdbwd(fn, args, repeats, lock),
-            flops[impl])
+    measure(log, TUNED_OPS.get(op_name, op_name), impl, length, batch, fn,
+            lambda fn: _fwd_and_fwdbwd(fn, args, repeats, lock), flops[impl])
 
 
 def fla_rows(log: RowLog, ops: list[str], length: int, tokens: int, repeats: int, lock: str = "") -> None:

@@ -210,7 +210,9 @@ def _repro_sanatan(p: int, scale: ReproScale, train: dict, corpus: str | None, n
   # p = 2 at "parallel": what "auto" picks on a GPU, named so that a CPU (whose "auto" is "blocked")
   # trains the same form.
   implementation = "parallel" if p > 1 else scale.p1_implementation
-  mixer = dict(n_heads=scale.n_heads, head_dim=scale.head_dim, p=p, implementation=implementation)
+  # At 35M parameters memory is no limit: the chunked form keeps its residuals (no recomputation).
+  mixer = dict(n_heads=scale.n_heads, head_dim=scale.head_dim, p=p, implementation=implementation,
+               chunked_remat=False)
   # p = 2 has no recurrent form to pair with; p = 1 is checked parallel against recurrent.
   evaluation = dict(paired=p == 1, paired_a="parallel", gate_stats=True)
   return repro_experiment("sanatan", mixer, train, scale, corpus, name, eval=evaluation)

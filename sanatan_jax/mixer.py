@@ -13,7 +13,7 @@ from lmcore.ops.common import pallas_utils
 from lmcore.mixers import flops
 from lmcore.mixers.base import InitSpec, dense, float_bytes
 from sanatan_jax import features, gate_stats
-from sanatan_jax.ops.sanatan_attention import pallas_triton_p1
+from sanatan_jax.ops.sanatan_attention import pallas_triton_fused, pallas_triton_p1
 from sanatan_jax.ops.sanatan_attention.api import (IMPLEMENTATIONS, resolve_implementation,
                                                    sanatan_attention)
 from sanatan_jax.ops.sanatan_attention.base import (SanatanState, has_constant_state,
@@ -49,6 +49,10 @@ class SanatanMixer(nnx.Module):
     chunk_size: int = 128  # XLA chunked: 4.14 ms at C = 128 against 4.92 at 64 (H200, 8 × 2048)
     block_size: int = 128
     kernel_precision: str = "input"  # "pallas" only: "tf32"/"float32" run the kernels in fp32
+    # XLA "chunked" only: the backward pass recomputes the op's forward instead of keeping its 6d-wide
+    # features, score blocks and chunk-state stacks (one more forward of the op for far less memory).
+    # Under model.remat the block is recomputed anyway: False there saves a third forward of the op.
+    chunked_remat: bool = True
     learn_omega: bool = True
     rotate: bool = True
     decode_implementation: str = "recurrent"
@@ -107,7 +111,7 @@ class SanatanMixer(nnx.Module):
         three_channel=cfg.three_channel,
         implementation=cfg.decode_implementation if decoding else cfg.implementation,
         state=state, chunk_size=cfg.chunk_size, block_size=cfg.block_size, rotate=cfg.rotate,
-        kernel_precision=cfg.kernel_precision)
+        kernel_precision=cfg.kernel_precision, chunked_remat=cfg.chunked_remat)
     return self.wo(o_BxTxHxV.reshape(B, T, cfg.n_heads * cfg.dv)), new_state
 
   def _check_has_state(self) -> None:
@@ -140,10 +144,11 @@ class SanatanMixer(nnx.Module):
     2 · D · (2 H d + H dv) + 2 · H dv · D, plus per head the attention over F = channels · d features
     (6d, 4d or 3d) and dv + 1 mixed columns (the normaliser):
 
-    * ``parallel``, ``blocked`` and the blocked ``pallas`` kernels (every p, channel variant but
-      p = 1 with 6 channels): the causal half, 2 · (F + dv + 1) · (T + 1) / 2;
-    * ``chunked``, ``chunked_scan`` (C = ``chunk_size``) and ``pallas`` for p = 1 with 6 channels
-      (the kernel's own chunk, ``pallas_triton_p1.DEFAULT_CHUNK`` = 32):
+    * ``parallel``, ``blocked`` and the ``pallas`` (blocked) and ``pallas_flash`` kernels (every p,
+      channel variant but p = 1 with 6 channels): the causal half, 2 · (F + dv + 1) · (T + 1) / 2;
+    * ``chunked``, ``chunked_scan`` (C = ``chunk_size``) and both ``pallas`` for p = 1 with 6 channels
+      (the kernel's own chunk, ``pallas_triton_p1.DEFAULT_CHUNK`` = 32), and ``pallas_fused``
+      (p = 1 with 6 channels only; ``pallas_triton_fused.DEFAULT_CHUNK`` = 64):
       2 · C' · (F + dv + 1) + 4 · F · (dv + 1), C' = min(C, T);
     * ``recurrent``: 4 · F · (dv + 1).
 
@@ -154,12 +159,15 @@ class SanatanMixer(nnx.Module):
     name = flops.on_gpu(resolve_implementation, cfg.implementation, p=cfg.p,
                         channels=cfg.channels)
     constant = has_constant_state(cfg.p, cfg.channels)
-    if name in ("parallel", "blocked") or (name == "pallas" and not constant):
+    kernels = name in ("pallas", "pallas_flash")
+    if name in ("parallel", "blocked") or (kernels and not constant):
       mixing = flops.quadratic(F, V, seq_len)
     elif name == "recurrent":
       mixing = flops.recurrent(F, V)
+    elif name == "pallas_fused":
+      mixing = flops.chunked(F, V, pallas_triton_fused.DEFAULT_CHUNK, seq_len)
     else:
-      chunk = pallas_triton_p1.DEFAULT_CHUNK if name == "pallas" else cfg.chunk_size
+      chunk = pallas_triton_p1.DEFAULT_CHUNK if kernels else cfg.chunk_size
       mixing = flops.chunked(F, V, chunk, seq_len)
     return flops.dense(self) + cfg.n_heads * mixing
 

@@ -1,10 +1,11 @@
 """Kernel benchmark: forward and forward+backward time of each op, in one process.
 
 For every op and T ∈ {2048, 8192, 32768} at a fixed number of tokens per batch (B = tokens // T):
-our Pallas kernel, our XLA chunked path, the materialised parallel reference (skipped where its T×T
-scores would not fit), cuDNN softmax attention (`jax.nn.dot_product_attention`) and, when torch and
-flash-linear-attention are importable, FLA's kernels on the same inputs. Prints a table with ms,
-tokens/s, achieved TFLOP/s (from counted FLOPs) and the ratio to the reference named in each row,
+our Pallas kernel (SANATAN p = 2: also the flash kernel, "pallas_flash"; p = 1: also the fused-chunk
+kernel, "pallas_fused"), our XLA chunked path, the materialised parallel reference (skipped where
+its T×T scores would not fit), cuDNN softmax attention (`jax.nn.dot_product_attention`) and, when
+torch and flash-linear-attention are importable, FLA's kernels on the same inputs. Prints a table
+with ms, tokens/s, achieved TFLOP/s (from counted FLOPs) and the ratio to the reference named in each row,
 and appends the rows to docs/BENCHMARKS.md with the date, device and command.
 
     python scripts/bench_kernels.py [--lengths=2048,8192,32768] [--tokens=16384] [--dtype=bfloat16] \
@@ -37,7 +38,9 @@ _FLA_OPS = flags.DEFINE_list("fla_ops", ["sanatan_p1", "gated", "taylor"],
 _JSONL = flags.DEFINE_string("jsonl", "", "Rows are appended here as they are measured; rows already "
                              "in it are not measured again (a rerun continues a stopped benchmark).")
 _TUNE = flags.DEFINE_list("tune", [], "Ops whose Triton kernel is also timed at every setting of "
-                          "benchmarks.harness.TUNING (chunk, value tile, warps), e.g. sanatan_p1,gated.")
+                          "benchmarks.harness.TUNING (chunk, value tile, warps), e.g. sanatan_p1,gated; "
+                          "sanatan_p2 times the flash kernel at every FLASH_TUNING tiling, "
+                          "sanatan_p1_fused the fused-chunk kernel at every FUSED_TUNING tiling.")
 _LOCK = flags.DEFINE_string("lock", "", "A lock file shared by benchmark processes on one device: each "
                             "compiles freely but times only while holding it (runs per T side by side).")
 

@@ -1,4 +1,4 @@
-"""SANATAN power-normalised causal attention (MATH §1.1 step 6, §1.2): one function, six forms.
+"""SANATAN power-normalised causal attention (MATH §1.1 step 6, §1.2): one function, eight forms.
 
     a_tj = (s_tj / c)^p / (sum_{l<=t} (s_tl / c)^p + eps),  o_t = sum_{j<=t} a_tj v_j,  eps = 1e-6,
 
@@ -17,6 +17,12 @@ with ``s_tj = Phi(q_t).Phi(k_j)`` (sanatan_jax.features; 4ch clips ``s`` at 0, 3
   ``chunk_size``; on a TPU the Mosaic kernels of pallas_mosaic_tpu_p1.py). Every other p and
   channel variant: the blocked, flash-style kernels (pallas_triton_blocked.py; their own blocks,
   not ``block_size``), no state; on a TPU their Mosaic form (pallas_mosaic_tpu_blocked.py).
+* ``pallas_flash``: ``pallas`` with the flash kernels of pallas_triton_flash.py (features from XLA,
+  causal and document block skipping, their own tiles) wherever ``pallas`` runs the blocked ones;
+  GPUs (Triton) only, interpreted on a CPU.
+* ``pallas_fused`` (p = 1, 6ch): the fused-chunk Triton kernels of pallas_triton_fused.py (features
+  from XLA, each program carrying its channels' state through the chunks in order; their own
+  tiles, not ``chunk_size``); GPUs only, interpreted on a CPU.
 * ``auto`` (or None): ``pallas`` on GPU, XLA ``chunked`` (p = 1, 6ch) or ``blocked`` elsewhere
   (``resolve_implementation``).
 
@@ -37,13 +43,15 @@ from lmcore.ops.common import implementations, pallas_utils, shard_map
 from sanatan_jax.ops.sanatan_attention import pallas_mosaic_tpu_blocked
 from sanatan_jax.ops.sanatan_attention import pallas_mosaic_tpu_p1
 from sanatan_jax.ops.sanatan_attention import pallas_triton_blocked
+from sanatan_jax.ops.sanatan_attention import pallas_triton_flash
+from sanatan_jax.ops.sanatan_attention import pallas_triton_fused
 from sanatan_jax.ops.sanatan_attention import pallas_triton_p1
 from sanatan_jax.ops.sanatan_attention import reference, xla
 from sanatan_jax.ops.sanatan_attention.base import (Options, SanatanState, check_state,
                                                     has_constant_state, validate_options)
 
 Implementation = Literal["parallel", "blocked", "chunked", "chunked_scan", "recurrent", "pallas",
-                         "auto"]
+                         "pallas_flash", "pallas_fused", "auto"]
 # A form: (q, k, v, omega, lam_raw, *, positions, segment_ids, state, options) -> (o, state).
 Backend = Callable[..., tuple[jax.Array, SanatanState | None]]
 
@@ -53,10 +61,12 @@ _LAYOUTS = dict(q="BTH", k="BTH", v="BTH", omega="H", lam_raw="H", positions="B"
 
 
 def _pallas(q, k, v, omega, lam_raw, *, positions=None, segment_ids=None, state=None,
-            options: Options = Options()) -> tuple[jax.Array, SanatanState | None]:
+            options: Options = Options(), flash: bool = False
+            ) -> tuple[jax.Array, SanatanState | None]:
   """The kernels for the backend (Mosaic on TPU, else Triton): p = 1 with 6 channels the chunked
-  ones, with a state; every other variant the blocked ones, without. Each device of the mesh in
-  context runs them on its own rows and heads (``shard_map.run_sharded``)."""
+  ones, with a state; every other variant the blocked ones (``flash``: the flash ones, GPU only),
+  without. Each device of the mesh in context runs them on its own rows and heads
+  (``shard_map.run_sharded``)."""
   kernel_options = pallas_utils.kernel_options(options.kernel_precision, "sanatan_attention")
   on_tpu = pallas_utils.backend() == "tpu"
   inputs = dict(q=q, k=k, v=v, omega=omega, lam_raw=lam_raw, positions=positions, segment_ids=segment_ids)
@@ -65,11 +75,35 @@ def _pallas(q, k, v, omega, lam_raw, *, positions=None, segment_ids=None, state=
     kernel = functools.partial(p1, rotate=options.rotate, **kernel_options)
     return shard_map.run_sharded(kernel, dict(inputs, state=state), _LAYOUTS,
                                  ("BTH", SanatanState(S="BH", z="BH", position="B")))
-  blocked = (pallas_mosaic_tpu_blocked.sanatan_blocked_tpu if on_tpu
-             else pallas_triton_blocked.sanatan_blocked_pallas)
+  if flash and on_tpu:
+    raise NotImplementedError(
+        "sanatan_attention: implementation='pallas_flash' is a Triton (GPU) kernel; on a TPU use "
+        "'pallas' (the Mosaic kernels) or 'blocked'")
+  if flash:
+    blocked = pallas_triton_flash.sanatan_flash_pallas
+  else:
+    blocked = (pallas_mosaic_tpu_blocked.sanatan_blocked_tpu if on_tpu
+               else pallas_triton_blocked.sanatan_blocked_pallas)
   kernel = functools.partial(blocked, p=options.p, channels=options.channels,
                              three_channel=options.three_channel, rotate=options.rotate, **kernel_options)
   return shard_map.run_sharded(kernel, inputs, _LAYOUTS, "BTH"), None
+
+
+def _pallas_fused(q, k, v, omega, lam_raw, *, positions=None, segment_ids=None, state=None,
+                  options: Options = Options()) -> tuple[jax.Array, SanatanState]:
+  """The fused-chunk Triton kernels (p = 1, 6 channels; ``validate_options`` has checked), each
+  device of the mesh in context on its own rows and heads (``shard_map.run_sharded``)."""
+  kernel_options = pallas_utils.kernel_options(options.kernel_precision, "sanatan_attention")
+  if pallas_utils.backend() == "tpu":
+    raise NotImplementedError(
+        "sanatan_attention: implementation='pallas_fused' is a Triton (GPU) kernel; on a TPU use "
+        "'pallas' (the Mosaic kernels) or 'chunked'")
+  kernel = functools.partial(pallas_triton_fused.sanatan_fused_pallas, rotate=options.rotate,
+                             **kernel_options)
+  inputs = dict(q=q, k=k, v=v, omega=omega, lam_raw=lam_raw, positions=positions,
+                segment_ids=segment_ids, state=state)
+  return shard_map.run_sharded(kernel, inputs, _LAYOUTS,
+                               ("BTH", SanatanState(S="BH", z="BH", position="B")))
 
 
 IMPLEMENTATIONS: dict[str, Backend] = {
@@ -79,6 +113,8 @@ IMPLEMENTATIONS: dict[str, Backend] = {
     "chunked_scan": xla.chunked_scan,
     "recurrent": reference.recurrent,
     "pallas": _pallas,
+    "pallas_flash": functools.partial(_pallas, flash=True),
+    "pallas_fused": _pallas_fused,
 }
 
 
@@ -110,7 +146,7 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
                       implementation: Implementation | None = "parallel",
                       state: SanatanState | None = None, chunk_size: int = 64,
                       block_size: int = 128, rotate: bool = True,
-                      kernel_precision: str = "input"
+                      kernel_precision: str = "input", chunked_remat: bool = True
                       ) -> tuple[jax.Array, SanatanState | None]:
   """SANATAN attention of MATH §1.1 (steps 2-6) for every head.
 
@@ -121,7 +157,7 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
     segment_ids: optional [B, T] packed-document ids (see the module docstring).
     p, channels, three_channel: the kernel (MATH §1.1 steps 5-6).
     implementation: "parallel" | "blocked" | "chunked" | "chunked_scan" | "recurrent" | "pallas"
-      (same function);
+      | "pallas_flash" | "pallas_fused" (same function);
       "auto" or None picks the measured fastest for the backend (``resolve_implementation``).
     state: a SanatanState to continue from (p = 1, 6ch only).
     chunk_size, block_size: tile lengths of "chunked" / "chunked_scan" and of "blocked" / "parallel"
@@ -130,6 +166,8 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
     kernel_precision: the Pallas GPU kernels' dot operands, "input" (the inputs' dtype), "tf32"
       or "float32" (fp32 throughout, fp32 o; ``pallas_utils.PRECISIONS``). Other implementations
       ignore it.
+    chunked_remat: "chunked" only: its backward pass recomputes the forward from the inputs
+      instead of keeping the 6d-wide features, score blocks and state stacks (``xla.chunked``).
 
   Returns:
     o [B, T, H, dv] in v's dtype (fp32 from the kernels at kernel_precision "tf32"/"float32"),
@@ -145,6 +183,6 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
   pallas_utils.check_precision(kernel_precision, "sanatan_attention")
   options = Options(p=p, channels=channels, three_channel=three_channel, rotate=rotate,
                     chunk_size=chunk_size, block_size=block_size,
-                    kernel_precision=kernel_precision)
+                    kernel_precision=kernel_precision, chunked_remat=chunked_remat)
   return IMPLEMENTATIONS[implementation](q, k, v, omega, lam_raw, positions=positions,
                                          segment_ids=segment_ids, state=state, options=options)

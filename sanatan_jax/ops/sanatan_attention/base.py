@@ -23,7 +23,7 @@ from sanatan_jax import features
 EPS = 1e-6
 F32 = jnp.float32
 # The forms that exist only where the exact constant-size recurrence does (p = 1, 6 channels).
-RECURRENT_ONLY = ("chunked", "chunked_scan", "recurrent")
+RECURRENT_ONLY = ("chunked", "chunked_scan", "recurrent", "pallas_fused")
 # The channels of one head dimension, in feature_map's order: (1, cos th, sin th, r, r cos th,
 # r sin th). Each variant's channels other than the constant 1 (which the blocked kernels add to
 # the scores as d).
@@ -55,6 +55,7 @@ class Options(NamedTuple):
   chunk_size: int = 64
   block_size: int = 128
   kernel_precision: str = "input"
+  chunked_remat: bool = True
 
 
 def has_constant_state(p: int, channels: int) -> bool:

@@ -138,14 +138,22 @@ class SanatanAttentionTestBase:
   # packed-document check at a power; None for the p = 1 six-channel forms.
   future_power: tuple[int, int, str] | None = None
   packed_power: int | None = None
+  # The implementation whose tests already cover this form's p = 1 six-channel path because the
+  # form runs that implementation's code there; None when the form has its own.
+  p1_tested_by: str | None = None
 
   def _skip_if_reference(self):
     if self.implementation == "reference":
       pytest.skip("reference.parallel is the reference")
 
+  def _skip_if_p1_tested_elsewhere(self):
+    if self.p1_tested_by is not None:
+      pytest.skip(f"p = 1 with 6 channels runs the {self.p1_tested_by!r} code, tested there")
+
   @pytest.mark.parametrize("T,with_state", [(1, True), (7, False), (33, False)])
   def test_p1_equals_parallel_for_odd_lengths(self, T, with_state):
     self._skip_if_reference()
+    self._skip_if_p1_tested_elsewhere()
     q, k, v, omega, lam_raw = inputs(T, T)
     state = prefix_state(100 + T) if with_state else None
     o_ref, state_ref = attend(q, k, v, omega, lam_raw, state=state)
@@ -155,6 +163,7 @@ class SanatanAttentionTestBase:
 
   def test_p1_gradients_equal_parallel_with_state_and_segments(self):
     self._skip_if_reference()
+    self._skip_if_p1_tested_elsewhere()
     x = inputs(3, 33)
     state = prefix_state(4)
     # Row 0 keeps the incoming state for 20 tokens; row 1 resets it twice, once inside a chunk.
@@ -165,6 +174,7 @@ class SanatanAttentionTestBase:
       assert relative_l2(a, b) <= GRAD_TOL, name
 
   def test_two_pieces_with_state_equal_whole(self):
+    self._skip_if_p1_tested_elsewhere()
     q, k, v, omega, lam_raw = inputs(8, 33)
     run = functools.partial(attend, omega=omega, lam_raw=lam_raw,
                             implementation=self.implementation)
@@ -188,6 +198,7 @@ class SanatanAttentionTestBase:
     assert not np.allclose(o[:, cut:], o2[:, cut:])
 
   def test_outputs_do_not_depend_on_future_tokens(self):
+    self._skip_if_p1_tested_elsewhere()
     self._assert_causal(1, 6, "clean")
 
   def test_outputs_at_a_power_do_not_depend_on_future_tokens(self):
@@ -206,6 +217,7 @@ class SanatanAttentionTestBase:
       assert_states_close(state, state_doc)
 
   def test_packed_documents_equal_separate_documents(self):
+    self._skip_if_p1_tested_elsewhere()
     self._assert_packed_equal_separate(1)
 
   def test_packed_documents_at_a_power_equal_separate_documents(self):
@@ -217,7 +229,8 @@ class SanatanAttentionTestBase:
     (q, k, v, omega, lam_raw), segment_ids, positions = _packed(13)
     q2, k2, v2, _, _ = inputs(14, sum(_DOCS))
     first = (segment_ids == 4)[:, :, None, None]
-    kw = dict(positions=positions, segment_ids=segment_ids, implementation=self.implementation)
+    kw = dict(positions=positions, segment_ids=segment_ids, implementation=self.implementation,
+              p=1 if self.p1_tested_by is None else self.packed_power)
     o = attend(q, k, v, omega, lam_raw, **kw)[0]
     o2 = attend(jnp.where(first, q2, q), jnp.where(first, k2, k), jnp.where(first, v2, v), omega,
                 lam_raw, **kw)[0]

@@ -1,0 +1,601 @@
+"""Pallas (Triton lowering) fused-chunk kernels for SANATAN p = 1, six channels (MATH §1.2).
+
+Per head, the chunked form of MATH §1.2 with the state carried through the chunks inside one
+program (FLA's "fused_chunk" layout): no chunk state ever reaches HBM. For chunk n with features
+Phi(Q_n), Phi(K_n) (C x 6d), values V_n, the state (S, z) entering it and the visible mask
+Mask (j <= t, same document)::
+
+    A_n = Mask ⊙ Phi(Q_n) Phi(K_n)ᵀ,   N_n = A_n V_n + Phi(Q_n) S,   D_n = A_n 1 + Phi(Q_n) z,
+    o = N / (D + c eps),               S <- S + Phi(K_n)ᵀ V_n,        z <- z + Phi(K_n)ᵀ 1.
+
+Features. XLA computes Phi(q), Phi(k) once per token (``base.sanatan_features``, fp32, cast to the
+operands' dtype) in the channel-major layout [B, T, H, 6, d] (channel c of head dimension a is
+feature 6a + c); the constant channel is an array of ones like the others (zero on padding), so all
+six channels, their states and their gradients are handled alike (at the price of a sixth of the
+kernels' work and feature traffic on a channel whose scores are the count d). Computing the angles,
+roots and rotation inside the loops would cost the registers the carried states need. The custom
+VJP keeps no features: its backward recomputes them from q and k and XLA applies the feature map's
+VJP.
+
+Programs. Grid (channel group, value tile, batch, head): a program owns ``Tiles.channels`` of the
+six channels and ``block_v`` value columns, so 6 / channels x dv / block_v programs share a
+(row, head). Its state is one fp32 [d, BV] block and one [d] normaliser per owned channel, in
+registers for the whole walk. A score is a sum over channels, so each program computes its
+channels' part of A_n, N_n and D_n; the parts (fp32) are summed and divided in XLA. (Splitting the
+6d-wide key axis keeps a program's state small and gives 6x the programs of one per (row, head,
+value tile): 96 (row, head) pairs at B = 8, H = 12 would fill fewer than the H200's 132 SMs, and only
+12 at B = 1. The cost is the per-group copies of A_n V_n and of the value dots of the backward.)
+
+Forward (``_forward_kernel``), chunks in order: the outputs' parts, then the state update. It
+writes the numerator and denominator parts and the state after the last token.
+
+Backward (``jax.custom_vjp``; residuals: the inputs, o in v's dtype and the fp32 denominator D).
+With dN = do / (D + c eps) and dD = -(do · o) / (D + c eps) (XLA), ds_tj = dN_t · v_j + dD_t on
+visible pairs (p = 1: the weights are the scores):
+
+* ``_dq_kernel``, chunks in order, recomputing the state: d Phi(q_t) = sum_j ds_tj Phi(k_j)
+  + [t reads the state] (S dN_t + z dD_t);
+* ``_dkv_kernel``, chunks in reverse order, carrying the gradient of the state after the chunk,
+  (dS, dz) <- keep (dS, dz) + Phi(Q_n)ᵀ (dN, dD) over the chunk's readers (starting from the final
+  state's cotangent): d Phi(k_j) = sum_t ds_tj Phi(q_t) + [j writes] (dS v_j + dz),
+  dv_j = sum_t A_tj dN_t + [j writes] dSᵀ Phi(k_j). What is left at the start is the gradient of
+  the initial state.
+
+Value tiles split dN and v; the terms in dD (which every tile sees whole) are taken in tile 0 only,
+and XLA sums the tiles' parts of d Phi(q), d Phi(k) and of the initial z's gradient.
+
+Packed documents follow api.py: ``runs`` (``segments.document_index``, non-decreasing per row)
+number the maximal runs of equal segment ids. A token reads the carried state only in the state's
+run (the run of the token before its chunk; the incoming state's for chunk 0, run 0), a chunk
+hands on only its last run's writes, and keeps the carried state only when its last run is the
+state's (else the state restarts from those writes).
+
+Matmul operands are in the inputs' dtype (bf16 in training; the states and their gradients are
+cast to it for the dots, as XLA "chunked" does), accumulations fp32. The feature gradients reach
+XLA in the features' dtype (halving their HBM traffic; XLA's own bf16 feature gradients are bf16
+too), the numerator, denominator and dv parts in fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from lmcore.ops.common import pallas_utils as pu
+from lmcore.ops.common.layout import default_positions
+from lmcore.ops.common.segments import document_index
+from sanatan_jax import features
+from sanatan_jax.ops.sanatan_attention.base import EPS, SanatanState, sanatan_features
+
+CHANNELS = 6
+_F32 = jnp.float32
+
+
+class Tiles(NamedTuple):
+  """One kernel's tiling: ``chunk`` tokens per step of a program's walk and ``block_v`` value
+  columns per program (powers of two, >= 16 when compiled), ``channels`` feature channels per
+  program (1, 2, 3 or 6), Triton warps and pipeline stages."""
+
+  chunk: int
+  block_v: int
+  channels: int
+  num_warps: int
+  num_stages: int
+
+
+class FusedTiles(NamedTuple):
+  """The tilings of the forward kernel and of the two backward kernels."""
+
+  forward: Tiles
+  dq: Tiles
+  dkv: Tiles
+
+
+# Tilings per GPU (``device_kind``; "default" for any other) and operand width in bytes (2: bf16
+# inputs; 4: fp32 inputs or precision "tf32"/"float32"). Not yet timed; benchmarks.harness.FUSED_TUNING
+# lists the tilings to time. At d = dv = 64 (T = 2048, 12 heads) an sm_90 compile of the lowered
+# kernels (ptxas) gives the bf16 tiling, without / with documents, 234 / 255 registers in the forward,
+# 214 / 254 in dq (4 warps, one warpgroup per 64-row chunk, wgmma) and 193 / 234 in dk/dv (8 warps;
+# at 4 it spills), no spills, 48-74 KiB of shared memory. The fp32 tiling compiles without spills
+# with TF32 dots (at chunk 64 its kernels spill); with IEEE fp32 dots ("float32", a check of
+# accuracy rather than a fast path) they spill.
+TILES = {"default": {2: FusedTiles(forward=Tiles(64, 64, 1, 4, 2), dq=Tiles(64, 64, 1, 4, 2),
+                                   dkv=Tiles(64, 64, 1, 8, 2)),
+                     4: FusedTiles(forward=Tiles(32, 64, 1, 4, 2), dq=Tiles(32, 64, 1, 4, 2),
+                                   dkv=Tiles(32, 64, 1, 8, 2))}}
+DEFAULT_CHUNK = TILES["default"][2].forward.chunk
+
+
+def default_tiles(dtype) -> FusedTiles:
+  """The ``TILES`` entry of the first device's kind (else the default one) for operands of
+  ``dtype``."""
+  kind = getattr(jax.devices()[0], "device_kind", "")
+  return TILES.get(kind, TILES["default"])[jnp.dtype(dtype).itemsize]
+
+
+class KernelConfig(NamedTuple):
+  """Static parameters of one kernel."""
+
+  chunk: int
+  block_v: int
+  channels: int
+  documents: bool
+  interpret: bool
+  num_warps: int
+  num_stages: int
+  precision: str
+
+
+class Static(NamedTuple):
+  """What the custom VJP holds static: the three kernels' configs, the rotation flag, the real and
+  padded lengths, the padded head and value dims and c · eps."""
+
+  forward: KernelConfig
+  dq: KernelConfig
+  dkv: KernelConfig
+  rotate: bool
+  length: int
+  padded_length: int
+  dp: int
+  Vp: int
+  c_eps: float
+
+
+# In-kernel pieces.
+
+class _Chunk(NamedTuple):
+  """One chunk inside a kernel: the program's channels of Phi(q) and Phi(k) (tuples of [C, dp], in
+  the operands' dtype; None where the kernel does not read them), values [C, BV] and run ids [C]
+  (None without documents)."""
+
+  phi_q: tuple | None
+  phi_k: tuple | None
+  v: jax.Array
+  run: jax.Array | None
+
+
+def _load(n, q_refs, k_refs, v_ref, run_ref, cfg: KernelConfig) -> _Chunk:
+  """Chunk n of the program's refs (``q_refs`` or ``k_refs`` None: not read)."""
+  C = cfg.chunk
+  phi = lambda refs: None if refs is None else tuple(pu.rows(r, n * C, C) for r in refs)
+  run = pu.rows(run_ref, n * C, C) if cfg.documents else None
+  return _Chunk(phi(q_refs), phi(k_refs), pu.rows(v_ref, n * C, C), run)
+
+
+def _visible(run, cfg: KernelConfig, transposed: bool = False):
+  """[C, C] j <= t (and the same run with documents); rows are queries t, or keys j when
+  ``transposed``."""
+  iota = functools.partial(jax.lax.broadcasted_iota, jnp.int32, (cfg.chunk, cfg.chunk))
+  mask = iota(0) <= iota(1) if transposed else iota(0) >= iota(1)
+  if cfg.documents:
+    mask &= run[:, None] == run[None, :]
+  return mask
+
+
+def _only(rows, phi: tuple) -> tuple:
+  """``phi`` zeroed outside ``rows`` ([C] bool; None: all rows)."""
+  if rows is None:
+    return phi
+  return tuple(jnp.where(rows[:, None], a, 0) for a in phi)
+
+
+def _scores(rows: tuple, cols: tuple):
+  """sum over the program's channels of rows_c cols_cᵀ, fp32 [C, C]."""
+  s = pu.dot(rows[0], cols[0], trans_b=True)
+  for a, b in zip(rows[1:], cols[1:]):
+    s += pu.dot(a, b, trans_b=True)
+  return s
+
+
+def _reads(run, state_run):
+  """[C] bool: the chunk's tokens in the carried state's run (None without documents)."""
+  return None if run is None else run == state_run
+
+
+def _advance(x: _Chunk, S: tuple, z: tuple, state_run):
+  """The carried state after chunk ``x``: S keep + Phi(K)ᵀ V and z keep + Phi(K)ᵀ 1 over the
+  chunk's last run (keep: that run is the state's), and that run."""
+  keep, last, writes = 1.0, state_run, None
+  if x.run is not None:
+    last = jnp.max(x.run)
+    keep = (last == state_run).astype(_F32)
+    writes = x.run == last
+  phi_k = _only(writes, x.phi_k)
+  S = tuple(keep * S_c + pu.dot(a, x.v, trans_a=True) for a, S_c in zip(phi_k, S))
+  z = tuple(keep * z_c + jnp.sum(a.astype(_F32), axis=0) for a, z_c in zip(phi_k, z))
+  return S, z, last
+
+
+def _chunk_runs(run_ref, n, cfg: KernelConfig):
+  """The run of the state entering chunk n and the chunk's last run. Runs are non-decreasing, so
+  the state entering chunk n > 0 is in chunk n - 1's last run, the initial one in run 0."""
+  C = cfg.chunk
+  previous = pu.rows(run_ref, jnp.maximum(n - 1, 0) * C, C)
+  state_run = jnp.where(n > 0, jnp.max(previous), 0)
+  return state_run, jnp.max(pu.rows(run_ref, n * C, C))
+
+
+def _split(refs, *counts) -> list[tuple]:
+  """``refs`` cut into consecutive tuples of ``counts`` refs."""
+  groups, start = [], 0
+  for count in counts:
+    groups.append(tuple(refs[start:start + count]))
+    start += count
+  return groups
+
+
+def _forward_kernel(*refs, cfg: KernelConfig):
+  """Refs: Phi(q), Phi(k) channels, v, runs, initial S and z channels; outputs: the numerator and
+  denominator parts, final S and z channels."""
+  G = cfg.channels
+  (q_refs, k_refs, (v_ref,), (run_ref,), S0_refs, z0_refs, (num_ref,), (den_ref,), S_refs,
+   z_refs) = _split(refs, G, G, 1, 1, G, G, 1, 1, G, G)
+  C = cfg.chunk
+
+  def step(n, carry):
+    S, z, state_run = carry
+    x = _load(n, q_refs, k_refs, v_ref, run_ref, cfg)
+    s = jnp.where(_visible(x.run, cfg), _scores(x.phi_q, x.phi_k), 0.0)
+    num = pu.dot(s.astype(x.v.dtype), x.v)
+    den = jnp.sum(s, axis=1)
+    for a, S_c, z_c in zip(_only(_reads(x.run, state_run), x.phi_q), S, z):
+      num += pu.dot(a, S_c.astype(a.dtype))
+      den += jnp.sum(a.astype(_F32) * z_c[None, :], axis=1)
+    pu.store_rows(num_ref, n * C, num)
+    pu.store_rows(den_ref, n * C, den)
+    return _advance(x, S, z, state_run)
+
+  init = (tuple(r[...] for r in S0_refs), tuple(r[...] for r in z0_refs), jnp.int32(0))
+  S, z, _ = jax.lax.fori_loop(0, v_ref.shape[0] // C, step, init)
+  for ref, value in zip(S_refs + z_refs, S + z):
+    ref[...] = value
+
+
+def _dq_kernel(*refs, cfg: KernelConfig):
+  """Refs: Phi(k) channels, v, runs, dN, dD, initial S and z channels; outputs: d Phi(q)
+  channels."""
+  G = cfg.channels
+  (k_refs, (v_ref,), (run_ref,), (dN_ref,), (dD_ref,), S0_refs, z0_refs,
+   dq_refs) = _split(refs, G, 1, 1, 1, 1, G, G, G)
+  C = cfg.chunk
+  tile0 = (pl.program_id(1) == 0).astype(_F32)
+
+  def step(n, carry):
+    S, z, state_run = carry
+    x = _load(n, None, k_refs, v_ref, run_ref, cfg)
+    dN, dD = pu.rows(dN_ref, n * C, C), tile0 * pu.rows(dD_ref, n * C, C)
+    ds = jnp.where(_visible(x.run, cfg), pu.dot(dN, x.v, trans_b=True) + dD[:, None], 0.0)
+    ds = ds.astype(x.phi_k[0].dtype)
+    reads = _reads(x.run, state_run)
+    if reads is not None:  # only the state's run reads it
+      dN, dD = jnp.where(reads[:, None], dN, 0), jnp.where(reads, dD, 0.0)
+    for ref, b, S_c, z_c in zip(dq_refs, x.phi_k, S, z):
+      from_state = pu.dot(dN, S_c.astype(dN.dtype), trans_b=True) + dD[:, None] * z_c[None, :]
+      pu.store_rows(ref, n * C, (pu.dot(ds, b) + from_state).astype(ref.dtype))
+    return _advance(x, S, z, state_run)
+
+  init = (tuple(r[...] for r in S0_refs), tuple(r[...] for r in z0_refs), jnp.int32(0))
+  jax.lax.fori_loop(0, v_ref.shape[0] // C, step, init)
+
+
+def _dkv_kernel(*refs, cfg: KernelConfig):
+  """Refs: Phi(q), Phi(k) channels, v, runs, dN, dD, the final state's cotangent channels;
+  outputs: d Phi(k) channels, the dv part, the initial S and z channels' gradients."""
+  G = cfg.channels
+  (q_refs, k_refs, (v_ref,), (run_ref,), (dN_ref,), (dD_ref,), dS_refs, dz_refs, dk_refs,
+   (dv_ref,), dS0_refs, dz0_refs) = _split(refs, G, G, 1, 1, 1, 1, G, G, G, 1, G, G)
+  C = cfg.chunk
+  n_chunks = v_ref.shape[0] // C
+  tile0 = (pl.program_id(1) == 0).astype(_F32)
+
+  def step(i, carry):
+    dS, dz = carry  # the gradient of the state after chunk n
+    n = n_chunks - 1 - i
+    x = _load(n, q_refs, k_refs, v_ref, run_ref, cfg)
+    dN, dD = pu.rows(dN_ref, n * C, C), tile0 * pu.rows(dD_ref, n * C, C)
+    dt = x.v.dtype
+    keep, writes, reads = 1.0, None, None
+    if x.run is not None:
+      state_run, last = _chunk_runs(run_ref, n, cfg)
+      keep = (last == state_run).astype(_F32)
+      writes, reads = x.run == last, x.run == state_run
+    # dv first, then d Phi(k): fewer [C, C] and [C, BV] blocks are live at once.
+    visible = _visible(x.run, cfg, transposed=True)  # rows: keys
+    s = jnp.where(visible, _scores(x.phi_k, x.phi_q), 0.0)
+    dS_dt = tuple(dS_c.astype(dt) for dS_c in dS)
+    dv = pu.dot(s.astype(dt), dN)
+    for b, dS_c in zip(_only(writes, x.phi_k), dS_dt):
+      dv += pu.dot(b, dS_c)
+    pu.store_rows(dv_ref, n * C, dv)
+    ds = jnp.where(visible, pu.dot(x.v, dN, trans_b=True) + dD[None, :], 0.0).astype(dt)
+    for ref, a, dS_c, dz_c in zip(dk_refs, x.phi_q, dS_dt, dz):
+      to_state = pu.dot(x.v, dS_c, trans_b=True) + dz_c[None, :]
+      if writes is not None:
+        to_state = jnp.where(writes[:, None], to_state, 0.0)
+      pu.store_rows(ref, n * C, (pu.dot(ds, a) + to_state).astype(ref.dtype))
+    phi_q = _only(reads, x.phi_q)
+    dS = tuple(keep * dS_c + pu.dot(a, dN, trans_a=True) for a, dS_c in zip(phi_q, dS))
+    dz = tuple(keep * dz_c + jnp.sum(a.astype(_F32) * dD[:, None], axis=0)
+               for a, dz_c in zip(phi_q, dz))
+    return dS, dz
+
+  init = (tuple(r[...] for r in dS_refs), tuple(tile0 * r[...] for r in dz_refs))
+  dS, dz = jax.lax.fori_loop(0, n_chunks, step, init)
+  for ref, value in zip(dS0_refs + dz0_refs, dS + dz):
+    ref[...] = value
+
+
+# Calls.
+
+class _Specs(NamedTuple):
+  """BlockSpecs over the grid (g, j, b, h): channel group, value tile, batch row, head. Token
+  arrays are whole rows (a program reads and writes its chunks' rows)."""
+
+  phi: object  # i -> channel g·G + i of [B, Tp, H, 6, dp]
+  v: object  # [B, Tp, H, Vp], value tile j
+  row: object  # [B, Tp]
+  token: object  # [B, Tp, H]
+  S: object  # i -> [B, H, 6, dp, Vp]
+  z: object  # i -> [B, H, 6, dp]
+  group_v: object  # [groups, B, Tp, H, Vp]: per-group parts over value tiles
+  tile_token: object  # [tiles, groups, B, Tp, H]
+  group_S: object  # [groups, B, H, dp, Vp]: channel i of each group
+  tile_z: object  # [tiles, groups, B, H, dp]
+  tile_phi: object  # [tiles, groups, B, Tp, H, dp]
+
+
+def _specs(Tp: int, dp: int, cfg: KernelConfig) -> _Specs:
+  G, BV = cfg.channels, cfg.block_v
+  spec = pl.BlockSpec
+  return _Specs(
+      phi=lambda i: spec((None, Tp, None, None, dp), lambda g, j, b, h: (b, 0, h, g * G + i, 0)),
+      v=spec((None, Tp, None, BV), lambda g, j, b, h: (b, 0, h, j)),
+      row=spec((None, Tp), lambda g, j, b, h: (b, 0)),
+      token=spec((None, Tp, None), lambda g, j, b, h: (b, 0, h)),
+      S=lambda i: spec((None, None, None, dp, BV), lambda g, j, b, h: (b, h, g * G + i, 0, j)),
+      z=lambda i: spec((None, None, None, dp), lambda g, j, b, h: (b, h, g * G + i, 0)),
+      group_v=spec((None, None, Tp, None, BV), lambda g, j, b, h: (g, b, 0, h, j)),
+      tile_token=spec((None, None, None, Tp, None), lambda g, j, b, h: (j, g, b, 0, h)),
+      group_S=spec((None, None, None, dp, BV), lambda g, j, b, h: (g, b, h, 0, j)),
+      tile_z=spec((None, None, None, None, dp), lambda g, j, b, h: (j, g, b, h, 0)),
+      tile_phi=spec((None, None, None, Tp, None, dp), lambda g, j, b, h: (j, g, b, 0, h, 0)))
+
+
+def _grid(v, st: Static, cfg: KernelConfig):
+  """(channel groups, value tiles, B, H). The Triton launch runs the first two fastest, so the
+  programs of one (row, head), which read the same values, run side by side."""
+  B, _, H, _ = v.shape
+  return CHANNELS // cfg.channels, st.Vp // cfg.block_v, B, H
+
+
+def _channels(parts, axis: int):
+  """Per-channel results of the kernels, one array per channel index i within a group, each with
+  the groups first [groups, ...] -> one array with the 6 channels (c = g·G + i) at ``axis``."""
+  groups = parts[0].shape[0]
+  x = jnp.stack(parts, axis=1)
+  x = x.reshape(groups * len(parts), *x.shape[2:])
+  return jnp.moveaxis(x, 0, axis)
+
+
+def _shape(*shape, dtype=_F32):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _tile_sum(x):
+  """The sum of the value tiles' parts [tiles, ...] in fp32."""
+  return jnp.sum(x.astype(_F32), axis=0)
+
+
+def _forward(phi_q, phi_k, v, run, S0, z0, st: Static):
+  """Forward kernel: o [B, Tp, H, Vp] in v's dtype, D [B, Tp, H] and the final (S, z), fp32."""
+  cfg = st.forward
+  B, Tp, H, _ = v.shape
+  G, grid = cfg.channels, _grid(v, st, cfg)
+  groups, tiles = grid[:2]
+  s = _specs(Tp, st.dp, cfg)
+  each = lambda make: [make(i) for i in range(G)]
+  in_specs = each(s.phi) * 2 + [s.v, s.row] + each(s.S) + each(s.z)
+  out_specs = [s.group_v, s.tile_token] + [s.group_S] * G + [s.tile_z] * G
+  out_shape = ([_shape(groups, B, Tp, H, st.Vp), _shape(tiles, groups, B, Tp, H)]
+               + [_shape(groups, B, H, st.dp, st.Vp)] * G + [_shape(tiles, groups, B, H, st.dp)] * G)
+  num, den, *state = pu.call(_forward_kernel, cfg, grid, in_specs, out_specs, out_shape,
+                             *[phi_q] * G, *[phi_k] * G, v, run, *[S0] * G, *[z0] * G)
+  den = jnp.sum(den[0], axis=0)
+  o = jnp.sum(num, axis=0) / (den[..., None] + st.c_eps)
+  S = _channels(state[:G], 2)
+  z = _channels([x[0] for x in state[G:]], 2)
+  return o.astype(v.dtype), den, S, z
+
+
+def _dq(phi_k, v, run, dN, dD, S0, z0, st: Static):
+  """dq kernel: d Phi(q) [B, Tp, H, 6, dp], fp32 (rounded to the features' dtype in HBM)."""
+  cfg = st.dq
+  B, Tp, H, _ = v.shape
+  G, grid = cfg.channels, _grid(v, st, cfg)
+  groups, tiles = grid[:2]
+  s = _specs(Tp, st.dp, cfg)
+  in_specs = ([s.phi(i) for i in range(G)] + [s.v, s.row, s.v, s.token]
+              + [s.S(i) for i in range(G)] + [s.z(i) for i in range(G)])
+  parts = pu.call(_dq_kernel, cfg, grid, in_specs, [s.tile_phi] * G,
+                  [_shape(tiles, groups, B, Tp, H, st.dp, dtype=phi_k.dtype)] * G,
+                  *[phi_k] * G, v, run, dN, dD, *[S0] * G, *[z0] * G)
+  return _channels([_tile_sum(x) for x in parts], 3)
+
+
+def _dkv(phi_q, phi_k, v, run, dN, dD, dS, dz, st: Static):
+  """dk/dv kernel: d Phi(k) [B, Tp, H, 6, dp], dv [B, Tp, H, Vp] and the initial state's
+  gradients (S, z in kernel layout), fp32 (d Phi(k) rounded to the features' dtype in HBM)."""
+  cfg = st.dkv
+  B, Tp, H, _ = v.shape
+  G, grid = cfg.channels, _grid(v, st, cfg)
+  groups, tiles = grid[:2]
+  s = _specs(Tp, st.dp, cfg)
+  each = lambda make: [make(i) for i in range(G)]
+  in_specs = each(s.phi) * 2 + [s.v, s.row, s.v, s.token] + each(s.S) + each(s.z)
+  out_specs = [s.tile_phi] * G + [s.group_v] + [s.group_S] * G + [s.tile_z] * G
+  out_shape = ([_shape(tiles, groups, B, Tp, H, st.dp, dtype=phi_q.dtype)] * G
+               + [_shape(groups, B, Tp, H, st.Vp)]
+               + [_shape(groups, B, H, st.dp, st.Vp)] * G + [_shape(tiles, groups, B, H, st.dp)] * G)
+  out = pu.call(_dkv_kernel, cfg, grid, in_specs, out_specs, out_shape,
+                *[phi_q] * G, *[phi_k] * G, v, run, dN, dD, *[dS] * G, *[dz] * G)
+  dphi_k, dv, dS0, dz0 = out[:G], out[G], out[G + 1:2 * G + 1], out[2 * G + 1:]
+  dphi_k = _channels([_tile_sum(x) for x in dphi_k], 3)
+  return (dphi_k, jnp.sum(dv, axis=0), _channels(dS0, 2),
+          _channels([jnp.sum(x, axis=0) for x in dz0], 2))
+
+
+def _features(q, k, omega, lam_raw, pos, st: Static):
+  """Phi(q), Phi(k) channel-major, fp32 [B, Tp, H, 6, dp], zero on padding
+  (``base.sanatan_features``; feature 6a + c is [..., c, a])."""
+  phi = sanatan_features(q, k, omega, lam_raw, pos, channels=CHANNELS, rotate=st.rotate)
+
+  def channel_major(phi_BxTxHxF):
+    B, T, H, F = phi_BxTxHxF.shape
+    phi_BxTxHx6xd = phi_BxTxHxF.reshape(B, T, H, F // CHANNELS, CHANNELS).swapaxes(3, 4)
+    return pu.pad_axis(pu.pad_axis(phi_BxTxHx6xd, 1, st.padded_length), 4, st.dp)
+
+  return tuple(channel_major(x) for x in phi)
+
+
+def _pad_tokens(x, st: Static):
+  return pu.pad_axis(pu.pad_axis(x, 1, st.padded_length), 3, st.Vp)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _fused(q, k, v, omega, lam_raw, pos, run, S0, z0, st: Static):
+  """(o [B, T, H, dv], S, z) of raw q, k [B, T, H, d], v, omega and lam_raw [H, d], positions
+  [B, T], padded run ids [B, Tp] and the initial state in kernel layout (S0 [B, H, 6, dp, Vp], z0
+  [B, H, 6, dp]); S and z are the final state in the same layout."""
+  return _fused_fwd(q, k, v, omega, lam_raw, pos, run, S0, z0, st)[0]
+
+
+def _fused_fwd(q, k, v, omega, lam_raw, pos, run, S0, z0, st: Static):
+  phi_q, phi_k = _features(q, k, omega, lam_raw, pos, st)
+  o, den, S, z = _forward(phi_q.astype(q.dtype), phi_k.astype(k.dtype), _pad_tokens(v, st), run,
+                          S0, z0, st)
+  out = (o[:, :st.length, :, :v.shape[-1]], S, z)
+  return out, (q, k, v, omega, lam_raw, pos, run, S0, z0, o, den)
+
+
+def _fused_bwd(st: Static, residuals, cotangents):
+  """dN = do / (D + c eps) and dD = -(do · o) / (D + c eps) in XLA, the two kernels, then the
+  feature map's VJP."""
+  q, k, v, omega, lam_raw, pos, run, S0, z0, o, den = residuals
+  do, dS, dz = cotangents
+  (phi_q, phi_k), features_vjp = jax.vjp(lambda *a: _features(*a, pos, st), q, k, omega, lam_raw)
+  phi_q, phi_k = phi_q.astype(q.dtype), phi_k.astype(k.dtype)
+  inv_BxTxH = 1.0 / (den + st.c_eps)
+  do = _pad_tokens(do.astype(_F32), st)
+  dN = (do * inv_BxTxH[..., None]).astype(v.dtype)
+  dD = -jnp.sum(do * o.astype(_F32), axis=-1) * inv_BxTxH
+  vp = _pad_tokens(v, st)
+  dphi_q = _dq(phi_k, vp, run, dN, dD, S0, z0, st)
+  dphi_k, dv, dS0, dz0 = _dkv(phi_q, phi_k, vp, run, dN, dD, dS.astype(_F32), dz.astype(_F32), st)
+  dq, dk, d_omega, d_lam = features_vjp((dphi_q, dphi_k))
+  dv = dv[:, :st.length, :, :v.shape[-1]].astype(v.dtype)
+  return dq, dk, dv, d_omega, d_lam, None, None, dS0, dz0
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def _to_kernel_state(state, B, H, d, dp, V, Vp):
+  """SanatanState's S [B, H, 6d, V], z [B, H, 6d] (index 6a + c) -> padded channel-major
+  [B, H, 6, dp, Vp], [B, H, 6, dp] (fp32); zeros for no state."""
+  if state is None:
+    return jnp.zeros((B, H, CHANNELS, dp, Vp), _F32), jnp.zeros((B, H, CHANNELS, dp), _F32)
+  S = state.S.astype(_F32).reshape(B, H, d, CHANNELS, V).swapaxes(2, 3)
+  z = state.z.astype(_F32).reshape(B, H, d, CHANNELS).swapaxes(2, 3)
+  return pu.pad_axis(pu.pad_axis(S, 3, dp), 4, Vp), pu.pad_axis(z, 3, dp)
+
+
+def _from_kernel_state(S, z, d, V):
+  """The inverse of ``_to_kernel_state``: drops the padding and interleaves the channels."""
+  B, H = S.shape[:2]
+  S = S[:, :, :, :d, :V].swapaxes(2, 3).reshape(B, H, CHANNELS * d, V)
+  return S, z[:, :, :, :d].swapaxes(2, 3).reshape(B, H, CHANNELS * d)
+
+
+def _kernel_config(tiles: Tiles, T: int, Vp: int, documents: bool, interpret: bool,
+                   precision: str) -> KernelConfig:
+  """``tiles`` with the chunk capped at the next power of two >= T and the value tile at Vp (both
+  >= 16 when compiled)."""
+  smallest = 1 if interpret else pu.MIN_DOT
+  return KernelConfig(chunk=max(min(tiles.chunk, pl.next_power_of_2(T)), smallest),
+                      block_v=max(min(tiles.block_v, Vp), smallest), channels=tiles.channels,
+                      documents=documents, interpret=interpret, num_warps=tiles.num_warps,
+                      num_stages=tiles.num_stages, precision=precision)
+
+
+def _check(tiles: FusedTiles, q, v, state, op: str) -> None:
+  for name, kernel in tiles._asdict().items():
+    for field in ("chunk", "block_v"):
+      size = getattr(kernel, field)
+      if size < 1 or size & (size - 1):
+        raise ValueError(f"{op}: tiles.{name}.{field} must be a power of two, got {size}")
+    if CHANNELS % kernel.channels:
+      raise ValueError(f"{op}: tiles.{name}.channels must divide {CHANNELS} (1, 2, 3 or 6), got "
+                       f"{kernel.channels}")
+  B, _, H, d = q.shape
+  expected = (B, H, CHANNELS * d, v.shape[-1])
+  if state is not None and tuple(state.S.shape) != expected:
+    raise ValueError(f"{op}: state.S has shape {tuple(state.S.shape)}, expected [B, H, 6d, dv] = "
+                     f"{expected}")
+
+
+def sanatan_fused_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array,
+                         lam_raw: jax.Array, *, positions: jax.Array | None = None,
+                         segment_ids: jax.Array | None = None, state: SanatanState | None = None,
+                         rotate: bool = True, interpret: bool | None = None,
+                         tiles: FusedTiles | None = None,
+                         precision: str = "input") -> tuple[jax.Array, SanatanState]:
+  """SANATAN p = 1, 6 channels (MATH §1.2) by the fused-chunk Pallas kernels; the function of
+  ``sanatan_attention(..., p=1, channels=6)``.
+
+  Args:
+    q, k: raw [B, T, H, d] (already divided by sqrt(d)); v: [B, T, H, dv]; bf16 or fp32.
+    omega, lam_raw: [H, d] root anchors and raw rotation rates.
+    positions: int [B, T] document positions; default 0..T-1 offset by ``state.position``.
+    segment_ids: optional [B, T] packed-document ids (api.py's convention).
+    state: a SanatanState to continue from; None means zeros.
+    rotate: False drops the temporal rotation (the "no lambda" ablation).
+    interpret: run the kernels interpreted; None means "unless on a GPU".
+    tiles: the kernels' tilings; None means ``default_tiles`` of the operands' dtype. Chunks are
+      capped at the next power of two >= T, value tiles at the padded dv.
+    precision: "input" (dots take operands in the inputs' dtype), "tf32" or "float32" (the
+      kernels run on fp32 copies and return fp32; ``pu.PRECISIONS``).
+
+  Returns:
+    o [B, T, H, dv] in v's dtype (fp32 unless ``precision`` is "input") and the SanatanState
+    after the last token (fp32 S, z).
+  """
+  op = "sanatan_fused_pallas"
+  interpret = pu.resolve_interpret(interpret)
+  pu.check_backend(interpret, op, "sanatan_attention(implementation='chunked')")
+  pu.check_precision(precision, op)
+  tiles = default_tiles(pu.operands(precision, q)[0].dtype) if tiles is None else tiles
+  _check(tiles, q, v, state, op)
+  q, k, v = pu.operands(precision, q, k, v)
+  B, T, H, d = q.shape
+  V = v.shape[-1]
+  if positions is None:
+    positions = default_positions(B, T, None if state is None else state.position)
+  Vp = pu.block_size(V, interpret)
+  make = functools.partial(_kernel_config, T=T, Vp=Vp, documents=segment_ids is not None,
+                           interpret=interpret, precision=precision)
+  forward, dq, dkv = (make(t) for t in tiles)
+  largest = max(forward.chunk, dq.chunk, dkv.chunk)
+  st = Static(forward=forward, dq=dq, dkv=dkv, rotate=rotate, length=T,
+              padded_length=pu.round_up(T, largest), dp=pu.block_size(d, interpret), Vp=Vp,
+              c_eps=features.score_scale(CHANNELS, "clean", d) * EPS)
+  # Edge-padding keeps padded (zero-feature) tokens in the last run: they neither reset the state
+  # nor add to it.
+  run = pu.pad_axis(document_index(segment_ids, B, T), 1, st.padded_length, mode="edge")
+  S0, z0 = _to_kernel_state(state, B, H, d, st.dp, V, Vp)
+  o, S, z = _fused(q, k, v, omega, lam_raw, positions.astype(jnp.int32), run, S0, z0, st)
+  S, z = _from_kernel_state(S, z, d, V)
+  return o, SanatanState(S, z, positions[:, -1].astype(jnp.int32) + 1)

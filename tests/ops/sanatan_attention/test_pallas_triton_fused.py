@@ -1,0 +1,187 @@
+"""The SANATAN p = 1 fused-chunk Pallas kernels compute sanatan_attention's function (MATH §1.2):
+outputs, final state and gradients (q, k, v, omega, lam_raw, initial S and z) equal the recurrent
+form for partial chunks, padded head and value dims, several value tiles, every channel grouping,
+different chunks per kernel, packed documents (starts inside chunks and at a chunk start), an
+incoming state and the no-rotation ablation; bf16 inputs lose no more than XLA "chunked" in bf16;
+the default and every tuning tiling lower to Triton for an H200.
+
+The kernels run in interpret mode on CPU, with chunks of 8 or 16 tokens so that every case walks
+several chunks. Tolerance: relative L2 error 1e-5 at fp32 (the forms differ only in summation
+order; observed below 5e-7 here).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import harness, kernel_check
+from kernel_cases import (FAST_COMPILE, assert_close, normals, packed_documents, run_sanatan,
+                          sanatan_abstract_inputs, sanatan_inputs)
+from lmcore.numerics import relative_l2
+from lmcore.ops.common import pallas_utils
+from sanatan_jax import SanatanState, sanatan_attention
+from sanatan_jax.ops.sanatan_attention import pallas_triton_fused
+from sanatan_jax.ops.sanatan_attention.pallas_triton_fused import (TILES, FusedTiles, Tiles,
+                                                                   sanatan_fused_pallas)
+
+from .test_base import SanatanAttentionTestBase
+
+_recurrent = functools.partial(sanatan_attention, implementation="recurrent")
+
+
+def _tiles(forward, dq, dkv, warps=4, stages=2):
+  """FusedTiles from (chunk, block_v, channels per program) of each kernel."""
+  return FusedTiles(*(Tiles(*t, warps, stages) for t in (forward, dq, dkv)))
+
+
+# The shared checks' tiling (fp32 inputs): two value tiles of dv = 5 in the forward and dq kernels,
+# three channel groupings, and a longer chunk in dq (so time is padded to its multiple).
+_TEST_TILES = _tiles((8, 4, 2), (16, 4, 3), (8, 8, 1))
+
+
+class TestPallasTritonFused(SanatanAttentionTestBase):
+  """The shared checks through ``implementation="pallas_fused"`` (interpreted here), at
+  ``_TEST_TILES`` (the T = 33 cases walk five chunks; their document starts fall inside chunks)."""
+
+  implementation = "pallas_fused"
+
+  @pytest.fixture(autouse=True)
+  def _small_tiles(self, monkeypatch):
+    monkeypatch.setitem(TILES, "default", {4: _TEST_TILES})
+
+
+def _prefix_state(seed, **shape):
+  """A reachable state: the one a random 5-token prefix leaves (positions continue from 5)."""
+  return jax.jit(_recurrent, compiler_options=FAST_COMPILE)(*sanatan_inputs(seed, 5, **shape))[1]
+
+
+def _run(fn, inputs, state, **options):
+  """``run_sanatan`` with random projections drawn from seed 99."""
+  B, T, H, d = inputs[0].shape
+  F, dv = 6 * d, inputs[2].shape[-1]
+  projections = normals(np.random.default_rng(99), (B, T, H, dv), (B, H, F, dv), (B, H, F))
+  return run_sanatan(fn, inputs, state, projections, **options)
+
+
+@pytest.mark.parametrize("T,d,dv,with_state,documents,rotate,tiles", [
+    # Partial last chunk, one channel per program, dv = 5 padded to one value tile of 8.
+    (37, 8, 5, False, False, True, _tiles((8, 8, 1), (8, 8, 1), (8, 8, 1))),
+    # Head dim padded 6 -> 8; four documents (starts mid-chunk at 12 and 20, at a chunk start at 32)
+    # after the incoming state's; two value tiles; channel groups of 2, 3 and 6.
+    (37, 6, 5, True, True, True, _tiles((8, 4, 2), (16, 4, 3), (8, 8, 6))),
+    # Whole chunks, the no-rotation ablation, documents with chunks of 16 in the backward.
+    (64, 8, 8, True, True, False, _tiles((16, 8, 3), (16, 8, 1), (16, 4, 2))),
+])
+def test_fused_kernel_equals_recurrent_with_gradients(T, d, dv, with_state, documents, rotate,
+                                                      tiles):
+  inputs = sanatan_inputs(T + d, T, d=d, dv=dv)
+  state = _prefix_state(100 + T, d=d, dv=dv) if with_state else None
+  options = dict(rotate=rotate, **(packed_documents(2, T, (12, 20, 32)) if documents else {}))
+  got = _run(functools.partial(sanatan_fused_pallas, tiles=tiles), inputs, state, **options)
+  want = _run(_recurrent, inputs, state, **options)
+  assert_close(got, want, f"T={T} d={d} dv={dv} state={with_state} documents={documents} "
+                          f"rotate={rotate} tiles={tiles}")
+
+
+def test_bf16_inputs_are_no_less_accurate_than_the_xla_chunked_form_in_bf16():
+  """bf16 q, k, v (bf16 features and dots, fp32 states and sums): the largest relative error of
+  the output and the gradients against the fp32 recurrent form on the same inputs
+  (``kernel_check``'s comparison) is at most XLA "chunked"'s own in bf16 (observed 8.1e-3
+  against 1.2e-2, both in the lam_raw gradient, at these 45 tokens, where the bf16 rounding floor
+  alone is 1.9e-3)."""
+  inputs = sanatan_inputs(21, 45, d=16, dv=16)
+  bf16 = tuple(x.astype(jnp.bfloat16) for x in inputs[:3]) + inputs[3:]
+  upcast = tuple(x.astype(jnp.float32) for x in bf16)
+  first = lambda fn: lambda *a: fn(*a)[0]
+  o_ref, grads_ref = kernel_check.output_and_grads(first(_recurrent), upcast, "highest")
+
+  def worst(fn):
+    o, grads = kernel_check.output_and_grads(first(fn), bf16)
+    assert o.dtype == jnp.bfloat16
+    return max(relative_l2(np.asarray(a, np.float32), b)
+               for a, b in zip((o, *grads), (o_ref, *grads_ref)))
+
+  chunked = functools.partial(sanatan_attention, implementation="chunked", chunk_size=16)
+  tiles = _tiles((16, 16, 1), (16, 16, 1), (16, 16, 1))
+  assert worst(functools.partial(sanatan_fused_pallas, tiles=tiles)) <= worst(chunked)
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("documents,precision", [(True, "input"), (False, "tf32")])
+def test_kernels_lower_to_triton_for_an_h200(documents, precision):
+  """Forward, dq and dk/dv kernels pass the Pallas Triton lowering (power-of-two tiles, the 4-D
+  grid, traced chunk loops, document masks) for an abstract H200 with bf16 inputs, padded head and
+  value dims and a partial chunk, at the default tilings of bf16 and of fp32 operands."""
+  def loss(q, k, v, omega, lam_raw, segment_ids):
+    o, new = sanatan_fused_pallas(q, k, v, omega, lam_raw, interpret=False, precision=precision,
+                                  segment_ids=segment_ids if documents else None)
+    return o.astype(jnp.float32).sum() + new.S.sum() + new.z.sum()
+
+  lowered = pallas_utils.lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2, 3, 4)),
+                                       *sanatan_abstract_inputs(T=200))
+  assert lowered.as_text().count("xla.gpu.triton") == 3
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+def test_every_tuning_tiling_lowers_at_the_benchmark_shape():
+  """Each ``harness.FUSED_TUNING`` tiling (the first is the bf16 default) lowers forward and
+  backward for an H200 at T = 2048, 12 heads of 64, bf16."""
+  args = sanatan_abstract_inputs(B=1, T=2048, H=12, d=64, dv=64)[:5]
+  _, cases, flops = harness.fused_tuning_cases(1, 64, jnp.float32)
+  assert len(cases) == len(harness.FUSED_TUNING) == len(flops)
+  assert FusedTiles(*(Tiles(*t) for t in harness.FUSED_TUNING[0])) == TILES["default"][2]
+  assert next(iter(cases)) == ("pallas_fused (fwd 64x64 c1 4w 2s, dq 64x64 c1 4w 2s, "
+                               "dkv 64x64 c1 8w 2s)")
+  for entry in harness.FUSED_TUNING:
+    tiles = FusedTiles(*(Tiles(*t) for t in entry))
+
+    def loss(*a, tiles=tiles):
+      o, _ = sanatan_fused_pallas(*a, tiles=tiles, interpret=False)
+      return o.astype(jnp.float32).sum()
+
+    lowered = pallas_utils.lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *args)
+    assert lowered.as_text().count("xla.gpu.triton") == 3, entry
+
+
+def test_benchmark_and_agreement_check_include_the_kernel():
+  """``scripts/bench_kernels.py --ops=sanatan_p1`` times "pallas_fused" (credited its own chunk)
+  and ``scripts/check_kernels.py`` checks it (every case named "pallas*")."""
+  _, cases, flops = harness.sanatan_cases(1, 64, jnp.float32)
+  assert "pallas_fused" in cases and harness.REFERENCE["sanatan_p1"] in cases
+  assert flops["pallas_fused"] == harness.chunked_flops(
+      1, 64, harness.HEADS, 6 * harness.HEAD_DIM, harness.HEAD_DIM,
+      chunk=pallas_triton_fused.DEFAULT_CHUNK)
+
+
+def test_bad_options_raise_clear_errors():
+  q, k, v, omega, lam_raw = sanatan_inputs(3, 9)
+  with pytest.raises(NotImplementedError, match="implementation='chunked'"):
+    sanatan_fused_pallas(q, k, v, omega, lam_raw, interpret=False)
+  with pytest.raises(ValueError, match="tiles.dq.chunk must be a power of two"):
+    sanatan_fused_pallas(q, k, v, omega, lam_raw, tiles=_tiles((8, 8, 1), (12, 8, 1), (8, 8, 1)))
+  with pytest.raises(ValueError, match="tiles.dkv.channels must divide 6"):
+    sanatan_fused_pallas(q, k, v, omega, lam_raw, tiles=_tiles((8, 8, 1), (8, 8, 1), (8, 8, 4)))
+  wrong = SanatanState(jnp.zeros((2, 2, 48, 4)), jnp.zeros((2, 2, 48)), jnp.zeros((2,), jnp.int32))
+  with pytest.raises(ValueError, match=r"state.S has shape"):
+    sanatan_fused_pallas(q, k, v, omega, lam_raw, state=wrong)
+  with pytest.raises(ValueError, match="exists only for p=1 with 6 channels"):
+    sanatan_attention(q, k, v, omega, lam_raw, p=2, implementation="pallas_fused")
+  with pallas_utils.assume_backend("tpu"), pytest.raises(NotImplementedError, match="on a TPU"):
+    sanatan_attention(q, k, v, omega, lam_raw, implementation="pallas_fused")
+
+
+def test_the_mixer_counts_the_kernel_at_its_own_chunk():
+  """FLOPs per token of "pallas_fused": the chunked form at the kernel's chunk (64)."""
+  from flax import nnx
+
+  from sanatan_jax.mixer import SanatanMixer
+
+  def flops(**fields):
+    config = SanatanMixer.Config(n_heads=2, head_dim=8, **fields)
+    return SanatanMixer(config, d_model=16, rngs=nnx.Rngs(0)).flops_per_token(256)
+
+  chunk = pallas_triton_fused.DEFAULT_CHUNK
+  assert flops(implementation="pallas_fused") == flops(implementation="chunked", chunk_size=chunk)
