@@ -65,10 +65,10 @@ MODEL_184M = dict(vocab_size=126_349, d_model=768, n_layers=12, pattern="sanatan
 
 def _mixer(p: int, **fields):
   # p = 1 with 6 channels trains at "auto", which resolves to the XLA chunked constant-state form on
-  # every backend (resolve_implementation: 4.14 ms fwd+bwd against the Triton kernel's 6.58 on an H200);
-  # every other variant at the materialised "parallel" form, also what "auto" picks for it on a GPU
-  # (elsewhere "auto" is XLA "blocked"): the fastest where its T×T scores fit (3.3–6.8× XLA blocked at
-  # T ≤ 8192, the blocked kernel 1.2–2.6×; micro-batches of 8 sequences keep them in memory).
+  # every backend (resolve_implementation). Every other variant trains at the XLA "parallel" form, the
+  # same on every backend (micro-batches of 8 sequences keep its T×T scores in memory): the form whose
+  # whole step docs/BENCHMARKS.md measures; "auto" would pick the flash kernels on a GPU (2.6× faster
+  # as an op, its whole step not yet timed) and XLA "blocked" elsewhere.
   implementation = "auto" if p == 1 and fields.get("channels", 6) == 6 else "parallel"
   return dict(n_heads=12, head_dim=64, p=p, implementation=implementation, **fields)
 
@@ -207,8 +207,7 @@ def repro_experiment(kind: str, mixer: dict, train: dict, scale: ReproScale, cor
 
 
 def _repro_sanatan(p: int, scale: ReproScale, train: dict, corpus: str | None, name: str):
-  # p = 2 at "parallel": what "auto" picks on a GPU, named so that a CPU (whose "auto" is "blocked")
-  # trains the same form.
+  # p = 2 at "parallel" on every backend: the form docs/REPRODUCTION.md's runs trained with.
   implementation = "parallel" if p > 1 else scale.p1_implementation
   # At 35M parameters memory is no limit: the chunked form keeps its residuals (no recomputation).
   mixer = dict(n_heads=scale.n_heads, head_dim=scale.head_dim, p=p, implementation=implementation,

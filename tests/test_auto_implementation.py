@@ -51,8 +51,8 @@ def test_gated_auto_keeps_wide_heads_on_xla_on_gpu(on, key_dim, value_dim, expec
 
 @pytest.mark.parametrize("platform,p,channels,expected", [
     ("gpu", 1, 6, "chunked"), ("cpu", 1, 6, "chunked"), ("tpu", 1, 6, "chunked"),
-    ("gpu", 2, 6, "parallel"), ("cpu", 2, 6, "blocked"), ("tpu", 2, 6, "blocked"),
-    ("gpu", 1, 4, "parallel"), ("cpu", 1, 4, "blocked"),
+    ("gpu", 2, 6, "pallas_flash"), ("cpu", 2, 6, "blocked"), ("tpu", 2, 6, "blocked"),
+    ("gpu", 1, 4, "pallas_flash"), ("cpu", 1, 4, "blocked"),
 ])
 def test_sanatan_resolver(on, platform, p, channels, expected):
   on(platform)
