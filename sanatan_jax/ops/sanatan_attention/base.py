@@ -16,6 +16,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from lmcore.ops.common import pallas_utils
 from lmcore.ops.common.layout import default_positions
 from lmcore.ops.common.segments import document_index
 from sanatan_jax import features
@@ -238,3 +239,21 @@ def block_feature_fn(pos, start, shape, cfg):
     return tuple(phi[c] for c in NON_CONSTANT_CHANNELS[cfg.channels])
 
   return fn
+
+
+def channel_major_state(state: SanatanState | None, B: int, H: int, d: int, dp: int, V: int, Vp: int):
+  """SanatanState's S [B, H, 6d, V], z [B, H, 6d] (feature index 6a + c) -> the Triton kernels' padded
+  channel-major S [B, H, 6, dp, Vp], z [B, H, 6, dp] in fp32; zeros for no state."""
+  channels = 6
+  if state is None:
+    return (jnp.zeros((B, H, channels, dp, Vp), jnp.float32), jnp.zeros((B, H, channels, dp), jnp.float32))
+  S = state.S.astype(jnp.float32).reshape(B, H, d, channels, V).swapaxes(2, 3)
+  z = state.z.astype(jnp.float32).reshape(B, H, d, channels).swapaxes(2, 3)
+  return (pallas_utils.pad_axis(pallas_utils.pad_axis(S, 3, dp), 4, Vp), pallas_utils.pad_axis(z, 3, dp))
+
+
+def interleaved_state(S: jax.Array, z: jax.Array, d: int, V: int) -> tuple[jax.Array, jax.Array]:
+  """The inverse of ``channel_major_state``: drops the padding and interleaves the channels."""
+  B, H, channels = S.shape[:3]
+  S = S[:, :, :, :d, :V].swapaxes(2, 3).reshape(B, H, channels * d, V)
+  return S, z[:, :, :, :d].swapaxes(2, 3).reshape(B, H, channels * d)

@@ -69,7 +69,8 @@ from lmcore.ops.common import pallas_utils as pu
 from lmcore.ops.common.layout import default_positions
 from lmcore.ops.common.segments import document_index
 from sanatan_jax import features
-from sanatan_jax.ops.sanatan_attention.base import EPS, SanatanState, sanatan_features
+from sanatan_jax.ops.sanatan_attention.base import (EPS, SanatanState, channel_major_state, sanatan_features,
+                                                     interleaved_state)
 
 CHANNELS = 6
 _F32 = jnp.float32
@@ -503,23 +504,6 @@ def _fused_bwd(st: Static, residuals, cotangents):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _to_kernel_state(state, B, H, d, dp, V, Vp):
-  """SanatanState's S [B, H, 6d, V], z [B, H, 6d] (index 6a + c) -> padded channel-major
-  [B, H, 6, dp, Vp], [B, H, 6, dp] (fp32); zeros for no state."""
-  if state is None:
-    return jnp.zeros((B, H, CHANNELS, dp, Vp), _F32), jnp.zeros((B, H, CHANNELS, dp), _F32)
-  S = state.S.astype(_F32).reshape(B, H, d, CHANNELS, V).swapaxes(2, 3)
-  z = state.z.astype(_F32).reshape(B, H, d, CHANNELS).swapaxes(2, 3)
-  return pu.pad_axis(pu.pad_axis(S, 3, dp), 4, Vp), pu.pad_axis(z, 3, dp)
-
-
-def _from_kernel_state(S, z, d, V):
-  """The inverse of ``_to_kernel_state``: drops the padding and interleaves the channels."""
-  B, H = S.shape[:2]
-  S = S[:, :, :, :d, :V].swapaxes(2, 3).reshape(B, H, CHANNELS * d, V)
-  return S, z[:, :, :, :d].swapaxes(2, 3).reshape(B, H, CHANNELS * d)
-
-
 def _kernel_config(tiles: Tiles, T: int, Vp: int, documents: bool, interpret: bool,
                    precision: str) -> KernelConfig:
   """``tiles`` with the chunk capped at the next power of two >= T and the value tile at Vp (both
@@ -595,7 +579,7 @@ def sanatan_fused_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
   # Edge-padding keeps padded (zero-feature) tokens in the last run: they neither reset the state
   # nor add to it.
   run = pu.pad_axis(document_index(segment_ids, B, T), 1, st.padded_length, mode="edge")
-  S0, z0 = _to_kernel_state(state, B, H, d, st.dp, V, Vp)
+  S0, z0 = channel_major_state(state, B, H, d, st.dp, V, Vp)
   o, S, z = _fused(q, k, v, omega, lam_raw, positions.astype(jnp.int32), run, S0, z0, st)
-  S, z = _from_kernel_state(S, z, d, V)
+  S, z = interleaved_state(S, z, d, V)
   return o, SanatanState(S, z, positions[:, -1].astype(jnp.int32) + 1)

@@ -65,7 +65,8 @@ from lmcore.ops.common import pallas_utils as pu
 from lmcore.ops.common.layout import default_positions
 from lmcore.ops.common.segments import document_index
 from sanatan_jax import features
-from sanatan_jax.ops.sanatan_attention.base import EPS, SanatanState, feature_channels
+from sanatan_jax.ops.sanatan_attention.base import (EPS, SanatanState, channel_major_state, feature_channels,
+                                                     interleaved_state)
 
 CHANNELS = 6
 # Fastest on the H200 at T = 8192 (fwd+bwd 8.07 ms with the chunk scan's first tiles, C = 16 8.58,
@@ -428,23 +429,6 @@ def _attend_bwd(cfg, residuals, cotangents):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def _to_kernel_state(state, B, H, d, dp, V, Vp):
-  """SanatanState's S [B, H, 6d, V], z [B, H, 6d] (index 6a + c) -> padded channel-major
-  [B, H, 6, dp, Vp], [B, H, 6, dp]; zeros for no state."""
-  if state is None:
-    return jnp.zeros((B, H, CHANNELS, dp, Vp), _F32), jnp.zeros((B, H, CHANNELS, dp), _F32)
-  S = state.S.astype(_F32).reshape(B, H, d, CHANNELS, V).swapaxes(2, 3)
-  z = state.z.astype(_F32).reshape(B, H, d, CHANNELS).swapaxes(2, 3)
-  return pu.pad_axis(pu.pad_axis(S, 3, dp), 4, Vp), pu.pad_axis(z, 3, dp)
-
-
-def _from_kernel_state(S, z, d, V):
-  """The inverse of ``_to_kernel_state``: drops the padding and interleaves the channels."""
-  B, H = S.shape[:2]
-  S = S[:, :, :, :d, :V].swapaxes(2, 3).reshape(B, H, CHANNELS * d, V)
-  return S, z[:, :, :, :d].swapaxes(2, 3).reshape(B, H, CHANNELS * d)
-
-
 def _check(q, v, state):
   B, T, H, d = q.shape
   expected = (B, H, CHANNELS * d, v.shape[-1])
@@ -506,9 +490,9 @@ def sanatan_p1_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
   pos = positions.astype(jnp.int32) if rotate else jnp.zeros((B, T), jnp.int32)
   run = document_index(segment_ids, B, T)
   param = lambda p: pu.pad_axis(p.astype(_F32), 1, dp).reshape(H, 1, dp)
-  S0, z0 = _to_kernel_state(state, B, H, d, dp, V, Vp)
+  S0, z0 = channel_major_state(state, B, H, d, dp, V, Vp)
   o, S, z = _attend(pad_qk(q), pad_qk(k), pu.pad_axis(pu.pad_axis(v, 1, Tp), 3, Vp),
                     pu.pad_axis(pos, 1, Tp), pu.pad_axis(run, 1, Tp, mode="edge"),
                     param(omega), param(lam_raw), S0, z0, cfg)
-  S, z = _from_kernel_state(S, z, d, V)
+  S, z = interleaved_state(S, z, d, V)
   return o[:, :T, :, :V], SanatanState(S, z, positions[:, -1].astype(jnp.int32) + 1)
