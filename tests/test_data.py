@@ -257,6 +257,21 @@ def test_prepare_data_shuffle_seed_spreads_files_over_shards_in_a_fixed_order(tm
   assert [d for shard in first for d in shard] != sorted_order
 
 
+def test_prepare_data_uncompressed_shards_hold_the_same_records(tmp_path):
+  from lmcore.data.convert import convert_to_array_record
+  for i, doc in enumerate(DOCS):
+    (tmp_path / f"in{i}.txt").write_text(doc * 50)
+  def read(out, options):
+    convert_to_array_record(f"{tmp_path}/in*.txt", str(tmp_path / out), kind="text", writer_options=options,
+                            show_progress=False)
+    source = sources.make_source(SourceConfig(name="s", kind="array_record", path=f"{tmp_path}/{out}/*"), "train")
+    return documents_of(source, len(DOCS)), source.document_keys()
+  zstd_docs, zstd_keys = read("zstd", "group_size:1")
+  raw_docs, raw_keys = read("raw", "group_size:1,uncompressed")
+  assert raw_docs == zstd_docs == [d * 50 for d in DOCS]
+  assert (raw_keys == zstd_keys).all(), "the held-out split does not depend on the writer options"
+
+
 # ------------------------------------------------------------------------------- mixture and order
 
 
