@@ -157,7 +157,7 @@ class SanatanMixer(nnx.Module):
     cfg = self.config
     F, V = cfg.channels * cfg.head_dim, cfg.dv + 1
     name = flops.on_gpu(resolve_implementation, cfg.implementation, p=cfg.p,
-                        channels=cfg.channels)
+                        channels=cfg.channels, head_dim=cfg.head_dim, value_dim=cfg.dv)
     constant = has_constant_state(cfg.p, cfg.channels)
     kernels = name in ("pallas", "pallas_flash")
     if name in ("parallel", "blocked") or (kernels and not constant):

@@ -61,6 +61,14 @@ def test_sanatan_resolver(on, platform, p, channels, expected):
   assert sanatan.resolve_implementation("parallel", p=p, channels=channels) == "parallel"
 
 
+@pytest.mark.parametrize("head_dim,value_dim,expected", [(64, 64, "pallas_flash"), (32, 48, "pallas_flash"),
+                                                         (128, 64, "parallel"), (64, 128, "parallel")])
+def test_sanatan_auto_keeps_heads_wider_than_the_flash_tiles_on_xla_on_gpu(on, head_dim, value_dim, expected):
+  """The flash kernels' tiles were compiled and timed at heads of 64; wider heads take XLA parallel."""
+  on("gpu")
+  assert sanatan.resolve_implementation("auto", p=2, head_dim=head_dim, value_dim=value_dim) == expected
+
+
 @pytest.mark.parametrize("platform,length,decay,segments,expected", [
     ("gpu", 2048, False, False, "pallas_blocked"), ("gpu", 2048, False, True, "pallas_blocked"),
     ("gpu", 8192, False, False, "pallas"), ("gpu", 8192, False, True, "pallas"),

@@ -118,9 +118,16 @@ IMPLEMENTATIONS: dict[str, Backend] = {
 }
 
 
+# The widest heads "auto" gives the flash kernels: their default tiles were compiled and timed on the
+# H200 at 64; wider heads multiply their shared memory (176 KiB at 64) past the chip's 227 KiB.
+FLASH_MAX_HEAD_DIM = 64
+FLASH_MAX_VALUE_DIM = 64
+
+
 def resolve_implementation(implementation: str | None, **problem) -> str:
-  """The form "auto" (or None) runs for ``p=`` and ``channels=`` (default 1 and 6; other problem
-  facts are ignored); a name of ``IMPLEMENTATIONS`` passes through, any other raises ValueError.
+  """The form "auto" (or None) runs for ``p=``, ``channels=``, ``head_dim=`` and ``value_dim=``
+  (default 1, 6 and unknown widths, which count as small; other problem facts are ignored); a name of
+  ``IMPLEMENTATIONS`` passes through, any other raises ValueError.
 
   Measured on one H200 (fwd+bwd, B 8 × T 2048, 12 heads of 64, bf16; docs/BENCHMARKS.md): p = 2,
   the flash kernels ("pallas_flash") 3.69 ms against XLA "parallel" 9.76 and the blocked kernel's
@@ -129,14 +136,18 @@ def resolve_implementation(implementation: str | None, **problem) -> str:
   on every backend, and for every other power and channel variant "pallas_flash" on GPUs and the
   memory-bounded XLA "blocked" elsewhere (the Mosaic kernels have not been timed on a TPU). The
   fused-chunk p = 1 kernel ("pallas_fused", 2.86 ms) is faster than "chunked" but has been checked
-  against the references only in interpret mode, so it is chosen by name.
+  against the references only in interpret mode, so it is chosen by name. Heads wider than
+  ``FLASH_MAX_HEAD_DIM`` / ``FLASH_MAX_VALUE_DIM`` take XLA "parallel" on GPUs.
   """
   p, channels = problem.get("p", 1), problem.get("channels", 6)
+  narrow = (problem.get("head_dim", 0) <= FLASH_MAX_HEAD_DIM and problem.get("value_dim", 0) <= FLASH_MAX_VALUE_DIM)
 
   def auto() -> str:
     if has_constant_state(p, channels):
       return "chunked"
-    return "pallas_flash" if pallas_utils.backend() == "gpu" else "blocked"
+    if pallas_utils.backend() == "gpu":
+      return "pallas_flash" if narrow else "parallel"
+    return "blocked"
 
   return implementations.resolve("sanatan_attention", implementation, IMPLEMENTATIONS, auto)
 
@@ -177,7 +188,8 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
     (every implementation), else None.
   """
   B, _, H, d = q.shape
-  implementation = resolve_implementation(implementation, p=p, channels=channels)
+  implementation = resolve_implementation(implementation, p=p, channels=channels, head_dim=d,
+                                          value_dim=v.shape[-1])
   # The state check goes first: for a p >= 2 decode call it is the error that explains.
   check_state(state, p, channels, (B, H, channels * d, v.shape[-1]))
   validate_options(p=p, channels=channels, three_channel=three_channel,
