@@ -6,6 +6,8 @@ length, keeping the preset's micro-batch (its memory plan: ``batch_size / grad_a
 preset: compile seconds (lowering + XLA compilation), ms per step and tokens/s over the timed steps
 (after warm-up steps), MFU from the model card's training FLOPs per token and, as in the papers' "6N"
 convention, from 6 × parameters, XLA's memory plan of the compiled step and the device's peak memory.
+With a profile directory, a few more steps are traced with ``jax.profiler`` and their device time is
+broken down by category, scope and kernel (``benchmarks/profile_summary.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from benchmarks import profile_summary
 from benchmarks.rows import fmt
 
 GIB = 2 ** 30
@@ -78,6 +81,7 @@ class TrainRow:
   loss: float | None = None
   vs_softmax: float | None = None
   note: str = ""
+  profile: str = ""  # the device-time breakdown (markdown) of the traced steps
 
 
 def preset_config(name: str) -> ml_collections.ConfigDict:
@@ -122,6 +126,12 @@ def _has_path(cd: ml_collections.ConfigDict, key: str) -> bool:
       return False
     node = node[part]
   return True
+
+
+def preset_overrides(spec: str) -> tuple[str, list[tuple[str, Any]]]:
+  """"NAME@KEY=VALUE@KEY=VALUE" -> (NAME, its own overrides), applied after --override and --sweep."""
+  name, *own = spec.split("@")
+  return name, [parse_override(o) for o in own]
 
 
 def apply_overrides(cd: ml_collections.ConfigDict, overrides: list[tuple[str, Any]]) -> list[str]:
@@ -185,9 +195,12 @@ def _memory_plan_bytes(compiled) -> int | None:
     return None
 
 
-def measure(name: str, config, *, steps: int, warmup: int, variant: str = "") -> TrainRow:
+def measure(name: str, config, *, steps: int, warmup: int, variant: str = "", profile: str = "",
+            profile_steps: int = 2) -> TrainRow:
   """Compiles and times ``config``'s train step on synthetic tokens (see the module docstring), with the
-  mesh, shardings and initialisation of a training run (``lmcore.train.state``)."""
+  mesh, shardings and initialisation of a training run (``lmcore.train.state``); then, with a
+  ``profile`` directory, traces ``profile_steps`` more steps and writes their breakdown there
+  (``write_profile``)."""
   from lmcore import model_card
   from lmcore.train import perf, sharding
   from lmcore.train import state as state_lib
@@ -227,14 +240,42 @@ def measure(name: str, config, *, steps: int, warmup: int, variant: str = "") ->
     row.flops_per_token = model_card.card(config.model, config.data.seq_len)["flops_per_token_train"]
     row.mfu = perf.mfu(row.tokens_per_s, row.flops_per_token)
     row.mfu_6n = perf.mfu(row.tokens_per_s, 6 * n_params)
+  if profile:
+    trace_dir = os.path.join(profile, "trace", profile_summary.file_stem(name, variant))
+    try:  # a failed trace keeps the timing
+      with jax.set_mesh(mesh), jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for step in range(warmup + steps, warmup + steps + profile_steps):
+          params, opt_state, _ = compiled(params, opt_state, rest, batch, step)
+        jax.block_until_ready(params)
+      row.profile = write_profile(name, variant, trace_dir, profile, steps=profile_steps,
+                                  hlo_text=compiled.as_text(), step_ms=row.step_ms)
+    except Exception as e:
+      row.note = f"profile: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
   return row
 
 
+def write_profile(name: str, variant: str, trace_dir: str, out_dir: str, *, steps: int, hlo_text: str,
+                  step_ms: float | None) -> str:
+  """Summarises the trace in ``trace_dir`` (``profile_summary``), prints it and writes
+  ``<out_dir>/<preset>[_<variant>]_breakdown.{md,json}``; returns the markdown's path."""
+  breakdown = profile_summary.summarize(profile_summary.load_trace(trace_dir), steps=steps, hlo_text=hlo_text,
+                                        step_ms=step_ms)
+  title = f"{name} {variant}".strip()
+  md, _ = profile_summary.write(breakdown, out_dir, profile_summary.file_stem(name, variant), title)
+  print(profile_summary.to_markdown(breakdown, title), flush=True)
+  print(f"wrote {md}", flush=True)
+  return md
+
+
 def run(presets: list[str], *, batch: int, seq_len: int, steps: int, warmup: int = 2,
-        overrides: list[str] = (), sweep: str = "", jsonl: str = "") -> list[TrainRow]:
+        overrides: list[str] = (), sweep: str = "", jsonl: str = "", profile: str = "",
+        profile_steps: int = 2) -> list[TrainRow]:
   """Every preset (× every ``sweep`` value, "KEY=V1,V2"), one after another in this process; a preset
   that fails (out of memory, say) becomes a row with a note. Rows are appended to ``jsonl`` as they
-  are measured."""
+  are measured. With ``profile`` (a directory), each preset's timed steps are followed by
+  ``profile_steps`` traced ones, summarised into that directory (``measure``)."""
+  if profile and profile_steps < 1:
+    raise BenchError(f"--profile_steps={profile_steps}: trace at least 1 step, e.g. --profile_steps=2.")
   parsed = [parse_override(o) for o in overrides]
   variants = [("", [])]
   if sweep:
@@ -243,14 +284,19 @@ def run(presets: list[str], *, batch: int, seq_len: int, steps: int, warmup: int
       raise BenchError(f"--sweep {sweep!r}: give KEY=V1,V2, e.g. train.loss_impl=fused,materialized.")
     variants = [(f"{key}={v}", [parse_override(f"{key}={v}")]) for v in values.split(",")]
   configs, unused = [], {key for key, _ in parsed + variants[-1][1]}
-  for name in presets:
+  for spec in presets:
+    name, own = preset_overrides(spec)
     for variant, extra in variants:
-      config, missing = bench_config(name, batch=batch, seq_len=seq_len, overrides=parsed + extra)
+      config, missing = bench_config(name, batch=batch, seq_len=seq_len, overrides=parsed + extra + own)
+      if missing_own := [key for key, _ in own if key in missing]:
+        raise BenchError(f"--presets {spec!r}: preset {name} has no {', '.join(missing_own)}; check the "
+                         f"spelling (keys as in --config.<key> of train.py).")
       unused -= {key for key, _ in parsed + extra} - set(missing)
+      label = "@".join(part for part in (variant, *spec.split("@")[1:]) if part)
       if extra and extra[0][0] in missing:  # the preset lacks the swept key: measure it once
-        configs.append((name, "", config))
+        configs.append((name, "@".join(spec.split("@")[1:]), config))
         break
-      configs.append((name, variant, config))
+      configs.append((name, label, config))
   if unused:
     raise BenchError(f"--override/--sweep: no selected preset has {', '.join(sorted(unused))}; check the spelling "
                      f"(keys as in --config.<key> of train.py).")
@@ -259,7 +305,8 @@ def run(presets: list[str], *, batch: int, seq_len: int, steps: int, warmup: int
     print(f"{name} {variant}: batch {config.train.batch_size} × {config.data.seq_len}, "
           f"grad_accum {config.train.grad_accum}", flush=True)
     try:
-      row = measure(name, config, steps=steps, warmup=warmup, variant=variant)
+      row = measure(name, config, steps=steps, warmup=warmup, variant=variant, profile=profile,
+                    profile_steps=profile_steps)
     except Exception as e:  # OOM or a missing kernel: report it and go on with the next preset.
       row = TrainRow(name, variant, "+".join(sorted(set(config.model.layer_kinds()))),
                      config.train.batch_size, config.data.seq_len, config.train.grad_accum, 0,

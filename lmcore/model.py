@@ -60,11 +60,14 @@ class Block(nnx.Module):
                 if config.mlp == "swiglu" else None)
 
   def __call__(self, h_BxTxD, state, positions_BxT, segment_ids_BxT):
-    y_BxTxD, new_state = self.mixer(self.mixer_norm(h_BxTxD).astype(self.dtype), state=state,
-                                    positions_BxT=positions_BxT, segment_ids_BxT=segment_ids_BxT)
+    # The named scopes label the two halves' ops in the HLO metadata and so in profiles.
+    with jax.named_scope("mixer"):
+      y_BxTxD, new_state = self.mixer(self.mixer_norm(h_BxTxD).astype(self.dtype), state=state,
+                                      positions_BxT=positions_BxT, segment_ids_BxT=segment_ids_BxT)
     h_BxTxD = h_BxTxD + y_BxTxD.astype(jnp.float32)
     if self.mlp_kind == "swiglu":
-      h_BxTxD = h_BxTxD + self.mlp(self.mlp_norm(h_BxTxD).astype(self.dtype)).astype(jnp.float32)
+      with jax.named_scope("mlp"):
+        h_BxTxD = h_BxTxD + self.mlp(self.mlp_norm(h_BxTxD).astype(self.dtype)).astype(jnp.float32)
     elif self.mlp_kind == "zoology_identity":
       # zoology with an Identity state mixer returns LN2(residual), which the next step adds to the
       # residual again (based_zoology.md §7.3): reproduced for faithful MQAR numbers.

@@ -7,7 +7,7 @@ dated block to docs/BENCHMARKS.md, the rows to ``<out>/train_step.jsonl`` and pl
 
     python scripts/bench_train.py [--presets=softmax_184m,sanatan_p1_184m,...] [--batch=32] \
         [--seq_len=2048] [--steps=10] [--override=train.loss_impl=materialized] \
-        [--sweep=train.loss_impl=fused,materialized] [--out=runs/bench_train]
+        [--sweep=train.loss_impl=fused,materialized] [--out=runs/bench_train] [--profile=DIR]
 
 Presets: the names in ``benchmarks.train_step.PRESETS`` or any ``<config file>:<preset>`` of configs/
 (e.g. ``sanatan:tiny``). Each keeps its own micro-batch (grad_accum = batch / micro-batch).
@@ -21,8 +21,11 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import train_step  # noqa: E402
+from lmcore import xla_flags  # noqa: E402
 
-_PRESETS = flags.DEFINE_list("presets", list(train_step.PRESETS), "Presets to time, in this order.")
+_PRESETS = flags.DEFINE_list("presets", list(train_step.PRESETS), "Presets to time, in this order; "
+                              "NAME@KEY=VALUE@... gives one preset its own overrides, e.g. "
+                              "sanatan_p2_184m@train.grad_accum=1.")
 _BATCH = flags.DEFINE_integer("batch", 32, "Global sequences per step.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence.")
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps (after the warm-up steps).")
@@ -33,6 +36,11 @@ _OVERRIDE = flags.DEFINE_multi_string("override", [], "KEY=VALUE set in every pr
 _SWEEP = flags.DEFINE_string("sweep", "", "KEY=V1,V2: every preset once per value, e.g. "
                              "train.loss_impl=fused,materialized.")
 _OUT = flags.DEFINE_string("out", "runs/bench_train", "Directory of train_step.jsonl and train_step.png.")
+_PROFILE = flags.DEFINE_string("profile", "", "Directory: after each preset's timed steps, trace "
+                               "--profile_steps more with jax.profiler and write <DIR>/<preset>_breakdown.md "
+                               "and .json (device time by category, scope and kernel; traces in "
+                               "<DIR>/trace).")
+_PROFILE_STEPS = flags.DEFINE_integer("profile_steps", 2, "Steps traced per preset with --profile.")
 _MARKDOWN = flags.DEFINE_string("markdown", "docs/BENCHMARKS.md", "File the dated table is appended to "
                                 "('' = none).")
 
@@ -43,11 +51,13 @@ def main(argv):
   try:
     rows = train_step.run(_PRESETS.value, batch=_BATCH.value, seq_len=_SEQ_LEN.value, steps=_STEPS.value,
                           warmup=_WARMUP.value, overrides=_OVERRIDE.value, sweep=_SWEEP.value,
-                          jsonl=os.path.join(out, "train_step.jsonl"))
+                          jsonl=os.path.join(out, "train_step.jsonl"), profile=_PROFILE.value,
+                          profile_steps=_PROFILE_STEPS.value)
   except train_step.BenchError as e:
     sys.exit(f"error: {e}")
   train_step.report(rows, out=out, markdown=_MARKDOWN.value, command="python " + " ".join(sys.argv))
 
 
 if __name__ == "__main__":
+  xla_flags.apply_defaults()  # before JAX starts
   app.run(main)

@@ -36,7 +36,7 @@ def test_two_tiny_presets_are_timed_and_reported(tmp_path):
 def test_a_failing_preset_becomes_a_row_and_a_sweep_runs_each_value(monkeypatch):
   seen = []
 
-  def fake_measure(name, config, *, steps, warmup, variant=""):
+  def fake_measure(name, config, *, steps, warmup, variant="", profile="", profile_steps=2):
     seen.append((name, variant, config.train.loss_impl))
     if config.train.loss_impl == "materialized":
       raise MemoryError("RESOURCE_EXHAUSTED: out of memory")
@@ -60,6 +60,36 @@ def test_a_failing_preset_becomes_a_row_and_a_sweep_runs_each_value(monkeypatch)
       ("baselines:softmax_tiny", ""), ("sanatan:tiny", "model.mixers.sanatan.p=1"),
       ("sanatan:tiny", "model.mixers.sanatan.p=2")]
   assert [row.vs_softmax for row in rows] == [1.0, 0.5, 0.5]
+  # NAME@KEY=VALUE: one preset's own overrides, after the sweep's; its rows name them.
+  seen.clear()
+  rows = train_step.run(["baselines:softmax_tiny", "sanatan:tiny@model.mixers.sanatan.p=2@train.loss_impl=fused"],
+                        batch=2, seq_len=16, steps=1, sweep="model.mixers.sanatan.p=1")
+  assert seen == [("baselines:softmax_tiny", "", "auto"),
+                  ("sanatan:tiny", "model.mixers.sanatan.p=1@model.mixers.sanatan.p=2@train.loss_impl=fused", "fused")]
+  assert [row.vs_softmax for row in rows] == [1.0, 0.5]
+
+
+def test_profile_breaks_down_the_traced_steps_of_a_tiny_preset(tmp_path, capsys):
+  row, = train_step.run(["sanatan:tiny"], batch=2, seq_len=16, steps=1, warmup=1, overrides=TINY,
+                        profile=str(tmp_path), profile_steps=2)
+  assert row.tokens_per_s > 0 and not row.note, row.note
+  assert row.profile == str(tmp_path / "sanatan_tiny_breakdown.md")
+  assert list((tmp_path / "trace" / "sanatan_tiny" / "plugins" / "profile").glob("*/perfetto_trace.json.gz"))
+  data = json.loads((tmp_path / "sanatan_tiny_breakdown.json").read_text())
+  assert data["steps"] == 2 and "CPU backend" in data["source"]
+  assert 0 < data["busy_ms"] <= data["op_ms"] * (1 + 1e-9)  # the union of the ops' intervals
+  categories = {c["category"]: c["ms"] for c in data["categories"]}
+  assert {"matmul", "loss", "optimizer", "elementwise/reduction"} <= set(categories), categories
+  assert sum(categories.values()) == pytest.approx(data["op_ms"])
+  scopes = {s["scope"]: s for s in data["scopes"]}
+  assert {"mixer", "mlp", "loss", "optimizer"} <= set(scopes), scopes
+  assert scopes["mixer"]["forward_ms"] > 0 and scopes["mixer"]["backward_ms"] > 0
+  assert scopes["optimizer"]["ms"] == pytest.approx(scopes["optimizer"]["outside_ms"])
+  assert 0 < len(data["top"]) <= 15
+  out = capsys.readouterr().out
+  assert "### Device time per train step: sanatan:tiny" in out and "| category | ms/step |" in out
+  with pytest.raises(train_step.BenchError, match="--profile_steps=0"):
+    train_step.run(["sanatan:tiny"], batch=2, seq_len=16, steps=1, profile=str(tmp_path), profile_steps=0)
 
 
 def test_each_preset_keeps_its_micro_batch_at_the_common_batch():
@@ -79,6 +109,8 @@ def test_bad_flags_say_what_to_fix():
     train_step.run(["sanatan:huge"], batch=2, seq_len=16, steps=1)
   with pytest.raises(train_step.BenchError, match="no selected preset has train.los_impl"):
     train_step.run(["baselines:softmax_tiny"], batch=2, seq_len=16, steps=1, overrides=["train.los_impl=fused"])
+  with pytest.raises(train_step.BenchError, match="preset sanatan:tiny has no model.mixers.sanatan.q"):
+    train_step.run(["sanatan:tiny@model.mixers.sanatan.q=2"], batch=2, seq_len=16, steps=1)
   with pytest.raises(train_step.BenchError, match="give KEY=VALUE"):
     train_step.run(["baselines:softmax_tiny"], batch=2, seq_len=16, steps=1, overrides=["train.steps"])
   with pytest.raises(train_step.BenchError, match="train.loss_impl='fast'; valid"):

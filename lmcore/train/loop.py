@@ -105,8 +105,9 @@ def make_train_step(graphdef, tx, config: ExperimentConfig, shardings: sharding.
       zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
       (loss, grads), _ = jax.lax.scan(body, zeros, micro)
       loss, grads = jax.tree.map(lambda x: x / accum, (loss, grads))
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    with jax.named_scope("optimizer"):  # labels the update's ops in profiles
+      updates, opt_state = tx.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
     return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads),
                                "learning_rate": schedule(step)}
 

@@ -57,12 +57,13 @@ def nll_sum(graphdef, params, rest, inputs_BxT, targets_BxT, positions_BxT=None,
             loss_impl: str = "auto", block_tokens: int = 0):
   """Σ over tokens of −log p(target), fp32, by ``loss_impl`` (see the module docstring)."""
   model = nnx.merge(graphdef, params, rest)
-  if resolve_loss_impl(loss_impl) == "materialized":
-    logits_BxTxV, _ = model(inputs_BxT, positions_BxT=positions_BxT, segment_ids_BxT=segment_ids_BxT)
-    return token_nll(logits_BxTxV, targets_BxT).sum()
   h_BxTxD, _ = model.hidden_states(inputs_BxT, positions_BxT=positions_BxT, segment_ids_BxT=segment_ids_BxT)
-  return fused_cross_entropy(h_BxTxD, model.unembed_kernel(), targets_BxT,
-                             compute_dtype=model.config.dtype, block_tokens=block_tokens)
+  # The head and the loss under one named scope: their ops carry it in HLO and in profiles.
+  with jax.named_scope("cross_entropy"):
+    if resolve_loss_impl(loss_impl) == "materialized":
+      return token_nll(model.logits(h_BxTxD), targets_BxT).sum()
+    return fused_cross_entropy(h_BxTxD, model.unembed_kernel(), targets_BxT,
+                               compute_dtype=model.config.dtype, block_tokens=block_tokens)
 
 
 def loss_fn(graphdef, params, rest, batch, use_segments: bool, loss_impl: str = "auto", block_tokens: int = 0):
