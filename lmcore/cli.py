@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 
 from absl import app, flags, logging
 
+from lmcore import xla_flags
 from lmcore.config import unknown_key_error
 from lmcore.errors import ConfigError, UserError
 
@@ -73,7 +74,9 @@ def guarded(main: Callable[[list[str]], Any]) -> Callable[[list[str]], Any]:
 
 
 def run(main: Callable[[list[str]], Any]) -> None:
-  """``absl.app.run(main)`` with one-line answers to user errors (see the module docstring)."""
+  """``absl.app.run(main)`` with one-line answers to user errors (see the module docstring), after
+  the project's default XLA flags (``xla_flags.apply_defaults``)."""
+  xla_flags.apply_defaults()
   with user_errors():  # Ctrl-C while flags are parsed (the config file imports the library)
     app.run(guarded(main), flags_parser=parse_flags)
 

@@ -21,6 +21,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import decode  # noqa: E402
+from lmcore import xla_flags  # noqa: E402
 
 _MODELS = flags.DEFINE_list("models", list(decode.PRESETS), f"Models to time, in this order: some of "
                             f"{', '.join(decode.PRESETS)}.")
@@ -61,4 +62,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  xla_flags.apply_defaults()  # before JAX starts
   app.run(main)

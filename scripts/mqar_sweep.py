@@ -12,6 +12,7 @@ from ml_collections import config_flags
 
 from lmcore.mqar import config as mqar_config
 from lmcore.mqar import sweep
+from lmcore import xla_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/mqar.py:sweep", "MQAR config file and preset.",
                                           lock_config=True)
@@ -37,4 +38,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  xla_flags.apply_defaults()  # before JAX starts
   app.run(main)

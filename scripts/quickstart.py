@@ -22,6 +22,7 @@ from configs import sanatan  # noqa: E402
 from lmcore import config as cfg_lib  # noqa: E402
 from lmcore.train import chain  # noqa: E402
 from lmcore.train import loop as train_lib  # noqa: E402
+from lmcore import xla_flags  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/quickstart", "Where both stages write.")
 _STAGE1_STEPS = flags.DEFINE_integer("stage1_steps", None, "Override stage-1 steps (default: the preset's).")
@@ -86,4 +87,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  xla_flags.apply_defaults()  # before JAX starts
   app.run(main)
