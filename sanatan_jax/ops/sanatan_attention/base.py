@@ -107,6 +107,15 @@ def einsum(spec: str, *operands: jax.Array) -> jax.Array:
                     preferred_element_type=F32)
 
 
+def after_cotangent(inputs: tuple, cotangent) -> tuple:
+  """``inputs`` behind an optimisation barrier shared with ``cotangent``, for a custom VJP's backward
+  that recomputes features from them: XLA can then neither merge the recomputation with the forward's
+  identical one (common subexpressions, which would keep every layer's features alive from the
+  forward to the backward) nor schedule it before the cotangent exists."""
+  *inputs, _ = jax.lax.optimization_barrier((*inputs, cotangent))
+  return tuple(inputs)
+
+
 def sanatan_features(q_BxTxHxd: jax.Array, k_BxTxHxd: jax.Array, omega_Hxd: jax.Array,
                      lam_raw_Hxd: jax.Array, positions_BxT: jax.Array, *, channels: int = 6,
                      rotate: bool = True) -> tuple[jax.Array, jax.Array]:

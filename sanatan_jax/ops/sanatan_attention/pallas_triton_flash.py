@@ -55,7 +55,8 @@ from lmcore.ops.common import pallas_utils as pu
 from lmcore.ops.common.layout import default_positions
 from lmcore.ops.common.segments import document_index
 from sanatan_jax import features
-from sanatan_jax.ops.sanatan_attention.base import EPS, check_blocked_options, sanatan_features
+from sanatan_jax.ops.sanatan_attention.base import (EPS, after_cotangent, check_blocked_options,
+                                                    sanatan_features)
 
 _F32 = jnp.float32
 
@@ -385,6 +386,7 @@ def _flash_bwd(st: Static, residuals, do):
   """dN = do / (n + eps) and dn = -(do · o) / (n + eps) in XLA, the kernels, then the feature
   map's VJP."""
   q, k, v, omega, lam_raw, pos, run, first, last, o, n = residuals
+  q, k, omega, lam_raw = after_cotangent((q, k, omega, lam_raw), do)
   (phi_q, phi_k), features_vjp = jax.vjp(lambda *a: _features(*a, pos, st), q, k, omega, lam_raw)
   inv_BxTxH = 1.0 / (n + EPS)
   do = _pad_tokens(do.astype(_F32), st)

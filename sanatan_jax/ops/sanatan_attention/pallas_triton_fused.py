@@ -69,8 +69,8 @@ from lmcore.ops.common import pallas_utils as pu
 from lmcore.ops.common.layout import default_positions
 from lmcore.ops.common.segments import document_index
 from sanatan_jax import features
-from sanatan_jax.ops.sanatan_attention.base import (EPS, SanatanState, channel_major_state, sanatan_features,
-                                                     interleaved_state)
+from sanatan_jax.ops.sanatan_attention.base import (EPS, SanatanState, after_cotangent, channel_major_state,
+                                                    interleaved_state, sanatan_features)
 
 CHANNELS = 6
 _F32 = jnp.float32
@@ -487,6 +487,7 @@ def _fused_bwd(st: Static, residuals, cotangents):
   feature map's VJP."""
   q, k, v, omega, lam_raw, pos, run, S0, z0, o, den = residuals
   do, dS, dz = cotangents
+  q, k, omega, lam_raw = after_cotangent((q, k, omega, lam_raw), do)
   (phi_q, phi_k), features_vjp = jax.vjp(lambda *a: _features(*a, pos, st), q, k, omega, lam_raw)
   phi_q, phi_k = phi_q.astype(q.dtype), phi_k.astype(k.dtype)
   inv_BxTxH = 1.0 / (den + st.c_eps)
