@@ -13,7 +13,7 @@ Each mixer counts its dense kernels and the sequence-mixing work of its configur
 "auto" as it resolves on a GPU; the conventions (causal half for quadratic forms, the whole
 intra-chunk block for chunked ones, multiply-adds as 2 FLOPs, elementwise work not counted) are in
 ``lmcore/mixers/flops.py``. XLA's cost analysis is not used: it counts a ``lax.scan`` body once and
-sees nothing inside a Pallas kernel.
+sees a Pallas kernel only through the estimate the kernel passes (the Mosaic kernels', padding included).
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ features and the state are read at bf16 precision.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -308,18 +309,37 @@ def _sweep(q, k, v, runs: ChunkDocuments, Fp: int, cfg: KernelConfig, reverse: b
   return _Sweep(args, specs, values, partial, state)
 
 
+def _cost(kernel, cfg: KernelConfig, grid, specs, arrays, Fp: int) -> pl.CostEstimate:
+  """``kernel``'s matmul FLOPs over ``grid`` (padded lanes and masked entries included, the feature
+  map's selection matmuls too), no transcendentals, and the bytes its blocks move
+  (``pu.pipeline_bytes`` of ``arrays``, inputs then outputs, in blocks ``specs``)."""
+  C, BV, Kp = cfg.chunk, cfg.block_v, arrays[0].shape[-1]
+  # One dot of each shape: q kᵀ-like [C, C] blocks over Kp lanes, [C, C] blocks against BV values,
+  # a selection x̃ R [C, Kp] x [Kp, Fp] (two per feature map, two per feature VJP) and a state product.
+  score, value, select, state = 2 * C * C * Kp, 2 * C * C * BV, 2 * C * Kp * Fp, 2 * C * Fp * BV
+  per_step = {_forward_kernel: score + value + 4 * select + 2 * state,
+              _dq_kernel: 2 * score + value + 6 * select + 2 * state,
+              _dkv_kernel: 2 * score + 2 * value + 8 * select + 3 * state}[kernel]
+  return pl.CostEstimate(flops=math.prod(grid) * per_step, transcendentals=0,
+                         bytes_accessed=pu.pipeline_bytes(grid, specs, arrays))
+
+
 def _call(kernel, cfg: KernelConfig, sweep: _Sweep, extra_args, extra_specs, out_specs,
           out_shape, Fp: int):
   """Runs ``kernel`` over the grid (B·H, value tiles, chunks) with an fp32 [Fp, BV] VMEM scratch."""
   BH, Tp, _ = sweep.args[0].shape
   n_tiles = sweep.args[2].shape[-1] // cfg.block_v
+  grid, in_specs = (BH, n_tiles, Tp // cfg.chunk), sweep.specs + extra_specs
+  out_list = list(out_specs) if isinstance(out_specs, (list, tuple)) else [out_specs]
+  cost = _cost(kernel, cfg, grid, in_specs + out_list,
+               [*sweep.args, *extra_args, *jax.tree.leaves(out_shape)], Fp)
   return pl.pallas_call(
-      functools.partial(kernel, cfg=cfg), grid=(BH, n_tiles, Tp // cfg.chunk),
-      in_specs=sweep.specs + extra_specs, out_specs=out_specs, out_shape=out_shape,
+      functools.partial(kernel, cfg=cfg), grid=grid,
+      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((Fp, cfg.block_v), _F32)],
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary")),
-      interpret=cfg.interpret)(*sweep.args, *extra_args)
+      cost_estimate=cost, interpret=cfg.interpret)(*sweep.args, *extra_args)
 
 
 def _forward(q, k, v, runs, X0, cfg):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -175,6 +176,28 @@ def call(kernel, cfg, grid, in_specs, out_specs, out_shape, *args):
         functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=cfg.interpret,
         compiler_params=compiler_params(cfg.interpret, cfg.num_warps, cfg.num_stages))(*args)
+
+
+def block_bytes(spec: pl.BlockSpec, x) -> int:
+  """Bytes of one block of ``x`` (an array or ShapeDtypeStruct) under ``spec`` (None: a squeezed
+  dimension of size 1)."""
+  return math.prod(b if isinstance(b, int) else 1 for b in spec.block_shape) * jnp.dtype(x.dtype).itemsize
+
+
+def pipeline_bytes(grid: tuple[int, ...], specs, arrays) -> int:
+  """HBM bytes a ``pallas_call`` over ``grid`` copies for ``arrays`` (inputs and outputs) in blocks
+  ``specs``, for its ``pl.CostEstimate``. A block is copied whenever its index changes between
+  consecutive steps (the last grid axis fastest), taken to be at every step of the innermost axis its
+  index map depends on; the map is probed at the origin and one step along each axis, which fits maps
+  that move with their axes (not clamped ones)."""
+  origin = (0,) * len(grid)
+  total = 0
+  for spec, x in zip(specs, arrays):
+    base = tuple(spec.index_map(*origin))
+    moved = [a for a in range(len(grid)) if grid[a] > 1
+             and tuple(spec.index_map(*(int(b == a) for b in range(len(grid))))) != base]
+    total += block_bytes(spec, x) * (math.prod(grid[:moved[-1] + 1]) if moved else 1)
+  return total
 
 
 def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False) -> jax.Array:

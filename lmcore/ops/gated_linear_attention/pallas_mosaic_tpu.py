@@ -38,6 +38,7 @@ dB. With several value tiles the dq, dk of each tile are partial sums added outs
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -382,18 +383,42 @@ def _sweep(q, k, v, g, docs: ChunkDocuments, cfg: KernelConfig, reverse: bool) -
   return _Sweep(args, specs, values, partial, state)
 
 
+def _cost(kernel, cfg: KernelConfig, grid, specs, arrays) -> pl.CostEstimate:
+  """``kernel``'s matmul FLOPs over ``grid`` (padded lanes and masked entries included; not the
+  per-channel gate's exact diagonal blocks, which are elementwise), its exponentials and the bytes
+  its blocks move (``pu.pipeline_bytes`` of ``arrays``, inputs then outputs, in blocks ``specs``)."""
+  C, c, BV, Kp = cfg.chunk, cfg.sub_chunk, cfg.block_v, arrays[0].shape[-1]
+  # One dot of each shape: a [C, C] block against Kp lanes, against BV values, and a state product.
+  score, value, state = 2 * C * C * Kp, 2 * C * C * BV, 2 * C * Kp * BV
+  per_step = {_forward_kernel: score + value + 2 * state, _dq_kernel: score + value + 2 * state,
+              _dkv_kernel: 2 * score + 2 * value + 3 * state}[kernel]
+  # exp of the gates per token (one per lane with per-channel gates), and of the intra-chunk decays:
+  # a [C, C] matrix, or per sub-chunk the anchored factors of the chunk and its exact diagonal.
+  per_token = C * (1 if cfg.scalar_gate else Kp)
+  intra = C * C if cfg.scalar_gate else (C // c) * (C + c + c * c) * Kp
+  exps = {_forward_kernel: 2 * per_token + intra, _dq_kernel: 2 * per_token + intra,
+          _dkv_kernel: 3 * per_token + 2 * intra}[kernel]
+  steps = math.prod(grid)
+  return pl.CostEstimate(flops=steps * per_step, transcendentals=steps * exps,
+                         bytes_accessed=pu.pipeline_bytes(grid, specs, arrays))
+
+
 def _call(kernel, cfg: KernelConfig, sweep: _Sweep, extra_args, extra_specs, out_specs,
           out_shape):
   """Runs ``kernel`` over the grid (B·H, value tiles, chunks) with an fp32 [BV, Kp] VMEM scratch."""
   BH, Tp, Kp = sweep.args[0].shape
   n_tiles = sweep.args[2].shape[-1] // cfg.block_v
+  grid, in_specs = (BH, n_tiles, Tp // cfg.chunk), sweep.specs + extra_specs
+  out_list = list(out_specs) if isinstance(out_specs, (list, tuple)) else [out_specs]
+  cost = _cost(kernel, cfg, grid, in_specs + out_list,
+               [*sweep.args, *extra_args, *jax.tree.leaves(out_shape)])
   return pl.pallas_call(
-      functools.partial(kernel, cfg=cfg), grid=(BH, n_tiles, Tp // cfg.chunk),
-      in_specs=sweep.specs + extra_specs, out_specs=out_specs, out_shape=out_shape,
+      functools.partial(kernel, cfg=cfg), grid=grid,
+      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((cfg.block_v, Kp), _F32)],
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary")),
-      interpret=cfg.interpret)(*sweep.args, *extra_args)
+      cost_estimate=cost, interpret=cfg.interpret)(*sweep.args, *extra_args)
 
 
 def _forward(q, k, v, g, docs, S0_T, cfg):

@@ -42,6 +42,7 @@ The partial parameter gradients are summed outside. Positions and run ids get no
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -271,6 +272,40 @@ def _specs(dp: int, Vp: int, cfg: KernelConfig, query_major: bool) -> _Specs:
   return _Specs(inputs, query(Vp), query(1), query, key, partial)
 
 
+def _visible_pairs(n_query_blocks: int, n_key_blocks: int, cfg: KernelConfig) -> int:
+  """How many (query block, key block) steps of one batch·head are not skipped (``_sees``)."""
+  return sum(min(((i + 1) * cfg.block_q - 1) // cfg.block_k, n_key_blocks - 1) + 1
+             for i in range(n_query_blocks))
+
+
+def _cost(kernel, cfg: KernelConfig, args: tuple, grads: tuple, out_shape) -> pl.CostEstimate:
+  """``kernel``'s matmul FLOPs (per visible block pair, padded lanes and masked entries included),
+  its transcendentals (five per lane of every feature block computed) and the bytes its blocks move:
+  the outer grid axis's blocks and the outputs once, the inner axis's once per visible pair."""
+  q, k, v = args[:3]
+  BH, Tp, dp = q.shape
+  BQ, BK, Vp, n = cfg.block_q, cfg.block_k, v.shape[-1], cfg.n_channels
+  pairs = _visible_pairs(Tp // BQ, Tp // BK, cfg)  # per batch·head
+  # One dot of each shape per pair: the block's scores over one channel's dp lanes, against Vp values.
+  score, value = 2 * BQ * BK * dp, 2 * BQ * BK * Vp
+  per_pair = {_forward_kernel: n * score + value, _dq_kernel: 2 * n * score + value,
+              _dkv_kernel: 2 * n * score + 2 * value}[kernel]
+  # Bytes per token of a query block (raw q, position, run; the backward's dN and dD) and of a key
+  # block (raw k, v, position, run). The dk/dv kernel's outer axis is the key blocks.
+  query_token = dp * q.dtype.itemsize + 8 + sum(g.shape[-1] * g.dtype.itemsize for g in grads)
+  key_token = dp * k.dtype.itemsize + Vp * v.dtype.itemsize + 8
+  outer, inner, inner_block = query_token, key_token, BK
+  if kernel is _dkv_kernel:
+    outer, inner, inner_block = key_token, query_token, BQ
+  # Feature blocks: the outer side's once per block (twice in the backward, for the VJP), the inner
+  # side's at every visible pair.
+  feature_rows = Tp * (1 if kernel is _forward_kernel else 2) + pairs * inner_block
+  outputs = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(out_shape))
+  return pl.CostEstimate(
+      flops=BH * pairs * per_pair, transcendentals=BH * 5 * feature_rows * dp,
+      bytes_accessed=BH * (Tp * outer + pairs * inner_block * inner + 2 * dp * 4) + outputs)
+
+
 def _call(kernel, cfg: KernelConfig, query_major: bool, args: tuple, grads: tuple, out_specs,
           out_shape, scratch):
   """Runs ``kernel`` over the grid (B·H, query blocks, key blocks) if ``query_major``, else (B·H,
@@ -287,7 +322,7 @@ def _call(kernel, cfg: KernelConfig, query_major: bool, args: tuple, grads: tupl
       scratch_shapes=[pltpu.VMEM(shape, dtype) for shape, dtype in scratch],
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary")),
-      interpret=cfg.interpret)(*args, *grads)
+      cost_estimate=_cost(kernel, cfg, args, grads, out_shape), interpret=cfg.interpret)(*args, *grads)
 
 
 def _forward(args, cfg: KernelConfig):

@@ -47,6 +47,7 @@ value tiles dq, dk, d omega and d lam_raw of each tile are partial sums added ou
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -314,18 +315,36 @@ def _sweep(q, k, v, pos, docs: ChunkDocuments, omega, lam_raw, cfg: KernelConfig
       state=pl.BlockSpec((None, PAIRS, Dp, BV), lambda bh, j, n: (bh, 0, 0, j)))
 
 
+def _cost(kernel, cfg: KernelConfig, grid, specs, arrays) -> pl.CostEstimate:
+  """``kernel``'s matmul FLOPs over ``grid`` (padded lanes and masked entries included), its
+  transcendentals (five per lane of the q and k features: roots and rotation) and the bytes its
+  blocks move (``pu.pipeline_bytes`` of ``arrays``, inputs then outputs, in blocks ``specs``)."""
+  C, BV, Dp = cfg.chunk, cfg.block_v, arrays[0].shape[-1]
+  # One dot of each shape: a [C, C] block against Dp lanes, against BV values, and a state product.
+  score, value, state = 2 * C * C * Dp, 2 * C * C * BV, 2 * C * Dp * BV
+  per_step = {_forward_kernel: PAIRS * score + value + 2 * PAIRS * state,
+              _dq_kernel: PAIRS * score + value + 2 * PAIRS * state,
+              _dkv_kernel: 2 * PAIRS * score + 2 * value + 3 * PAIRS * state}[kernel]
+  steps = math.prod(grid)
+  return pl.CostEstimate(flops=steps * per_step, transcendentals=steps * 2 * 5 * C * Dp,
+                         bytes_accessed=pu.pipeline_bytes(grid, specs, arrays))
+
+
 def _call(kernel, cfg: KernelConfig, sweep: _Sweep, extra_args, extra_specs, out_specs,
           out_shape):
   """Runs ``kernel`` over (B·H, value tiles, chunks) with an fp32 [3, Dp, BV] VMEM scratch."""
   BH, Tp, Dp = sweep.args[0].shape
   n_tiles = sweep.args[2].shape[-1] // cfg.block_v
+  grid, in_specs = (BH, n_tiles, Tp // cfg.chunk), sweep.specs + extra_specs
+  cost = _cost(kernel, cfg, grid, in_specs + list(out_specs),
+               [*sweep.args, *extra_args, *jax.tree.leaves(out_shape)])
   return pl.pallas_call(
-      functools.partial(kernel, cfg=cfg), grid=(BH, n_tiles, Tp // cfg.chunk),
-      in_specs=sweep.specs + extra_specs, out_specs=out_specs, out_shape=out_shape,
+      functools.partial(kernel, cfg=cfg), grid=grid,
+      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((PAIRS, Dp, cfg.block_v), _F32)],
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary")),
-      interpret=cfg.interpret)(*sweep.args, *extra_args)
+      cost_estimate=cost, interpret=cfg.interpret)(*sweep.args, *extra_args)
 
 
 def _forward(q, k, v, pos, docs, omega, lam_raw, S0, cfg):
