@@ -1,4 +1,8 @@
-"""Timing library behind ``scripts/bench_kernels.py``: ops, counted FLOPs, timers, table, markdown.
+"""Timing library behind ``scripts/bench_kernels.py``: ops, head shapes, counted FLOPs, timers, table,
+markdown.
+
+Every op is timed at its default head shape (``DEFAULT_SHAPES``) or at named sets of shapes
+(``SHAPE_SETS``: "preset", the heads of the paper presets of configs/; "wide", K and V of 128 to 512).
 
 Counted FLOPs per head (forward; forward+backward is counted as 3× forward):
   * chunked linear attention, feature width F, value width V, chunk C:
@@ -27,8 +31,78 @@ HEADS, HEAD_DIM = 12, 64  # the 184M SANATAN model's head shape (also GLA's refe
 TAYLOR_HEADS, TAYLOR_DIM = 16, 16
 TPU_CHUNK = 128  # the Mosaic kernels' smallest compiled chunk
 PARALLEL_MAX_SCORES = 2 ** 33  # skip the materialised form beyond ~8.6e9 score entries
-GATED_PARALLEL_MAX_SCORES = 2 ** 24  # the gated one's scores are K = 64 times wider (see gated_cases)
+GATED_PARALLEL_MAX_SCORES = 2 ** 30  # the gated one's scores are K wide: B·H·T²·K entries (gated_cases)
 FP32_PRECISIONS = ("tf32", "float32")  # kernel_precision cases for bf16 inputs (_precision_cases)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadShape:
+  """The heads of a case: ``heads`` H of key width ``key`` K (SANATAN's d, Taylor's d') and value width
+  ``value`` V; the gated op's forget ``gate``: "channel" (per key channel) or "head" (a scalar)."""
+
+  heads: int
+  key: int
+  value: int
+  gate: str | None = None
+
+  @property
+  def label(self) -> str:
+    return f"H={self.heads} K={self.key} V={self.value}" + (f" gate={self.gate}" if self.gate else "")
+
+
+DEFAULT_SHAPES = {"sanatan_p1": HeadShape(HEADS, HEAD_DIM, HEAD_DIM),
+                  "sanatan_p2": HeadShape(HEADS, HEAD_DIM, HEAD_DIM),
+                  "gated": HeadShape(HEADS, HEAD_DIM, HEAD_DIM, "channel"),
+                  "taylor": HeadShape(TAYLOR_HEADS, TAYLOR_DIM, HEAD_DIM),
+                  "softmax": HeadShape(HEADS, HEAD_DIM, HEAD_DIM)}
+# The heads each paper preset of configs/ gives an op (softmax: the default, the 184M control's).
+_SANATAN_PRESETS = (HeadShape(12, 64, 64),  # sanatan.py 184m_* and ablate_* (D = 768)
+                    HeadShape(8, 64, 64))  # sanatan.py repro_* (D = 512)
+PRESET_SHAPES = {
+    "sanatan_p1": _SANATAN_PRESETS,
+    "sanatan_p2": _SANATAN_PRESETS,
+    "gated": (HeadShape(4, 96, 192, "channel"),  # baselines.py gla_182m (D = 768, expand_k 0.5)
+              HeadShape(12, 32, 64, "channel"),  # gla_182m_12heads
+              HeadShape(4, 64, 128, "channel"),  # repro_gla (D = 512)
+              HeadShape(4, 128, 128, "head")),  # cyfa_equal_state, hybrid_cyfa_gdn
+    "taylor": (HeadShape(16, 16, 64),  # based.py 360m* (D = 1024)
+               HeadShape(16, 16, 112)),  # based.py 1p3b* (D = 1792)
+}
+WIDE = (128, 256, 512)
+WIDE_TOTAL = 1024  # H · V of every wide shape
+
+
+def _wide(keys: tuple[int, ...], gate: str | None = None) -> tuple[HeadShape, ...]:
+  return tuple(HeadShape(WIDE_TOTAL // value, key, value, gate) for key in keys for value in WIDE)
+
+
+# Wide heads: K, V in WIDE. Taylor's key is d' (F = 1 + d' + d'(d' + 1)/2 state rows; BASED's 16):
+# V in WIDE at d' = 16, and d' = 32, 64 at V = 128.
+WIDE_SHAPES = {"sanatan_p1": _wide(WIDE), "sanatan_p2": _wide(WIDE), "gated": _wide(WIDE, "channel"),
+               "taylor": _wide((16,)) + (HeadShape(8, 32, 128), HeadShape(8, 64, 128))}
+SHAPE_SETS = {"default": {op: (shape,) for op, shape in DEFAULT_SHAPES.items()},
+              "preset": PRESET_SHAPES, "wide": WIDE_SHAPES}
+
+
+def shapes_for(op_name: str, sets) -> list[HeadShape]:
+  """The head shapes of ``op_name`` in the named ``sets`` of SHAPE_SETS, in order, each once; a set that
+  does not list the op gives its default shape (softmax: the reference of every table)."""
+  unknown = [name for name in sets if name not in SHAPE_SETS]
+  if unknown:
+    raise ValueError(f"unknown head-shape set {unknown[0]!r} in --shapes; valid: {', '.join(SHAPE_SETS)}")
+  default = (DEFAULT_SHAPES[op_name],)
+  return list(dict.fromkeys(shape for name in sets for shape in SHAPE_SETS[name].get(op_name, default)))
+
+
+def shape_label(op_name: str, shape: HeadShape | None) -> str:
+  """A row's ``shape``: "" for the op's default shape (as in rows written before shapes), else the label."""
+  return "" if shape is None or shape == DEFAULT_SHAPES.get(op_name) else shape.label
+
+
+def _dims(op_name: str, shape: HeadShape | None) -> tuple[int, int, int]:
+  """(H, K, V) of ``shape``, or of the op's default shape."""
+  shape = shape or DEFAULT_SHAPES[op_name]
+  return shape.heads, shape.key, shape.value
 
 
 def _fwd_and_fwdbwd(op: Callable, args: tuple, repeats: int, lock: str = "") -> tuple[float, float]:
@@ -66,13 +140,13 @@ def _precision_cases(pallas_case: Callable[[str], Callable], dtype) -> dict:
   return {f"pallas ({precision})": pallas_case(precision) for precision in FP32_PRECISIONS}
 
 
-def _sanatan_args(batch, length, dtype):
+def _sanatan_args(batch, length, dtype, H=HEADS, d=HEAD_DIM, V=HEAD_DIM):
   """q, k, v, omega, lam_raw of the SANATAN cases (q, k scaled as after the 1/sqrt(d) projection)."""
   keys = jax.random.split(jax.random.key(0), 5)
-  shape = (batch, length, HEADS, HEAD_DIM)
-  return (_randn(keys[0], shape, dtype, 0.125), _randn(keys[1], shape, dtype, 0.125),
-          _randn(keys[2], shape, dtype), jnp.full((HEADS, HEAD_DIM), jnp.pi / 4),
-          jax.random.normal(keys[3], (HEADS, HEAD_DIM)))
+  shape = (batch, length, H, d)
+  return (_randn(keys[0], shape, dtype, d ** -0.5), _randn(keys[1], shape, dtype, d ** -0.5),
+          _randn(keys[2], (batch, length, H, V), dtype), jnp.full((H, d), jnp.pi / 4),
+          jax.random.normal(keys[3], (H, d)))
 
 
 def _sanatan_reference(**options):
@@ -82,7 +156,7 @@ def _sanatan_reference(**options):
   return lambda q, k, v, w, l: reference.parallel(q, k, v, w, l, options=base.Options(**options))[0]
 
 
-def sanatan_cases(batch, length, dtype):
+def sanatan_cases(batch, length, dtype, shape: HeadShape | None = None):
   """SANATAN p = 1: the kernel, the fused-chunk Triton kernel ("pallas_fused", GPU only), the XLA
   chunked form (all chunks at once, C = 64 and 128), the chunk-by-chunk ``lax.scan`` form it
   replaced, and the materialised reference."""
@@ -91,7 +165,8 @@ def sanatan_cases(batch, length, dtype):
   from sanatan_jax.ops.sanatan_attention import pallas_triton_fused as fused
   from sanatan_jax.ops.sanatan_attention import pallas_triton_p1 as pallas_p1
 
-  args = _sanatan_args(batch, length, dtype)
+  H, d, V = _dims("sanatan_p1", shape)
+  args = _sanatan_args(batch, length, dtype, H, d, V)
 
   def op(impl, chunk=CHUNK):
     return lambda q, k, v, w, l: sanatan_attention(q, k, v, w, l, implementation=impl, chunk_size=chunk)[0]
@@ -102,18 +177,18 @@ def sanatan_cases(batch, length, dtype):
   cases = {**_sanatan_pallas(), **_precision_cases(kernel, dtype), "pallas_fused": fused_case,
            "chunked (xla)": op("chunked"), "chunked (xla, C=128)": op("chunked", 128),
            "chunked_scan (xla)": op("chunked_scan")}
-  if batch * HEADS * length * length <= PARALLEL_MAX_SCORES:
+  if batch * H * length * length <= PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = _sanatan_reference()
-  F = 6 * HEAD_DIM
-  flops = {impl: chunked_flops(batch, length, HEADS, F, HEAD_DIM) for impl in cases}
-  flops["chunked (xla, C=128)"] = chunked_flops(batch, length, HEADS, F, HEAD_DIM, chunk=128)
+  work = functools.partial(chunked_flops, batch, length, H, 6 * d, V)
+  flops = {impl: work() for impl in cases}
+  flops["chunked (xla, C=128)"] = work(chunk=128)
   for impl in cases:  # the Triton kernel's own chunk
     if impl.startswith("pallas") and impl != "pallas (tpu)":
-      flops[impl] = chunked_flops(batch, length, HEADS, F, HEAD_DIM, chunk=pallas_p1.DEFAULT_CHUNK)
+      flops[impl] = work(chunk=pallas_p1.DEFAULT_CHUNK)
   if "pallas (tpu)" in cases:  # compiled Mosaic chunks are >= 128 tokens
-    flops["pallas (tpu)"] = chunked_flops(batch, length, HEADS, F, HEAD_DIM, chunk=TPU_CHUNK)
-  flops["pallas_fused"] = chunked_flops(batch, length, HEADS, F, HEAD_DIM, chunk=fused.DEFAULT_CHUNK)
-  flops["parallel (reference)"] = parallel_flops(batch, length, HEADS, F, HEAD_DIM)
+    flops["pallas (tpu)"] = work(chunk=TPU_CHUNK)
+  flops["pallas_fused"] = work(chunk=fused.DEFAULT_CHUNK)
+  flops["parallel (reference)"] = parallel_flops(batch, length, H, 6 * d, V)
   return args, cases, flops
 
 
@@ -128,13 +203,15 @@ def _sanatan_pallas() -> dict:
   return {_pallas_name(): lambda q, k, v, w, l: kernel(q, k, v, w, l)[0]}
 
 
-def sanatan_p2_cases(batch, length, dtype):
+def sanatan_p2_cases(batch, length, dtype, shape: HeadShape | None = None):
   """SANATAN p = 2 (no recurrence): the blocked Pallas kernel and the flash one ("pallas_flash",
   Triton only) vs XLA blocked vs the XLA parallel form (query blocks, custom VJP) vs the
   materialised reference (autodiff), each credited the causal half of the scores and mixing,
   2·T²·(F + V)/2 per head with F = 6d."""
   from lmcore.ops.common import pallas_utils
   from sanatan_jax import sanatan_attention
+
+  H, d, V = _dims("sanatan_p2", shape)
 
   def op(impl, **options):
     return lambda q, k, v, w, l: sanatan_attention(q, k, v, w, l, p=2, implementation=impl,
@@ -144,21 +221,31 @@ def sanatan_p2_cases(batch, length, dtype):
   flash = ("a Triton (GPU) kernel" if pallas_utils.backend() == "tpu" else op("pallas_flash"))
   cases = {_pallas_name(): op("pallas"), **_precision_cases(kernel, dtype), "pallas_flash": flash,
            "blocked (xla)": op("blocked"), "parallel (xla)": op("parallel")}
-  if batch * HEADS * length * length <= PARALLEL_MAX_SCORES:
+  if batch * H * length * length <= PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = _sanatan_reference(p=2)
-  flops = parallel_flops(batch, length, HEADS, 6 * HEAD_DIM, HEAD_DIM)
-  return _sanatan_args(batch, length, dtype), cases, {name: flops for name in cases}
+  flops = parallel_flops(batch, length, H, 6 * d, V)
+  return _sanatan_args(batch, length, dtype, H, d, V), cases, {name: flops for name in cases}
 
 
-def gated_cases(batch, length, dtype):
+def _gated_args(batch, length, dtype, shape: HeadShape | None):
+  """q, k (scaled by K^-1/2), v and the log forget gate, per key channel or per head (``shape.gate``)."""
+  H, K, V = _dims("gated", shape)
+  per_head = shape is not None and shape.gate == "head"
+  keys = jax.random.split(jax.random.key(0), 4)
+  qk = (batch, length, H, K)
+  gate_logits = _randn(keys[3], qk[:3] if per_head else qk, jnp.float32) + 4.0
+  return (_randn(keys[0], qk, dtype, K ** -0.5), _randn(keys[1], qk, dtype, K ** -0.5),
+          _randn(keys[2], (batch, length, H, V), dtype), jax.nn.log_sigmoid(gate_logits) / 16)
+
+
+def gated_cases(batch, length, dtype, shape: HeadShape | None = None):
+  """Gated linear attention: the kernel (and its fp32 variants), XLA chunked, and the materialised
+  form on small cases."""
   from lmcore.ops.gated_linear_attention import gated_linear_attention
   from lmcore.ops.gated_linear_attention import pallas_triton as pallas
 
-  keys = jax.random.split(jax.random.key(0), 4)
-  shape = (batch, length, HEADS, HEAD_DIM)
-  log_forget = jax.nn.log_sigmoid(_randn(keys[3], shape, jnp.float32) + 4.0) / 16
-  args = (_randn(keys[0], shape, dtype, 0.125), _randn(keys[1], shape, dtype, 0.125),
-          _randn(keys[2], shape, dtype), log_forget)
+  H, K, V = _dims("gated", shape)
+  args = _gated_args(batch, length, dtype, shape)
 
   def op(impl):
     return lambda q, k, v, g: gated_linear_attention(q, k, v, g, implementation=impl, chunk_size=CHUNK)[0]
@@ -167,16 +254,17 @@ def gated_cases(batch, length, dtype):
       q, k, v, g, precision=precision)[0]
   cases = {**_gated_pallas(), **_precision_cases(kernel, dtype), "chunked (xla)": op("chunked")}
   # Per-channel gates make the parallel form's scores K wide; on the H200, XLA compiled it at
-  # B·H·T² = 4e8 (T = 2048) for more than 9 minutes, so it is timed on small cases only.
-  if batch * HEADS * length * length <= GATED_PARALLEL_MAX_SCORES:
+  # B·H·T² = 4e8 (T = 2048, K = 64) for more than 9 minutes, so it is timed on small cases only.
+  if batch * H * length * length * K <= GATED_PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = op("parallel")
-  flops = {name: chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM) for name in cases}
+  work = functools.partial(chunked_flops, batch, length, H, K, V)
+  flops = {name: work() for name in cases}
   for name in cases:  # the Triton kernel's own chunk
     if name.startswith("pallas") and name != "pallas (tpu)":
-      flops[name] = chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM, chunk=pallas.CHUNK)
+      flops[name] = work(chunk=pallas.CHUNK)
   if "pallas (tpu)" in cases:  # compiled Mosaic chunks are >= 128 tokens
-    flops["pallas (tpu)"] = chunked_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM, chunk=TPU_CHUNK)
-  flops["parallel (reference)"] = parallel_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM)
+    flops["pallas (tpu)"] = work(chunk=TPU_CHUNK)
+  flops["parallel (reference)"] = parallel_flops(batch, length, H, K, V)
   return args, cases, flops
 
 
@@ -192,13 +280,16 @@ def _gated_pallas() -> dict:
   return {"pallas": lambda q, k, v, g: pallas.gated_linear_attention_pallas(q, k, v, g)[0]}
 
 
-def taylor_cases(batch, length, dtype):
+def taylor_cases(batch, length, dtype, shape: HeadShape | None = None):
+  """BASED Taylor attention: the chunked kernel (and its fp32 variants), the blocked kernels (GPU),
+  XLA chunked, and the materialised reference."""
   from based_jax import taylor_linear_attention
 
+  H, d, V = _dims("taylor", shape)
   keys = jax.random.split(jax.random.key(0), 3)
-  qk_shape = (batch, length, TAYLOR_HEADS, TAYLOR_DIM)
+  qk_shape = (batch, length, H, d)
   args = (_randn(keys[0], qk_shape, dtype, 0.5), _randn(keys[1], qk_shape, dtype, 0.5),
-          _randn(keys[2], (batch, length, TAYLOR_HEADS, HEAD_DIM), dtype))
+          _randn(keys[2], (batch, length, H, V), dtype))
 
   def op(impl, **options):
     return lambda q, k, v: taylor_linear_attention(q, k, v, implementation=impl, chunk_size=CHUNK,
@@ -210,25 +301,27 @@ def taylor_cases(batch, length, dtype):
            "chunked (xla)": op("chunked")}
   if pallas_name == "pallas":  # the blocked (quadratic) Triton kernels; GPU only
     cases["pallas_blocked"] = op("pallas_blocked")
-  if batch * TAYLOR_HEADS * length * length <= PARALLEL_MAX_SCORES:
+  if batch * H * length * length <= PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = op("parallel")
-  F = 1 + TAYLOR_DIM + TAYLOR_DIM * (TAYLOR_DIM + 1) // 2  # the compact feature width, 153
-  flops = {impl: chunked_flops(batch, length, TAYLOR_HEADS, F, HEAD_DIM) for impl in cases}
+  F = 1 + d + d * (d + 1) // 2  # the compact feature width, 153 at d' = 16
+  flops = {impl: chunked_flops(batch, length, H, F, V) for impl in cases}
   if pallas_name == "pallas (tpu)":  # compiled Mosaic chunks are >= 128 tokens
-    flops[pallas_name] = chunked_flops(batch, length, TAYLOR_HEADS, F, HEAD_DIM, chunk=TPU_CHUNK)
+    flops[pallas_name] = chunked_flops(batch, length, H, F, V, chunk=TPU_CHUNK)
   for name in ("parallel (reference)", "pallas_blocked"):
-    flops[name] = parallel_flops(batch, length, TAYLOR_HEADS, TAYLOR_DIM + 2, HEAD_DIM)
+    flops[name] = parallel_flops(batch, length, H, d + 2, V)
   return args, cases, flops
 
 
-def softmax_cases(batch, length, dtype):
+def softmax_cases(batch, length, dtype, shape: HeadShape | None = None):
+  """Causal softmax attention, cuDNN on a GPU (XLA elsewhere): the reference of every table."""
+  H, K, V = _dims("softmax", shape)
   keys = jax.random.split(jax.random.key(0), 3)
-  shape = (batch, length, HEADS, HEAD_DIM)
-  args = tuple(_randn(k, shape, dtype) for k in keys)
+  args = (_randn(keys[0], (batch, length, H, K), dtype), _randn(keys[1], (batch, length, H, K), dtype),
+          _randn(keys[2], (batch, length, H, V), dtype))
   implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
   cases = {f"softmax ({implementation})": lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=True, implementation=implementation)}
-  return args, cases, {name: parallel_flops(batch, length, HEADS, HEAD_DIM, HEAD_DIM) for name in cases}
+  return args, cases, {name: parallel_flops(batch, length, H, K, V) for name in cases}
 
 
 # Kernel settings tried by ``--tune`` (each op's defaults are timed by the plain run): phase 2 by
@@ -343,17 +436,39 @@ OPS = {"sanatan_p1": sanatan_cases, "sanatan_p2": sanatan_p2_cases, "gated": gat
        "taylor": taylor_cases, "softmax": softmax_cases}
 REFERENCE = {"sanatan_p1": "chunked (xla)", "sanatan_p2": "blocked (xla)", "gated": "chunked (xla)",
              "taylor": "chunked (xla)"}
+# The forms "auto" chooses between on a GPU (``--auto_only`` times only these): the XLA form it falls
+# back to first (SANATAN p = 1: at the mixers' chunk of 128; a row's ratio reference when REFERENCE's
+# case was not timed), then the kernels it may pick (SANATAN p = 1: the fused-chunk kernel, chosen by
+# name so far). Ops not listed keep every case.
+AUTO_CASES = {"sanatan_p1": ("chunked (xla, C=128)", "pallas_fused"),
+              "sanatan_p2": ("parallel (xla)", "pallas_flash"),
+              "gated": ("chunked (xla)", "pallas"),
+              "taylor": ("chunked (xla)", "pallas", "pallas_blocked")}
+
+
+def _op_cases(op_name: str, batch: int, length: int, dtype, shape: HeadShape | None, tune: bool,
+              auto_only: bool) -> tuple[tuple, dict, dict]:
+  """(args, cases, flops) of one op and shape: ``tune``, its TUNING settings (default shape);
+  ``auto_only``, only its AUTO_CASES."""
+  if tune:
+    return tuning_cases(op_name, batch, length, dtype)
+  args, cases, flops = OPS[op_name](batch, length, dtype, shape)
+  if auto_only and op_name in AUTO_CASES:
+    cases = {name: fn for name, fn in cases.items() if name in AUTO_CASES[op_name]}
+  return args, cases, flops
 
 
 def run_op(log: RowLog, op_name: str, length: int, tokens: int, dtype: str, repeats: int,
-           lock: str = "", tune: bool = False) -> None:
-  """Times every case of ``op_name`` (``tune``: its TUNING settings instead) at one length."""
+           lock: str = "", tune: bool = False, shape: HeadShape | None = None,
+           auto_only: bool = False) -> None:
+  """Times every case of ``op_name`` (``tune``: its TUNING settings instead; ``auto_only``: its
+  AUTO_CASES) at one length and head ``shape`` (None: the default)."""
   batch = max(1, tokens // length)
-  make_cases = functools.partial(tuning_cases, op_name) if tune else OPS[op_name]
-  args, cases, flops = make_cases(batch, length, jnp.dtype(dtype))
+  args, cases, flops = _op_cases(op_name, batch, length, jnp.dtype(dtype), shape, tune, auto_only)
+  label = shape_label(op_name, shape)
   for impl, fn in cases.items():
     measure(log, TUNED_OPS.get(op_name, op_name), impl, length, batch, fn,
-            lambda fn: _fwd_and_fwdbwd(fn, args, repeats, lock), flops[impl])
+            lambda fn: _fwd_and_fwdbwd(fn, args, repeats, lock), flops[impl], shape=label)
 
 
 def fla_rows(log: RowLog, ops: list[str], length: int, tokens: int, repeats: int, lock: str = "") -> None:
@@ -363,13 +478,23 @@ def fla_rows(log: RowLog, ops: list[str], length: int, tokens: int, repeats: int
   bench_fla.run(log, ops, length, tokens, repeats, lock)
 
 
+def _reference_row(by_key: dict, row: Row) -> Row | None:
+  """The row ``row`` is compared with: its op's REFERENCE case, else the XLA form of its AUTO_CASES, at
+  the same length and head shape."""
+  for impl in (REFERENCE.get(row.op), AUTO_CASES.get(row.op, (None,))[0]):
+    ref = by_key.get((row.op, impl, row.length, row.shape))
+    if ref is not None:
+      return ref
+  return None
+
+
 def with_ratios(rows: list[Row]) -> list[Row]:
-  """Ratio of each row's fwd+bwd time to the reference implementation of its op and length, and of
-  every op to cuDNN softmax at the same length."""
-  by_key = {(r.op, r.impl, r.length): r for r in rows}
-  softmax = {r.length: r for r in rows if r.op == "softmax"}
+  """Ratio of each row's fwd+bwd time to the reference implementation of its op, length and head shape,
+  and of every op to cuDNN softmax (its default shape) at the same length."""
+  by_key = {r.key: r for r in rows}
+  softmax = {r.length: r for r in rows if r.op == "softmax" and not r.shape}
   for r in rows:
-    ref = by_key.get((r.op, REFERENCE.get(r.op, ""), r.length)) or softmax.get(r.length)
+    ref = _reference_row(by_key, r) or softmax.get(r.length)
     if ref is not None and ref is not r and r.fwdbwd_ms and ref.fwdbwd_ms:
       r.reference = f"{ref.op}/{ref.impl}"
       r.ratio_fwdbwd = ref.fwdbwd_ms / r.fwdbwd_ms
@@ -380,14 +505,18 @@ def with_ratios(rows: list[Row]) -> list[Row]:
 
 
 def run_all(*, ops: list[str], lengths: list[int], tokens: int, dtype: str, repeats: int,
-            fla_ops: list[str], jsonl: str = "", lock: str = "", tune: list[str] = ()) -> list[Row]:
-  """Every op at every length, the TUNING settings of the ops in ``tune``, then FLA's kernels for
-  ``fla_ops``; rows already in ``jsonl`` are kept and not measured again. Timing holds ``lock`` (see
-  ``exclusive``)."""
+            fla_ops: list[str], jsonl: str = "", lock: str = "", tune: list[str] = (),
+            shapes: list[str] = ("default",), auto_only: bool = False) -> list[Row]:
+  """Every op at every length and head shape of the sets ``shapes`` (``shapes_for``; ``auto_only``:
+  only the forms "auto" chooses between, AUTO_CASES), the TUNING settings of the ops in ``tune``, then
+  FLA's kernels for ``fla_ops`` (default shapes); rows already in ``jsonl`` are kept and not measured
+  again. Timing holds ``lock`` (see ``exclusive``)."""
+  plan = {op_name: shapes_for(op_name, shapes) for op_name in ops}  # bad set names fail before timing
   log = RowLog(jsonl)
   for length in lengths:
     for op_name in ops:
-      run_op(log, op_name, length, tokens, dtype, repeats, lock)
+      for shape in plan[op_name]:
+        run_op(log, op_name, length, tokens, dtype, repeats, lock, shape=shape, auto_only=auto_only)
     for op_name in tune:
       run_op(log, op_name, length, tokens, dtype, repeats, lock, tune=True)
     if fla_ops:
@@ -398,19 +527,29 @@ def run_all(*, ops: list[str], lengths: list[int], tokens: int, dtype: str, repe
   return with_ratios([r for r in log.rows if r.length in lengths])
 
 
+def _heads(row: Row) -> str:
+  """The head shape of ``row`` for a table: its label, or its op's default shape's."""
+  default = DEFAULT_SHAPES.get(row.op)
+  return row.shape or (default.label if default else "")
+
+
 def format_table(rows: list[Row]) -> str:
+  """The rows as a markdown table; with a "heads" column when any row has a non-default head shape."""
   def ms(x):
     return "—" if x is None else f"{x:.3f}"
 
-  lines = ["| op | implementation | T | B | fwd ms | fwd+bwd ms | tok/s (fwd+bwd) | TFLOP/s (fwd+bwd) | speed-up vs | vs softmax | note |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  shaped = any(r.shape for r in rows)
+  heads = lambda r: f" {_heads(r)} |" if shaped else ""
+  lines = ["| op | implementation |" + (" heads |" if shaped else "") + " T | B | fwd ms | fwd+bwd ms | "
+           "tok/s (fwd+bwd) | TFLOP/s (fwd+bwd) | speed-up vs | vs softmax | note |",
+           "|---|---|" + ("---|" if shaped else "") + "---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     tokens_per_s = "—" if not r.fwdbwd_ms else f"{r.batch * r.length / r.fwdbwd_ms * 1e3:,.0f}"
     tflops = "—" if not r.fwdbwd_ms or not r.flops_fwd else f"{3 * r.flops_fwd / r.fwdbwd_ms / 1e9:.1f}"
     ratio = "" if r.ratio_fwdbwd is None else f"{r.ratio_fwdbwd:.2f}× {r.reference}"
     vs_softmax = "" if r.vs_softmax is None else f"{r.vs_softmax:.2f}×"
-    lines.append(f"| {r.op} | {r.impl} | {r.length} | {r.batch} | {ms(r.fwd_ms)} | {ms(r.fwdbwd_ms)} | "
-                 f"{tokens_per_s} | {tflops} | {ratio} | {vs_softmax} | {r.note} |")
+    lines.append(f"| {r.op} | {r.impl} |{heads(r)} {r.length} | {r.batch} | {ms(r.fwd_ms)} | "
+                 f"{ms(r.fwdbwd_ms)} | {tokens_per_s} | {tflops} | {ratio} | {vs_softmax} | {r.note} |")
   return "\n".join(lines)
 
 
@@ -422,22 +561,23 @@ def _file_order(path: str) -> tuple:
 
 def load_rows(directory: str, skip: tuple[str, ...] = ("agreement.jsonl",)) -> list[Row]:
   """Every Row of the ``*.jsonl`` files in ``directory`` (those named in ``skip`` aside), the last row of
-  each (op, implementation, length) winning, sorted by length, then op (softmax first, then as in
-  ``OPS``), then implementation in order of first appearance. Ratios are cleared (see ``with_ratios``)."""
+  each (op, implementation, length, shape) winning, sorted by length, then op (softmax first, then as in
+  ``OPS``), then head shape (the default first, then in order of first appearance), then implementation
+  in order of first appearance. Ratios are cleared (see ``with_ratios``)."""
   merged = {}
   paths = [p for p in glob.glob(os.path.join(directory, "*.jsonl")) if os.path.basename(p) not in skip]
   for path in sorted(paths, key=_file_order):
     for row in RowLog(path).rows:
-      merged[row.op, row.impl, row.length] = dataclasses.replace(row, reference="", ratio_fwdbwd=None,
-                                                                 vs_softmax=None)
+      merged[row.key] = dataclasses.replace(row, reference="", ratio_fwdbwd=None, vs_softmax=None)
   op_order = ["softmax", *(op for op in OPS if op != "softmax")]
-  impl_order = {}
+  impl_order, shape_order = {}, {"": 0}
   for row in merged.values():
     impl_order.setdefault((row.op, row.impl), len(impl_order))
+    shape_order.setdefault(row.shape, len(shape_order))
 
   def key(row):
     op_rank = op_order.index(row.op) if row.op in op_order else len(op_order)
-    return row.length, op_rank, row.op, impl_order[row.op, row.impl]
+    return row.length, op_rank, row.op, shape_order[row.shape], impl_order[row.op, row.impl]
 
   return sorted(merged.values(), key=key)
 

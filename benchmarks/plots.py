@@ -32,29 +32,34 @@ def tokens_per_s(row: Row) -> float | None:
   return row.batch * row.length / row.fwdbwd_ms * 1e3 if row.fwdbwd_ms else None
 
 
+def line_name(row: Row) -> str:
+  """The implementation, with the head shape of a row not at its op's default shape."""
+  return row.impl + (f" [{row.shape}]" if row.shape else "")
+
+
 def plot_tokens_per_s(rows: list[Row], path: str, title: str = "") -> None:
-  """fwd+bwd tokens/s vs T (log2 x, log y), one panel per op, one line per implementation (in order of
-  appearance, one colour per implementation name across panels), softmax as a dashed reference line
+  """fwd+bwd tokens/s vs T (log2 x, log y), one panel per op, one line per implementation and head shape
+  (in order of appearance, one colour per line name across panels), softmax as a dashed reference line
   in every panel; saved as a PNG."""
   plt = pyplot()
 
   timed = [r for r in rows if tokens_per_s(r)]
   softmax = [r for r in timed if r.op == "softmax"]
   ops = list(dict.fromkeys(r.op for r in timed if r.op != "softmax")) or ["softmax"]
-  impls = dict.fromkeys(r.impl for r in timed if r.op != "softmax")
+  impls = dict.fromkeys(line_name(r) for r in timed if r.op != "softmax")
   palette = plt.get_cmap("tab10" if len(impls) <= 10 else "tab20")
   colour = {impl: palette(i % palette.N) for i, impl in enumerate(impls)}
   cols = len(ops) if len(ops) <= 3 else math.ceil(math.sqrt(len(ops)))  # 4 panels: 2×2
   nrows = math.ceil(len(ops) / cols)
   fig, axes = plt.subplots(nrows, cols, figsize=(4.8 * cols, 3.8 * nrows), squeeze=False)
   for ax, op in zip(axes.flat, ops):
-    for impl in dict.fromkeys(r.impl for r in softmax):
-      series = sorted((r for r in softmax if r.impl == impl), key=lambda r: r.length)
+    for impl in dict.fromkeys(line_name(r) for r in softmax):
+      series = sorted((r for r in softmax if line_name(r) == impl), key=lambda r: r.length)
       ax.plot([r.length for r in series], [tokens_per_s(r) for r in series], "k--", marker=".", label=impl)
     if op != "softmax":
       op_rows = [r for r in timed if r.op == op]
-      for impl in dict.fromkeys(r.impl for r in op_rows):
-        series = sorted((r for r in op_rows if r.impl == impl), key=lambda r: r.length)
+      for impl in dict.fromkeys(line_name(r) for r in op_rows):
+        series = sorted((r for r in op_rows if line_name(r) == impl), key=lambda r: r.length)
         ax.plot([r.length for r in series], [tokens_per_s(r) for r in series], marker="o",
                 color=colour[impl], label=impl)
     ax.set_xscale("log", base=2)

@@ -1,6 +1,6 @@
 """Benchmark rows and their bookkeeping, shared by the JAX harness and the FLA bridge: a row per
-(op, implementation, length), a JSONL log that resumes, a timer and a lock for processes sharing one
-device, and counted FLOPs (see ``benchmarks.harness``)."""
+(op, implementation, length, head shape), a JSONL log that resumes, a timer and a lock for processes
+sharing one device, and counted FLOPs (see ``benchmarks.harness``)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ def fmt(x, spec: str, scale: float = 1.0) -> str:
 
 @dataclasses.dataclass
 class Row:
+  """One timed case. ``shape`` names its head shape ("H=4 K=96 V=192", ``harness.HeadShape.label``);
+  "" is the op's default shape (``harness.DEFAULT_SHAPES``), as in every row written before it existed."""
+
   op: str
   impl: str
   length: int
@@ -36,6 +39,11 @@ class Row:
   note: str = ""
   ratio_fwdbwd: float | None = None
   vs_softmax: float | None = None
+  shape: str = ""
+
+  @property
+  def key(self) -> tuple[str, str, int, str]:
+    return self.op, self.impl, self.length, self.shape
 
 
 def device_name() -> str:
@@ -83,7 +91,7 @@ class RowLog:
 
   Rows already in the file are loaded and not measured again, so a benchmark stopped by a time limit
   continues where it stopped when run again with the same file. A row that failed (an error note, no
-  time) is tried again; the file's last row of each (op, implementation, length) wins.
+  time) is tried again; the file's last row of each (op, implementation, length, shape) wins.
   """
 
   def __init__(self, path: str = ""):
@@ -93,19 +101,21 @@ class RowLog:
         for line in f:
           if line.strip():
             row = Row(**json.loads(line))
-            self._rows[row.op, row.impl, row.length] = row
+            self._rows[row.key] = row
 
   @property
   def rows(self) -> list[Row]:
     return list(self._rows.values())
 
-  def has(self, op: str, impl: str, length: int) -> bool:
-    row = self._rows.get((op, impl, length))
+  def has(self, op: str, impl: str, length: int, shape: str = "") -> bool:
+    row = self._rows.get((op, impl, length, shape))
     return row is not None and row.fwdbwd_ms is not None
 
   def add(self, row: Row) -> None:
-    self._rows[row.op, row.impl, row.length] = row
-    print(f"  {row.op} {row.impl} T={row.length}: {row.fwd_ms} / {row.fwdbwd_ms} ms {row.note}", flush=True)
+    self._rows[row.key] = row
+    heads = f" [{row.shape}]" if row.shape else ""
+    print(f"  {row.op} {row.impl}{heads} T={row.length}: {row.fwd_ms} / {row.fwdbwd_ms} ms {row.note}",
+          flush=True)
     if self.path:
       os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
       with open(self.path, "a") as f:
@@ -113,15 +123,18 @@ class RowLog:
 
 
 def measure(log: RowLog, op_name: str, impl: str, length: int, batch: int, fn: Callable | str,
-            time_fwd_and_fwdbwd: Callable[[Callable], tuple[float, float]], flops: float) -> None:
-  """Times ``fn`` (a string is a reason it cannot run) unless ``log`` has the row; errors become notes."""
-  if log.has(op_name, impl, length):
+            time_fwd_and_fwdbwd: Callable[[Callable], tuple[float, float]], flops: float,
+            shape: str = "") -> None:
+  """Times ``fn`` (a string is a reason it cannot run) unless ``log`` has the row; errors become notes.
+  ``shape``: the row's head-shape label ("" for the op's default shape)."""
+  if log.has(op_name, impl, length, shape):
     return
   if isinstance(fn, str):
-    log.add(Row(op_name, impl, length, batch, None, None, 0.0, note=fn))
+    log.add(Row(op_name, impl, length, batch, None, None, 0.0, note=fn, shape=shape))
     return
   try:
     fwd, fwdbwd = time_fwd_and_fwdbwd(fn)
-    log.add(Row(op_name, impl, length, batch, fwd, fwdbwd, flops))
+    log.add(Row(op_name, impl, length, batch, fwd, fwdbwd, flops, shape=shape))
   except Exception as e:  # An OOM or a backend without the kernel: report it, keep going.
-    log.add(Row(op_name, impl, length, batch, None, None, 0.0, note=f"{type(e).__name__}: {str(e)[:80]}"))
+    log.add(Row(op_name, impl, length, batch, None, None, 0.0, note=f"{type(e).__name__}: {str(e)[:80]}",
+                shape=shape))

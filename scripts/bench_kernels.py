@@ -9,7 +9,14 @@ with ms, tokens/s, achieved TFLOP/s (from counted FLOPs) and the ratio to the re
 and appends the rows to docs/BENCHMARKS.md with the date, device and command.
 
     python scripts/bench_kernels.py [--lengths=2048,8192,32768] [--tokens=16384] [--dtype=bfloat16] \
-        [--jsonl=runs/bench/kernels.jsonl] [--fla_ops=sanatan_p1,gated,taylor] [--lock=/tmp/bench.lock] [--tune=sanatan_p1]
+        [--jsonl=runs/bench/kernels.jsonl] [--fla_ops=sanatan_p1,gated,taylor] [--lock=/tmp/bench.lock] \
+        [--tune=sanatan_p1] [--shapes=default,preset,wide] [--auto_only]
+
+Head shapes (``benchmarks.harness.SHAPE_SETS``): "default" (the shapes of the tables, 12 heads of 64;
+Taylor 16 × d' 16 × dv 64), "preset" (the heads of every paper preset of configs/ that runs the op),
+"wide" (K, V in 128 / 256 / 512 at H · V = 1024). Rows record their shape; ``--auto_only`` times only
+the forms ``implementation="auto"`` chooses between (``AUTO_CASES``: the kernels it may pick and its
+XLA form).
 
 Compilation (Triton kernels, FLA autotuning) can take minutes per case: give ``--jsonl`` so that a run
 stopped by a time limit continues where it stopped. Several processes (one per T, say) can share one
@@ -41,15 +48,29 @@ _TUNE = flags.DEFINE_list("tune", [], "Ops whose Triton kernel is also timed at 
                           "benchmarks.harness.TUNING (chunk, value tile, warps), e.g. sanatan_p1,gated; "
                           "sanatan_p2 times the flash kernel at every FLASH_TUNING tiling, "
                           "sanatan_p1_fused the fused-chunk kernel at every FUSED_TUNING tiling.")
+_SHAPES = flags.DEFINE_list("shapes", ["default"], "Named sets of head shapes to time each op at: default, "
+                            "preset (the paper presets' heads), wide (K, V up to 512); softmax and FLA keep "
+                            "their default shapes.")
+_AUTO_ONLY = flags.DEFINE_bool("auto_only", False, "Time only the forms implementation='auto' chooses "
+                               "between (benchmarks.harness.AUTO_CASES: the kernels it may pick and its XLA "
+                               "form), not every precision variant and reference.")
 _LOCK = flags.DEFINE_string("lock", "", "A lock file shared by benchmark processes on one device: each "
                             "compiles freely but times only while holding it (runs per T side by side).")
 
 
 def main(argv):
   del argv
+  unknown = [op for op in _OPS.value if op not in bench.OPS]
+  if unknown:
+    raise app.UsageError(f"unknown op {unknown[0]!r} in --ops; valid: {', '.join(bench.OPS)}")
+  try:
+    for op in _OPS.value:
+      bench.shapes_for(op, _SHAPES.value)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   rows = bench.run_all(ops=_OPS.value, lengths=[int(x) for x in _LENGTHS.value], tokens=_TOKENS.value,
                        dtype=_DTYPE.value, repeats=_REPEATS.value, fla_ops=_FLA_OPS.value, jsonl=_JSONL.value,
-                       lock=_LOCK.value, tune=_TUNE.value)
+                       lock=_LOCK.value, tune=_TUNE.value, shapes=_SHAPES.value, auto_only=_AUTO_ONLY.value)
   table = bench.format_table(rows)
   print(table, flush=True)
   if _OUT.value:

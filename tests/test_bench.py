@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -98,3 +99,106 @@ def test_sanatan_xla_cases_compute_the_reference_function():
     for name in names:
       got = cases[name](*args)
       assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5, (op_name, name)
+
+
+def _preset_heads(module: str, name: str) -> set[tuple[str, "bench.HeadShape"]]:
+  """(benchmark op, head shape) of every mixer of ``module``'s preset ``name`` that runs a timed op,
+  read from the mixers built abstractly at the preset's width."""
+  import importlib
+
+  from flax import nnx
+
+  from lmcore import config as cfg_lib
+  from lmcore.mixers.base import InitSpec
+  from lmcore.registry import mixer_class
+
+  model = cfg_lib.experiment_config(importlib.import_module(f"configs.{module}").get_config(name)).model
+  heads = set()
+  for kind, config in model.mixers.items():
+    cls = mixer_class(kind)
+    m = nnx.eval_shape(lambda: cls(config, d_model=model.d_model, init=InitSpec(), rngs=nnx.Rngs(0)))
+    c = m.config
+    if kind == "sanatan":
+      op = "sanatan_p1" if c.p == 1 and c.channels == 6 else "sanatan_p2"
+      heads.add((op, bench.HeadShape(c.n_heads, c.head_dim, c.v_head_dim or c.head_dim)))
+    elif kind == "gla":
+      heads.add(("gated", bench.HeadShape(c.n_heads, m.head_k_dim, m.head_v_dim, "channel")))
+    elif kind == "cyfa":
+      heads.add(("gated", bench.HeadShape(c.n_heads, c.head_dim, c.v_head_dim, c.forget)))
+    elif kind == "taylor":
+      heads.add(("taylor", bench.HeadShape(c.n_heads, c.feature_dim, m.head_dim)))
+  return heads
+
+
+def test_preset_shapes_are_the_heads_of_the_paper_presets():
+  """``--shapes=preset`` times exactly the heads the paper presets of configs/ give each op."""
+  import importlib
+
+  found = set()
+  for module in ("sanatan", "based", "baselines"):
+    for name in importlib.import_module(f"configs.{module}").PRESETS:
+      if "tiny" not in name:
+        found |= _preset_heads(module, name)
+  for op_name in ("sanatan_p1", "sanatan_p2", "gated", "taylor"):
+    assert {shape for op, shape in found if op == op_name} == set(bench.PRESET_SHAPES[op_name]), op_name
+
+
+def test_shape_sets_give_each_op_its_heads_once():
+  gated = bench.shapes_for("gated", ["preset", "wide"])
+  assert {(s.key, s.value) for s in gated} >= {(k, v) for k in bench.WIDE for v in bench.WIDE}
+  assert all(s.heads * s.value == bench.WIDE_TOTAL for s in bench.WIDE_SHAPES["gated"])
+  assert bench.shapes_for("sanatan_p2", ["default", "preset"]) == [bench.HeadShape(12, 64, 64),
+                                                                    bench.HeadShape(8, 64, 64)]
+  assert bench.shapes_for("softmax", ["preset", "wide"]) == [bench.DEFAULT_SHAPES["softmax"]]
+  assert bench.shape_label("sanatan_p1", bench.HeadShape(12, 64, 64)) == ""
+  assert bench.shape_label("gated", bench.HeadShape(4, 128, 128, "head")) == "H=4 K=128 V=128 gate=head"
+  with pytest.raises(ValueError, match="set 'huge' in --shapes; valid: default, preset, wide"):
+    bench.shapes_for("gated", ["huge"])
+
+
+@pytest.mark.parametrize("op_name", ["sanatan_p1", "sanatan_p2", "gated", "taylor"])
+def test_shaped_cases_take_inputs_of_their_heads(op_name):
+  """At the widest "wide" shape every form "auto" chooses between traces on inputs of those heads."""
+  shape = bench.WIDE_SHAPES[op_name][-1]
+  args, cases, flops = bench.OPS[op_name](1, 16, "float32", shape)
+  assert args[0].shape == (1, 16, shape.heads, shape.key)
+  assert args[2].shape == (1, 16, shape.heads, shape.value)
+  for name in bench.AUTO_CASES[op_name]:
+    assert jax.eval_shape(cases[name], *args).shape == args[2].shape, name
+    assert flops[name] > 0
+
+
+def test_gated_cases_take_a_gate_per_head_or_per_key_channel():
+  per_head = bench.HeadShape(4, 128, 128, "head")
+  args, cases, _ = bench.OPS["gated"](1, 16, "float32", per_head)
+  assert args[3].shape == (1, 16, 4)
+  assert jax.eval_shape(cases["pallas"], *args).shape == (1, 16, 4, 128)
+  args, _, _ = bench.OPS["gated"](1, 16, "float32", bench.HeadShape(2, 32, 16, "channel"))
+  assert args[3].shape == (1, 16, 2, 32)
+
+
+def test_rows_record_their_head_shape_and_compare_within_it(tmp_path, monkeypatch):
+  """``--shapes=default,preset --auto_only`` on CPU with the timer replaced (a case "takes" K + V ms):
+  a row per form and shape, the shape in the row, ratios against the same shape's XLA form, a heads
+  column in the table; rows written before shapes existed read as default-shape rows."""
+  monkeypatch.setattr(bench, "_fwd_and_fwdbwd",
+                      lambda fn, args, repeats, lock="": (1.0, float(args[0].shape[-1] + args[2].shape[-1])))
+  jsonl = tmp_path / "kernels_16.jsonl"
+  rows = bench.run_all(ops=["softmax", "gated"], lengths=[16], tokens=16, dtype="float32", repeats=1,
+                       fla_ops=[], jsonl=str(jsonl), shapes=["default", "preset"], auto_only=True)
+  labels = ["", *(s.label for s in bench.PRESET_SHAPES["gated"])]
+  gated = [r for r in rows if r.op == "gated"]
+  assert [(r.shape, r.impl) for r in gated] == [(label, impl) for label in labels
+                                                for impl in ("pallas", "chunked (xla)")]
+  kernels = [r for r in gated if r.impl == "pallas"]
+  assert all(r.ratio_fwdbwd == 1.0 and r.reference == "gated/chunked (xla)" for r in kernels)
+  assert [r.shape for r in rows if r.op == "softmax"] == [""]
+  table = bench.format_table(rows)
+  assert "| gated | pallas | H=4 K=96 V=192 gate=channel | 16 | 1 |" in table
+  assert "| gated | pallas | H=12 K=64 V=64 gate=channel | 16 | 1 |" in table  # the default, named
+  old = {"op": "gated", "impl": "pallas", "length": 16, "batch": 1, "fwd_ms": 2.0, "fwdbwd_ms": 6.0,
+         "flops_fwd": 1.0}
+  (tmp_path / "old.jsonl").write_text(json.dumps(old) + "\n")
+  loaded = bench.load_rows(str(tmp_path))  # old.jsonl is read after kernels_16.jsonl: its row wins
+  assert [(r.shape, r.fwdbwd_ms) for r in loaded if r.op == "gated" and r.impl == "pallas"][:2] == [
+      ("", 6.0), ("H=4 K=96 V=192 gate=channel", 288.0)]
