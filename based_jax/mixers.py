@@ -110,8 +110,9 @@ class TaylorLinearAttention(nnx.Module):
     return float_bytes((batch_size, cfg.n_heads, f, self.head_dim), (batch_size, cfg.n_heads, f))
 
   def flops_per_token(self, seq_len: int) -> float:
-    """Forward FLOPs per token (``lmcore.mixers.flops``; "auto" as on a GPU, where it depends on T):
-    the projections, 2 · D · (2 H d' + D) + 2 · D · D (+ 2 · D · H with the decay), plus per head,
+    """Forward FLOPs per token (``lmcore.mixers.flops``; "auto" as on a GPU, where it depends on T
+    and the head widths): the projections, 2 · D · (2 H d' + D) + 2 · D · D (+ 2 · D · H with the
+    decay), plus per head,
     with dv = D / H, dv + 1 mixed columns (the normaliser) and scores A = 1 + s + s²/2 taken from
     the raw s = q · k / sqrt(d') (width d', not F) wherever they are pairwise:
 
@@ -125,7 +126,7 @@ class TaylorLinearAttention(nnx.Module):
     cfg = self.config
     d, V = cfg.feature_dim, self.head_dim + 1
     name = flops.on_gpu(resolve_implementation, cfg.implementation, length=seq_len,
-                        decay=cfg.decay)
+                        decay=cfg.decay, key_dim=d, value_dim=self.head_dim)
     if name in ("parallel", "pallas_blocked"):
       mixing = flops.quadratic(d, V, seq_len)
     elif name == "recurrent":

@@ -64,13 +64,10 @@ MODEL_184M = dict(vocab_size=126_349, d_model=768, n_layers=12, pattern="sanatan
 
 
 def _mixer(p: int, **fields):
-  # p = 1 with 6 channels trains at "auto", which resolves to the XLA chunked constant-state form on
-  # every backend (resolve_implementation). Every other variant trains at the XLA "parallel" form, the
-  # same on every backend (micro-batches of 8 sequences keep its T×T scores in memory): the form whose
-  # whole step docs/BENCHMARKS.md measures; "auto" would pick the flash kernels on a GPU (2.6× faster
-  # as an op, its whole step not yet timed) and XLA "blocked" elsewhere.
-  implementation = "auto" if p == 1 and fields.get("channels", 6) == 6 else "parallel"
-  return dict(n_heads=12, head_dim=64, p=p, implementation=implementation, **fields)
+  # Every variant trains at "auto" (resolve_implementation): on GPUs the fused-chunk kernel for p = 1
+  # with 6 channels and the flash kernels for every other power and channel variant; elsewhere XLA
+  # "chunked" and "parallel". docs/BENCHMARKS.md measures the whole steps.
+  return dict(n_heads=12, head_dim=64, p=p, implementation="auto", **fields)
 
 
 def _184m(p: int, train: dict, name: str, **mixer_fields):
@@ -81,7 +78,7 @@ def _184m(p: int, train: dict, name: str, **mixer_fields):
 
 
 def sanatan_184m_p2():
-  return _184m(2, paper_train(grad_accum=4), "sanatan_184m_p2")
+  return _184m(2, paper_train(), "sanatan_184m_p2")
 
 
 def sanatan_184m_p1_adapt():
@@ -261,7 +258,7 @@ ABLATIONS = {
 def _ablation(name: str):
   fields = dict(ABLATIONS[name])
   p = fields.pop("p")
-  return lambda: _184m(p, paper_train(steps=ABLATION_STEPS, grad_accum=4), f"sanatan_ablate_{name}",
+  return lambda: _184m(p, paper_train(steps=ABLATION_STEPS), f"sanatan_ablate_{name}",
                        **fields)
 
 

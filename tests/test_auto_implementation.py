@@ -1,4 +1,5 @@
-"""``implementation="auto"`` picks Pallas on GPU and XLA elsewhere (TPU included), per op and mixer.
+"""``implementation="auto"`` picks Pallas on GPU and XLA elsewhere (TPU included), per op and mixer;
+on a GPU only at heads no wider than a kernel was measured to win at, XLA for wider ones.
 
 Resolvers are checked with ``pallas_utils.backend`` patched to each platform; on this CPU host
 "auto" must give exactly the outputs of the XLA form it resolves to, in the ops and in the mixers.
@@ -10,8 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from based_jax.mixers import TaylorLinearAttention
 from based_jax.ops.taylor_attention import api as taylor
+from lmcore.mixers import GLA
 from lmcore.ops.common import pallas_utils
+from lmcore.ops.gated_delta_rule import api as delta
 from lmcore.ops.gated_linear_attention import api as gated
 from lmcore.registry import mixer_class
 from lmcore.mixers.base import InitSpec
@@ -41,18 +45,89 @@ def test_default_and_gated_pick_pallas_only_on_gpu(on, platform, expected):
   assert gated.resolve_implementation("recurrent") == "recurrent"
 
 
-@pytest.mark.parametrize("key_dim,value_dim,expected", [(64, 64, "pallas"), (128, 128, "pallas"),
-                                                        (192, 384, "chunked"), (64, 256, "chunked")])
-def test_gated_auto_keeps_wide_heads_on_xla_on_gpu(on, key_dim, value_dim, expected):
-  """The kernel is 13x slower than XLA chunked at K = 192, V = 384 on the H200: "auto" avoids it."""
+@pytest.mark.parametrize("key_dim,value_dim,expected", [
+    (64, 64, "pallas"), (32, 64, "pallas"), (128, 128, "pallas"), (96, 192, "chunked"),
+    (64, 128, "pallas"), (192, 384, "chunked"), (128, 129, "chunked"), (256, 64, "chunked")])
+def test_gated_auto_keeps_heads_wider_than_measured_on_xla_on_gpu(on, key_dim, value_dim, expected):
+  """The kernel beat XLA at every preset head up to 128 x 128 on the H200 (CyFA's 128 x 128,
+  repro_gla's 64 x 128); GLA 182M's 96 x 192 heads take XLA, whose whole step ran faster."""
   on("gpu")
   assert gated.resolve_implementation("auto", key_dim=key_dim, value_dim=value_dim) == expected
 
 
+@pytest.mark.parametrize("key_dim,value_dim", [(256, 256), (256, 1024), (512, 128), (512, 512)])
+def test_auto_is_xla_for_wide_heads_of_every_op_on_gpu(on, key_dim, value_dim):
+  """At heads this wide no kernel was measured to beat XLA (or compiled), so on a GPU "auto" is each
+  op's XLA form."""
+  on("gpu")
+  assert gated.resolve_implementation("auto", key_dim=key_dim, value_dim=value_dim) == "chunked"
+  assert delta.resolve_implementation("auto", key_dim=key_dim, value_dim=value_dim) == "chunked"
+  for p, xla in ((1, "chunked"), (2, "parallel")):
+    assert sanatan.resolve_implementation("auto", p=p, head_dim=key_dim, value_dim=value_dim) == xla
+  for length in (2048, 8192):  # Taylor's key width is d' (BASED: 16)
+    for d, dv in ((16, 512), (key_dim, 64)):
+      assert taylor.resolve_implementation("auto", length=length, key_dim=d, value_dim=dv) == "chunked"
+      assert taylor.resolve_implementation("auto", length=length, key_dim=d, value_dim=dv,
+                                           segments=True) == "parallel"
+
+
+@pytest.mark.parametrize("key_dim,value_dim,expected", [(16, 64, "pallas_blocked"), (8, 32, "pallas_blocked"),
+                                                        (16, 112, "pallas_blocked"), (16, 256, "pallas_blocked"),
+                                                        (16, 512, "chunked"), (32, 64, "chunked")])
+def test_taylor_auto_keeps_heads_wider_than_measured_on_xla_on_gpu(on, key_dim, value_dim, expected):
+  """The kernels beat XLA at d' = 16 up to dv = 256 (BASED 1.3B's 112 among them); wider take XLA."""
+  on("gpu")
+  assert taylor.resolve_implementation("auto", length=2048, key_dim=key_dim, value_dim=value_dim) == expected
+
+
+def _no_kernel(monkeypatch, module, *names):
+  """Makes the kernels ``names`` of the op ``module`` fail if "auto" runs them."""
+  def kernel(*args, **kwargs):
+    raise AssertionError("auto ran a kernel at heads wider than it was measured at")
+  for name in names:
+    monkeypatch.setitem(module.IMPLEMENTATIONS, name, kernel)
+
+
+def test_gated_auto_counts_the_normaliser_column_on_gpu(on, monkeypatch):
+  """A normalised form's kernel is V + 1 wide: at V = 128 "auto" runs XLA chunked on a GPU."""
+  on("gpu")
+  _no_kernel(monkeypatch, gated, "pallas")
+  B, T, H, K, V = 1, 8, 1, 4, 128
+  phi = lambda seed: jax.nn.elu(_normal(seed, B, T, H, K)) + 1
+  _same(gated.gated_linear_attention, "chunked", phi(0), phi(1), _normal(2, B, T, H, V), None,
+        normalize=True, chunk_size=4)
+
+
+def test_taylor_auto_runs_xla_for_wide_values_on_gpu(on, monkeypatch):
+  """dv = 320 is wider than the kernels were measured to win at: "auto" runs XLA chunked on a GPU."""
+  on("gpu")
+  _no_kernel(monkeypatch, taylor, "pallas", "pallas_blocked")
+  B, T, H, d, V = 1, 8, 1, 4, 320
+  _same(taylor.taylor_linear_attention, "chunked", _normal(0, B, T, H, d), _normal(1, B, T, H, d),
+        _normal(2, B, T, H, V), chunk_size=4)
+
+
+def _abstract(cls, d_model: int, **fields):
+  return nnx.eval_shape(lambda: cls(cls.Config(**fields), d_model=d_model, init=InitSpec(),
+                                    rngs=nnx.Rngs(0)))
+
+
+def test_flop_counts_follow_auto_by_head_shape():
+  """The model card counts "auto" as it resolves on a GPU, head widths included: GLA 182M's heads
+  (96 x 192) count XLA chunked, narrower ones and BASED 1.3B's (d' = 16, dv = 112) the kernels."""
+  def flops(cls, d_model, implementation, **fields):
+    return _abstract(cls, d_model, implementation=implementation, **fields).flops_per_token(2048)
+
+  assert flops(GLA, 768, "auto") == flops(GLA, 768, "chunked")
+  assert flops(GLA, 768, "auto", n_heads=12) == flops(GLA, 768, "pallas", n_heads=12)
+  assert flops(TaylorLinearAttention, 1792, "auto") == flops(TaylorLinearAttention, 1792, "pallas_blocked")
+  assert flops(TaylorLinearAttention, 1024, "auto") == flops(TaylorLinearAttention, 1024, "pallas_blocked")
+
+
 @pytest.mark.parametrize("platform,p,channels,expected", [
-    ("gpu", 1, 6, "chunked"), ("cpu", 1, 6, "chunked"), ("tpu", 1, 6, "chunked"),
-    ("gpu", 2, 6, "pallas_flash"), ("cpu", 2, 6, "blocked"), ("tpu", 2, 6, "blocked"),
-    ("gpu", 1, 4, "pallas_flash"), ("cpu", 1, 4, "blocked"),
+    ("gpu", 1, 6, "pallas_fused"), ("cpu", 1, 6, "chunked"), ("tpu", 1, 6, "chunked"),
+    ("gpu", 2, 6, "pallas_flash"), ("cpu", 2, 6, "parallel"), ("tpu", 2, 6, "parallel"),
+    ("gpu", 1, 4, "pallas_flash"), ("cpu", 1, 4, "parallel"),
 ])
 def test_sanatan_resolver(on, platform, p, channels, expected):
   on(platform)
@@ -90,7 +165,7 @@ def _same(fn, implementation, *args, **kwargs):
   jax.tree.map(np.testing.assert_array_equal, auto, xla)
 
 
-@pytest.mark.parametrize("p,implementation", [(1, "chunked"), (2, "blocked")])
+@pytest.mark.parametrize("p,implementation", [(1, "chunked"), (2, "parallel")])
 def test_sanatan_auto_on_cpu_is_its_xla_form(p, implementation):
   B, T, H, d = 2, 11, 2, 4
   args = (_normal(0, B, T, H, d) / 2, _normal(1, B, T, H, d) / 2, _normal(2, B, T, H, d),
@@ -143,14 +218,16 @@ def test_sanatan_mixer_config_accepts_auto(p, channels):
   SanatanMixer.Config(p=p, channels=channels, implementation="auto")
 
 
-def test_sanatan_mixer_with_auto_lowers_to_xla_for_a_gpu():
-  """Lowered for an abstract H200, the "auto" mixer's forward is XLA (measured faster), no kernel."""
-  mixer = SanatanMixer(SanatanMixer.Config(n_heads=2, head_dim=16, implementation="auto"),
+@pytest.mark.parametrize("head_dim,kernel", [(16, True), (256, False)])
+def test_sanatan_mixer_with_auto_lowers_to_the_fused_kernel_for_a_gpu(head_dim, kernel):
+  """Lowered for an abstract H200, the "auto" p = 1 mixer's forward is the fused-chunk Triton kernel
+  (measured faster) at heads up to 128 wide, and XLA chunked at wider heads."""
+  mixer = SanatanMixer(SanatanMixer.Config(n_heads=2, head_dim=head_dim, implementation="auto"),
                        d_model=D, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(mixer)
   forward = lambda state, x: nnx.merge(graphdef, state)(x)[0]
   x = jax.ShapeDtypeStruct((1, 32, D), jnp.float32)
-  assert "xla.gpu.triton" not in pallas_utils.lower_for_gpu(forward, state, x).as_text()
+  assert ("xla.gpu.triton" in pallas_utils.lower_for_gpu(forward, state, x).as_text()) == kernel
 
 
 @pytest.mark.parametrize("kind", ["gla", "cyfa"])

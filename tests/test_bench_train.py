@@ -93,10 +93,10 @@ def test_profile_breaks_down_the_traced_steps_of_a_tiny_preset(tmp_path, capsys)
 
 
 def test_each_preset_keeps_its_micro_batch_at_the_common_batch():
-  configs = {name: train_step.bench_config(name, batch=32, seq_len=2048, overrides=[])[0]
+  configs = {name: train_step.bench_config(name, batch=64, seq_len=2048, overrides=[])[0]
              for name in ("softmax_184m", "sanatan_p2_184m", "based_360m")}
-  assert configs["sanatan_p2_184m"].train.grad_accum == 4  # micro-batches of 8, as the preset trains
-  assert configs["based_360m"].train.grad_accum == 1  # its micro-batch is 32
+  assert configs["sanatan_p2_184m"].train.grad_accum == 2  # micro-batches of 32, as the preset trains
+  assert configs["based_360m"].train.grad_accum == 2
   softmax = configs["softmax_184m"].model
   assert softmax.layer_kinds() == ("softmax",) * 12 and softmax.vocab_size == 126_349
   assert softmax.mixers["softmax"].n_heads == 12 and not softmax.mixers["softmax"].rope

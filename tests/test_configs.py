@@ -79,15 +79,13 @@ def test_based_windows_follow_the_paper_with_the_released_value_as_a_preset():
 
 
 def test_paper_presets_use_auto_where_a_kernel_is_faster_and_tiny_presets_keep_xla():
-  """``auto`` (Pallas on GPU, XLA elsewhere) for SANATAN p = 1 6ch, BASED Taylor, GLA and CyFA; p >= 2 keeps
-  the materialised parallel form; the CPU tiny presets keep their pinned XLA forms."""
+  """``auto`` (kernels on GPUs, XLA elsewhere) for every 184M SANATAN variant, BASED Taylor, GLA and
+  CyFA; the CPU tiny presets keep their pinned XLA forms."""
   def implementation(name, preset, kind):
     config = importlib.import_module(f"configs.{name}").get_config(preset)
     return cfg_lib.experiment_config(config).model.mixers[kind].implementation
-  for preset in ("184m_p1_adapt", "184m_p1_scratch"):
+  for preset in ("184m_p1_adapt", "184m_p1_scratch", "184m_p2", "ablate_p4", "ablate_4ch_p2", "ablate_3ch_clean"):
     assert implementation("sanatan", preset, "sanatan") == "auto"
-  for preset in ("184m_p2", "ablate_p4", "ablate_4ch_p2", "ablate_3ch_clean"):
-    assert implementation("sanatan", preset, "sanatan") == "parallel"
   for preset in ("360m", "1p3b_50b", "1p3b_decay"):
     assert implementation("based", preset, "taylor") == "auto"
   assert implementation("baselines", "gla_182m", "gla") == "auto"

@@ -66,7 +66,7 @@ def linear_attention_flops(implementation: str, chunk_size: int | None, n_heads:
   * ``chunked`` / ``xla`` / ``pallas``: per head 2 · C' · (F + V) + 4 · F · V with C' = min(C, T),
     C = ``chunk_size`` or the implementation's default (XLA 64, the Triton kernel 16).
   """
-  name = flops.on_gpu(resolve_implementation, implementation)
+  name = flops.on_gpu(resolve_implementation, implementation, key_dim=features, value_dim=values)
   if name == "parallel":
     return n_heads * flops.quadratic(features, values, seq_len)
   if name == "recurrent":

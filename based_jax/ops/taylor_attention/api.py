@@ -27,7 +27,8 @@ Implementations (``IMPLEMENTATIONS``):
   (Mosaic) where ``pallas_utils.backend()`` is "tpu"; no decay ablation.
 * ``pallas_blocked``: the quadratic form block by block (``pallas_triton_blocked.py``, Triton;
   interpreted off GPU); no decay ablation.
-* ``auto``: see ``resolve_implementation``.
+* ``auto``: see ``resolve_implementation`` (the kernels on GPUs for heads up to
+  ``KERNEL_MAX_KEY_DIM`` x ``KERNEL_MAX_VALUE_DIM``, XLA otherwise).
 """
 
 from __future__ import annotations
@@ -85,20 +86,34 @@ IMPLEMENTATIONS: dict[str, Callable[..., tuple[jax.Array, TaylorState]]] = {
 }
 
 
+# The widest heads "auto" gives the Triton kernels: the widest they were timed at against XLA (H200,
+# fwd+bwd, B 8 × T 2048, d' = 16; resolve_implementation): dv = 64, 112 (BASED 1.3B), 128 and 256, where
+# the blocked kernel took 1.54 / 2.58 / 1.17 / 1.67 ms against XLA chunked's 9.34 / 11.71 / 7.48 / 8.09
+# and the chunked kernel 4.40 / 6.61 / 4.37 / 3.40. Every program holds a head's whole d' (the chunked
+# kernels carry d' + 1 groups of [d', 32] state tiles, so the state grows as d'²) and the blocked
+# kernels its whole dv (the chunked ones tile dv + 1 by 32). Wider heads take XLA.
+KERNEL_MAX_KEY_DIM = 16
+KERNEL_MAX_VALUE_DIM = 256
+
+
 def resolve_implementation(implementation: str | None, **problem) -> str:
   """The form "auto" (or None) runs for this problem; other names are checked and pass through.
 
-  Reads ``length`` (T), ``decay`` (the decay ablation is on: ``decay`` or ``dt`` given) and
-  ``segments`` (``segment_ids`` given). On a GPU without the decay ablation (which the kernels
-  lack) the Pallas kernels: "pallas_blocked" for T < ``BLOCKED_BELOW``, else "pallas" (H200
-  fwd+bwd 2.05× / 3.71× / 5.97× XLA chunked at T = 2048 / 8192 / 32768; the blocked ones 5.9× at
-  2048). Otherwise XLA (TPUs too: libtpu has never compiled the Mosaic kernels): "chunked", or
-  with ``segments``, which chunked does not take, "parallel", the fastest XLA form that does
-  (0.86× chunked at T = 2048 on the H200, at the cost of B H T² fp32 scores); "recurrent" is a
-  T-step serial scan, the decode path.
+  Reads ``length`` (T), ``decay`` (the decay ablation is on: ``decay`` or ``dt`` given),
+  ``segments`` (``segment_ids`` given), ``key_dim`` (d') and ``value_dim`` (dv; unknown widths
+  count as small). On a GPU without the decay ablation (which the kernels lack), for heads of at
+  most ``KERNEL_MAX_KEY_DIM`` x ``KERNEL_MAX_VALUE_DIM``, the Pallas kernels: "pallas_blocked" for
+  T < ``BLOCKED_BELOW``, else "pallas" (H200 fwd+bwd 2.05× / 3.71× / 5.97× XLA chunked at
+  T = 2048 / 8192 / 32768; the blocked ones 5.9× at 2048). Otherwise XLA (TPUs too: libtpu has
+  never compiled the Mosaic kernels): "chunked", or with ``segments``, which chunked does not take,
+  "parallel", the fastest XLA form that does (0.86× chunked at T = 2048 on the H200, at the cost of
+  B H T² fp32 scores); "recurrent" is a T-step serial scan, the decode path.
   """
+  narrow = (problem.get("key_dim", 0) <= KERNEL_MAX_KEY_DIM
+            and problem.get("value_dim", 0) <= KERNEL_MAX_VALUE_DIM)
+
   def auto() -> str:
-    if pallas_utils.backend() == "gpu" and not problem.get("decay", False):
+    if pallas_utils.backend() == "gpu" and narrow and not problem.get("decay", False):
       length = problem.get("length")
       return "pallas_blocked" if length is not None and length < BLOCKED_BELOW else "pallas"
     return "parallel" if problem.get("segments", False) else "chunked"
@@ -137,7 +152,8 @@ def taylor_linear_attention(
   """
   implementation = resolve_implementation(implementation, length=q.shape[1],
                                           decay=decay is not None or dt is not None,
-                                          segments=segment_ids is not None)
+                                          segments=segment_ids is not None, key_dim=q.shape[-1],
+                                          value_dim=v.shape[-1])
   check_args(q, k, v, implementation, decay, dt, segment_ids)
   pallas_utils.check_precision(kernel_precision, "taylor_linear_attention")
   return IMPLEMENTATIONS[implementation](

@@ -19,8 +19,8 @@ Implementations (all compute the same function; tests/ops/gated_linear_attention
   * ``chunked`` / ``xla``: chunks of ``chunk_size`` tokens, ``lax.scan`` over chunks (xla.py);
   * ``pallas``: the Triton-Pallas kernel (pallas_triton.py; interpret mode off GPU), on TPU the
     Mosaic kernel (pallas_mosaic_tpu.py);
-  * ``auto`` (or None): ``pallas`` on GPU for heads up to 128 wide, ``chunked`` otherwise and
-    elsewhere (``resolve_implementation``).
+  * ``auto`` (or None): ``pallas`` on GPU for heads at most ``KERNEL_MAX_KEY`` x ``KERNEL_MAX_VALUE``
+    wide (128 x 128), ``chunked`` otherwise and elsewhere (``resolve_implementation``).
 """
 
 from __future__ import annotations
@@ -68,15 +68,20 @@ _CHUNKED = ("chunked", "xla", "pallas")
 
 
 # The widest key and value a head may have for "auto" to pick the Triton kernel. Measured on one H200
-# (fwd+bwd, bf16): at K = V = 64 the kernel takes 1.17 ms against XLA chunked's 1.98; at K = 192,
-# V = 384 with per-key gates it takes 84.0 ms against 6.53 (docs/BENCHMARKS.md).
+# (fwd+bwd, bf16, B 8 × T 2048, docs/BENCHMARKS.md), kernel against XLA chunked: per-key gates 12 × 32 × 64
+# 1.02 / 3.50 ms, 4 × 64 × 128 1.20 / 2.07 (repro_gla), 4 × 96 × 192 3.58 / 4.79 (GLA 182M); per-head
+# gates 4 × 128 × 128 1.00 / 1.69 (CyFA). GLA 182M's heads (V = 192) stay on XLA: its whole train step
+# ran faster there (168K against 130K tok/s) though the op alone is faster on the kernel. Each program
+# holds a head's whole key width (padded to a power of two) and, with per-key gates, a [16, 16, K] fp32
+# decay block per sub-chunk; values come in tiles of 64.
 KERNEL_MAX_KEY, KERNEL_MAX_VALUE = 128, 128
 
 
 def resolve_implementation(implementation: str | None, **problem) -> str:
   """"auto" and None: "pallas" on a GPU for heads of at most ``KERNEL_MAX_KEY`` keys and
-  ``KERNEL_MAX_VALUE`` values (``key_dim=``, ``value_dim=``; unknown widths count as small), else
-  XLA "chunked"; a name of ``IMPLEMENTATIONS`` as is; anything else a ValueError."""
+  ``KERNEL_MAX_VALUE`` values (``key_dim=``, ``value_dim=``: the kernel's widths, V + 1 for a
+  normalised form; unknown widths count as small), else XLA "chunked"; a name of
+  ``IMPLEMENTATIONS`` as is; anything else a ValueError."""
   key_dim, value_dim = problem.get("key_dim", 0), problem.get("value_dim", 0)
 
   def auto() -> str:
@@ -121,7 +126,9 @@ def gated_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array,
       inputs instead of keeping the chunk states and intra-chunk blocks (``xla.chunked``).
   """
   check_shapes(q, k, v, log_forget, state, segment_ids)
-  implementation = resolve_implementation(implementation, key_dim=q.shape[-1], value_dim=v.shape[-1])
+  # A normalised form's kernel carries one more value column (the key sum): its width is V + 1.
+  implementation = resolve_implementation(implementation, key_dim=q.shape[-1],
+                                          value_dim=v.shape[-1] + int(normalize))
   pallas_utils.check_precision(kernel_precision, OP)
   options = {}
   if chunk_size is not None and implementation in _CHUNKED:

@@ -23,8 +23,9 @@ with ``s_tj = Phi(q_t).Phi(k_j)`` (sanatan_jax.features; 4ch clips ``s`` at 0, 3
 * ``pallas_fused`` (p = 1, 6ch): the fused-chunk Triton kernels of pallas_triton_fused.py (features
   from XLA, each program carrying its channels' state through the chunks in order; their own
   tiles, not ``chunk_size``); GPUs only, interpreted on a CPU.
-* ``auto`` (or None): XLA ``chunked`` for p = 1 with 6ch on every backend; every other variant
-  ``pallas_flash`` on GPUs and XLA ``blocked`` elsewhere (``resolve_implementation``).
+* ``auto`` (or None): p = 1 with 6ch ``pallas_fused`` on GPUs and XLA ``chunked`` elsewhere; every
+  other variant ``pallas_flash`` on GPUs and XLA ``parallel`` elsewhere; heads wider than the kernels
+  were measured to win at take XLA on GPUs too (``resolve_implementation``).
 
 Packed documents: a document is a maximal run of equal ``segment_ids`` in a row
 (``segments.document_index``). A token sees only its own document, and an incoming state belongs to
@@ -118,10 +119,15 @@ IMPLEMENTATIONS: dict[str, Backend] = {
 }
 
 
-# The widest heads "auto" gives the flash kernels: their default tiles were compiled and timed on the
-# H200 at 64; wider heads multiply their shared memory (176 KiB at 64) past the chip's 227 KiB.
+# The widest heads "auto" gives the Triton kernels, from their timings against XLA on the H200 (fwd+bwd,
+# B 8 × T 2048, docs/BENCHMARKS.md). Flash (p >= 2): compiled and faster at 64 (2.55× parallel); at 128 its
+# tiles need more shared memory than the chip's 227 KiB. Fused-chunk (p = 1): faster than XLA chunked at
+# every measured head of d <= 128 (d × dv = 64 × 64 1.41×, 128 × 128 1.26×, 128 × 256 1.16×, 128 × 512
+# 1.03×); at d = 256 it loses with dv = 512 (0.70×) and at d = 512 it does not compile.
 FLASH_MAX_HEAD_DIM = 64
 FLASH_MAX_VALUE_DIM = 64
+FUSED_MAX_HEAD_DIM = 128
+FUSED_MAX_VALUE_DIM = 512
 
 
 def resolve_implementation(implementation: str | None, **problem) -> str:
@@ -129,25 +135,29 @@ def resolve_implementation(implementation: str | None, **problem) -> str:
   (default 1, 6 and unknown widths, which count as small; other problem facts are ignored); a name of
   ``IMPLEMENTATIONS`` passes through, any other raises ValueError.
 
-  Measured on one H200 (fwd+bwd, B 8 × T 2048, 12 heads of 64, bf16; docs/BENCHMARKS.md): p = 2,
-  the flash kernels ("pallas_flash") 3.69 ms against XLA "parallel" 9.76 and the blocked kernel's
-  63.0, agreeing with XLA in fp32 to 1.5e-6 on the GPU; p = 1 with 6 channels, XLA "chunked" (C = 128)
-  4.37 ms against the older Triton kernel's 6.57. So "auto" is "chunked" for the constant-state case
-  on every backend, and for every other power and channel variant "pallas_flash" on GPUs and the
-  memory-bounded XLA "blocked" elsewhere (the Mosaic kernels have not been timed on a TPU). The
-  fused-chunk p = 1 kernel ("pallas_fused", 2.86 ms) is faster than "chunked" but has been checked
-  against the references only in interpret mode, so it is chosen by name. Heads wider than
-  ``FLASH_MAX_HEAD_DIM`` / ``FLASH_MAX_VALUE_DIM`` take XLA "parallel" on GPUs.
+  Measured on one H200 (fwd+bwd, 12 heads of 64, bf16, 16,384 tokens; docs/BENCHMARKS.md): p = 1
+  with 6 channels, the fused-chunk kernels ("pallas_fused") 2.82 / 3.43 / 7.48 ms at T = 2048 / 8192 /
+  32768 against XLA "chunked" (C = 128) 4.66 / 4.67 / 16.7 and the chunk-parallel kernel 6.55 / 6.59 /
+  12.9, agreeing with XLA in fp32 to 1.2e-6 on the GPU (bf16: 6.4e-3, below XLA's own 8.4e-3); p = 2,
+  the flash kernels ("pallas_flash") 3.69 ms at 8 × 2048 against XLA "parallel" 9.76, agreeing to
+  1.5e-6. So on GPUs "auto" is "pallas_fused" for the constant-state case and "pallas_flash" for every
+  other power and channel variant; elsewhere it is XLA "chunked" and XLA "parallel" (the Mosaic kernels
+  have not been timed on a TPU; compiled for a TPU v4 at 8 × 2048 per chip, "parallel" has a third of
+  "blocked"'s roofline time, 33.9 against 95.3 ms, in the same temporary memory, 1.6 GiB). Heads wider than ``FLASH_MAX_HEAD_DIM`` /
+  ``FLASH_MAX_VALUE_DIM`` (flash) or ``FUSED_MAX_HEAD_DIM`` / ``FUSED_MAX_VALUE_DIM`` (fused) take the
+  XLA form ("parallel", "chunked") on GPUs.
   """
   p, channels = problem.get("p", 1), problem.get("channels", 6)
-  narrow = (problem.get("head_dim", 0) <= FLASH_MAX_HEAD_DIM and problem.get("value_dim", 0) <= FLASH_MAX_VALUE_DIM)
+  d, dv = problem.get("head_dim", 0), problem.get("value_dim", 0)
+  on_gpu = pallas_utils.backend() == "gpu"
 
   def auto() -> str:
     if has_constant_state(p, channels):
-      return "chunked"
-    if pallas_utils.backend() == "gpu":
-      return "pallas_flash" if narrow else "parallel"
-    return "blocked"
+      fits = d <= FUSED_MAX_HEAD_DIM and dv <= FUSED_MAX_VALUE_DIM
+      return "pallas_fused" if on_gpu and fits else "chunked"
+    if on_gpu and d <= FLASH_MAX_HEAD_DIM and dv <= FLASH_MAX_VALUE_DIM:
+      return "pallas_flash"
+    return "parallel"
 
   return implementations.resolve("sanatan_attention", implementation, IMPLEMENTATIONS, auto)
 
