@@ -2,7 +2,7 @@
 
 ``DEFAULTS``: ``--xla_gpu_enable_triton_gemm=false`` runs XLA's matrix multiplications on cuBLAS
 instead of its Triton GEMM emitter. On one H200 (``scripts/bench_train.py``, 32 × 2048, two processes
-in one session; docs/BENCHMARKS.md) the softmax model on the SANATAN 184M backbone went from 308.0 to
+one after the other; docs/BENCHMARKS.md) the softmax model on the SANATAN 184M backbone went from 308.0 to
 243.5 ms per step (212.8K → 269.1K tokens/s) and SANATAN p = 1 from 406.3 to 338.7 ms: the Triton
 GEMMs of the tied 126,349-word output layer took 45% of the softmax step. The flag only concerns
 GPUs; other backends ignore it. A flag already named in ``XLA_FLAGS`` is left as the user set it.
