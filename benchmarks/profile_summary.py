@@ -1,4 +1,4 @@
-"""Where the device time of a traced train step goes, from a ``jax.profiler`` trace (``scripts/bench_train.py
+"""Where the kernel time of a traced train step goes, from a ``jax.profiler`` trace (``scripts/bench_train.py
 --profile``).
 
 ``jax.profiler.trace(dir, create_perfetto_trace=True)`` writes ``dir/plugins/profile/<run>/`` with
@@ -92,7 +92,7 @@ class HloOp:
 
 @dataclasses.dataclass
 class Breakdown:
-  """Device time per traced step and device (the mean over devices), in ms, by category, by scope and by
+  """Kernel time per traced step and device (the mean over devices), in ms, by category, by scope and by
   kernel."""
   source: str  # which trace rows were read
   steps: int
@@ -275,7 +275,7 @@ def classify(op: Op, hlo: dict[str, HloOp]) -> tuple[str, str, str]:
 
 def summarize(trace: dict[str, Any] | list[dict], *, steps: int, hlo_text: str = "", top: int = 15,
               step_ms: float | None = None) -> Breakdown:
-  """The device time of ``steps`` traced steps (``trace``: the JSON or its events), per step and device,
+  """The kernel time of ``steps`` traced steps (``trace``: the JSON or its events), per step and device,
   by category, scope and kernel; ``hlo_text``: the compiled step's HLO (names the ops' scopes)."""
   events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
   module, hlo = hlo_ops(hlo_text) if hlo_text else ("", {})
@@ -323,7 +323,7 @@ def to_markdown(b: Breakdown, title: str) -> str:
   """The breakdown as a heading, a summary line and three tables (category, scope, top kernels)."""
   timed = "" if b.step_ms is None else f"; the timed step took {b.step_ms:.2f} ms"
   devices = "" if b.devices == 1 else f", per device (the mean of {b.devices})"
-  lines = [f"### Device time per train step: {title}", "",
+  lines = [f"### Kernel time per train step: {title}", "",
            f"{b.steps} traced steps, {b.source} ({b.rows} rows){devices}: ops {b.op_ms:.3f} ms/step "
            f"(Σ durations, {b.ops_per_step:.0f} ops), busy {b.busy_ms:.3f} ms/step (their union){timed}."]
   if b.note:

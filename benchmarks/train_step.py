@@ -6,7 +6,7 @@ length, keeping the preset's micro-batch (its memory plan: ``batch_size / grad_a
 preset: compile seconds (lowering + XLA compilation), ms per step and tokens/s over the timed steps
 (after warm-up steps), MFU from the model card's training FLOPs per token and, as in the papers' "6N"
 convention, from 6 × parameters, XLA's memory plan of the compiled step and the device's peak memory.
-With a profile directory, a few more steps are traced with ``jax.profiler`` and their device time is
+With a profile directory, a few more steps are traced with ``jax.profiler`` and their kernel time is
 broken down by category, scope and kernel (``benchmarks/profile_summary.py``).
 """
 
@@ -81,7 +81,7 @@ class TrainRow:
   loss: float | None = None
   vs_softmax: float | None = None
   note: str = ""
-  profile: str = ""  # the device-time breakdown (markdown) of the traced steps
+  profile: str = ""  # the kernel-time breakdown (markdown) of the traced steps
 
 
 def preset_config(name: str) -> ml_collections.ConfigDict:

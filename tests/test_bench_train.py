@@ -87,7 +87,7 @@ def test_profile_breaks_down_the_traced_steps_of_a_tiny_preset(tmp_path, capsys)
   assert scopes["optimizer"]["ms"] == pytest.approx(scopes["optimizer"]["outside_ms"])
   assert 0 < len(data["top"]) <= 15
   out = capsys.readouterr().out
-  assert "### Device time per train step: sanatan:tiny" in out and "| category | ms/step |" in out
+  assert "### Kernel time per train step: sanatan:tiny" in out and "| category | ms/step |" in out
   with pytest.raises(train_step.BenchError, match="--profile_steps=0"):
     train_step.run(["sanatan:tiny"], batch=2, seq_len=16, steps=1, profile=str(tmp_path), profile_steps=0)
 

@@ -1,4 +1,4 @@
-"""The device-time breakdown of a traced step (benchmarks/profile_summary.py) on synthetic traces: which
+"""The kernel-time breakdown of a traced step (benchmarks/profile_summary.py) on synthetic traces: which
 rows hold device ops (GPU streams, not the summary rows of the device or the host's launches; host ops
 on the CPU backend, innermost only), the category and scope of each op from its kernel name and its
 HLO instruction, per-step totals, the top kernels and the markdown and JSON files."""
@@ -163,7 +163,7 @@ def test_markdown_and_json_files(tmp_path):
   md, js = ps.write(b, str(tmp_path), ps.file_stem("sanatan:tiny", "train.loss_impl=fused"), "sanatan:tiny")
   assert md.endswith("sanatan_tiny_train.loss_impl=fused_breakdown.md")
   text = open(md).read()
-  assert "### Device time per train step: sanatan:tiny" in text and "the timed step took 1.25 ms" in text
+  assert "### Kernel time per train step: sanatan:tiny" in text and "the timed step took 1.25 ms" in text
   assert "| matmul | 0.180 | 42.4% | 2 |" in text and "| total | 0.425 | 100% | 10 |" in text
   assert "| mlp | 0.180 | 42.4% | 0.100 | 0.080 | 0.000 |" in text
   assert "| `nvjet_tst_128x256_64x4_2x1_v_bz` | matmul | mlp | 1 | 0.100 | 100.0 | 23.5% |" in text
