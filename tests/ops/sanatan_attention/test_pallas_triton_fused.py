@@ -185,3 +185,32 @@ def test_the_mixer_counts_the_kernel_at_its_own_chunk():
 
   chunk = pallas_triton_fused.DEFAULT_CHUNK
   assert flops(implementation="pallas_fused") == flops(implementation="chunked", chunk_size=chunk)
+
+
+@pytest.mark.parametrize("implementation", ["pallas_fused", "pallas_flash"])
+def test_the_backward_does_not_keep_the_forwards_features(monkeypatch, implementation):
+  """The kernels' backward recomputes Phi behind ``base.after_cotangent``: without it XLA merges the
+  recomputation with the forward's and keeps every layer's features until the backward, which the
+  compiled step's temporaries show (3 layers, compiled, not run)."""
+  from sanatan_jax.ops.sanatan_attention import pallas_triton_flash
+
+  B, T, H, d, L = 1, 64, 2, 16, 3
+  x = jax.random.normal(jax.random.key(0), (B, T, H, d), jnp.bfloat16)
+  W = jax.random.normal(jax.random.key(1), (L, d, d)) * 0.1
+  omega, lam_raw = jnp.full((H, d), 0.7), jnp.zeros((H, d))
+  p = 1 if implementation == "pallas_fused" else 2
+
+  def loss(W, x):
+    for layer in range(L):
+      q = (x @ W[layer].astype(x.dtype)) * 0.25
+      x = x + sanatan_attention(q, q, x, omega, lam_raw, p=p, implementation=implementation)[0]
+    return jnp.sum(x.astype(jnp.float32))
+
+  def temporaries():
+    compiled = jax.jit(jax.grad(loss)).lower(W, x).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  with_barrier = temporaries()
+  for module in (pallas_triton_fused, pallas_triton_flash):
+    monkeypatch.setattr(module, "after_cotangent", lambda inputs, cotangent: tuple(inputs))
+  assert with_barrier < temporaries()
