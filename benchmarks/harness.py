@@ -368,13 +368,10 @@ def flash_tuning_cases(batch: int, length: int, dtype) -> tuple[tuple, dict, dic
 # Tilings of the SANATAN p = 1 fused-chunk kernels tried by ``--tune=sanatan_p1_fused`` (forward,
 # dq, dk/dv), each (chunk, value tile, channels per program, warps, stages) as
 # ``pallas_triton_fused.Tiles``; the first is its bf16 default. Their rows are the op "sanatan_p1".
-FUSED_TUNING = [((64, 64, 1, 4, 2), (64, 64, 1, 4, 2), (64, 64, 1, 8, 2)),
-                ((64, 64, 1, 8, 2), (64, 64, 1, 8, 2), (64, 64, 1, 8, 2)),
-                ((64, 32, 1, 4, 2), (64, 32, 1, 4, 2), (64, 32, 1, 8, 2)),
-                ((64, 16, 1, 4, 2), (64, 16, 1, 4, 2), (64, 16, 1, 4, 2)),
-                ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 1, 8, 2)),
-                ((128, 64, 1, 8, 2), (128, 64, 1, 8, 2), (64, 64, 1, 8, 2)),
-                ((64, 64, 2, 8, 2), (64, 64, 2, 8, 2), (64, 64, 1, 8, 2))]
+FUSED_TUNING = [((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 1, 8, 2)),
+                ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 2, 8, 2)),
+                ((64, 64, 1, 4, 2), (64, 64, 1, 4, 2), (64, 64, 1, 8, 2)),
+                ((64, 64, 2, 4, 3), (64, 64, 2, 4, 3), (64, 64, 2, 8, 3))]
 # Tuning names whose rows belong to another op's table.
 TUNED_OPS = {"sanatan_p1_fused": "sanatan_p1"}
 

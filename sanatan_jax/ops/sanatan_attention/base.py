@@ -123,15 +123,23 @@ def sanatan_features(q_BxTxHxd: jax.Array, k_BxTxHxd: jax.Array, omega_Hxd: jax.
 
   Roots come from the pre-rotation angles; ``rotate=False`` is the "no lambda" ablation.
   """
-  omega_Hxd = omega_Hxd.astype(F32)
-
   def phi(u_BxTxHxd):
-    theta = features.angles(u_BxTxHxd.astype(F32))
-    r = features.soft_roots(theta, omega_Hxd) if channels != 3 else None
-    theta_rot = features.rotate(theta, positions_BxT, lam_raw_Hxd.astype(F32)) if rotate else theta
+    theta_rot, r = rotated_angles_and_roots(u_BxTxHxd, omega_Hxd, lam_raw_Hxd, positions_BxT,
+                                            rotate=rotate, roots=channels != 3)
     return features.feature_map(theta_rot, r, channels)
 
   return phi(q_BxTxHxd), phi(k_BxTxHxd)
+
+
+def rotated_angles_and_roots(u_BxTxHxd: jax.Array, omega_Hxd: jax.Array, lam_raw_Hxd: jax.Array,
+                             positions_BxT: jax.Array, *, rotate: bool = True,
+                             roots: bool = True) -> tuple[jax.Array, jax.Array | None]:
+  """theta_rot and the soft roots r (None unless ``roots``) of raw q or k, float32 [B, T, H, d]
+  (MATH §1.1 steps 2-4; r from the angles before rotation)."""
+  theta = features.angles(u_BxTxHxd.astype(F32))
+  r = features.soft_roots(theta, omega_Hxd.astype(F32)) if roots else None
+  theta_rot = features.rotate(theta, positions_BxT, lam_raw_Hxd.astype(F32)) if rotate else theta
+  return theta_rot, r
 
 
 def power_weights(s: jax.Array, mask: jax.Array, *, p: int, channels: int, three_channel: str,

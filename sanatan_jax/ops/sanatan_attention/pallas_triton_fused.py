@@ -70,7 +70,7 @@ from lmcore.ops.common.layout import default_positions
 from lmcore.ops.common.segments import document_index
 from sanatan_jax import features
 from sanatan_jax.ops.sanatan_attention.base import (EPS, SanatanState, after_cotangent, channel_major_state,
-                                                    interleaved_state, sanatan_features)
+                                                    interleaved_state, rotated_angles_and_roots)
 
 CHANNELS = 6
 _F32 = jnp.float32
@@ -97,25 +97,39 @@ class FusedTiles(NamedTuple):
 
 
 # Tilings per GPU (``device_kind``; "default" for any other) and operand width in bytes (2: bf16
-# inputs; 4: fp32 inputs or precision "tf32"/"float32"). Not yet timed; benchmarks.harness.FUSED_TUNING
-# lists the tilings to time. At d = dv = 64 (T = 2048, 12 heads) an sm_90 compile of the lowered
-# kernels (ptxas) gives the bf16 tiling, without / with documents, 234 / 255 registers in the forward,
-# 214 / 254 in dq (4 warps, one warpgroup per 64-row chunk, wgmma) and 193 / 234 in dk/dv (8 warps;
-# at 4 it spills), no spills, 48-74 KiB of shared memory. The fp32 tiling compiles without spills
-# with TF32 dots (at chunk 64 its kernels spill); with IEEE fp32 dots ("float32", a check of
-# accuracy rather than a fast path) they spill.
-TILES = {"default": {2: FusedTiles(forward=Tiles(64, 64, 1, 4, 2), dq=Tiles(64, 64, 1, 4, 2),
+# inputs; 4: fp32 inputs or precision "tf32"/"float32"); benchmarks.harness.FUSED_TUNING lists the
+# tilings timed. bf16, 12 heads of 64, fwd+bwd on the H200 (docs/BENCHMARKS.md): three pipeline
+# stages in the forward and dq kernels beat two at every shape timed (B 1 × T 32768: 7.11 against 7.77
+# ms). At d = dv = 64 (T = 2048, 12 heads) an sm_90 compile of the lowered two-stage kernels (ptxas)
+# gives, without / with documents, 234 / 255 registers in the forward, 214 / 254 in dq (4 warps, one
+# warpgroup per 64-row chunk, wgmma) and 193 / 234 in dk/dv (8 warps; at 4 it spills), no spills,
+# 48-74 KiB of shared memory. The fp32 tiling compiles without spills with TF32 dots (at chunk 64
+# its kernels spill); with IEEE fp32 dots ("float32", a check of accuracy rather than a fast path)
+# they spill.
+TILES = {"default": {2: FusedTiles(forward=Tiles(64, 64, 1, 4, 3), dq=Tiles(64, 64, 1, 4, 3),
                                    dkv=Tiles(64, 64, 1, 8, 2)),
                      4: FusedTiles(forward=Tiles(32, 64, 1, 4, 2), dq=Tiles(32, 64, 1, 4, 2),
                                    dkv=Tiles(32, 64, 1, 8, 2))}}
+# From ``MANY_ROWS`` (row, head) pairs on, the dk/dv kernel takes two channels per program: half the
+# programs (still enough to fill the SMs) and half the dv parts written. H200, same shapes: B 2 × 8192
+# (24 pairs) 3.13 against 3.46 ms, B 8 × 2048 2.61 against 2.66, B 32 × 2048 (the 184M presets' batch)
+# 8.08 against 8.96; with 12 pairs (B 1 × 32768) it loses, 8.73 against 7.11.
+MANY_ROWS = 24
+TILES_MANY_ROWS = {"default": {2: TILES["default"][2]._replace(dkv=Tiles(64, 64, 2, 8, 2))}}
 DEFAULT_CHUNK = TILES["default"][2].forward.chunk
 
 
-def default_tiles(dtype) -> FusedTiles:
-  """The ``TILES`` entry of the first device's kind (else the default one) for operands of
-  ``dtype``."""
+def default_tiles(dtype, rows: int = 0) -> FusedTiles:
+  """The tiling for operands of ``dtype`` and ``rows`` (row, head) pairs: ``TILES_MANY_ROWS`` from
+  ``MANY_ROWS`` pairs on where it has an entry, else ``TILES``; each by the first device's kind
+  (else "default")."""
   kind = getattr(jax.devices()[0], "device_kind", "")
-  return TILES.get(kind, TILES["default"])[jnp.dtype(dtype).itemsize]
+  size = jnp.dtype(dtype).itemsize
+  if rows >= MANY_ROWS:
+    wide = TILES_MANY_ROWS.get(kind, TILES_MANY_ROWS["default"])
+    if size in wide:
+      return wide[size]
+  return TILES.get(kind, TILES["default"])[size]
 
 
 class KernelConfig(NamedTuple):
@@ -129,6 +143,10 @@ class KernelConfig(NamedTuple):
   num_warps: int
   num_stages: int
   precision: str
+  length: int
+  head_dim: int
+  padded_length: int
+  dp: int
 
 
 class Static(NamedTuple):
@@ -159,12 +177,40 @@ class _Chunk(NamedTuple):
   run: jax.Array | None
 
 
-def _load(n, q_refs, k_refs, v_ref, run_ref, cfg: KernelConfig) -> _Chunk:
-  """Chunk n of the program's refs (``q_refs`` or ``k_refs`` None: not read)."""
+def _phi(refs, start, cfg: KernelConfig) -> tuple | None:
+  """The program's channels of Phi for rows ``start : start + C`` from ``refs`` = (one trig ref
+  per channel, the roots' ref, the program's first channel g·G; ``_operand``) (None: not read). Channel c = g·G + i of head dimension a is
+  U_a · W_a with U = (1, cos th, sin th)[c mod 3] and W = (1, r)[c div 3] (feature_map's order
+  1, cos, sin, r, r cos, r sin), formed in fp32 and rounded to the refs' dtype; the constant
+  channel is zero on time and head-dim padding (the factors are zero there already)."""
+  if refs is None:
+    return None
+  trig_refs, root_ref, first = refs
   C = cfg.chunk
-  phi = lambda refs: None if refs is None else tuple(pu.rows(r, n * C, C) for r in refs)
+  w = pu.rows(root_ref, start, C).astype(_F32)
+  one = 1.0
+  if cfg.padded_length != cfg.length or cfg.dp != cfg.head_dim:
+    token = start + jax.lax.broadcasted_iota(jnp.int32, w.shape, 0)
+    dim = jax.lax.broadcasted_iota(jnp.int32, w.shape, 1)
+    one = ((token < cfg.length) & (dim < cfg.head_dim)).astype(_F32)
+  phi = []
+  for i, trig_ref in enumerate(trig_refs):
+    c = first + i
+    u = jnp.where(c % 3 == 0, one, pu.rows(trig_ref, start, C).astype(_F32))
+    phi.append((u * jnp.where(c // 3 == 0, 1.0, w)).astype(trig_ref.dtype))
+  return tuple(phi)
+
+
+def _operand(trig_refs, root_ref, cfg: KernelConfig) -> tuple:
+  """``_phi``'s refs of one operand; the program id is read here, outside the chunk loop."""
+  return trig_refs, root_ref, pl.program_id(0) * cfg.channels
+
+
+def _load(n, q_refs, k_refs, v_ref, run_ref, cfg: KernelConfig) -> _Chunk:
+  """Chunk n of the program's refs (``q_refs`` or ``k_refs``: ``_phi``'s refs, None: not read)."""
+  C = cfg.chunk
   run = pu.rows(run_ref, n * C, C) if cfg.documents else None
-  return _Chunk(phi(q_refs), phi(k_refs), pu.rows(v_ref, n * C, C), run)
+  return _Chunk(_phi(q_refs, n * C, cfg), _phi(k_refs, n * C, cfg), pu.rows(v_ref, n * C, C), run)
 
 
 def _visible(run, cfg: KernelConfig, transposed: bool = False):
@@ -230,11 +276,12 @@ def _split(refs, *counts) -> list[tuple]:
 
 
 def _forward_kernel(*refs, cfg: KernelConfig):
-  """Refs: Phi(q), Phi(k) channels, v, runs, initial S and z channels; outputs: the numerator and
-  denominator parts, final S and z channels."""
+  """Refs: the factors of q and of k (``_phi``), v, runs, initial S and z channels; outputs: the
+  numerator and denominator parts, final S and z channels."""
   G = cfg.channels
-  (q_refs, k_refs, (v_ref,), (run_ref,), S0_refs, z0_refs, (num_ref,), (den_ref,), S_refs,
-   z_refs) = _split(refs, G, G, 1, 1, G, G, 1, 1, G, G)
+  (q_trig, (q_root,), k_trig, (k_root,), (v_ref,), (run_ref,), S0_refs, z0_refs, (num_ref,),
+   (den_ref,), S_refs, z_refs) = _split(refs, G, 1, G, 1, 1, 1, G, G, 1, 1, G, G)
+  q_refs, k_refs = _operand(q_trig, q_root, cfg), _operand(k_trig, k_root, cfg)
   C = cfg.chunk
 
   def step(n, carry):
@@ -257,11 +304,12 @@ def _forward_kernel(*refs, cfg: KernelConfig):
 
 
 def _dq_kernel(*refs, cfg: KernelConfig):
-  """Refs: Phi(k) channels, v, runs, dN, dD, initial S and z channels; outputs: d Phi(q)
-  channels."""
+  """Refs: the factors of k (``_phi``), v, runs, dN, dD, initial S and z channels; outputs:
+  d Phi(q) channels."""
   G = cfg.channels
-  (k_refs, (v_ref,), (run_ref,), (dN_ref,), (dD_ref,), S0_refs, z0_refs,
-   dq_refs) = _split(refs, G, 1, 1, 1, 1, G, G, G)
+  (k_trig, (k_root,), (v_ref,), (run_ref,), (dN_ref,), (dD_ref,), S0_refs, z0_refs,
+   dq_refs) = _split(refs, G, 1, 1, 1, 1, 1, G, G, G)
+  k_refs = _operand(k_trig, k_root, cfg)
   C = cfg.chunk
   tile0 = (pl.program_id(1) == 0).astype(_F32)
 
@@ -284,11 +332,13 @@ def _dq_kernel(*refs, cfg: KernelConfig):
 
 
 def _dkv_kernel(*refs, cfg: KernelConfig):
-  """Refs: Phi(q), Phi(k) channels, v, runs, dN, dD, the final state's cotangent channels;
-  outputs: d Phi(k) channels, the dv part, the initial S and z channels' gradients."""
+  """Refs: the factors of q and of k (``_phi``), v, runs, dN, dD, the final state's cotangent
+  channels; outputs: d Phi(k) channels, the dv part, the initial S and z channels' gradients."""
   G = cfg.channels
-  (q_refs, k_refs, (v_ref,), (run_ref,), (dN_ref,), (dD_ref,), dS_refs, dz_refs, dk_refs,
-   (dv_ref,), dS0_refs, dz0_refs) = _split(refs, G, G, 1, 1, 1, 1, G, G, G, 1, G, G)
+  (q_trig, (q_root,), k_trig, (k_root,), (v_ref,), (run_ref,), (dN_ref,), (dD_ref,), dS_refs,
+   dz_refs, dk_refs, (dv_ref,), dS0_refs, dz0_refs) = _split(refs, G, 1, G, 1, 1, 1, 1, 1, G, G, G,
+                                                             1, G, G)
+  q_refs, k_refs = _operand(q_trig, q_root, cfg), _operand(k_trig, k_root, cfg)
   C = cfg.chunk
   n_chunks = v_ref.shape[0] // C
   tile0 = (pl.program_id(1) == 0).astype(_F32)
@@ -336,7 +386,8 @@ class _Specs(NamedTuple):
   """BlockSpecs over the grid (g, j, b, h): channel group, value tile, batch row, head. Token
   arrays are whole rows (a program reads and writes its chunks' rows)."""
 
-  phi: object  # i -> channel g·G + i of [B, Tp, H, 6, dp]
+  trig: object  # i -> cos or sin [B, Tp, H, 2, dp] for channel g·G + i
+  root: object  # [B, Tp, H, dp]
   v: object  # [B, Tp, H, Vp], value tile j
   row: object  # [B, Tp]
   token: object  # [B, Tp, H]
@@ -346,14 +397,22 @@ class _Specs(NamedTuple):
   tile_token: object  # [tiles, groups, B, Tp, H]
   group_S: object  # [groups, B, H, dp, Vp]: channel i of each group
   tile_z: object  # [tiles, groups, B, H, dp]
-  tile_phi: object  # [tiles, groups, B, Tp, H, dp]
+  tile_phi: object  # [tiles, B, Tp, H, groups, dp]: channel g·G + i of each group
+
+
+def _trig_index(c):
+  """Which of (cos, sin) channel c reads: U = (1, cos, sin)[c mod 3] (channel 0 and 3 read cos and
+  ignore it)."""
+  return jnp.maximum(c % 3 - 1, 0)
 
 
 def _specs(Tp: int, dp: int, cfg: KernelConfig) -> _Specs:
   G, BV = cfg.channels, cfg.block_v
   spec = pl.BlockSpec
   return _Specs(
-      phi=lambda i: spec((None, Tp, None, None, dp), lambda g, j, b, h: (b, 0, h, g * G + i, 0)),
+      trig=lambda i: spec((None, Tp, None, None, dp),
+                          lambda g, j, b, h: (b, 0, h, _trig_index(g * G + i), 0)),
+      root=spec((None, Tp, None, dp), lambda g, j, b, h: (b, 0, h, 0)),
       v=spec((None, Tp, None, BV), lambda g, j, b, h: (b, 0, h, j)),
       row=spec((None, Tp), lambda g, j, b, h: (b, 0)),
       token=spec((None, Tp, None), lambda g, j, b, h: (b, 0, h)),
@@ -363,7 +422,7 @@ def _specs(Tp: int, dp: int, cfg: KernelConfig) -> _Specs:
       tile_token=spec((None, None, None, Tp, None), lambda g, j, b, h: (j, g, b, 0, h)),
       group_S=spec((None, None, None, dp, BV), lambda g, j, b, h: (g, b, h, 0, j)),
       tile_z=spec((None, None, None, None, dp), lambda g, j, b, h: (j, g, b, h, 0)),
-      tile_phi=spec((None, None, None, Tp, None, dp), lambda g, j, b, h: (j, g, b, 0, h, 0)))
+      tile_phi=spec((None, None, Tp, None, None, dp), lambda g, j, b, h: (j, b, 0, h, g, 0)))
 
 
 def _grid(v, st: Static, cfg: KernelConfig):
@@ -382,6 +441,15 @@ def _channels(parts, axis: int):
   return jnp.moveaxis(x, 0, axis)
 
 
+def _feature_grads(parts, dtype):
+  """The kernels' feature gradients, one array per channel index i within a group, each
+  [tiles, B, Tp, H, groups, dp] -> [B, Tp, H, 6, dp] (c = g·G + i) in ``dtype``: a reshape
+  for one channel per program and one value tile, else the tiles' parts summed in fp32."""
+  x = jnp.stack(parts, axis=-2)
+  x = x.reshape(*x.shape[:4], CHANNELS, x.shape[-1])
+  return x[0] if x.shape[0] == 1 else _tile_sum(x).astype(dtype)
+
+
 def _shape(*shape, dtype=_F32):
   return jax.ShapeDtypeStruct(shape, dtype)
 
@@ -391,7 +459,16 @@ def _tile_sum(x):
   return jnp.sum(x.astype(_F32), axis=0)
 
 
-def _forward(phi_q, phi_k, v, run, S0, z0, st: Static):
+def _factor_specs(s: _Specs, G: int) -> list:
+  """The in_specs of one operand's factors: G trig blocks, then the roots."""
+  return [s.trig(i) for i in range(G)] + [s.root]
+
+
+def _factor_args(factors: Factors, G: int) -> list:
+  return [factors.trig] * G + [factors.root]
+
+
+def _forward(fq: Factors, fk: Factors, v, run, S0, z0, st: Static):
   """Forward kernel: o [B, Tp, H, Vp] in v's dtype, D [B, Tp, H] and the final (S, z), fp32."""
   cfg = st.forward
   B, Tp, H, _ = v.shape
@@ -399,12 +476,13 @@ def _forward(phi_q, phi_k, v, run, S0, z0, st: Static):
   groups, tiles = grid[:2]
   s = _specs(Tp, st.dp, cfg)
   each = lambda make: [make(i) for i in range(G)]
-  in_specs = each(s.phi) * 2 + [s.v, s.row] + each(s.S) + each(s.z)
+  in_specs = _factor_specs(s, G) * 2 + [s.v, s.row] + each(s.S) + each(s.z)
   out_specs = [s.group_v, s.tile_token] + [s.group_S] * G + [s.tile_z] * G
   out_shape = ([_shape(groups, B, Tp, H, st.Vp), _shape(tiles, groups, B, Tp, H)]
                + [_shape(groups, B, H, st.dp, st.Vp)] * G + [_shape(tiles, groups, B, H, st.dp)] * G)
   num, den, *state = pu.call(_forward_kernel, cfg, grid, in_specs, out_specs, out_shape,
-                             *[phi_q] * G, *[phi_k] * G, v, run, *[S0] * G, *[z0] * G)
+                             *_factor_args(fq, G), *_factor_args(fk, G), v, run, *[S0] * G,
+                             *[z0] * G)
   den = jnp.sum(den[0], axis=0)
   o = jnp.sum(num, axis=0) / (den[..., None] + st.c_eps)
   S = _channels(state[:G], 2)
@@ -412,54 +490,76 @@ def _forward(phi_q, phi_k, v, run, S0, z0, st: Static):
   return o.astype(v.dtype), den, S, z
 
 
-def _dq(phi_k, v, run, dN, dD, S0, z0, st: Static):
-  """dq kernel: d Phi(q) [B, Tp, H, 6, dp], fp32 (rounded to the features' dtype in HBM)."""
+def _dq(fk: Factors, v, run, dN, dD, S0, z0, st: Static):
+  """dq kernel: d Phi(q) [B, Tp, H, 6, dp] in the features' dtype."""
   cfg = st.dq
   B, Tp, H, _ = v.shape
   G, grid = cfg.channels, _grid(v, st, cfg)
   groups, tiles = grid[:2]
   s = _specs(Tp, st.dp, cfg)
-  in_specs = ([s.phi(i) for i in range(G)] + [s.v, s.row, s.v, s.token]
+  in_specs = (_factor_specs(s, G) + [s.v, s.row, s.v, s.token]
               + [s.S(i) for i in range(G)] + [s.z(i) for i in range(G)])
+  dtype = fk.trig.dtype
   parts = pu.call(_dq_kernel, cfg, grid, in_specs, [s.tile_phi] * G,
-                  [_shape(tiles, groups, B, Tp, H, st.dp, dtype=phi_k.dtype)] * G,
-                  *[phi_k] * G, v, run, dN, dD, *[S0] * G, *[z0] * G)
-  return _channels([_tile_sum(x) for x in parts], 3)
+                  [_shape(tiles, B, Tp, H, groups, st.dp, dtype=dtype)] * G,
+                  *_factor_args(fk, G), v, run, dN, dD, *[S0] * G, *[z0] * G)
+  return _feature_grads(parts, dtype)
 
 
-def _dkv(phi_q, phi_k, v, run, dN, dD, dS, dz, st: Static):
-  """dk/dv kernel: d Phi(k) [B, Tp, H, 6, dp], dv [B, Tp, H, Vp] and the initial state's
-  gradients (S, z in kernel layout), fp32 (d Phi(k) rounded to the features' dtype in HBM)."""
+def _dkv(fq: Factors, fk: Factors, v, run, dN, dD, dS, dz, st: Static):
+  """dk/dv kernel: d Phi(k) [B, Tp, H, 6, dp] in the features' dtype, dv [B, Tp, H, Vp] and the
+  initial state's gradients (S, z in kernel layout), fp32."""
   cfg = st.dkv
   B, Tp, H, _ = v.shape
   G, grid = cfg.channels, _grid(v, st, cfg)
   groups, tiles = grid[:2]
   s = _specs(Tp, st.dp, cfg)
   each = lambda make: [make(i) for i in range(G)]
-  in_specs = each(s.phi) * 2 + [s.v, s.row, s.v, s.token] + each(s.S) + each(s.z)
+  in_specs = _factor_specs(s, G) * 2 + [s.v, s.row, s.v, s.token] + each(s.S) + each(s.z)
   out_specs = [s.tile_phi] * G + [s.group_v] + [s.group_S] * G + [s.tile_z] * G
-  out_shape = ([_shape(tiles, groups, B, Tp, H, st.dp, dtype=phi_q.dtype)] * G
+  dtype = fq.trig.dtype
+  out_shape = ([_shape(tiles, B, Tp, H, groups, st.dp, dtype=dtype)] * G
                + [_shape(groups, B, Tp, H, st.Vp)]
                + [_shape(groups, B, H, st.dp, st.Vp)] * G + [_shape(tiles, groups, B, H, st.dp)] * G)
   out = pu.call(_dkv_kernel, cfg, grid, in_specs, out_specs, out_shape,
-                *[phi_q] * G, *[phi_k] * G, v, run, dN, dD, *[dS] * G, *[dz] * G)
+                *_factor_args(fq, G), *_factor_args(fk, G), v, run, dN, dD, *[dS] * G, *[dz] * G)
   dphi_k, dv, dS0, dz0 = out[:G], out[G], out[G + 1:2 * G + 1], out[2 * G + 1:]
-  dphi_k = _channels([_tile_sum(x) for x in dphi_k], 3)
-  return (dphi_k, jnp.sum(dv, axis=0), _channels(dS0, 2),
+  return (_feature_grads(dphi_k, dtype), jnp.sum(dv, axis=0), _channels(dS0, 2),
           _channels([jnp.sum(x, axis=0) for x in dz0], 2))
 
 
-def _features(q, k, omega, lam_raw, pos, st: Static):
-  """Phi(q), Phi(k) channel-major, fp32 [B, Tp, H, 6, dp], zero on padding
-  (``base.sanatan_features``; feature 6a + c is [..., c, a])."""
-  phi = sanatan_features(q, k, omega, lam_raw, pos, channels=CHANNELS, rotate=st.rotate)
+class Factors(NamedTuple):
+  """The factors of Phi of one operand (q or k) that the kernels read: (cos th_rot, sin th_rot)
+  [B, Tp, H, 2, dp] and the roots r [B, Tp, H, dp], zero on padding."""
 
-  def channel_major(phi_BxTxHxF):
-    B, T, H, F = phi_BxTxHxF.shape
-    phi_BxTxHx6xd = phi_BxTxHxF.reshape(B, T, H, F // CHANNELS, CHANNELS).swapaxes(3, 4)
-    return pu.pad_axis(pu.pad_axis(phi_BxTxHx6xd, 1, st.padded_length), 4, st.dp)
+  trig: jax.Array
+  root: jax.Array
 
-  return tuple(channel_major(x) for x in phi)
+
+def _factors(q, k, omega, lam_raw, pos, st: Static) -> tuple[Factors, Factors]:
+  """The factors of Phi(q) and of Phi(k) in fp32 (``base.rotated_angles_and_roots``): three
+  d-wide arrays per operand where Phi is 6d wide, computed once per token."""
+  def one(u):
+    theta_rot, r = rotated_angles_and_roots(u, omega, lam_raw, pos, rotate=st.rotate)
+    trig = jnp.stack([jnp.cos(theta_rot), jnp.sin(theta_rot)], axis=-2)
+    return Factors(pu.pad_axis(pu.pad_axis(trig, 1, st.padded_length), 4, st.dp),
+                   pu.pad_axis(pu.pad_axis(r, 1, st.padded_length), 3, st.dp))
+
+  return one(q), one(k)
+
+
+def _rounded(factors: Factors, dtype) -> Factors:
+  return Factors(*(x.astype(dtype) for x in factors))
+
+
+def _factor_grads(dphi, factors: Factors) -> Factors:
+  """d Phi [B, Tp, H, 6, dp] -> the factors' gradients (fp32), by the product rule on the channels
+  (1, cos, sin, r, r cos, r sin): d cos = dPhi_1 + r dPhi_4, d sin = dPhi_2 + r dPhi_5,
+  d r = dPhi_3 + cos dPhi_4 + sin dPhi_5 (the constant channel has none)."""
+  d = [dphi[..., c, :].astype(_F32) for c in range(CHANNELS)]
+  cos, sin, r = factors.trig[..., 0, :], factors.trig[..., 1, :], factors.root
+  d_trig = jnp.stack([d[1] + r * d[4], d[2] + r * d[5]], axis=-2)
+  return Factors(d_trig, d[3] + cos * d[4] + sin * d[5])
 
 
 def _pad_tokens(x, st: Static):
@@ -475,8 +575,8 @@ def _fused(q, k, v, omega, lam_raw, pos, run, S0, z0, st: Static):
 
 
 def _fused_fwd(q, k, v, omega, lam_raw, pos, run, S0, z0, st: Static):
-  phi_q, phi_k = _features(q, k, omega, lam_raw, pos, st)
-  o, den, S, z = _forward(phi_q.astype(q.dtype), phi_k.astype(k.dtype), _pad_tokens(v, st), run,
+  fq, fk = _factors(q, k, omega, lam_raw, pos, st)
+  o, den, S, z = _forward(_rounded(fq, q.dtype), _rounded(fk, k.dtype), _pad_tokens(v, st), run,
                           S0, z0, st)
   out = (o[:, :st.length, :, :v.shape[-1]], S, z)
   return out, (q, k, v, omega, lam_raw, pos, run, S0, z0, o, den)
@@ -484,20 +584,20 @@ def _fused_fwd(q, k, v, omega, lam_raw, pos, run, S0, z0, st: Static):
 
 def _fused_bwd(st: Static, residuals, cotangents):
   """dN = do / (D + c eps) and dD = -(do · o) / (D + c eps) in XLA, the two kernels, then the
-  feature map's VJP."""
+  product rule into the factors and their VJP."""
   q, k, v, omega, lam_raw, pos, run, S0, z0, o, den = residuals
   do, dS, dz = cotangents
   q, k, omega, lam_raw = after_cotangent((q, k, omega, lam_raw), do)
-  (phi_q, phi_k), features_vjp = jax.vjp(lambda *a: _features(*a, pos, st), q, k, omega, lam_raw)
-  phi_q, phi_k = phi_q.astype(q.dtype), phi_k.astype(k.dtype)
+  (fq, fk), factors_vjp = jax.vjp(lambda *a: _factors(*a, pos, st), q, k, omega, lam_raw)
   inv_BxTxH = 1.0 / (den + st.c_eps)
   do = _pad_tokens(do.astype(_F32), st)
   dN = (do * inv_BxTxH[..., None]).astype(v.dtype)
   dD = -jnp.sum(do * o.astype(_F32), axis=-1) * inv_BxTxH
   vp = _pad_tokens(v, st)
-  dphi_q = _dq(phi_k, vp, run, dN, dD, S0, z0, st)
-  dphi_k, dv, dS0, dz0 = _dkv(phi_q, phi_k, vp, run, dN, dD, dS.astype(_F32), dz.astype(_F32), st)
-  dq, dk, d_omega, d_lam = features_vjp((dphi_q, dphi_k))
+  fq_in, fk_in = _rounded(fq, q.dtype), _rounded(fk, k.dtype)
+  dphi_q = _dq(fk_in, vp, run, dN, dD, S0, z0, st)
+  dphi_k, dv, dS0, dz0 = _dkv(fq_in, fk_in, vp, run, dN, dD, dS.astype(_F32), dz.astype(_F32), st)
+  dq, dk, d_omega, d_lam = factors_vjp((_factor_grads(dphi_q, fq), _factor_grads(dphi_k, fk)))
   dv = dv[:, :st.length, :, :v.shape[-1]].astype(v.dtype)
   return dq, dk, dv, d_omega, d_lam, None, None, dS0, dz0
 
@@ -505,15 +605,16 @@ def _fused_bwd(st: Static, residuals, cotangents):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _kernel_config(tiles: Tiles, T: int, Vp: int, documents: bool, interpret: bool,
+def _kernel_config(tiles: Tiles, T: int, d: int, Vp: int, documents: bool, interpret: bool,
                    precision: str) -> KernelConfig:
   """``tiles`` with the chunk capped at the next power of two >= T and the value tile at Vp (both
-  >= 16 when compiled)."""
+  >= 16 when compiled); the padded length is set once every kernel's chunk is known."""
   smallest = 1 if interpret else pu.MIN_DOT
   return KernelConfig(chunk=max(min(tiles.chunk, pl.next_power_of_2(T)), smallest),
                       block_v=max(min(tiles.block_v, Vp), smallest), channels=tiles.channels,
                       documents=documents, interpret=interpret, num_warps=tiles.num_warps,
-                      num_stages=tiles.num_stages, precision=precision)
+                      num_stages=tiles.num_stages, precision=precision, length=T, head_dim=d,
+                      padded_length=T, dp=pu.block_size(d, interpret))
 
 
 def _check(tiles: FusedTiles, q, v, state, op: str) -> None:
@@ -549,7 +650,7 @@ def sanatan_fused_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
     state: a SanatanState to continue from; None means zeros.
     rotate: False drops the temporal rotation (the "no lambda" ablation).
     interpret: run the kernels interpreted; None means "unless on a GPU".
-    tiles: the kernels' tilings; None means ``default_tiles`` of the operands' dtype. Chunks are
+    tiles: the kernels' tilings; None means ``default_tiles`` of the operands' dtype and B · H. Chunks are
       capped at the next power of two >= T, value tiles at the padded dv.
     precision: "input" (dots take operands in the inputs' dtype), "tf32" or "float32" (the
       kernels run on fp32 copies and return fp32; ``pu.PRECISIONS``).
@@ -562,7 +663,8 @@ def sanatan_fused_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
   interpret = pu.resolve_interpret(interpret)
   pu.check_backend(interpret, op, "sanatan_attention(implementation='chunked')")
   pu.check_precision(precision, op)
-  tiles = default_tiles(pu.operands(precision, q)[0].dtype) if tiles is None else tiles
+  if tiles is None:
+    tiles = default_tiles(pu.operands(precision, q)[0].dtype, rows=q.shape[0] * q.shape[2])
   _check(tiles, q, v, state, op)
   q, k, v = pu.operands(precision, q, k, v)
   B, T, H, d = q.shape
@@ -570,13 +672,13 @@ def sanatan_fused_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
   if positions is None:
     positions = default_positions(B, T, None if state is None else state.position)
   Vp = pu.block_size(V, interpret)
-  make = functools.partial(_kernel_config, T=T, Vp=Vp, documents=segment_ids is not None,
+  make = functools.partial(_kernel_config, T=T, d=d, Vp=Vp, documents=segment_ids is not None,
                            interpret=interpret, precision=precision)
-  forward, dq, dkv = (make(t) for t in tiles)
-  largest = max(forward.chunk, dq.chunk, dkv.chunk)
-  st = Static(forward=forward, dq=dq, dkv=dkv, rotate=rotate, length=T,
-              padded_length=pu.round_up(T, largest), dp=pu.block_size(d, interpret), Vp=Vp,
-              c_eps=features.score_scale(CHANNELS, "clean", d) * EPS)
+  configs = [make(t) for t in tiles]
+  Tp = pu.round_up(T, max(c.chunk for c in configs))
+  forward, dq, dkv = (c._replace(padded_length=Tp) for c in configs)
+  st = Static(forward=forward, dq=dq, dkv=dkv, rotate=rotate, length=T, padded_length=Tp,
+              dp=forward.dp, Vp=Vp, c_eps=features.score_scale(CHANNELS, "clean", d) * EPS)
   # Edge-padding keeps padded (zero-feature) tokens in the last run: they neither reset the state
   # nor add to it.
   run = pu.pad_axis(document_index(segment_ids, B, T), 1, st.padded_length, mode="edge")

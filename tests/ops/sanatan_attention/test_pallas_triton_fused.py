@@ -24,8 +24,8 @@ from lmcore.numerics import relative_l2
 from lmcore.ops.common import pallas_utils
 from sanatan_jax import SanatanState, sanatan_attention
 from sanatan_jax.ops.sanatan_attention import pallas_triton_fused
-from sanatan_jax.ops.sanatan_attention.pallas_triton_fused import (TILES, FusedTiles, Tiles,
-                                                                   sanatan_fused_pallas)
+from sanatan_jax.ops.sanatan_attention.pallas_triton_fused import (MANY_ROWS, TILES, FusedTiles, Tiles,
+                                                                   default_tiles, sanatan_fused_pallas)
 
 from .test_base import SanatanAttentionTestBase
 
@@ -133,7 +133,7 @@ def test_every_tuning_tiling_lowers_at_the_benchmark_shape():
   _, cases, flops = harness.fused_tuning_cases(1, 64, jnp.float32)
   assert len(cases) == len(harness.FUSED_TUNING) == len(flops)
   assert FusedTiles(*(Tiles(*t) for t in harness.FUSED_TUNING[0])) == TILES["default"][2]
-  assert next(iter(cases)) == ("pallas_fused (fwd 64x64 c1 4w 2s, dq 64x64 c1 4w 2s, "
+  assert next(iter(cases)) == ("pallas_fused (fwd 64x64 c1 4w 3s, dq 64x64 c1 4w 3s, "
                                "dkv 64x64 c1 8w 2s)")
   for entry in harness.FUSED_TUNING:
     tiles = FusedTiles(*(Tiles(*t) for t in entry))
@@ -144,6 +144,15 @@ def test_every_tuning_tiling_lowers_at_the_benchmark_shape():
 
     lowered = pallas_utils.lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *args)
     assert lowered.as_text().count("xla.gpu.triton") == 3, entry
+
+
+def test_default_tiles_take_two_channels_per_dkv_program_from_many_rows():
+  """bf16 at B · H >= MANY_ROWS: the dk/dv kernel's programs own two channels, the other kernels
+  keep the ``TILES`` tiling; fewer pairs and fp32 operands keep ``TILES`` whole."""
+  few, many = default_tiles(jnp.bfloat16, rows=MANY_ROWS - 1), default_tiles(jnp.bfloat16, rows=MANY_ROWS)
+  assert few == TILES["default"][2]
+  assert many.dkv.channels == 2 and many._replace(dkv=few.dkv) == few
+  assert default_tiles(jnp.float32, rows=10 * MANY_ROWS) == TILES["default"][4]
 
 
 def test_benchmark_and_agreement_check_include_the_kernel():
