@@ -46,11 +46,11 @@ def test_default_and_gated_pick_pallas_only_on_gpu(on, platform, expected):
 
 
 @pytest.mark.parametrize("key_dim,value_dim,expected", [
-    (64, 64, "pallas"), (32, 64, "pallas"), (128, 128, "pallas"), (96, 192, "chunked"),
-    (64, 128, "pallas"), (192, 384, "chunked"), (128, 129, "chunked"), (256, 64, "chunked")])
+    (64, 64, "pallas"), (32, 64, "pallas"), (128, 128, "pallas"), (96, 192, "pallas"),
+    (64, 128, "pallas"), (192, 384, "chunked"), (128, 193, "chunked"), (256, 64, "chunked")])
 def test_gated_auto_keeps_heads_wider_than_measured_on_xla_on_gpu(on, key_dim, value_dim, expected):
-  """The kernel beat XLA at every preset head up to 128 x 128 on the H200 (CyFA's 128 x 128,
-  repro_gla's 64 x 128); GLA 182M's 96 x 192 heads take XLA, whose whole step ran faster."""
+  """The kernel beat XLA at every preset head up to 128 x 192 on the H200 (CyFA's 128 x 128,
+  repro_gla's 64 x 128, GLA 182M's 96 x 192, whose whole step is faster on it too)."""
   on("gpu")
   assert gated.resolve_implementation("auto", key_dim=key_dim, value_dim=value_dim) == expected
 
@@ -89,10 +89,11 @@ def _no_kernel(monkeypatch, module, *names):
 
 
 def test_gated_auto_counts_the_normaliser_column_on_gpu(on, monkeypatch):
-  """A normalised form's kernel is V + 1 wide: at V = 128 "auto" runs XLA chunked on a GPU."""
+  """A normalised form's kernel is V + 1 wide: at V = KERNEL_MAX_VALUE "auto" runs XLA chunked on a
+  GPU."""
   on("gpu")
   _no_kernel(monkeypatch, gated, "pallas")
-  B, T, H, K, V = 1, 8, 1, 4, 128
+  B, T, H, K, V = 1, 8, 1, 4, gated.KERNEL_MAX_VALUE
   phi = lambda seed: jax.nn.elu(_normal(seed, B, T, H, K)) + 1
   _same(gated.gated_linear_attention, "chunked", phi(0), phi(1), _normal(2, B, T, H, V), None,
         normalize=True, chunk_size=4)
@@ -113,12 +114,14 @@ def _abstract(cls, d_model: int, **fields):
 
 
 def test_flop_counts_follow_auto_by_head_shape():
-  """The model card counts "auto" as it resolves on a GPU, head widths included: GLA 182M's heads
-  (96 x 192) count XLA chunked, narrower ones and BASED 1.3B's (d' = 16, dv = 112) the kernels."""
+  """The model card counts "auto" as it resolves on a GPU, head widths included: GLA with two heads
+  at 768 (192 x 384) counts XLA chunked, GLA 182M's (96 x 192), narrower ones and BASED 1.3B's
+  (d' = 16, dv = 112) the kernels."""
   def flops(cls, d_model, implementation, **fields):
     return _abstract(cls, d_model, implementation=implementation, **fields).flops_per_token(2048)
 
-  assert flops(GLA, 768, "auto") == flops(GLA, 768, "chunked")
+  assert flops(GLA, 768, "auto", n_heads=2) == flops(GLA, 768, "chunked", n_heads=2)
+  assert flops(GLA, 768, "auto") == flops(GLA, 768, "pallas")
   assert flops(GLA, 768, "auto", n_heads=12) == flops(GLA, 768, "pallas", n_heads=12)
   assert flops(TaylorLinearAttention, 1792, "auto") == flops(TaylorLinearAttention, 1792, "pallas_blocked")
   assert flops(TaylorLinearAttention, 1024, "auto") == flops(TaylorLinearAttention, 1024, "pallas_blocked")
