@@ -259,7 +259,7 @@ def write_profile(name: str, variant: str, trace_dir: str, out_dir: str, *, step
   """Summarises the trace in ``trace_dir`` (``profile_summary``), prints it and writes
   ``<out_dir>/<preset>[_<variant>]_breakdown.{md,json}``; returns the markdown's path."""
   breakdown = profile_summary.summarize(profile_summary.load_trace(trace_dir), steps=steps, hlo_text=hlo_text,
-                                        step_ms=step_ms)
+                                        step_ms=step_ms, top=30)
   title = f"{name} {variant}".strip()
   md, _ = profile_summary.write(breakdown, out_dir, profile_summary.file_stem(name, variant), title)
   print(profile_summary.to_markdown(breakdown, title), flush=True)

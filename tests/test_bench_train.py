@@ -85,7 +85,7 @@ def test_profile_breaks_down_the_traced_steps_of_a_tiny_preset(tmp_path, capsys)
   assert {"mixer", "mlp", "loss", "optimizer"} <= set(scopes), scopes
   assert scopes["mixer"]["forward_ms"] > 0 and scopes["mixer"]["backward_ms"] > 0
   assert scopes["optimizer"]["ms"] == pytest.approx(scopes["optimizer"]["outside_ms"])
-  assert 0 < len(data["top"]) <= 15
+  assert 0 < len(data["top"]) <= 30
   out = capsys.readouterr().out
   assert "### Kernel time per train step: sanatan:tiny" in out and "| category | ms/step |" in out
   with pytest.raises(train_step.BenchError, match="--profile_steps=0"):
