@@ -8,14 +8,15 @@ Mask (j <= t, same document)::
     A_n = Mask ⊙ Phi(Q_n) Phi(K_n)ᵀ,   N_n = A_n V_n + Phi(Q_n) S,   D_n = A_n 1 + Phi(Q_n) z,
     o = N / (D + c eps),               S <- S + Phi(K_n)ᵀ V_n,        z <- z + Phi(K_n)ᵀ 1.
 
-Features. XLA computes Phi(q), Phi(k) once per token (``base.sanatan_features``, fp32, cast to the
-operands' dtype) in the channel-major layout [B, T, H, 6, d] (channel c of head dimension a is
-feature 6a + c); the constant channel is an array of ones like the others (zero on padding), so all
-six channels, their states and their gradients are handled alike (at the price of a sixth of the
-kernels' work and feature traffic on a channel whose scores are the count d). Computing the angles,
-roots and rotation inside the loops would cost the registers the carried states need. The custom
-VJP keeps no features: its backward recomputes them from q and k and XLA applies the feature map's
-VJP.
+Features. XLA computes, once per token, the factors of Phi (``base.rotated_angles_and_roots``, fp32,
+rounded to the operands' dtype): (cos th_rot, sin th_rot) [B, T, H, 2, d] and the roots r [B, T, H, d],
+three d-wide arrays where Phi is 6d wide. Channel c of head dimension a is U_a W_a with
+U = (1, cos, sin)[c mod 3] and W = (1, r)[c div 3]; each program forms its channels from them in
+registers (fp32 products rounded to the operands' dtype; the constant channel zero on padding), so
+all six channels, their states and their gradients are handled alike (at the price of a sixth of the
+kernels' work on a channel whose scores are the count d). The kernels write d Phi channel-major
+[B, T, H, 6, d]; XLA applies the product rule into the factors and their VJP. The custom VJP keeps
+no features: its backward recomputes the factors from q and k.
 
 Programs. Grid (channel group, value tile, batch, head): a program owns ``Tiles.channels`` of the
 six channels and ``block_v`` value columns, so 6 / channels x dv / block_v programs share a
