@@ -17,6 +17,7 @@ import dataclasses
 import datetime
 import gc
 import importlib
+import gzip
 import json
 import os
 import time
@@ -247,8 +248,11 @@ def measure(name: str, config, *, steps: int, warmup: int, variant: str = "", pr
         for step in range(warmup + steps, warmup + steps + profile_steps):
           params, opt_state, _ = compiled(params, opt_state, rest, batch, step)
         jax.block_until_ready(params)
+      hlo_text = compiled.as_text()
+      with gzip.open(os.path.join(trace_dir, "compiled_hlo.txt.gz"), "wt") as f:  # to re-read the trace later
+        f.write(hlo_text)
       row.profile = write_profile(name, variant, trace_dir, profile, steps=profile_steps,
-                                  hlo_text=compiled.as_text(), step_ms=row.step_ms)
+                                  hlo_text=hlo_text, step_ms=row.step_ms)
     except Exception as e:
       row.note = f"profile: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
   return row

@@ -38,8 +38,8 @@ _SWEEP = flags.DEFINE_string("sweep", "", "KEY=V1,V2: every preset once per valu
 _OUT = flags.DEFINE_string("out", "runs/bench_train", "Directory of train_step.jsonl and train_step.png.")
 _PROFILE = flags.DEFINE_string("profile", "", "Directory: after each preset's timed steps, trace "
                                "--profile_steps more with jax.profiler and write <DIR>/<preset>_breakdown.md "
-                               "and .json (kernel time by category, scope and kernel; traces in "
-                               "<DIR>/trace).")
+                               "and .json (kernel time by category, scope and kernel; traces and the compiled "
+                               "HLO in <DIR>/trace).")
 _PROFILE_STEPS = flags.DEFINE_integer("profile_steps", 2, "Steps traced per preset with --profile.")
 _MARKDOWN = flags.DEFINE_string("markdown", "docs/BENCHMARKS.md", "File the dated table is appended to "
                                 "('' = none).")

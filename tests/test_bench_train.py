@@ -75,6 +75,7 @@ def test_profile_breaks_down_the_traced_steps_of_a_tiny_preset(tmp_path, capsys)
   assert row.tokens_per_s > 0 and not row.note, row.note
   assert row.profile == str(tmp_path / "sanatan_tiny_breakdown.md")
   assert list((tmp_path / "trace" / "sanatan_tiny" / "plugins" / "profile").glob("*/perfetto_trace.json.gz"))
+  assert (tmp_path / "trace" / "sanatan_tiny" / "compiled_hlo.txt.gz").stat().st_size > 0
   data = json.loads((tmp_path / "sanatan_tiny_breakdown.json").read_text())
   assert data["steps"] == 2 and "CPU backend" in data["source"]
   assert 0 < data["busy_ms"] <= data["op_ms"] * (1 + 1e-9)  # the union of the ops' intervals
