@@ -370,8 +370,9 @@ def flash_tuning_cases(batch: int, length: int, dtype) -> tuple[tuple, dict, dic
 # ``pallas_triton_fused.Tiles``; the first is its bf16 default. Their rows are the op "sanatan_p1".
 FUSED_TUNING = [((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 1, 8, 2)),
                 ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 2, 8, 2)),
-                ((64, 64, 1, 4, 2), (64, 64, 1, 4, 2), (64, 64, 1, 8, 2)),
-                ((64, 64, 2, 4, 3), (64, 64, 2, 4, 3), (64, 64, 2, 8, 3))]
+                ((64, 16, 6, 8, 3), (64, 64, 1, 4, 3), (64, 64, 2, 8, 2)),
+                ((64, 32, 6, 8, 2), (64, 64, 1, 4, 3), (64, 64, 2, 8, 2)),
+                ((64, 32, 3, 8, 3), (64, 64, 1, 4, 3), (64, 64, 2, 8, 2))]
 # Tuning names whose rows belong to another op's table.
 TUNED_OPS = {"sanatan_p1_fused": "sanatan_p1"}
 

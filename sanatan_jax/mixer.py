@@ -53,6 +53,10 @@ class SanatanMixer(nnx.Module):
     # features, score blocks and chunk-state stacks (one more forward of the op for far less memory).
     # Under model.remat the block is recomputed anyway: False there saves a third forward of the op.
     chunked_remat: bool = True
+    # "pallas_fused" only: kernels whose tiling replaces the default one, e.g. "forward=64x16x6x4x3;
+    # dkv=64x64x2x8x2" (chunk x value tile x channels per program x warps x stages; '' = the defaults,
+    # chosen by problem size).
+    fused_tiles: str = ""
     learn_omega: bool = True
     rotate: bool = True
     decode_implementation: str = "recurrent"
@@ -66,6 +70,7 @@ class SanatanMixer(nnx.Module):
       validate_options(p=self.p, channels=self.channels, three_channel=self.three_channel,
                        implementation=self.implementation)
       pallas_utils.check_precision(self.kernel_precision, "SANATAN kernel_precision")
+      pallas_triton_fused.parse_tiles(self.fused_tiles, pallas_triton_fused.TILES["default"][2])
 
     @property
     def dv(self) -> int:
@@ -111,7 +116,8 @@ class SanatanMixer(nnx.Module):
         three_channel=cfg.three_channel,
         implementation=cfg.decode_implementation if decoding else cfg.implementation,
         state=state, chunk_size=cfg.chunk_size, block_size=cfg.block_size, rotate=cfg.rotate,
-        kernel_precision=cfg.kernel_precision, chunked_remat=cfg.chunked_remat)
+        kernel_precision=cfg.kernel_precision, chunked_remat=cfg.chunked_remat,
+        fused_tiles=cfg.fused_tiles)
     return self.wo(o_BxTxHxV.reshape(B, T, cfg.n_heads * cfg.dv)), new_state
 
   def _check_has_state(self) -> None:

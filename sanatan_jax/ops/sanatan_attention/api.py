@@ -100,7 +100,7 @@ def _pallas_fused(q, k, v, omega, lam_raw, *, positions=None, segment_ids=None, 
         "sanatan_attention: implementation='pallas_fused' is a Triton (GPU) kernel; on a TPU use "
         "'pallas' (the Mosaic kernels) or 'chunked'")
   kernel = functools.partial(pallas_triton_fused.sanatan_fused_pallas, rotate=options.rotate,
-                             **kernel_options)
+                             tiles_spec=options.fused_tiles, **kernel_options)
   inputs = dict(q=q, k=k, v=v, omega=omega, lam_raw=lam_raw, positions=positions,
                 segment_ids=segment_ids, state=state)
   return shard_map.run_sharded(kernel, inputs, _LAYOUTS,
@@ -169,8 +169,8 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
                       implementation: Implementation | None = "parallel",
                       state: SanatanState | None = None, chunk_size: int = 64,
                       block_size: int = 128, rotate: bool = True,
-                      kernel_precision: str = "input", chunked_remat: bool = True
-                      ) -> tuple[jax.Array, SanatanState | None]:
+                      kernel_precision: str = "input", chunked_remat: bool = True,
+                      fused_tiles: str = "") -> tuple[jax.Array, SanatanState | None]:
   """SANATAN attention of MATH §1.1 (steps 2-6) for every head.
 
   Args:
@@ -191,6 +191,8 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
       ignore it.
     chunked_remat: "chunked" only: its backward pass recomputes the forward from the inputs
       instead of keeping the 6d-wide features, score blocks and state stacks (``xla.chunked``).
+    fused_tiles: "pallas_fused" only: tilings replacing the kernels' defaults
+      (``pallas_triton_fused.parse_tiles``), e.g. "forward=64x16x6x4x3"; "" keeps the defaults.
 
   Returns:
     o [B, T, H, dv] in v's dtype (fp32 from the kernels at kernel_precision "tf32"/"float32"),
@@ -207,6 +209,7 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
   pallas_utils.check_precision(kernel_precision, "sanatan_attention")
   options = Options(p=p, channels=channels, three_channel=three_channel, rotate=rotate,
                     chunk_size=chunk_size, block_size=block_size,
-                    kernel_precision=kernel_precision, chunked_remat=chunked_remat)
+                    kernel_precision=kernel_precision, chunked_remat=chunked_remat,
+                    fused_tiles=fused_tiles)
   return IMPLEMENTATIONS[implementation](q, k, v, omega, lam_raw, positions=positions,
                                          segment_ids=segment_ids, state=state, options=options)

@@ -57,6 +57,7 @@ class Options(NamedTuple):
   block_size: int = 128
   kernel_precision: str = "input"
   chunked_remat: bool = True
+  fused_tiles: str = ""
 
 
 def has_constant_state(p: int, channels: int) -> bool:

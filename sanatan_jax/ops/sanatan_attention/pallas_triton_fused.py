@@ -133,6 +133,21 @@ def default_tiles(dtype, rows: int = 0) -> FusedTiles:
   return TILES.get(kind, TILES["default"])[size]
 
 
+def parse_tiles(spec: str, base: FusedTiles) -> FusedTiles:
+  """``base`` with the kernels named in ``spec`` replaced: "forward=64x16x6x4x3;dkv=64x64x2x8x2" gives
+  each named kernel (forward, dq, dkv) its chunk x value tile x channels per program x warps x stages
+  (``Tiles``); "" is ``base``. Raises ValueError naming the bad part."""
+  tiles = base._asdict()
+  for part in filter(None, (x.strip() for x in spec.split(";"))):
+    name, _, value = part.partition("=")
+    fields = value.split("x")
+    if name not in tiles or len(fields) != len(Tiles._fields) or not all(f.isdigit() for f in fields):
+      raise ValueError(f"fused tiles {part!r}: expected KERNEL=CHUNKxBLOCK_VxCHANNELSxWARPSxSTAGES with "
+                       f"KERNEL one of {', '.join(tiles)}, e.g. 'forward=64x16x6x4x3;dkv=64x64x2x8x2'")
+    tiles[name] = Tiles(*map(int, fields))
+  return FusedTiles(**tiles)
+
+
 class KernelConfig(NamedTuple):
   """Static parameters of one kernel."""
 
@@ -638,7 +653,7 @@ def sanatan_fused_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
                          lam_raw: jax.Array, *, positions: jax.Array | None = None,
                          segment_ids: jax.Array | None = None, state: SanatanState | None = None,
                          rotate: bool = True, interpret: bool | None = None,
-                         tiles: FusedTiles | None = None,
+                         tiles: FusedTiles | None = None, tiles_spec: str = "",
                          precision: str = "input") -> tuple[jax.Array, SanatanState]:
   """SANATAN p = 1, 6 channels (MATH §1.2) by the fused-chunk Pallas kernels; the function of
   ``sanatan_attention(..., p=1, channels=6)``.
@@ -653,6 +668,8 @@ def sanatan_fused_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
     interpret: run the kernels interpreted; None means "unless on a GPU".
     tiles: the kernels' tilings; None means ``default_tiles`` of the operands' dtype and B · H. Chunks are
       capped at the next power of two >= T, value tiles at the padded dv.
+    tiles_spec: kernels whose tiling replaces that of ``tiles`` (``parse_tiles``), e.g.
+      "forward=64x16x6x4x3".
     precision: "input" (dots take operands in the inputs' dtype), "tf32" or "float32" (the
       kernels run on fp32 copies and return fp32; ``pu.PRECISIONS``).
 
@@ -666,6 +683,7 @@ def sanatan_fused_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
   pu.check_precision(precision, op)
   if tiles is None:
     tiles = default_tiles(pu.operands(precision, q)[0].dtype, rows=q.shape[0] * q.shape[2])
+  tiles = parse_tiles(tiles_spec, tiles)
   _check(tiles, q, v, state, op)
   q, k, v = pu.operands(precision, q, k, v)
   B, T, H, d = q.shape

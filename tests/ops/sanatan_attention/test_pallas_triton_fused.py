@@ -25,7 +25,9 @@ from lmcore.ops.common import pallas_utils
 from sanatan_jax import SanatanState, sanatan_attention
 from sanatan_jax.ops.sanatan_attention import pallas_triton_fused
 from sanatan_jax.ops.sanatan_attention.pallas_triton_fused import (MANY_ROWS, TILES, FusedTiles, Tiles,
-                                                                   default_tiles, sanatan_fused_pallas)
+                                                                   default_tiles, parse_tiles,
+                                                                   sanatan_fused_pallas)
+from sanatan_jax.mixer import SanatanMixer
 
 from .test_base import SanatanAttentionTestBase
 
@@ -153,6 +155,31 @@ def test_default_tiles_take_two_channels_per_dkv_program_from_many_rows():
   assert few == TILES["default"][2]
   assert many.dkv.channels == 2 and many._replace(dkv=few.dkv) == few
   assert default_tiles(jnp.float32, rows=10 * MANY_ROWS) == TILES["default"][4]
+
+
+def test_tile_specs_replace_the_named_kernels_and_bad_ones_say_the_format():
+  base = TILES["default"][2]
+  tiles = parse_tiles("forward=64x16x6x4x3; dkv=32x64x2x8x2", base)
+  assert tiles == base._replace(forward=Tiles(64, 16, 6, 4, 3), dkv=Tiles(32, 64, 2, 8, 2))
+  assert parse_tiles("", base) == base
+  for bad in ("fwd=64x16x6x4x3", "forward=64x16x6x4", "forward=64x16x6x4xa"):
+    with pytest.raises(ValueError, match="KERNEL=CHUNKxBLOCK_VxCHANNELSxWARPSxSTAGES"):
+      parse_tiles(bad, base)
+  with pytest.raises(ValueError, match="KERNEL=CHUNKx"):
+    SanatanMixer.Config(p=1, implementation="pallas_fused", fused_tiles="forward=64")
+
+
+def test_fused_tiles_reach_the_kernels_through_the_op():
+  """``fused_tiles`` reaches the kernels (five channels per program is refused there) and one
+  program for all six channels with value tiles of 2 in the forward gives the recurrent form's output
+  and state."""
+  inputs = sanatan_inputs(3, 20, d=4, dv=4)
+  with pytest.raises(ValueError, match="channels must divide 6"):
+    sanatan_attention(*inputs, implementation="pallas_fused", fused_tiles="forward=8x2x5x4x2")
+  got = sanatan_attention(*inputs, implementation="pallas_fused", fused_tiles="forward=8x2x6x4x2")
+  want = _recurrent(*inputs)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert relative_l2(np.asarray(a), np.asarray(b)) < 1e-5
 
 
 def test_benchmark_and_agreement_check_include_the_kernel():
