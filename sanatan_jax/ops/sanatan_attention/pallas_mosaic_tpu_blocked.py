@@ -1,48 +1,78 @@
-"""Pallas (Mosaic TPU lowering) blocked, flash-style SANATAN kernels for any power p, with VJP.
+"""Pallas (Mosaic TPU lowering) flash SANATAN kernels for any power p, with VJP: the TPU form of
+pallas_triton_flash.py (features once per token, causal and document block skipping).
 
-The function is pallas_triton_blocked.py's (``reference.parallel``, ``xla.blocked``), per head, with
-Phi the feature map of MATH §1.1 (6, 4 or 3 channels) computed inside the kernels from raw q, k::
+Per head, the function of ``reference.parallel``::
 
-    w_tj = [j <= t, same run] ((s_tj + shift) / c)^p,  s_tj = Phi(q_t) · Phi(k_j)  (4ch: max(s, 0)),
-    N_t = sum_j w_tj v_j,   D_t = sum_j w_tj,   o_t = N_t / (D_t + eps).
+    w_tj = [j <= t, same run] u_tj^p,  u_tj = (s_tj + shift) / c,  s_tj = Phi(q_t) · Phi(k_j)
+    (4ch: max(s, 0)),  N_t = sum_j w_tj v_j,  D_t = sum_j w_tj,  o_t = N_t / (D_t + eps).
 
-TPU form (flash attention's on TPU). A TPU core runs the grid steps one after another, so the grid
-is (batch·head, query block i, key block j) with the key axis last and "arbitrary" (sequential; the
-first two are "parallel" and split over the cores of a chip). Per (batch·head, i) the fp32
-accumulators N [BQ, V] and D [BQ, 1] live in VMEM scratch: zeroed at j = 0, increased by every key
-block, turned into o and D at the last j. The query block's non-constant feature channels are
-computed once, at j = 0, and cached in VMEM scratch (input dtype); the key block's are computed per
-step. The weights lie in [0, 1] (scores divided by their maximum c), so there is no running maximum.
-Key blocks entirely after the query block are skipped with ``pl.when``, and their index maps clamp
-to the last visible block so that no new block is copied in for them.
+Features, packed. The kernels see Phi without its constant channel as one row of F = (channels - 1)·d
+features per token, channel after channel (feature (c - 1)·d + a is channel c of dim a). A score is
+a sum over channels of per-channel dots, so it is one dot over the packed row (at d = 64 the five
+channels of 6ch fill 320 lanes, not five 128-lane tiles); the constant channel adds d to every
+score, as a number. A block's features come from its raw q or k [n, d]: a 0/1 matmul in u's
+dtype spreads u over the F lanes (lane (c - 1)·d + a gets u_a; exact, one product per lane), then,
+in fp32, ``base.feature_channels`` (the Triton kernels' feature map, with omega and lam_raw spread
+the same way) gives every channel on every lane and each lane keeps its own channel. Its VJP
+(``jax.vjp`` in the kernel) ends in the transposed 0/1 matmul: du_a sums its F / d lanes.
 
-Layout (the gated op's pallas_mosaic_tpu.py's): head-major [B·H, Tp, ·] in blocks of (BQ or BK, 128
-m); time padded to whole blocks, d and dv to multiples of 128 lanes (zeros: features are masked to
-zero on padded dims, padded values contribute nothing). Compiled blocks hold at least 128 tokens, so
-the [1, BK] key-run row fills whole lanes. Positions and run ids are per batch row, as columns [Tp,
-1] (queries, key features) and a row [1, Tp] (key runs). The constant channel Phi_a = 1 adds d to
-every score as a number, not a dot (pallas_triton_blocked.py). Pairs with a padded token: a padded
-query sees real keys, but its output is dropped and its cotangent is zero; padded keys sit after
-every real query.
+Features are computed per token, never per block pair:
 
-Backward (``jax.custom_vjp``): the forward saves its inputs, o (in v's dtype) and D [Tp, 1] fp32.
-With dN = do / (D + eps) and dD = -(do · o) / (D + eps) (outside the kernels), dw_tj = dN_t · v_j +
-dD_t, and ds_tj comes from ``jax.vjp`` of the same weight function inside the kernel. Two kernels:
+* a feature kernel writes the packed Phi(k) (forward; Phi(q) and Phi(k) in the backward) to HBM in
+  the operands' dtype, for the kernels that stream them as inner blocks;
+* each attention kernel computes its outer block's features itself, once, into VMEM, and the dq and
+  dk/dv kernels take the VJP at the outer block's last step (dq or dk, and per-program partial
+  d omega and d lam_raw, summed by XLA), so no feature gradient goes through HBM.
 
-* dq, grid (batch·head, i, j), j "arbitrary": d Phi(q_t) = sum_j ds_tj Phi(k_j) accumulated in VMEM,
-  chained at the last j through the feature map (``jax.vjp``) into dq and per-program partial
-  d omega, d lam_raw;
-* dk/dv, grid (batch·head, j, i), i "arbitrary" (query blocks before the key block skipped and
-  clamped): dv_j = sum_t w_tj dN_t and d Phi(k_j) = sum_t ds_tj Phi(q_t) in VMEM, the key block's
-  features cached at the first i; dk and partial d omega, d lam_raw at the last i.
+Grid. A TPU core runs grid steps one after another. Each kernel has an "outer" block kind (query
+blocks of BQ tokens in the forward and dq kernels, key blocks of BK in the dk/dv kernel) whose
+fp32 accumulators stay in VMEM while it visits the "inner" blocks it sees causally: outer block n
+sees L(n) inner blocks (key blocks 0 .. the diagonal; query blocks the diagonal .. the end). Only
+those pairs are grid steps: the grid is (batch·head, row, step), and row r runs outer block r's
+L(r) steps, then outer block N - 1 - r's, L(r) + L(N - 1 - r) steps, the same for every row (the
+causal triangle folded in two). An odd N's middle row runs its block once; the other half of that
+row are idle steps whose index maps stay on its last block (nothing copied). Batch·head and row
+are "parallel" (split over a chip's cores), the step axis "arbitrary". Blocks are square,
+``default_block`` tokens (512 up to d = 128): fewer, larger blocks mean fewer copies of the inner
+blocks (one per pair) and fewer grid steps. The weights lie in [0, 1] (scores divided by their
+maximum c), so there is no running maximum.
 
-The partial parameter gradients are summed outside. Positions and run ids get no gradient.
+Documents (``segments.document_index`` runs, non-decreasing per row; without ``segment_ids`` one
+run). A query block and a key block meet iff the run of the key block's last token is >= the run
+of the query block's first token, so a query block meets the key blocks from the one holding its
+first token's document start, and a key block the query blocks up to the one holding its last
+token's document end. Scalar-prefetched per-row tables hold those bounds; the pairs outside them
+are skipped with ``pl.when``, their index maps clamped to the nearest block that is used (nothing
+copied for them).
+
+Backward (``jax.custom_vjp``; the residuals are the head-major inputs, o and D). With dN = do / (D +
+eps) and dD = -(do · o) / (D + eps) (XLA), dw_tj = dN_t · v_j + dD_t and ds_tj from ``jax.vjp`` of
+the weight function (``base.power_weights``). Two kernels recomputing the scores:
+
+* dq, query-major: d Phi(q_t) = sum_j ds_tj Phi(k_j) in VMEM, then the feature VJP;
+* dk/dv, key-major, in transposed form (scores [BK, BQ]): dv_j = sum_t w_tj dN_t (in its fp32
+  output block) and d Phi(k_j) = sum_t ds_tj Phi(q_t) in VMEM, then the feature VJP.
+
+Layout: head-major [B·H, Tp, width] with the real widths d, F and dv (a block spanning a whole
+last dimension needs no 128-lane multiple); time padded to whole blocks (zeros). A padded query
+sees real keys, but its output is dropped and its cotangent is zero; padded keys sit after every
+real query (edge-padded runs keep them in the last document).
+
+Diagonal pairs of square blocks (compiled: of at least 256 tokens) are computed as two tiles, the
+first half of the queries against the first half of the keys and the second half against all of
+them, so the quarter above the diagonal costs nothing; other masked entries are computed and
+zeroed.
+
+Each ``pallas_call`` passes a ``pl.CostEstimate`` of the work its steps do: the matmul FLOPs of
+the entries computed (every causally visible block pair, less the diagonal quarters) at the dots'
+logical sizes, and of the lane spreads; five transcendentals per feature computed (two cosines, two
+sines, one tanh); the bytes its blocks move: outer blocks and outputs once, inner blocks once per
+visible pair. With packed documents it is an upper bound: skipped pairs neither compute nor copy.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -53,24 +83,33 @@ from jax.experimental.pallas import tpu as pltpu
 from lmcore.ops.common import pallas_utils as pu
 from lmcore.ops.common.layout import default_positions, heads_first
 from lmcore.ops.common.segments import document_index
-from sanatan_jax.ops.sanatan_attention.base import (EPS, NON_CONSTANT_CHANNELS, block_feature_fn,
-                                                    check_blocked_options, power_weights)
+from sanatan_jax.ops.sanatan_attention.base import (EPS, NON_CONSTANT_CHANNELS, after_cotangent,
+                                                    check_blocked_options, feature_channels,
+                                                    power_weights)
 
 LANES = pu.TPU_LANES
 _F32 = jnp.float32
+_TRANSCENDENTALS_PER_FEATURE = 5
+# The default block (``default_block``) is the largest of 512, 256 and 128 tokens with
+# F·block <= FEATURE_LANES_X_BLOCK and dv·(bytes per v element)·block <= VALUE_BYTES_X_BLOCK: from
+# compiling forward and backward for a TPU v4 (16 MiB of VMEM per core) at d x dv from 64 x 64 to
+# 512 x 512, bf16 and fp32. 512 fits up to d = 128 (bf16 dv 512, fp32 dv 256); d = 256 needs 256,
+# d = 512 128. Fewer, larger blocks cut the inner blocks' copies (each is read once per pair) and
+# the grid steps; 1024 does not fit at d = 64.
+FEATURE_LANES_X_BLOCK = 640 * 512
+VALUE_BYTES_X_BLOCK = 1024 * 512
 
 
 class KernelConfig(NamedTuple):
   """Static kernel parameters (hashable: they key the compiled kernels).
 
-  block_q, block_k: BQ, BK; head_dim, length: the real d and T; n_heads: H (positions and runs are
-  per batch row); p, channels, three_channel: the kernel; interpret: ``pallas_call``'s argument.
+  block_q, block_k: BQ, BK; head_dim: d; n_heads: H (positions and runs are per batch row); p,
+  channels, three_channel: the kernel; interpret: ``pallas_call``'s argument.
   """
 
   block_q: int
   block_k: int
   head_dim: int
-  length: int
   n_heads: int
   p: int
   channels: int
@@ -78,304 +117,593 @@ class KernelConfig(NamedTuple):
   interpret: Any
 
   @property
-  def n_channels(self) -> int:
-    """How many feature channels are dots (all but the constant one)."""
-    return len(NON_CONSTANT_CHANNELS[self.channels])
+  def width(self) -> int:
+    """F, the packed features per token."""
+    return len(NON_CONSTANT_CHANNELS[self.channels]) * self.head_dim
 
 
-class _Refs(NamedTuple):
-  """The inputs every kernel gets, as blocks: raw q [BQ, dp], k [BK, dp], v [BK, Vp], query
-  positions and runs [BQ, 1], key positions [BK, 1] and runs [1, BK] (int32), omega and lam_raw
-  [1, dp] fp32."""
+class Static(NamedTuple):
+  """What the custom VJP holds static: the kernels' config and the padded length Tp."""
 
-  q: Any
-  k: Any
-  v: Any
-  pos_q: Any
-  run_q: Any
-  pos_k: Any
-  run_k: Any
-  omega: Any
-  lam_raw: Any
+  cfg: KernelConfig
+  padded_length: int
 
 
-def _features(u_ref, pos_ref, refs: _Refs, start, cfg: KernelConfig, with_vjp: bool = False):
-  """The non-constant feature channels of a raw q or k block whose first token is ``start``
-  (channels x [n, dp] in the input dtype, zero on padding), and (if asked) their VJP w.r.t.
-  (u, omega, lam_raw)."""
+def default_block(head_dim: int, value_dim: int, channels: int, dtype) -> int:
+  """The block length the kernels use for queries and keys unless told (see FEATURE_LANES_X_BLOCK)."""
+  width = len(NON_CONSTANT_CHANNELS[channels]) * head_dim
+  value_bytes = value_dim * jnp.dtype(dtype).itemsize
+  for block in (512, 256):
+    if width * block <= FEATURE_LANES_X_BLOCK and value_bytes * block <= VALUE_BYTES_X_BLOCK:
+      return block
+  return LANES
+
+
+# Iteration order.
+
+def _div(a, b: int):
+  """a // b for non-negative a: Python ints stay ints, traced ones use truncating division (what
+  Mosaic's scalar core does)."""
+  return a // b if isinstance(a, int) else jax.lax.div(a, b)
+
+
+class _Tile(NamedTuple):
+  """A part of a block pair: rows ``row : row + rows`` of the outer block, columns ``col : col +
+  cols`` of the inner one."""
+
+  row: int
+  rows: int
+  col: int
+  cols: int
+
+
+class _Order(NamedTuple):
+  """One kernel's iteration order: ``n_outer`` outer blocks, of which block n sees the inner blocks
+  ``first(n) .. first(n) + count(n) - 1``; ``key_major``: the outer blocks are key blocks."""
+
+  key_major: bool
+  n_outer: int
+  n_inner: int
+  cfg: KernelConfig
+
+  @property
+  def outer_size(self) -> int:
+    return self.cfg.block_k if self.key_major else self.cfg.block_q
+
+  @property
+  def inner_size(self) -> int:
+    return self.cfg.block_q if self.key_major else self.cfg.block_k
+
+  def first(self, n):
+    """Query-major: key block 0. Key-major: the query block holding key block n's first key."""
+    return _div(n * self.cfg.block_k, self.cfg.block_q) if self.key_major else 0
+
+  def count(self, n):
+    """How many inner blocks outer block n sees causally."""
+    if self.key_major:
+      return self.n_inner - self.first(n)
+    return _div((n + 1) * self.cfg.block_q - 1, self.cfg.block_k) + 1
+
+  @property
+  def rows(self) -> int:
+    return -(-self.n_outer // 2)
+
+  @property
+  def steps(self) -> int:
+    """Steps per row: the same for every row (``check``)."""
+    return self.count(0) + self.count(self.n_outer - 1)
+
+  def check(self) -> None:
+    lengths = {self.count(r) + self.count(self.n_outer - 1 - r) for r in range(self.rows)}
+    assert lengths == {self.steps}, (self, lengths)
+
+  @property
+  def pairs(self) -> int:
+    """Causally visible (outer, inner) block pairs of one batch·head."""
+    return sum(self.count(n) for n in range(self.n_outer))
+
+  @property
+  def splits_diagonal(self) -> bool:
+    """Whether diagonal pairs skip their wholly masked quarter: square blocks, and compiled, halves
+    of at least 128 lanes (the query-side rows of the dk/dv kernel are sliced along lanes)."""
+    cfg = self.cfg
+    return (cfg.block_q == cfg.block_k and cfg.block_q > 1
+            and (cfg.interpret is not False or cfg.block_q >= 2 * LANES))
+
+  def tiles(self, diagonal: bool) -> tuple[_Tile, ...]:
+    """The parts of a pair's [outer, inner] block that are computed. A diagonal pair of square
+    blocks is two: the first half of the query rows sees only the first half of the keys."""
+    whole = (_Tile(0, self.outer_size, 0, self.inner_size),)
+    if not (diagonal and self.splits_diagonal):
+      return whole
+    h = self.outer_size // 2
+    if self.key_major:  # key rows: the first half sees every query, the second half the second
+      return _Tile(0, h, 0, 2 * h), _Tile(h, h, h, h)
+    return _Tile(0, h, 0, h), _Tile(h, h, 0, 2 * h)
+
+  @property
+  def entries(self) -> int:
+    """[row, column] entries computed over the visible pairs of one batch·head."""
+    area = lambda tiles: sum(t.rows * t.cols for t in tiles)
+    diagonal = self.n_outer if self.splits_diagonal else 0
+    return (self.pairs - diagonal) * area(self.tiles(False)) + diagonal * area(self.tiles(True))
+
+
+class _Step(NamedTuple):
+  """Grid step (row, step) of an ``_Order``: its outer and inner block, whether it is the outer
+  block's first and last, and whether it computes (``live``: not idle, and the blocks meet)."""
+
+  outer: Any
+  inner: Any
+  first: Any
+  last: Any
+  live: Any
+
+
+def _step(row, step, order: _Order, bound=None) -> _Step:
+  """Row ``row`` runs outer block ``row``, then outer block ``n_outer - 1 - row``; an odd count's
+  middle row idles on its second half, parked on its last inner block. ``bound`` is the document
+  bound of the outer block (the first key block a query block meets, or the last query block a key
+  block meets); the returned inner block is clamped to it, so that skipped steps copy nothing."""
+  count_first = order.count(row)
+  second = step >= count_first
+  outer = jnp.where(second, order.n_outer - 1 - row, row)
+  offset = jnp.where(second, step - count_first, step)
+  count = order.count(outer)
+  active = jnp.logical_not(second & (outer == row))
+  offset = jnp.where(active, offset, count - 1)
+  inner = order.first(outer) + offset
+  meets = True
+  if bound is not None:
+    meets = inner <= bound if order.key_major else inner >= bound
+    inner = jnp.minimum(inner, bound) if order.key_major else jnp.maximum(inner, bound)
+  return _Step(outer, inner, active & (offset == 0), active & (offset == count - 1),
+               active & meets)
+
+
+def _bounded_step(bh, row, step, table_ref, order: _Order) -> _Step:
+  """``_step`` with the document bound of its outer block in batch·head ``bh``'s row
+  (``_document_tables``)."""
+  outer = _step(row, step, order).outer
+  bound = table_ref[_div(bh, order.cfg.n_heads) * order.n_outer + outer]
+  return _step(row, step, order, bound)
+
+
+def _document_tables(run_BxTp, cfg: KernelConfig):
+  """Per row, flattened int32: [B·nQ] the first key block each query block meets, [B·nK] the last
+  query block each key block meets."""
+  BQ, BK = cfg.block_q, cfg.block_k
+  first_run_BxQ = run_BxTp[:, ::BQ]  # each query block's first token
+  last_run_BxK = run_BxTp[:, BK - 1::BK]  # each key block's last token
+  first_key_BxQ = jnp.sum(last_run_BxK[:, None, :] < first_run_BxQ[:, :, None], axis=2)
+  later_BxK = jnp.sum(first_run_BxQ[:, None, :] > last_run_BxK[:, :, None], axis=2)
+  last_query_BxK = first_run_BxQ.shape[1] - 1 - later_BxK
+  return (first_key_BxQ.reshape(-1).astype(jnp.int32),
+          last_query_BxK.reshape(-1).astype(jnp.int32))
+
+
+# In-kernel pieces.
+
+def _lane_spread(cfg: KernelConfig, dtype):
+  """The 0/1 matrix [d, F] that puts dim a on lane (c - 1)·d + a of every channel c."""
+  d, F = cfg.head_dim, cfg.width
+  dim = jax.lax.broadcasted_iota(jnp.int32, (d, F), 0)
+  lane = jax.lax.broadcasted_iota(jnp.int32, (d, F), 1)
+  return functools.reduce(jnp.logical_or, [lane == dim + c * d for c in range(F // d)]).astype(dtype)
+
+
+def _feature_fn(pos_n, cfg: KernelConfig):
+  """(u [n, F], omega [1, F], lam_raw [1, F], all spread over the lanes) -> the packed
+  non-constant channels [n, F] (fp32) of tokens at positions ``pos_n`` [n]: every channel of
+  ``base.feature_channels`` on every lane, each lane keeping its own."""
+  d, F = cfg.head_dim, cfg.width
+
+  def fn(u, omega, lam_raw):
+    channels = feature_channels(u, omega, lam_raw, pos_n, True)
+    lane = jax.lax.broadcasted_iota(jnp.int32, (1, F), 1)
+    phi = jnp.zeros(u.shape, _F32)
+    for c, channel in enumerate(NON_CONSTANT_CHANNELS[cfg.channels]):
+      phi = jnp.where((lane >= c * d) & (lane < (c + 1) * d), channels[channel], phi)
+    return phi
+
+  return fn
+
+
+def _features(u_ref, pos_ref, omega_ref, lam_ref, cfg: KernelConfig, with_vjp: bool = False):
+  """The packed features (fp32 [n, F]) of a block of raw q or k [n, d] and, if asked, their VJP:
+  d phi -> (du [n, d], d omega [1, F], d lam_raw [1, F]), fp32.
+
+  u is spread over the lanes by a matmul in its own dtype (exact: one product per lane); the VJP
+  sums each dim's lanes by the transposed matmul, on the lane gradients in u's dtype (rounded
+  like every other dot operand of the kernels).
+  """
   u = u_ref[...]
-  # The Triton kernels' feature function (base.py); it takes the positions as a vector [n].
-  fn = block_feature_fn(pos_ref[...][:, 0], start, u.shape, cfg)
-  args = (u.astype(_F32), refs.omega[...], refs.lam_raw[...])
-  phi, vjp = jax.vjp(fn, *args) if with_vjp else (fn(*args), None)
-  return tuple(a.astype(u.dtype) for a in phi), vjp
+  spread = _lane_spread(cfg, u.dtype)
+  fn = _feature_fn(pos_ref[...][:, 0], cfg)
+  args = (pu.dot(u, spread), omega_ref[...], lam_ref[...])
+  if not with_vjp:
+    return fn(*args), None
+  phi, lanes_vjp = jax.vjp(fn, *args)
+
+  def vjp(dphi):
+    du_lanes, d_omega, d_lam = lanes_vjp(dphi)
+    return pu.dot(du_lanes.astype(u.dtype), spread, trans_b=True), d_omega, d_lam
+
+  return phi, vjp
 
 
-def _cache(scratch, phi) -> None:
-  """Stores a block's feature channels in a VMEM scratch buffer [channels, n, dp]."""
-  for c, a in enumerate(phi):
-    scratch[c] = a
+def _scores(rows, cols, cfg: KernelConfig):
+  """s = d + rows colsᵀ over the packed features, fp32 [n_rows, n_cols] (d: the constant channel)."""
+  return float(cfg.head_dim) + pu.dot(rows, cols, trans_b=True)
 
 
-def _cached(scratch, cfg: KernelConfig) -> tuple:
-  """The channels of a [channels, n, dp] scratch buffer as a tuple of [n, dp] arrays."""
-  return tuple(scratch[c] for c in range(cfg.n_channels))
-
-
-def _sees(i, j, cfg: KernelConfig):
-  """Whether query block i holds a query at or after the first key of key block j."""
-  return (i + 1) * cfg.block_q > j * cfg.block_k
-
-
-def _last_key_block(i, cfg: KernelConfig):
-  """The last key block that query block i sees."""
-  return jax.lax.div((i + 1) * cfg.block_q - 1, cfg.block_k)
-
-
-def _first_query_block(j, cfg: KernelConfig):
-  """The first query block that sees key block j."""
-  return jax.lax.div(j * cfg.block_k, cfg.block_q)
-
-
-def _scores_and_weight_fn(i, j, phi_q, phi_k, refs: _Refs, cfg: KernelConfig):
-  """For query block i and key block j: the scores s_tj = d + the per-channel dots, fp32 [BQ, BK],
-  and the weight function s -> w (``base.power_weights`` with the causal and same-run mask)."""
-  shape = (cfg.block_q, cfg.block_k)
-  causal = (i * cfg.block_q + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-            >= j * cfg.block_k + jax.lax.broadcasted_iota(jnp.int32, shape, 1))
-  visible = causal & (refs.run_q[...] == refs.run_k[...])
-  s = float(cfg.head_dim) + sum(pu.dot(a, b, trans_b=True) for a, b in zip(phi_q, phi_k))
-  return s, lambda s: power_weights(s, visible, p=cfg.p, channels=cfg.channels,
-                                    three_channel=cfg.three_channel, d=cfg.head_dim)
-
-
-def _weights_and_score_grads(i, j, phi_q, phi_k, refs: _Refs, dN, dD, cfg: KernelConfig):
-  """w [BQ, BK] and ds = dL/ds [BQ, BK] from dw_tj = dN_t · v_j + dD_t (fp32)."""
-  s, weight_fn = _scores_and_weight_fn(i, j, phi_q, phi_k, refs, cfg)
-  w, w_vjp = jax.vjp(weight_fn, s)
-  (ds,) = w_vjp(pu.dot(dN, refs.v[...], trans_b=True) + dD)
-  return w, ds
-
-
-def _forward_kernel(*refs, cfg: KernelConfig):
-  n_in = len(_Refs._fields)
-  r = _Refs(*refs[:n_in])
-  o_ref, den_ref, phi_q_scratch, num_scratch, den_scratch = refs[n_in:]
-  i, j = pl.program_id(1), pl.program_id(2)
-
-  @pl.when(j == 0)
-  def _():
-    _cache(phi_q_scratch, _features(r.q, r.pos_q, r, i * cfg.block_q, cfg)[0])
-    num_scratch[...] = jnp.zeros(num_scratch.shape, _F32)
-    den_scratch[...] = jnp.zeros(den_scratch.shape, _F32)
-
-  @pl.when(_sees(i, j, cfg))
-  def _():
-    phi_k, _ = _features(r.k, r.pos_k, r, j * cfg.block_k, cfg)
-    s, weight_fn = _scores_and_weight_fn(i, j, _cached(phi_q_scratch, cfg), phi_k, r, cfg)
-    w = weight_fn(s)
-    v = r.v[...]
-    num_scratch[...] += pu.dot(w.astype(v.dtype), v)
-    den_scratch[...] += jnp.sum(w, axis=1, keepdims=True)
-
-  @pl.when(j == pl.num_programs(2) - 1)
-  def _():
-    den = den_scratch[...]
-    o_ref[...] = (num_scratch[...] / (den + EPS)).astype(o_ref.dtype)
-    den_ref[...] = den
-
-
-def _dq_kernel(*refs, cfg: KernelConfig):
-  n_in = len(_Refs._fields)
-  r = _Refs(*refs[:n_in])
-  dN_ref, dD_ref, dq_ref, domega_ref, dlam_ref, phi_q_scratch, dphi_scratch = refs[n_in:]
-  i, j = pl.program_id(1), pl.program_id(2)
-
-  @pl.when(j == 0)
-  def _():
-    _cache(phi_q_scratch, _features(r.q, r.pos_q, r, i * cfg.block_q, cfg)[0])
-    dphi_scratch[...] = jnp.zeros(dphi_scratch.shape, _F32)
-
-  @pl.when(_sees(i, j, cfg))
-  def _():
-    phi_k, _ = _features(r.k, r.pos_k, r, j * cfg.block_k, cfg)
-    _, ds = _weights_and_score_grads(i, j, _cached(phi_q_scratch, cfg), phi_k, r, dN_ref[...],
-                                     dD_ref[...], cfg)
-    for c, b in enumerate(phi_k):
-      dphi_scratch[c] += pu.dot(ds.astype(b.dtype), b)
-
-  @pl.when(j == pl.num_programs(2) - 1)
-  def _():
-    _, q_vjp = _features(r.q, r.pos_q, r, i * cfg.block_q, cfg, with_vjp=True)
-    dq_ref[...], domega_ref[...], dlam_ref[...] = q_vjp(_cached(dphi_scratch, cfg))
-
-
-def _dkv_kernel(*refs, cfg: KernelConfig):
-  n_in = len(_Refs._fields)
-  r = _Refs(*refs[:n_in])
-  (dN_ref, dD_ref, dk_ref, dv_ref, domega_ref, dlam_ref, phi_k_scratch, dphi_scratch,
-   dv_scratch) = refs[n_in:]
-  j, i = pl.program_id(1), pl.program_id(2)
-
-  @pl.when(i == 0)
-  def _():
-    _cache(phi_k_scratch, _features(r.k, r.pos_k, r, j * cfg.block_k, cfg)[0])
-    dphi_scratch[...] = jnp.zeros(dphi_scratch.shape, _F32)
-    dv_scratch[...] = jnp.zeros(dv_scratch.shape, _F32)
-
-  @pl.when(_sees(i, j, cfg))
-  def _():
-    phi_q, _ = _features(r.q, r.pos_q, r, i * cfg.block_q, cfg)
-    dN = dN_ref[...]
-    w, ds = _weights_and_score_grads(i, j, phi_q, _cached(phi_k_scratch, cfg), r, dN, dD_ref[...],
-                                     cfg)
-    for c, a in enumerate(phi_q):
-      dphi_scratch[c] += pu.dot(ds.astype(a.dtype), a, trans_a=True)
-    dv_scratch[...] += pu.dot(w.astype(dN.dtype), dN, trans_a=True)
-
-  @pl.when(i == pl.num_programs(2) - 1)
-  def _():
-    _, k_vjp = _features(r.k, r.pos_k, r, j * cfg.block_k, cfg, with_vjp=True)
-    dk_ref[...], domega_ref[...], dlam_ref[...] = k_vjp(_cached(dphi_scratch, cfg))
-    dv_ref[...] = dv_scratch[...]
-
-
-class _Specs(NamedTuple):
-  """BlockSpecs over a grid (batch·head, a, b): the ``_Refs`` inputs, dN [BQ, Vp] and dD [BQ, 1]
-  of the query block, outputs of the query block (width dp or Vp, or a column), of the key block,
-  and each (batch·head, a) program's own partial parameter gradient [1, dp]."""
-
-  inputs: list
-  dN: pl.BlockSpec
-  dD: pl.BlockSpec
-  query: Any  # width -> BlockSpec
-  key: Any  # width -> BlockSpec
-  partial: pl.BlockSpec
-
-
-def _specs(dp: int, Vp: int, cfg: KernelConfig, query_major: bool) -> _Specs:
-  """Query-major grids (a = query block i, b = key block j) clamp j to the last visible key block;
-  key-major grids (a = j, b = i) clamp i to the first query block that sees j."""
-  BQ, BK, H = cfg.block_q, cfg.block_k, cfg.n_heads
-  if query_major:
-    blocks = lambda a, b: (a, jnp.minimum(b, _last_key_block(a, cfg)))
+def _visible(step: _Step, tile: _Tile, run_rows, run_cols, order: _Order):
+  """[rows, cols] mask of ``tile``'s pairs that are causal and in the same run; rows are queries,
+  or keys when ``order.key_major`` (then ``run_rows`` is a column of key runs)."""
+  cfg = order.cfg
+  shape = (tile.rows, tile.cols)
+  rows = jax.lax.broadcasted_iota(jnp.int32, shape, 0) + tile.row
+  cols = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + tile.col
+  if order.key_major:
+    causal = step.outer * cfg.block_k + rows <= step.inner * cfg.block_q + cols
   else:
-    blocks = lambda a, b: (jnp.maximum(b, _first_query_block(a, cfg)), a)
-  query = lambda width: pl.BlockSpec((None, BQ, width), lambda bh, a, b: (bh, blocks(a, b)[0], 0))
-  key = lambda width: pl.BlockSpec((None, BK, width), lambda bh, a, b: (bh, blocks(a, b)[1], 0))
-  row_q = pl.BlockSpec((None, BQ, 1), lambda bh, a, b: (bh // H, blocks(a, b)[0], 0))
-  row_k = pl.BlockSpec((None, BK, 1), lambda bh, a, b: (bh // H, blocks(a, b)[1], 0))
-  run_k = pl.BlockSpec((None, 1, BK), lambda bh, a, b: (bh // H, 0, blocks(a, b)[1]))
-  param = pl.BlockSpec((None, 1, dp), lambda bh, a, b: (bh % H, 0, 0))
-  inputs = [query(dp), key(dp), key(Vp), row_q, row_q, row_k, run_k, param, param]
-  partial = pl.BlockSpec((None, None, 1, dp), lambda bh, a, b: (bh, a, 0, 0))
-  return _Specs(inputs, query(Vp), query(1), query, key, partial)
+    causal = step.outer * cfg.block_q + rows >= step.inner * cfg.block_k + cols
+  return causal & (run_rows == run_cols)
 
 
-def _visible_pairs(n_query_blocks: int, n_key_blocks: int, cfg: KernelConfig) -> int:
-  """How many (query block, key block) steps of one batch·head are not skipped (``_sees``)."""
-  return sum(min(((i + 1) * cfg.block_q - 1) // cfg.block_k, n_key_blocks - 1) + 1
-             for i in range(n_query_blocks))
+def _on_live_tiles(step: _Step, order: _Order, work) -> None:
+  """Runs ``work(tile)`` for the tiles of a live step: the diagonal pair's two, or the whole pair."""
+
+  def run(diagonal: bool):
+    def body():
+      for tile in order.tiles(diagonal):
+        work(tile)
+    return body
+
+  if not order.splits_diagonal:
+    pl.when(step.live)(run(False))
+    return
+  diagonal = step.outer == step.inner
+  pl.when(step.live & diagonal)(run(True))
+  pl.when(step.live & jnp.logical_not(diagonal))(run(False))
 
 
-def _cost(kernel, cfg: KernelConfig, args: tuple, grads: tuple, out_shape) -> pl.CostEstimate:
-  """``kernel``'s matmul FLOPs (per visible block pair, padded lanes and masked entries included),
-  its transcendentals (five per lane of every feature block computed) and the bytes its blocks move:
-  the outer grid axis's blocks and the outputs once, the inner axis's once per visible pair."""
-  q, k, v = args[:3]
-  BH, Tp, dp = q.shape
-  BQ, BK, Vp, n = cfg.block_q, cfg.block_k, v.shape[-1], cfg.n_channels
-  pairs = _visible_pairs(Tp // BQ, Tp // BK, cfg)  # per batch·head
-  # One dot of each shape per pair: the block's scores over one channel's dp lanes, against Vp values.
-  score, value = 2 * BQ * BK * dp, 2 * BQ * BK * Vp
-  per_pair = {_forward_kernel: n * score + value, _dq_kernel: 2 * n * score + value,
-              _dkv_kernel: 2 * n * score + 2 * value}[kernel]
-  # Bytes per token of a query block (raw q, position, run; the backward's dN and dD) and of a key
-  # block (raw k, v, position, run). The dk/dv kernel's outer axis is the key blocks.
-  query_token = dp * q.dtype.itemsize + 8 + sum(g.shape[-1] * g.dtype.itemsize for g in grads)
-  key_token = dp * k.dtype.itemsize + Vp * v.dtype.itemsize + 8
-  outer, inner, inner_block = query_token, key_token, BK
-  if kernel is _dkv_kernel:
-    outer, inner, inner_block = key_token, query_token, BQ
-  # Feature blocks: the outer side's once per block (twice in the backward, for the VJP), the inner
-  # side's at every visible pair.
-  feature_rows = Tp * (1 if kernel is _forward_kernel else 2) + pairs * inner_block
-  outputs = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(out_shape))
-  return pl.CostEstimate(
-      flops=BH * pairs * per_pair, transcendentals=BH * 5 * feature_rows * dp,
-      bytes_accessed=BH * (Tp * outer + pairs * inner_block * inner + 2 * dp * 4) + outputs)
+def _rows(ref, start: int, size: int):
+  """Rows ``start : start + size`` of a [n, width] block."""
+  return ref[pl.ds(start, size), :]
 
 
-def _call(kernel, cfg: KernelConfig, query_major: bool, args: tuple, grads: tuple, out_specs,
-          out_shape, scratch):
-  """Runs ``kernel`` over the grid (B·H, query blocks, key blocks) if ``query_major``, else (B·H,
-  key blocks, query blocks), on the ``_Refs`` inputs ``args`` and the backward's (dN, dD)
-  ``grads``; ``out_specs`` maps the ``_Specs`` to the output specs; ``scratch`` lists the VMEM
-  buffers' (shape, dtype)."""
-  BH, Tp, _ = args[0].shape
-  blocks = (Tp // cfg.block_q, Tp // cfg.block_k)
-  specs = _specs(args[0].shape[-1], args[2].shape[-1], cfg, query_major)
-  in_specs = specs.inputs + ([specs.dN, specs.dD] if grads else [])
+def _lanes(ref, start: int, size: int):
+  """Lanes ``start : start + size`` of a [1, n] block."""
+  return ref[:, pl.ds(start, size)]
+
+
+def _weight_fn(mask, cfg: KernelConfig):
+  return lambda s: power_weights(s, mask, p=cfg.p, channels=cfg.channels,
+                                 three_channel=cfg.three_channel, d=cfg.head_dim)
+
+
+def _feature_kernel(u_ref, pos_ref, omega_ref, lam_ref, phi_ref, *, cfg: KernelConfig):
+  phi_ref[...] = _features(u_ref, pos_ref, omega_ref, lam_ref, cfg)[0].astype(phi_ref.dtype)
+
+
+def _forward_kernel(first_key_ref, q_ref, pos_q_ref, run_q_ref, omega_ref, lam_ref, phi_k_ref,
+                    v_ref, run_k_ref, o_ref, den_ref, phi_q_scratch, num_scratch, *,
+                    order: _Order):
+  cfg = order.cfg
+  step = _bounded_step(*(pl.program_id(a) for a in range(3)), first_key_ref, order)
+
+  @pl.when(step.first)
+  def _():
+    phi_q = _features(q_ref, pos_q_ref, omega_ref, lam_ref, cfg)[0]
+    phi_q_scratch[...] = phi_q.astype(phi_q_scratch.dtype)
+    num_scratch[...] = jnp.zeros(num_scratch.shape, _F32)
+    den_ref[...] = jnp.zeros(den_ref.shape, _F32)
+
+  def work(t: _Tile):
+    s = _scores(_rows(phi_q_scratch, t.row, t.rows), _rows(phi_k_ref, t.col, t.cols), cfg)
+    mask = _visible(step, t, _rows(run_q_ref, t.row, t.rows), _lanes(run_k_ref, t.col, t.cols),
+                    order)
+    w = _weight_fn(mask, cfg)(s)
+    v = _rows(v_ref, t.col, t.cols)
+    rows = pl.ds(t.row, t.rows)
+    num_scratch[rows, :] += pu.dot(w.astype(v.dtype), v)
+    den_ref[rows, :] += jnp.sum(w, axis=1, keepdims=True)
+
+  _on_live_tiles(step, order, work)
+
+  @pl.when(step.last)
+  def _():
+    o_ref[...] = (num_scratch[...] / (den_ref[...] + EPS)).astype(o_ref.dtype)
+
+
+def _dq_kernel(first_key_ref, q_ref, pos_q_ref, run_q_ref, omega_ref, lam_ref, dN_ref, dD_ref,
+               phi_k_ref, v_ref, run_k_ref, dq_ref, domega_ref, dlam_ref, phi_q_scratch,
+               dphi_scratch, *, order: _Order):
+  cfg = order.cfg
+  step = _bounded_step(*(pl.program_id(a) for a in range(3)), first_key_ref, order)
+  outer = (q_ref, pos_q_ref, omega_ref, lam_ref)
+
+  @pl.when(step.first)
+  def _():
+    phi_q_scratch[...] = _features(*outer, cfg)[0].astype(phi_q_scratch.dtype)
+    dphi_scratch[...] = jnp.zeros(dphi_scratch.shape, _F32)
+
+  def work(t: _Tile):
+    phi_k = _rows(phi_k_ref, t.col, t.cols)
+    s = _scores(_rows(phi_q_scratch, t.row, t.rows), phi_k, cfg)
+    mask = _visible(step, t, _rows(run_q_ref, t.row, t.rows), _lanes(run_k_ref, t.col, t.cols),
+                    order)
+    _, w_vjp = jax.vjp(_weight_fn(mask, cfg), s)
+    dw = (pu.dot(_rows(dN_ref, t.row, t.rows), _rows(v_ref, t.col, t.cols), trans_b=True)
+          + _rows(dD_ref, t.row, t.rows))
+    (ds,) = w_vjp(dw)
+    dphi_scratch[pl.ds(t.row, t.rows), :] += pu.dot(ds.astype(phi_k.dtype), phi_k)
+
+  _on_live_tiles(step, order, work)
+
+  @pl.when(step.last)
+  def _():
+    _, features_vjp = _features(*outer, cfg, with_vjp=True)
+    dq_ref[...], domega_ref[...], dlam_ref[...] = features_vjp(dphi_scratch[...])
+
+
+def _dkv_kernel(last_query_ref, k_ref, pos_k_ref, run_k_ref, omega_ref, lam_ref, v_ref, phi_q_ref,
+                run_q_ref, dN_ref, dD_ref, dk_ref, dv_ref, domega_ref, dlam_ref, phi_k_scratch,
+                dphi_scratch, *, order: _Order):
+  """Transposed: scores, weights and their gradients are [BK, BQ], keys along the rows; the
+  query-side runs and dD come as rows [1, BQ], the key runs as a column [BK, 1]."""
+  cfg = order.cfg
+  step = _bounded_step(*(pl.program_id(a) for a in range(3)), last_query_ref, order)
+  outer = (k_ref, pos_k_ref, omega_ref, lam_ref)
+
+  @pl.when(step.first)
+  def _():
+    phi_k_scratch[...] = _features(*outer, cfg)[0].astype(phi_k_scratch.dtype)
+    dphi_scratch[...] = jnp.zeros(dphi_scratch.shape, _F32)
+    dv_ref[...] = jnp.zeros(dv_ref.shape, _F32)
+
+  def work(t: _Tile):
+    phi_q, dN = _rows(phi_q_ref, t.col, t.cols), _rows(dN_ref, t.col, t.cols)
+    s = _scores(_rows(phi_k_scratch, t.row, t.rows), phi_q, cfg)
+    mask = _visible(step, t, _rows(run_k_ref, t.row, t.rows), _lanes(run_q_ref, t.col, t.cols),
+                    order)
+    w, w_vjp = jax.vjp(_weight_fn(mask, cfg), s)
+    dw = (pu.dot(_rows(v_ref, t.row, t.rows), dN, trans_b=True)
+          + _lanes(dD_ref, t.col, t.cols))
+    (ds,) = w_vjp(dw)
+    rows = pl.ds(t.row, t.rows)
+    dv_ref[rows, :] += pu.dot(w.astype(dN.dtype), dN)
+    dphi_scratch[rows, :] += pu.dot(ds.astype(phi_q.dtype), phi_q)
+
+  _on_live_tiles(step, order, work)
+
+  @pl.when(step.last)
+  def _():
+    _, features_vjp = _features(*outer, cfg, with_vjp=True)
+    dk_ref[...], domega_ref[...], dlam_ref[...] = features_vjp(dphi_scratch[...])
+
+
+# Calls.
+
+class _Operand(NamedTuple):
+  """A kernel operand and how it is blocked. ``side``: "outer" or "inner" (which block index picks
+  its block). ``layout``: "tokens" ([B·H, Tp, width], blocks of rows), "column" ([B, Tp, 1], per
+  batch row), "row" ([B or B·H, 1, Tp], blocks of lanes; ``per_head``: indexed by batch·head, not
+  batch row), "param" ([H, 1, F], the head's) or "partial" ([B·H, n_outer, 1, F], the outer
+  block's own)."""
+
+  array: Any
+  side: str = "outer"
+  layout: str = "tokens"
+  per_head: bool = True
+
+
+def _block_spec(x: _Operand, order: _Order) -> pl.BlockSpec:
+  """``x``'s blocks over the grid (batch·head, row, step) of ``order``."""
+  H = order.cfg.n_heads
+  size = order.outer_size if x.side == "outer" else order.inner_size
+
+  def index_map(bh, row, step, table_ref):
+    # Index maps run on the scalar core at every step: each computes only what it needs.
+    if x.layout == "param":
+      return bh % H, 0, 0
+    if x.side == "outer":
+      block = _step(row, step, order).outer
+    else:
+      block = _bounded_step(bh, row, step, table_ref, order).inner
+    if x.layout == "partial":
+      return bh, block, 0, 0
+    batch = bh if x.per_head and x.layout != "column" else _div(bh, H)
+    return (batch, 0, block) if x.layout == "row" else (batch, block, 0)
+
+  width = x.array.shape[-1]
+  shape = {"tokens": (None, size, width), "column": (None, size, 1), "row": (None, 1, size),
+           "param": (None, 1, width), "partial": (None, None, 1, width)}[x.layout]
+  return pl.BlockSpec(shape, index_map)
+
+
+def _block_bytes(operands, side: str, layouts=("tokens", "column", "row")) -> int:
+  """Bytes per token of the operands of ``layouts`` on ``side``."""
+  total = 0
+  for x in operands:
+    if x.side == side and x.layout in layouts:
+      width = 1 if x.layout == "row" else x.array.shape[-1]
+      total += width * x.array.dtype.itemsize
+  return total
+
+
+def _feature_work(tokens: int, cfg: KernelConfig, vjp: bool) -> tuple[int, int]:
+  """(matmul FLOPs, transcendentals) of the packed features of ``tokens`` tokens (and their VJP)."""
+  flops = 2 * tokens * cfg.head_dim * cfg.width * (2 if vjp else 1)
+  return flops, _TRANSCENDENTALS_PER_FEATURE * tokens * cfg.width
+
+
+def _cost(order: _Order, operands, outputs, flops_per_entry: int, feature_passes: int,
+          table) -> pl.CostEstimate:
+  """The work of the grid's steps: ``flops_per_entry`` matmul FLOPs per [query, key] entry computed
+  (``_Order.entries``), the outer blocks' features ``feature_passes`` times (the second with its
+  VJP); bytes: outer blocks and outputs once, parameters once per batch·head, inner blocks once per
+  visible pair, the table."""
+  cfg = order.cfg
+  BH = operands[0].array.shape[0]
+  outer_tokens = order.n_outer * order.outer_size
+  pair_flops = order.entries * flops_per_entry
+  feature_flops, transcendentals = 0, 0
+  for n in range(feature_passes):
+    flops, count = _feature_work(outer_tokens, cfg, vjp=n == 1)
+    feature_flops, transcendentals = feature_flops + flops, transcendentals + count
+  per_head = (outer_tokens * (_block_bytes(operands, "outer") + _block_bytes(outputs, "outer"))
+              + order.pairs * order.inner_size * _block_bytes(operands, "inner")
+              + _block_bytes(operands, "outer", ("param",))
+              + order.n_outer * _block_bytes(outputs, "outer", ("partial",)))
+  return pl.CostEstimate(flops=BH * (pair_flops + feature_flops), transcendentals=BH * transcendentals,
+                         bytes_accessed=BH * per_head + table.size * table.dtype.itemsize)
+
+
+def _call(kernel, order: _Order, table, operands, outputs, flops_per_entry: int,
+          feature_passes: int, scratch=()):
+  """Runs ``kernel(table_ref, *operand_refs, *output_refs, *scratch, order=order)`` over the grid
+  (batch·head, row, step); ``outputs`` are ``_Operand``s of ShapeDtypeStructs on the outer side."""
+  order.check()
+  BH = operands[0].array.shape[0]
+  out_shape = tuple(x.array for x in outputs)
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1, grid=(BH, order.rows, order.steps),
+      in_specs=[_block_spec(x, order) for x in operands],
+      out_specs=[_block_spec(x, order) for x in outputs],
+      scratch_shapes=[pltpu.VMEM(shape, dtype) for shape, dtype in scratch])
   return pl.pallas_call(
-      functools.partial(kernel, cfg=cfg), grid=(BH, *(blocks if query_major else blocks[::-1])),
-      in_specs=in_specs, out_specs=out_specs(specs), out_shape=out_shape,
-      scratch_shapes=[pltpu.VMEM(shape, dtype) for shape, dtype in scratch],
+      functools.partial(kernel, order=order), grid_spec=grid_spec, out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary")),
-      cost_estimate=_cost(kernel, cfg, args, grads, out_shape), interpret=cfg.interpret)(*args, *grads)
+      cost_estimate=_cost(order, operands, outputs, flops_per_entry, feature_passes, table),
+      interpret=order.cfg.interpret)(table, *(x.array for x in operands))
 
 
-def _forward(args, cfg: KernelConfig):
-  """o [BH, Tp, Vp] in v's dtype and D [BH, Tp, 1] fp32."""
-  q, _, v = args[:3]
-  BH, Tp, dp = q.shape
-  BQ, Vp = cfg.block_q, v.shape[-1]
-  out_shape = (jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((BH, Tp, 1), _F32))
-  scratch = [((cfg.n_channels, BQ, dp), q.dtype), ((BQ, Vp), _F32), ((BQ, 1), _F32)]
-  return _call(_forward_kernel, cfg, True, args, (), lambda s: [s.query(Vp), s.query(1)],
-               out_shape, scratch)
+class _Inputs(NamedTuple):
+  """The kernels' head-major inputs: raw q, k [B·H, Tp, d], v [B·H, Tp, dv]; positions and runs
+  [B, Tp] int32; omega and lam_raw spread over the packed lanes, [H, 1, F] fp32."""
+
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  pos: jax.Array
+  run: jax.Array
+  omega: jax.Array
+  lam_raw: jax.Array
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
-def _fused(q, k, v, pos_q, run_q, pos_k, run_k, omega, lam_raw, cfg):
-  return _forward((q, k, v, pos_q, run_q, pos_k, run_k, omega, lam_raw), cfg)[0]
+def _orders(st: Static) -> tuple[_Order, _Order]:
+  """The query-major order (forward, dq) and the key-major one (dk/dv)."""
+  n_q, n_k = st.padded_length // st.cfg.block_q, st.padded_length // st.cfg.block_k
+  return _Order(False, n_q, n_k, st.cfg), _Order(True, n_k, n_q, st.cfg)
 
 
-def _fused_fwd(q, k, v, pos_q, run_q, pos_k, run_k, omega, lam_raw, cfg):
-  args = (q, k, v, pos_q, run_q, pos_k, run_k, omega, lam_raw)
-  o, den = _forward(args, cfg)
-  return o, (args, o, den)
+def _packed_features(u, x: _Inputs, st: Static):
+  """The packed features [B·H, Tp, F] of raw q or k ``u`` in its dtype (the feature kernel, in
+  blocks of BQ tokens)."""
+  cfg = st.cfg
+  BH, Tp, d = u.shape
+  BT, F, H = cfg.block_q, cfg.width, cfg.n_heads
+  tokens = lambda width: pl.BlockSpec((None, BT, width), lambda bh, n: (bh, n, 0))
+  param = pl.BlockSpec((None, 1, F), lambda bh, n: (bh % H, 0, 0))
+  flops, transcendentals = _feature_work(BH * Tp, cfg, vjp=False)
+  return pl.pallas_call(
+      functools.partial(_feature_kernel, cfg=cfg), grid=(BH, Tp // BT),
+      in_specs=[tokens(d), pl.BlockSpec((None, BT, 1), lambda bh, n: (bh // H, n, 0)), param, param],
+      out_specs=tokens(F), out_shape=jax.ShapeDtypeStruct((BH, Tp, F), u.dtype),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+      cost_estimate=pl.CostEstimate(
+          flops=flops, transcendentals=transcendentals,
+          bytes_accessed=BH * (Tp * (d * u.dtype.itemsize + 4 + F * u.dtype.itemsize) + 8 * F)),
+      interpret=cfg.interpret)(u, x.pos[:, :, None], x.omega, x.lam_raw)
 
 
-def _fused_bwd(cfg, residuals, do):
-  args, o, den = residuals
-  q, k, v = args[:3]
-  BH, Tp, dp = q.shape
-  Vp, n = v.shape[-1], cfg.n_channels
+def _forward(x: _Inputs, st: Static):
+  """o [B·H, Tp, dv] in v's dtype and D [B·H, Tp, 1] fp32."""
+  cfg = st.cfg
+  BH, Tp, V = x.v.shape
+  first_key, _ = _document_tables(x.run, cfg)
+  operands = [_Operand(x.q), _Operand(x.pos[:, :, None], layout="column"),
+              _Operand(x.run[:, :, None], layout="column"), _Operand(x.omega, layout="param"),
+              _Operand(x.lam_raw, layout="param"), _Operand(_packed_features(x.k, x, st), "inner"),
+              _Operand(x.v, "inner"), _Operand(x.run[:, None, :], "inner", "row", per_head=False)]
+  outputs = [_Operand(jax.ShapeDtypeStruct(x.v.shape, x.v.dtype)),
+             _Operand(jax.ShapeDtypeStruct((BH, Tp, 1), _F32))]
+  scratch = [((cfg.block_q, cfg.width), x.q.dtype), ((cfg.block_q, V), _F32)]
+  return _call(_forward_kernel, _orders(st)[0], first_key, operands, outputs,
+               2 * (cfg.width + V), 1, scratch)
+
+
+def _backward(x: _Inputs, dN, dD, st: Static):
+  """dq, dk [B·H, Tp, d], dv [B·H, Tp, dv] and d omega, d lam_raw [H, F] (spread), fp32."""
+  cfg = st.cfg
+  BH, Tp, V = x.v.shape
+  d, F = cfg.head_dim, cfg.width
+  query_major, key_major = _orders(st)
+  first_key, last_query = _document_tables(x.run, cfg)
+  phi_q, phi_k = _packed_features(x.q, x, st), _packed_features(x.k, x, st)
+  rows = lambda width: _Operand(jax.ShapeDtypeStruct((BH, Tp, width), _F32))
+  partial = lambda order: _Operand(jax.ShapeDtypeStruct((BH, order.n_outer, 1, F), _F32),
+                                   layout="partial")
+  pos, run_column = x.pos[:, :, None], x.run[:, :, None]
+  run_row = _Operand(x.run[:, None, :], "inner", "row", per_head=False)
+  params = [_Operand(x.omega, layout="param"), _Operand(x.lam_raw, layout="param")]
+  dq, domega_q, dlam_q = _call(
+      _dq_kernel, query_major, first_key,
+      [_Operand(x.q), _Operand(pos, layout="column"), _Operand(run_column, layout="column"),
+       *params, _Operand(dN), _Operand(dD), _Operand(phi_k, "inner"), _Operand(x.v, "inner"),
+       run_row],
+      [rows(d), partial(query_major), partial(query_major)], 2 * (2 * F + V), 2,
+      [((cfg.block_q, F), x.q.dtype), ((cfg.block_q, F), _F32)])
+  dk, dv, domega_k, dlam_k = _call(
+      _dkv_kernel, key_major, last_query,
+      [_Operand(x.k), _Operand(pos, layout="column"), _Operand(run_column, layout="column"),
+       *params, _Operand(x.v), _Operand(phi_q, "inner"), run_row, _Operand(dN, "inner"),
+       _Operand(jnp.swapaxes(dD, 1, 2), "inner", "row")],
+      [rows(d), rows(V), partial(key_major), partial(key_major)], 2 * (2 * F + 2 * V), 2,
+      [((cfg.block_k, F), x.k.dtype), ((cfg.block_k, F), _F32)])
+  per_head = lambda g: g.reshape(-1, cfg.n_heads, *g.shape[1:]).sum((0, 2))[:, 0]
+  return (dq, dk, dv, per_head(domega_q) + per_head(domega_k),
+          per_head(dlam_q) + per_head(dlam_k))
+
+
+# The custom VJP.
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _attention(x: _Inputs, st: Static):
+  """o [B·H, Tp, dv] in v's dtype."""
+  return _forward(x, st)[0]
+
+
+def _attention_fwd(x: _Inputs, st: Static):
+  o, den = _forward(x, st)
+  return o, (x, o, den)
+
+
+def _attention_bwd(st: Static, residuals, do):
+  """dN = do / (D + eps) and dD = -(do · o) / (D + eps) in XLA, then the kernels. The inputs pass
+  an optimisation barrier with ``do`` (``base.after_cotangent``), so that XLA neither reuses the
+  forward's Phi(k) nor computes the features before the cotangent exists."""
+  x, o, den = residuals
+  x = _Inputs(*after_cotangent(tuple(x), do))
   inv = 1.0 / (den + EPS)
   do = do.astype(_F32)
-  dN = (do * inv).astype(v.dtype)
+  dN = (do * inv).astype(x.v.dtype)
   dD = -jnp.sum(do * o.astype(_F32), axis=-1, keepdims=True) * inv
-  rows = lambda width: jax.ShapeDtypeStruct((BH, Tp, width), _F32)
-  partial = lambda size: jax.ShapeDtypeStruct((BH, Tp // size, 1, dp), _F32)
-
-  BQ, BK = cfg.block_q, cfg.block_k
-  dq, d_omega_q, d_lam_q = _call(
-      _dq_kernel, cfg, True, args, (dN, dD), lambda s: [s.query(dp), s.partial, s.partial],
-      (rows(dp), partial(BQ), partial(BQ)), [((n, BQ, dp), q.dtype), ((n, BQ, dp), _F32)])
-  dk, dv, d_omega_k, d_lam_k = _call(
-      _dkv_kernel, cfg, False, args, (dN, dD),
-      lambda s: [s.key(dp), s.key(Vp), s.partial, s.partial],
-      (rows(dp), rows(Vp), partial(BK), partial(BK)),
-      [((n, BK, dp), k.dtype), ((n, BK, dp), _F32), ((BK, Vp), _F32)])
-  per_head = lambda x: x.reshape(-1, cfg.n_heads, *x.shape[1:]).sum((0, 2))
-  d_omega = per_head(d_omega_q) + per_head(d_omega_k)
-  d_lam = per_head(d_lam_q) + per_head(d_lam_k)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None,
-          d_omega, d_lam)
+  dq, dk, dv, d_omega, d_lam = _backward(x, dN, dD, st)
+  return (_Inputs(dq.astype(x.q.dtype), dk.astype(x.k.dtype), dv.astype(x.v.dtype), None, None,
+                  d_omega[:, None].astype(x.omega.dtype), d_lam[:, None].astype(x.lam_raw.dtype)),)
 
 
-_fused.defvjp(_fused_fwd, _fused_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _spread(x_Hxd: jax.Array, cfg: KernelConfig) -> jax.Array:
+  """[H, d] -> [H, 1, F] fp32: dim a's value on lane (c - 1)·d + a of every channel c (its
+  transpose sums the lanes of each dim)."""
+  return jnp.tile(x_Hxd.astype(_F32), (1, cfg.width // cfg.head_dim))[:, None, :]
 
 
 def sanatan_blocked_tpu(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array,
@@ -383,7 +711,7 @@ def sanatan_blocked_tpu(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Arr
                         segment_ids: jax.Array | None = None, p: int = 2, channels: int = 6,
                         three_channel: str = "clean", rotate: bool = True,
                         interpret: bool | pltpu.InterpretParams | None = None,
-                        block_q: int = LANES, block_k: int = LANES) -> jax.Array:
+                        block_q: int | None = None, block_k: int | None = None) -> jax.Array:
   """SANATAN attention at any power p and channel variant (MATH §1.1) by the Mosaic TPU kernels;
   ``sanatan_blocked_pallas``'s contract (the output of ``sanatan_attention(...,
   implementation="blocked")``), no state.
@@ -397,30 +725,34 @@ def sanatan_blocked_tpu(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Arr
     rotate: False drops the temporal rotation (the "no lambda" ablation).
     interpret: True runs Pallas' generic interpreter, a ``pltpu.InterpretParams`` the TPU
       simulator; None interprets off TPU; False compiles (TPU only).
-    block_q, block_k: query and key block lengths, powers of two. Compiled, at least 128;
-      interpreted, any (capped at the next power of two >= T), so that tests cross many blocks.
+    block_q, block_k: query and key block lengths, powers of two; None means ``default_block``.
+      Compiled, at least 128; interpreted, any (capped at the next power of two >= T), so that
+      tests cross many blocks.
 
   Returns:
     o [B, T, H, dv] in v's dtype.
   """
   interpret = pu.resolve_tpu_interpret(interpret, "sanatan_blocked_tpu",
                                         "sanatan_attention(implementation='blocked')")
-  check_blocked_options(p, channels, three_channel, block_q, block_k, op="sanatan_blocked_tpu")
+  check_blocked_options(p, channels, three_channel, block_q or LANES, block_k or LANES,
+                        op="sanatan_blocked_tpu")
   B, T, H, d = q.shape
-  V = v.shape[-1]
+  block = default_block(d, v.shape[-1], channels, v.dtype)
+  block_q, block_k = block_q or block, block_k or block
   if positions is None:
     positions = default_positions(B, T)
   fit = lambda size: min(size, pl.next_power_of_2(T)) if interpret else max(size, LANES)
   BQ, BK = fit(block_q), fit(block_k)
-  Tp, dp, Vp = pu.round_up(T, max(BQ, BK)), pu.round_up(d, LANES), pu.round_up(V, LANES)
-  cfg = KernelConfig(block_q=BQ, block_k=BK, head_dim=d, length=T, n_heads=H, p=p,
-                     channels=channels, three_channel=three_channel, interpret=interpret)
+  cfg = KernelConfig(block_q=BQ, block_k=BK, head_dim=d, n_heads=H, p=p, channels=channels,
+                     three_channel=three_channel, interpret=interpret)
+  Tp = pu.round_up(T, max(BQ, BK))
+  # Rotation by position 0 is none: the "no lambda" ablation.
   pos = positions.astype(jnp.int32) if rotate else jnp.zeros((B, T), jnp.int32)
-  pos_column = pu.pad_axis(pos, 1, Tp)[:, :, None]
-  # Edge-padding keeps padded tokens in the last run; causality hides them from real queries.
-  run = pu.pad_axis(document_index(segment_ids, B, T), 1, Tp, mode="edge")
-  param = lambda x: pu.pad_axis(x.astype(_F32), 1, dp).reshape(H, 1, dp)
-  o = _fused(heads_first(q, Tp, dp), heads_first(k, Tp, dp), heads_first(v, Tp, Vp),
-             pos_column, run[:, :, None], pos_column, run[:, None, :], param(omega),
-             param(lam_raw), cfg)
-  return jnp.swapaxes(o.reshape(B, H, Tp, Vp)[:, :, :T, :V], 1, 2)
+  x = _Inputs(q=heads_first(q, Tp, d), k=heads_first(k, Tp, d), v=heads_first(v, Tp, v.shape[-1]),
+              pos=pu.pad_axis(pos, 1, Tp),
+              # Edge-padding keeps padded tokens in the last run; causality hides them from real
+              # queries.
+              run=pu.pad_axis(document_index(segment_ids, B, T), 1, Tp, mode="edge"),
+              omega=_spread(omega, cfg), lam_raw=_spread(lam_raw, cfg))
+  o = _attention(x, Static(cfg=cfg, padded_length=Tp))
+  return jnp.swapaxes(o.reshape(B, H, Tp, -1)[:, :, :T], 1, 2)
