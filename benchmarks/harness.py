@@ -159,7 +159,9 @@ def _sanatan_reference(**options):
 def sanatan_cases(batch, length, dtype, shape: HeadShape | None = None):
   """SANATAN p = 1: the kernel, the fused-chunk Triton kernel ("pallas_fused", GPU only), the XLA
   chunked form (all chunks at once, C = 64 and 128), the chunk-by-chunk ``lax.scan`` form it
-  replaced, and the materialised reference."""
+  replaced, a plain einsum chunked form without documents or states (``benchmarks.plain_chunked``,
+  C = 64; a baseline, never chosen by "auto") and the materialised reference."""
+  from benchmarks.plain_chunked import plain_chunked
   from lmcore.ops.common import pallas_utils
   from sanatan_jax import sanatan_attention
   from sanatan_jax.ops.sanatan_attention import pallas_triton_fused as fused
@@ -176,7 +178,7 @@ def sanatan_cases(batch, length, dtype, shape: HeadShape | None = None):
   fused_case = ("a Triton (GPU) kernel" if pallas_utils.backend() == "tpu" else op("pallas_fused"))
   cases = {**_sanatan_pallas(), **_precision_cases(kernel, dtype), "pallas_fused": fused_case,
            "chunked (xla)": op("chunked"), "chunked (xla, C=128)": op("chunked", 128),
-           "chunked_scan (xla)": op("chunked_scan")}
+           "chunked_scan (xla)": op("chunked_scan"), "plain chunked (baseline)": plain_chunked}
   if batch * H * length * length <= PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = _sanatan_reference()
   work = functools.partial(chunked_flops, batch, length, H, 6 * d, V)

@@ -115,7 +115,9 @@ def _shapes(batch: int, length: int, heads: int, *widths: int, dtype) -> tuple:
 
 def sanatan_p1_cases(batch: int, length: int, dtype) -> list[Case]:
   """SANATAN p = 1: the Mosaic kernels ("pallas", chunk 128, state carried in VMEM) against XLA
-  "chunked" (every chunk at once; C = 64 and 128) and "chunked_scan" (``lax.scan`` over chunks)."""
+  "chunked" (every chunk at once; C = 64 and 128), "chunked_scan" (``lax.scan`` over chunks) and the
+  plain einsum chunked baseline (``benchmarks.plain_chunked``, C = 64)."""
+  from benchmarks.plain_chunked import plain_chunked
   from sanatan_jax import sanatan_attention
 
   H, d = harness.HEADS, harness.HEAD_DIM
@@ -126,7 +128,8 @@ def sanatan_p1_cases(batch: int, length: int, dtype) -> list[Case]:
                                                    chunk_size=chunk)[0]
 
   impls = {"pallas (Mosaic, C=128)": op("pallas"), "chunked (XLA, C=64)": op("chunked"),
-           "chunked (XLA, C=128)": op("chunked", 128), "chunked_scan (XLA, C=64)": op("chunked_scan")}
+           "chunked (XLA, C=128)": op("chunked", 128), "chunked_scan (XLA, C=64)": op("chunked_scan"),
+           "plain chunked (XLA baseline, C=64)": plain_chunked}
   return [Case("sanatan_p1", name, fn, args, (True,) * 3 + (False,) * 2) for name, fn in impls.items()]
 
 

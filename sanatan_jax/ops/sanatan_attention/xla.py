@@ -8,7 +8,8 @@
   Scores lie in [0, 1] after division by c, so no running maximum is needed. Any p and channels.
 * ``chunked`` (p = 1, 6ch): chunked linear attention on whole arrays: every chunk's intra-chunk
   block and state update as batched einsums, the states entering the chunks as a (document-gated)
-  cumulative sum over chunks; by default its backward pass recomputes all of this from the inputs
+  prefix sum over chunks in blocks of masked matmuls (``chunk_prefix_sum``: linear in the number of
+  chunks); by default its backward pass recomputes all of this from the inputs
   (``Options.chunked_remat``), keeping no features, blocks or state stacks.
 * ``chunked_scan`` (p = 1, 6ch): the same chunks visited one after another by ``lax.scan``.
 
@@ -32,6 +33,12 @@ from sanatan_jax.ops.sanatan_attention.base import EPS, F32, Options, SanatanSta
 # The parallel form's query blocks: ``block_size`` rows, at most this many blocks (each block is
 # its own program region, so their number bounds the compile time).
 PARALLEL_MAX_BLOCKS = 16
+# ``chunk_prefix_sum``'s blocks of chunks, by platform: each level is a batched fp32 matmul by a
+# block x block 0/1 mask (2 * block FLOPs per state element). A TPU's MXU contracts 128 as fast as 16,
+# and one level of 128 chunks (T = 8192 at C = 64) needs no layout copies of the state stack; GPUs
+# multiply fp32 at full precision without tensor cores, where the FLOPs count.
+PREFIX_BLOCK = {"tpu": 128}
+DEFAULT_PREFIX_BLOCK = 16
 
 
 def dot(spec: str, *operands: jax.Array) -> jax.Array:
@@ -179,8 +186,8 @@ def _chunked_core(q, k, v, omega, lam_raw, positions, segment_ids, state,
 
   Per chunk n: the masked block A_n = Mask ⊙ Phi(Q_n) Phi(K_n)ᵀ and the chunk's state increment
   ΔS_n = Phi(K_n)ᵀ V_n (of its last document's tokens); the state entering chunk n is the gated
-  prefix sum S_<n = Σ_{m<n} ΔS_m over the chunks since the last document start (a plain cumsum
-  without documents). A token reads S_<n only if it is in the document of the token before its
+  prefix sum S_<n = Σ_{m<n} ΔS_m over the chunks since the last document start
+  (``chunk_prefix_sum``). A token reads S_<n only if it is in the document of the token before its
   chunk; the incoming ``state`` belongs to each row's first document (``base.read_state``).
   """
   x = base.prepare(q, k, omega, lam_raw, positions, segment_ids, state, options)
@@ -191,7 +198,7 @@ def _chunked_core(q, k, v, omega, lam_raw, positions, segment_ids, state,
       B, N, C, *a.shape[2:])
   q_BxNxCxHxF, k_BxNxCxHxF, v_BxNxCxHxV = chunks(x.phi_q), chunks(x.phi_k), chunks(v)
   mask_CxC = jnp.tril(jnp.ones((C, C), bool))[None, None, None]
-  k_state_BxNxCxHxF, keep_BxN, reads_BxNxC = k_BxNxCxHxF, None, None
+  k_state_BxNxCxHxF, last_BxN, reads_BxNxC = k_BxNxCxHxF, None, None
   if segment_ids is not None:
     docs = chunk_documents(x.doc, N * C, C)  # edge-padded: padding tokens stay in the last document
     doc_BxNxC = docs.doc.reshape(B, N, C)
@@ -199,23 +206,25 @@ def _chunked_core(q, k, v, omega, lam_raw, positions, segment_ids, state,
     writes_BxNxC = docs.writes.reshape(B, N, C).astype(bool)  # in the document leaving the chunk
     k_state_BxNxCxHxF = jnp.where(writes_BxNxC[..., None, None], k_BxNxCxHxF, 0)
     reads_BxNxC = docs.reads.reshape(B, N, C).astype(bool)
-    last_BxN = doc_BxNxC[:, :, -1]
-    keep_BxN = last_BxN == jnp.pad(last_BxN[:, :-1], ((0, 0), (1, 0)))  # the chunk adds to the state
+    last_BxN = doc_BxNxC[:, :, -1]  # the document of the state leaving each chunk
   s_BxNxHxCxC = jnp.where(mask_CxC, dot("bnqhf,bnkhf->bnhqk", q_BxNxCxHxF, k_BxNxCxHxF), 0.0)
   num_BxNxCxHxV = dot("bnhqk,bnkhv->bnqhv", s_BxNxHxCxC.astype(v.dtype), v_BxNxCxHxV)
   den_BxNxCxH = jnp.sum(s_BxNxHxCxC, axis=-1).transpose(0, 1, 3, 2)
-  # Inter-chunk: states leaving each chunk (fp32), shifted by one chunk to those entering it.
-  S_out_BxNxHxFxV = _gated_cumsum(keep_BxN, dot("bnkhf,bnkhv->bnhfv", k_state_BxNxCxHxF, v_BxNxCxHxV))
-  z_out_BxNxHxF = _gated_cumsum(keep_BxN, jnp.sum(k_state_BxNxCxHxF.astype(F32), axis=2))
-  S_in_BxNxHxFxV = _shift_chunks(S_out_BxNxHxFxV).astype(q_BxNxCxHxF.dtype)
-  state_num_BxNxCxHxV = dot("bnqhf,bnhfv->bnqhv", q_BxNxCxHxF, S_in_BxNxHxFxV)
-  state_den_BxNxCxH = dot("bnqhf,bnhf->bnqh", q_BxNxCxHxF, _shift_chunks(z_out_BxNxHxF))
+  # Inter-chunk: each chunk's increments (fp32), summed into the states entering the chunks.
+  dS_BxNxHxFxV = dot("bnkhf,bnkhv->bnhfv", k_state_BxNxCxHxF, v_BxNxCxHxV)
+  dz_BxNxHxF = jnp.sum(k_state_BxNxCxHxF.astype(F32), axis=2)
+  block = PREFIX_BLOCK.get(pallas_utils.backend(), DEFAULT_PREFIX_BLOCK)
+  S_in_BxNxHxFxV = chunk_prefix_sum(dS_BxNxHxFxV, last_BxN, block)
+  z_in_BxNxHxF = chunk_prefix_sum(dz_BxNxHxF, last_BxN, block)
+  state_num_BxNxCxHxV = dot("bnqhf,bnhfv->bnqhv", q_BxNxCxHxF, S_in_BxNxHxFxV.astype(q_BxNxCxHxF.dtype))
+  state_den_BxNxCxH = dot("bnqhf,bnhf->bnqh", q_BxNxCxHxF, z_in_BxNxHxF)
   if reads_BxNxC is not None:
     state_num_BxNxCxHxV = jnp.where(reads_BxNxC[..., None, None], state_num_BxNxCxHxV, 0.0)
     state_den_BxNxCxH = jnp.where(reads_BxNxC[..., None], state_den_BxNxCxH, 0.0)
   num_BxTxHxV = (num_BxNxCxHxV + state_num_BxNxCxHxV).reshape(B, N * C, H, -1)[:, :T]
   den_BxTxH = (den_BxNxCxH + state_den_BxNxCxH).reshape(B, N * C, H)[:, :T]
-  S_BxHxFxV, z_BxHxF = S_out_BxNxHxFxV[:, -1], z_out_BxNxHxF[:, -1]
+  S_BxHxFxV = _state_leaving(S_in_BxNxHxFxV, dS_BxNxHxFxV, last_BxN)
+  z_BxHxF = _state_leaving(z_in_BxNxHxF, dz_BxNxHxF, last_BxN)
   if state is not None:
     state_num, state_den = base.read_state(x.phi_q, x.doc, state)
     num_BxTxHxV, den_BxTxH = num_BxTxHxV + state_num, den_BxTxH + state_den
@@ -226,23 +235,64 @@ def _chunked_core(q, k, v, omega, lam_raw, positions, segment_ids, state,
   return o_BxTxHxV.astype(v.dtype), SanatanState(S_BxHxFxV, z_BxHxF, base.next_position(x.positions))
 
 
-def _gated_cumsum(keep_BxN: jax.Array | None, x_BxNx: jax.Array) -> jax.Array:
-  """y_n = keep_n · y_{n-1} + x_n along axis 1 (y_{-1} = 0): a cumulative sum restarted where ``keep``
-  is False, by an associative scan (exact: no differences of prefix sums); None: a plain cumsum."""
-  if keep_BxN is None:
-    return jnp.cumsum(x_BxNx, axis=1)
-  keep_BxNx1 = keep_BxN.reshape(keep_BxN.shape + (1,) * (x_BxNx.ndim - 2)).astype(x_BxNx.dtype)
+def chunk_prefix_sum(x_BxNx: jax.Array, last_BxN: jax.Array | None = None,
+                     block: int = DEFAULT_PREFIX_BLOCK) -> jax.Array:
+  """The states entering the chunks, fp32: y_n = Σ_{m<n} [last_m = last_{n-1}] x_m along axis 1, where
+  ``last`` [B, N] is the (non-decreasing) document of the state leaving each chunk; None (one
+  document): y_n = Σ_{m<n} x_m.
 
-  def combine(earlier, later):
-    (keep_a, y_a), (keep_b, y_b) = earlier, later
-    return keep_a * keep_b, keep_b * y_a + y_b
+  In blocks of at most ``block`` chunks, y_n = E_n + [last_{n-1} = last_{s-1}] Y_b for chunk n of
+  block b starting at chunk s: E_n sums the block's chunks before n (one batched matmul by a 0/1
+  mask: exact products, fp32 sums), Y_b is this function of the blocks' totals. The work is
+  O(N · block) per state element, with no reduction window along the chunk axis (``jnp.cumsum``
+  lowers to one spanning all N chunks on TPU: O(N²) work).
+  """
+  B, N = x_BxNx.shape[:2]
+  x_BxNx = x_BxNx.astype(F32)
+  if last_BxN is None:
+    last_BxN = jnp.zeros((B, N), jnp.int32)
+  prev_BxN = jnp.concatenate([last_BxN[:, :1], last_BxN[:, :-1]], axis=1)  # last_{n-1}
+  if N <= block:
+    return _masked_prefix(x_BxNx[:, None], last_BxN[:, None], prev_BxN[:, None])[:, 0]
+  n_blocks = -(-N // block)
+  G = -(-N // n_blocks)
+  pad = n_blocks * G - N  # zero chunks after the last one, in its document
+  x_BxJxGx = jnp.pad(x_BxNx, [(0, 0), (0, pad)] + [(0, 0)] * (x_BxNx.ndim - 2)).reshape(
+      B, n_blocks, G, *x_BxNx.shape[2:])
+  last_BxJxG, prev_BxJxG = (jnp.pad(a, [(0, 0), (0, pad)], mode="edge").reshape(B, n_blocks, G)
+                            for a in (last_BxN, prev_BxN))
+  E_BxJxGx = _masked_prefix(x_BxJxGx, last_BxJxG, prev_BxJxG)
+  last_BxJ = last_BxJxG[:, :, -1]
+  # A block's total: the state leaving it, counting only its own chunks.
+  keeps_BxJ = _expand(prev_BxJxG[:, :, -1] == last_BxJ, x_BxNx.ndim)
+  total_BxJx = jnp.where(keeps_BxJ, E_BxJxGx[:, :, -1], 0.0) + x_BxJxGx[:, :, -1]
+  Y_BxJx = chunk_prefix_sum(total_BxJx, last_BxJ, block)
+  entering_BxJ = jnp.concatenate([last_BxJ[:, :1], last_BxJ[:, :-1]], axis=1)  # last_{s-1}
+  carried_BxJxG = _expand(prev_BxJxG == entering_BxJ[:, :, None], x_BxNx.ndim + 1)
+  y_BxJxGx = E_BxJxGx + jnp.where(carried_BxJxG, Y_BxJx[:, :, None], 0.0)
+  return y_BxJxGx.reshape(B, n_blocks * G, *x_BxNx.shape[2:])[:, :N]
 
-  return jax.lax.associative_scan(combine, (keep_BxNx1, x_BxNx), axis=1)[1]
+
+def _masked_prefix(x_BxJxGx, last_BxJxG, prev_BxJxG) -> jax.Array:
+  """E_g = Σ_{m<g} [last_m = prev_g] x_m within each block (axis 2), as one batched matmul."""
+  G = x_BxJxGx.shape[2]
+  earlier_1x1xGxG = jnp.tril(jnp.ones((G, G), bool), -1)[None, None]
+  mask_BxJxGxG = earlier_1x1xGxG & (prev_BxJxG[..., :, None] == last_BxJxG[..., None, :])
+  return dot("bjgm,bjm...->bjg...", mask_BxJxGxG.astype(F32), x_BxJxGx)
 
 
-def _shift_chunks(y_BxNx: jax.Array) -> jax.Array:
-  """[y_0, ..., y_{N-1}] -> [0, y_0, ..., y_{N-2}] along axis 1 (what leaves chunk n-1 enters n)."""
-  return jnp.pad(y_BxNx[:, :-1], [(0, 0), (1, 0)] + [(0, 0)] * (y_BxNx.ndim - 2))
+def _expand(a_BxJ, ndim: int) -> jax.Array:
+  """``a`` with trailing unit axes up to ``ndim`` axes."""
+  return a_BxJ.reshape(a_BxJ.shape + (1,) * (ndim - a_BxJ.ndim))
+
+
+def _state_leaving(y_in_BxNx, x_BxNx, last_BxN) -> jax.Array:
+  """The state leaving the last chunk: what entered it (if the chunk continues that document) plus
+  its own increment."""
+  if last_BxN is None or x_BxNx.shape[1] == 1:
+    return y_in_BxNx[:, -1] + x_BxNx[:, -1]
+  keep_B = _expand(last_BxN[:, -2] == last_BxN[:, -1], x_BxNx.ndim - 1)
+  return jnp.where(keep_B, y_in_BxNx[:, -1], 0.0) + x_BxNx[:, -1]
 
 
 def query_blocks(T: int, block_size: int, max_blocks: int = PARALLEL_MAX_BLOCKS) -> tuple[tuple[int, int], ...]:

@@ -2,6 +2,8 @@
 and ``parallel`` equal the reference for every power and channel variant without a T x T array in
 their gradients, ``chunked`` and ``chunked_scan`` take bf16 inputs."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,9 +11,10 @@ import pytest
 
 from lmcore.numerics import relative_l2
 from sanatan_jax import SanatanState, sanatan_attention
+from sanatan_jax.ops.sanatan_attention.xla import chunk_prefix_sum
 
-from .test_base import (GRAD_TOL, OUT_TOL, SanatanAttentionTestBase, attend, inputs, jit,
-                        outputs_and_grads)
+from .test_base import (GRAD_TOL, OUT_TOL, SanatanAttentionTestBase, attend, attention, inputs, jit,
+                        options, outputs_and_grads, prefix_state)
 
 # All 12 (p, variant) pairs. Gradients on two of them (p = 1 six-channel ones are in the shared
 # gradient check): the tiling, remat and block skipping they check do not depend on the variant.
@@ -112,6 +115,50 @@ class TestChunked(_ChunkedBf16, SanatanAttentionTestBase):
     assert relative_l2(o, o_ref) <= 1e-6
     for name, a, b in zip(("q", "k", "v", "omega", "lam_raw"), g, g_ref):
       assert relative_l2(a, b) <= 1e-6, name
+
+  def test_many_chunks_equal_parallel_with_state_and_segments(self):
+    """Chunks of 2 tokens: 17 chunks, more than one block of ``chunk_prefix_sum`` (two levels and a
+    padded last block), with a reset inside a chunk, one on a chunk boundary and an incoming state."""
+    x = inputs(22, 33)
+    state = prefix_state(23)
+    segment_ids = jnp.asarray([[0] * 20 + [1] * 13, [0] * 5 + [1] * 20 + [2] * 8])
+
+    def run(implementation, q, k, v, omega, lam_raw, S0, z0):
+      o, new = attention(q, k, v, omega, lam_raw, **options(
+          implementation, state=SanatanState(S0, z0, state.position), segment_ids=segment_ids)
+          | dict(chunk_size=2))
+      return o, new.S, new.z
+
+    rng = np.random.default_rng(24)
+    cotangents = tuple(jnp.asarray(rng.normal(size=a.shape), jnp.float32)
+                       for a in (x[2], state.S, state.z))
+
+    def outputs_and_vjp(implementation):
+      out, vjp = jax.vjp(functools.partial(run, implementation), *x, state.S, state.z)
+      return out, vjp(cotangents)
+
+    got, want = (jit(outputs_and_vjp, static_argnums=0)(impl) for impl in ("chunked", "reference"))
+    for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0])):
+      assert relative_l2(a, b) <= OUT_TOL
+    for name, a, b in zip(("q", "k", "v", "omega", "lam_raw", "S0", "z0"), got[1], want[1]):
+      assert relative_l2(a, b) <= GRAD_TOL, name
+
+
+@pytest.mark.parametrize("N", [1, 5, 17])
+def test_chunk_prefix_sum_equals_a_loop_over_chunks(N):
+  """Blocks of 2 chunks (N = 17: five levels, padded blocks) against the sum written out: chunk m
+  reaches chunk n > m while the state leaving chunk n - 1 is in chunk m's last document."""
+  rng = np.random.default_rng(N)
+  x = rng.normal(size=(2, N, 3, 2)).astype(np.float32)
+  last = np.sort(rng.integers(0, 4, size=(2, N)), axis=1).astype(np.int32)
+  for docs in (None, last):
+    want = np.zeros_like(x)
+    for b, n in np.ndindex(2, N):
+      for m in range(n):
+        if docs is None or docs[b, m] == docs[b, n - 1]:
+          want[b, n] += x[b, m]
+    got = chunk_prefix_sum(jnp.asarray(x), None if docs is None else jnp.asarray(docs), block=2)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 class TestChunkedScan(_ChunkedBf16, SanatanAttentionTestBase):
