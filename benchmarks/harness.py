@@ -372,8 +372,11 @@ def flash_tuning_cases(batch: int, length: int, dtype) -> tuple[tuple, dict, dic
 # ``pallas_triton_fused.Tiles``; the first is its bf16 default. Their rows are the op "sanatan_p1".
 FUSED_TUNING = [((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 1, 8, 2)),
                 ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 2, 8, 2)),
-                ((64, 16, 6, 8, 3), (64, 64, 1, 4, 3), (64, 64, 2, 8, 2)),
-                ((64, 32, 6, 8, 2), (64, 64, 1, 4, 3), (64, 64, 2, 8, 2)),
+                ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 2, 8, 3)),
+                ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 3, 8, 2)),
+                ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 32, 2, 4, 2)),
+                ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (32, 64, 2, 4, 2)),
+                ((64, 64, 1, 4, 4), (64, 64, 1, 4, 4), (64, 64, 2, 8, 2)),
                 ((64, 32, 3, 8, 3), (64, 64, 1, 4, 3), (64, 64, 2, 8, 2))]
 # Tuning names whose rows belong to another op's table.
 TUNED_OPS = {"sanatan_p1_fused": "sanatan_p1"}
@@ -447,24 +450,28 @@ AUTO_CASES = {"sanatan_p1": ("chunked (xla, C=128)", "pallas_fused"),
 
 
 def _op_cases(op_name: str, batch: int, length: int, dtype, shape: HeadShape | None, tune: bool,
-              auto_only: bool) -> tuple[tuple, dict, dict]:
+              auto_only: bool, only: tuple[str, ...] = ()) -> tuple[tuple, dict, dict]:
   """(args, cases, flops) of one op and shape: ``tune``, its TUNING settings (default shape);
-  ``auto_only``, only its AUTO_CASES."""
+  ``auto_only``, only its AUTO_CASES; ``only``, only the cases of those names (() = every one)."""
   if tune:
     return tuning_cases(op_name, batch, length, dtype)
   args, cases, flops = OPS[op_name](batch, length, dtype, shape)
   if auto_only and op_name in AUTO_CASES:
     cases = {name: fn for name, fn in cases.items() if name in AUTO_CASES[op_name]}
+  if only:
+    cases = {name: fn for name, fn in cases.items() if name in only}
   return args, cases, flops
 
 
 def run_op(log: RowLog, op_name: str, length: int, tokens: int, dtype: str, repeats: int,
            lock: str = "", tune: bool = False, shape: HeadShape | None = None,
-           auto_only: bool = False) -> None:
+           auto_only: bool = False, only: tuple[str, ...] = ()) -> None:
   """Times every case of ``op_name`` (``tune``: its TUNING settings instead; ``auto_only``: its
-  AUTO_CASES) at one length and head ``shape`` (None: the default)."""
+  AUTO_CASES; ``only``: the cases of those names) at one length and head ``shape`` (None: the
+  default)."""
   batch = max(1, tokens // length)
-  args, cases, flops = _op_cases(op_name, batch, length, jnp.dtype(dtype), shape, tune, auto_only)
+  args, cases, flops = _op_cases(op_name, batch, length, jnp.dtype(dtype), shape, tune, auto_only,
+                                 only)
   label = shape_label(op_name, shape)
   for impl, fn in cases.items():
     measure(log, TUNED_OPS.get(op_name, op_name), impl, length, batch, fn,
@@ -506,9 +513,11 @@ def with_ratios(rows: list[Row]) -> list[Row]:
 
 def run_all(*, ops: list[str], lengths: list[int], tokens: int, dtype: str, repeats: int,
             fla_ops: list[str], jsonl: str = "", lock: str = "", tune: list[str] = (),
-            shapes: list[str] = ("default",), auto_only: bool = False) -> list[Row]:
+            shapes: list[str] = ("default",), auto_only: bool = False,
+            only: tuple[str, ...] = ()) -> list[Row]:
   """Every op at every length and head shape of the sets ``shapes`` (``shapes_for``; ``auto_only``:
-  only the forms "auto" chooses between, AUTO_CASES), the TUNING settings of the ops in ``tune``, then
+  only the forms "auto" chooses between, AUTO_CASES; ``only``: only the cases of those names), the
+  TUNING settings of the ops in ``tune``, then
   FLA's kernels for ``fla_ops`` (default shapes); rows already in ``jsonl`` are kept and not measured
   again. Timing holds ``lock`` (see ``exclusive``)."""
   plan = {op_name: shapes_for(op_name, shapes) for op_name in ops}  # bad set names fail before timing
@@ -516,7 +525,8 @@ def run_all(*, ops: list[str], lengths: list[int], tokens: int, dtype: str, repe
   for length in lengths:
     for op_name in ops:
       for shape in plan[op_name]:
-        run_op(log, op_name, length, tokens, dtype, repeats, lock, shape=shape, auto_only=auto_only)
+        run_op(log, op_name, length, tokens, dtype, repeats, lock, shape=shape, auto_only=auto_only,
+               only=only)
     for op_name in tune:
       run_op(log, op_name, length, tokens, dtype, repeats, lock, tune=True)
     if fla_ops:

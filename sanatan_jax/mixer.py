@@ -49,9 +49,11 @@ class SanatanMixer(nnx.Module):
     chunk_size: int = 128  # XLA chunked: 4.14 ms at C = 128 against 4.92 at 64 (H200, 8 × 2048)
     block_size: int = 128
     kernel_precision: str = "input"  # "pallas" only: "tf32"/"float32" run the kernels in fp32
-    # XLA "chunked" only: the backward pass recomputes the op's forward instead of keeping its 6d-wide
+    # XLA "chunked": the backward pass recomputes the op's forward instead of keeping its 6d-wide
     # features, score blocks and chunk-state stacks (one more forward of the op for far less memory).
-    # Under model.remat the block is recomputed anyway: False there saves a third forward of the op.
+    # "pallas_fused": the backward recomputes the factors of Phi instead of keeping them (3d values
+    # per token, head and operand in bf16). Under model.remat the block is recomputed anyway: False
+    # there saves a third forward of the op.
     chunked_remat: bool = True
     # "pallas_fused" only: kernels whose tiling replaces the default one, e.g. "forward=64x16x6x4x3;
     # dkv=64x64x2x8x2" (chunk x value tile x channels per program x warps x stages; '' = the defaults,

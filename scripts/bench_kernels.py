@@ -54,6 +54,8 @@ _SHAPES = flags.DEFINE_list("shapes", ["default"], "Named sets of head shapes to
 _AUTO_ONLY = flags.DEFINE_bool("auto_only", False, "Time only the forms implementation='auto' chooses "
                                "between (benchmarks.harness.AUTO_CASES: the kernels it may pick and its XLA "
                                "form), not every precision variant and reference.")
+_CASE = flags.DEFINE_multi_string("case", [], "Time only the cases of this name (repeatable), e.g. "
+                                  "--case='chunked (xla)' --case='plain chunked (baseline)'; none = all.")
 _LOCK = flags.DEFINE_string("lock", "", "A lock file shared by benchmark processes on one device: each "
                             "compiles freely but times only while holding it (runs per T side by side).")
 
@@ -70,7 +72,8 @@ def main(argv):
     raise app.UsageError(str(e)) from None
   rows = bench.run_all(ops=_OPS.value, lengths=[int(x) for x in _LENGTHS.value], tokens=_TOKENS.value,
                        dtype=_DTYPE.value, repeats=_REPEATS.value, fla_ops=_FLA_OPS.value, jsonl=_JSONL.value,
-                       lock=_LOCK.value, tune=_TUNE.value, shapes=_SHAPES.value, auto_only=_AUTO_ONLY.value)
+                       lock=_LOCK.value, tune=_TUNE.value, shapes=_SHAPES.value, auto_only=_AUTO_ONLY.value,
+                       only=tuple(_CASE.value))
   table = bench.format_table(rows)
   print(table, flush=True)
   if _OUT.value:

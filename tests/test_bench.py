@@ -204,3 +204,13 @@ def test_rows_record_their_head_shape_and_compare_within_it(tmp_path, monkeypatc
   loaded = bench.load_rows(str(tmp_path))  # old.jsonl is read after kernels_16.jsonl: its row wins
   assert [(r.shape, r.fwdbwd_ms) for r in loaded if r.op == "gated" and r.impl == "pallas"][:2] == [
       ("", 6.0), ("H=4 K=96 V=192 gate=channel", 288.0)]
+
+
+def test_only_the_named_cases_are_timed(tmp_path, monkeypatch):
+  """``--case`` keeps the cases of those names (here XLA chunked at C = 64 beside the plain
+  baseline), on CPU with the timer replaced."""
+  monkeypatch.setattr(bench, "_fwd_and_fwdbwd", lambda fn, args, repeats, lock="": (1.0, 2.0))
+  only = ("chunked (xla)", "plain chunked (baseline)")
+  rows = bench.run_all(ops=["sanatan_p1"], lengths=[16], tokens=16, dtype="float32", repeats=1,
+                       fla_ops=[], jsonl=str(tmp_path / "rows.jsonl"), only=only)
+  assert [r.impl for r in rows] == list(only)

@@ -100,7 +100,8 @@ def _pallas_fused(q, k, v, omega, lam_raw, *, positions=None, segment_ids=None, 
         "sanatan_attention: implementation='pallas_fused' is a Triton (GPU) kernel; on a TPU use "
         "'pallas' (the Mosaic kernels) or 'chunked'")
   kernel = functools.partial(pallas_triton_fused.sanatan_fused_pallas, rotate=options.rotate,
-                             tiles_spec=options.fused_tiles, **kernel_options)
+                             tiles_spec=options.fused_tiles, remat=options.chunked_remat,
+                             **kernel_options)
   inputs = dict(q=q, k=k, v=v, omega=omega, lam_raw=lam_raw, positions=positions,
                 segment_ids=segment_ids, state=state)
   return shard_map.run_sharded(kernel, inputs, _LAYOUTS,
@@ -189,8 +190,10 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
     kernel_precision: the Pallas GPU kernels' dot operands, "input" (the inputs' dtype), "tf32"
       or "float32" (fp32 throughout, fp32 o; ``pallas_utils.PRECISIONS``). Other implementations
       ignore it.
-    chunked_remat: "chunked" only: its backward pass recomputes the forward from the inputs
-      instead of keeping the 6d-wide features, score blocks and state stacks (``xla.chunked``).
+    chunked_remat: "chunked": its backward pass recomputes the forward from the inputs instead of
+      keeping the 6d-wide features, score blocks and state stacks (``xla.chunked``);
+      "pallas_fused": its backward recomputes the factors of Phi instead of keeping them (3d
+      values per token, head and operand in the inputs' dtype).
     fused_tiles: "pallas_fused" only: tilings replacing the kernels' defaults
       (``pallas_triton_fused.parse_tiles``), e.g. "forward=64x16x6x4x3"; "" keeps the defaults.
 

@@ -167,7 +167,8 @@ class KernelConfig(NamedTuple):
 
 class Static(NamedTuple):
   """What the custom VJP holds static: the three kernels' configs, the rotation flag, the real and
-  padded lengths, the padded head and value dims and c · eps."""
+  padded lengths, the padded head and value dims, c · eps and whether the forward keeps the
+  kernels' factors for the backward."""
 
   forward: KernelConfig
   dq: KernelConfig
@@ -178,6 +179,7 @@ class Static(NamedTuple):
   dp: int
   Vp: int
   c_eps: float
+  keep_factors: bool
 
 
 # In-kernel pieces.
@@ -592,25 +594,31 @@ def _fused(q, k, v, omega, lam_raw, pos, run, S0, z0, st: Static):
 
 def _fused_fwd(q, k, v, omega, lam_raw, pos, run, S0, z0, st: Static):
   fq, fk = _factors(q, k, omega, lam_raw, pos, st)
-  o, den, S, z = _forward(_rounded(fq, q.dtype), _rounded(fk, k.dtype), _pad_tokens(v, st), run,
-                          S0, z0, st)
+  fq_in, fk_in = _rounded(fq, q.dtype), _rounded(fk, k.dtype)
+  o, den, S, z = _forward(fq_in, fk_in, _pad_tokens(v, st), run, S0, z0, st)
   out = (o[:, :st.length, :, :v.shape[-1]], S, z)
-  return out, (q, k, v, omega, lam_raw, pos, run, S0, z0, o, den)
+  kept = (fq_in, fk_in) if st.keep_factors else None
+  return out, (q, k, v, omega, lam_raw, pos, run, S0, z0, o, den, kept)
 
 
 def _fused_bwd(st: Static, residuals, cotangents):
   """dN = do / (D + c eps) and dD = -(do · o) / (D + c eps) in XLA, the two kernels, then the
-  product rule into the factors and their VJP."""
-  q, k, v, omega, lam_raw, pos, run, S0, z0, o, den = residuals
+  product rule into the factors and their VJP. The factors are the forward's rounded ones when it
+  kept them (``Static.keep_factors``), else recomputed here (the product rule takes them in fp32)."""
+  q, k, v, omega, lam_raw, pos, run, S0, z0, o, den, kept = residuals
   do, dS, dz = cotangents
   q, k, omega, lam_raw = after_cotangent((q, k, omega, lam_raw), do)
+  # With kept factors the primal outputs here go unused and XLA drops their computation.
   (fq, fk), factors_vjp = jax.vjp(lambda *a: _factors(*a, pos, st), q, k, omega, lam_raw)
+  if kept is not None:
+    fq, fk = fq_in, fk_in = kept
+  else:
+    fq_in, fk_in = _rounded(fq, q.dtype), _rounded(fk, k.dtype)
   inv_BxTxH = 1.0 / (den + st.c_eps)
   do = _pad_tokens(do.astype(_F32), st)
   dN = (do * inv_BxTxH[..., None]).astype(v.dtype)
   dD = -jnp.sum(do * o.astype(_F32), axis=-1) * inv_BxTxH
   vp = _pad_tokens(v, st)
-  fq_in, fk_in = _rounded(fq, q.dtype), _rounded(fk, k.dtype)
   dphi_q = _dq(fk_in, vp, run, dN, dD, S0, z0, st)
   dphi_k, dv, dS0, dz0 = _dkv(fq_in, fk_in, vp, run, dN, dD, dS.astype(_F32), dz.astype(_F32), st)
   dq, dk, d_omega, d_lam = factors_vjp((_factor_grads(dphi_q, fq), _factor_grads(dphi_k, fk)))
@@ -654,7 +662,7 @@ def sanatan_fused_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
                          segment_ids: jax.Array | None = None, state: SanatanState | None = None,
                          rotate: bool = True, interpret: bool | None = None,
                          tiles: FusedTiles | None = None, tiles_spec: str = "",
-                         precision: str = "input") -> tuple[jax.Array, SanatanState]:
+                         precision: str = "input", remat: bool = True) -> tuple[jax.Array, SanatanState]:
   """SANATAN p = 1, 6 channels (MATH §1.2) by the fused-chunk Pallas kernels; the function of
   ``sanatan_attention(..., p=1, channels=6)``.
 
@@ -672,6 +680,8 @@ def sanatan_fused_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
       "forward=64x16x6x4x3".
     precision: "input" (dots take operands in the inputs' dtype), "tf32" or "float32" (the
       kernels run on fp32 copies and return fp32; ``pu.PRECISIONS``).
+    remat: the backward recomputes the factors of Phi from q and k; False keeps the forward's
+      (3d values per token, head and operand in the kernels' dtype) until the backward.
 
   Returns:
     o [B, T, H, dv] in v's dtype (fp32 unless ``precision`` is "input") and the SanatanState
@@ -697,7 +707,8 @@ def sanatan_fused_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
   Tp = pu.round_up(T, max(c.chunk for c in configs))
   forward, dq, dkv = (c._replace(padded_length=Tp) for c in configs)
   st = Static(forward=forward, dq=dq, dkv=dkv, rotate=rotate, length=T, padded_length=Tp,
-              dp=forward.dp, Vp=Vp, c_eps=features.score_scale(CHANNELS, "clean", d) * EPS)
+              dp=forward.dp, Vp=Vp, c_eps=features.score_scale(CHANNELS, "clean", d) * EPS,
+              keep_factors=not remat)
   # Edge-padding keeps padded (zero-feature) tokens in the last run: they neither reset the state
   # nor add to it.
   run = pu.pad_axis(document_index(segment_ids, B, T), 1, st.padded_length, mode="edge")

@@ -68,24 +68,26 @@ def _run(fn, inputs, state, **options):
   return run_sanatan(fn, inputs, state, projections, **options)
 
 
-@pytest.mark.parametrize("T,d,dv,with_state,documents,rotate,tiles", [
+@pytest.mark.parametrize("T,d,dv,with_state,documents,rotate,tiles,remat", [
     # Partial last chunk, one channel per program, dv = 5 padded to one value tile of 8.
-    (37, 8, 5, False, False, True, _tiles((8, 8, 1), (8, 8, 1), (8, 8, 1))),
+    (37, 8, 5, False, False, True, _tiles((8, 8, 1), (8, 8, 1), (8, 8, 1)), True),
     # Head dim padded 6 -> 8; four documents (starts mid-chunk at 12 and 20, at a chunk start at 32)
-    # after the incoming state's; two value tiles; channel groups of 2, 3 and 6.
-    (37, 6, 5, True, True, True, _tiles((8, 4, 2), (16, 4, 3), (8, 8, 6))),
+    # after the incoming state's; two value tiles; channel groups of 2, 3 and 6; the forward's
+    # factors kept for the backward.
+    (37, 6, 5, True, True, True, _tiles((8, 4, 2), (16, 4, 3), (8, 8, 6)), False),
     # Whole chunks, the no-rotation ablation, documents with chunks of 16 in the backward.
-    (64, 8, 8, True, True, False, _tiles((16, 8, 3), (16, 8, 1), (16, 4, 2))),
+    (64, 8, 8, True, True, False, _tiles((16, 8, 3), (16, 8, 1), (16, 4, 2)), True),
 ])
 def test_fused_kernel_equals_recurrent_with_gradients(T, d, dv, with_state, documents, rotate,
-                                                      tiles):
+                                                      tiles, remat):
   inputs = sanatan_inputs(T + d, T, d=d, dv=dv)
   state = _prefix_state(100 + T, d=d, dv=dv) if with_state else None
   options = dict(rotate=rotate, **(packed_documents(2, T, (12, 20, 32)) if documents else {}))
-  got = _run(functools.partial(sanatan_fused_pallas, tiles=tiles), inputs, state, **options)
+  got = _run(functools.partial(sanatan_fused_pallas, tiles=tiles, remat=remat), inputs, state,
+             **options)
   want = _run(_recurrent, inputs, state, **options)
   assert_close(got, want, f"T={T} d={d} dv={dv} state={with_state} documents={documents} "
-                          f"rotate={rotate} tiles={tiles}")
+                          f"rotate={rotate} tiles={tiles} remat={remat}")
 
 
 def test_bf16_inputs_are_no_less_accurate_than_the_xla_chunked_form_in_bf16():
@@ -227,7 +229,8 @@ def test_the_mixer_counts_the_kernel_at_its_own_chunk():
 def test_the_backward_does_not_keep_the_forwards_features(monkeypatch, implementation):
   """The kernels' backward recomputes Phi behind ``base.after_cotangent``: without it XLA merges the
   recomputation with the forward's and keeps every layer's features until the backward, which the
-  compiled step's temporaries show (3 layers, compiled, not run)."""
+  compiled step's temporaries show (3 layers, compiled, not run). The fused kernels' backward asked
+  to keep the forward's factors (``chunked_remat=False``) does keep them: more temporaries."""
   from sanatan_jax.ops.sanatan_attention import pallas_triton_flash
 
   B, T, H, d, L = 1, 64, 2, 16, 3
@@ -236,17 +239,20 @@ def test_the_backward_does_not_keep_the_forwards_features(monkeypatch, implement
   omega, lam_raw = jnp.full((H, d), 0.7), jnp.zeros((H, d))
   p = 1 if implementation == "pallas_fused" else 2
 
-  def loss(W, x):
+  def loss(W, x, remat=True):
     for layer in range(L):
       q = (x @ W[layer].astype(x.dtype)) * 0.25
-      x = x + sanatan_attention(q, q, x, omega, lam_raw, p=p, implementation=implementation)[0]
+      x = x + sanatan_attention(q, q, x, omega, lam_raw, p=p, implementation=implementation,
+                                chunked_remat=remat)[0]
     return jnp.sum(x.astype(jnp.float32))
 
-  def temporaries():
-    compiled = jax.jit(jax.grad(loss)).lower(W, x).compile()
+  def temporaries(remat=True):
+    compiled = jax.jit(jax.grad(functools.partial(loss, remat=remat))).lower(W, x).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
   with_barrier = temporaries()
+  if implementation == "pallas_fused":
+    assert with_barrier < temporaries(remat=False)
   for module in (pallas_triton_fused, pallas_triton_flash):
     monkeypatch.setattr(module, "after_cotangent", lambda inputs, cotangent: tuple(inputs))
   assert with_barrier < temporaries()
