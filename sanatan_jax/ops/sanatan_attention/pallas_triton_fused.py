@@ -608,7 +608,7 @@ def _fused_bwd(st: Static, residuals, cotangents):
   q, k, v, omega, lam_raw, pos, run, S0, z0, o, den, kept = residuals
   do, dS, dz = cotangents
   q, k, omega, lam_raw = after_cotangent((q, k, omega, lam_raw), do)
-  # With kept factors the primal outputs here go unused and XLA drops their computation.
+  # With kept factors the outputs here go unused: XLA computes only what their VJP needs.
   (fq, fk), factors_vjp = jax.vjp(lambda *a: _factors(*a, pos, st), q, k, omega, lam_raw)
   if kept is not None:
     fq, fk = fq_in, fk_in = kept
