@@ -9,14 +9,10 @@ which bfloat16 cannot resolve.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
 GAMMA = 10.0
-SQRT2 = math.sqrt(2.0)
-QUARTER_TURN = math.pi / 4  # cos(x) - sin(x) = sqrt(2) cos(x + pi/4)
 LAMBDA_SCALE = 0.01
 SCALE_EPS = 1e-6
 CHANNELS = (6, 4, 3)
@@ -29,14 +25,13 @@ def angles(u: jax.Array) -> jax.Array:
 
 
 def soft_roots(theta: jax.Array, omega: jax.Array, gamma: float = GAMMA) -> jax.Array:
-  """r = tanh(gamma * (cos(theta + omega) - sin(theta + omega))) (MATH §1.1 step 3), evaluated as
-  tanh(gamma * sqrt(2) * cos(theta + omega + pi/4)): one cosine instead of a cosine and a sine.
+  """r = tanh(gamma * (cos(theta + omega) - sin(theta + omega))) (MATH §1.1 step 3).
 
   ``theta`` are the PRE-rotation angles [..., H, d]; ``omega`` [H, d] broadcasts over the leading
   axes. At omega = pi/4 this is ``-tanh(gamma * sqrt(2) * sin(theta))``.
   """
   phase = theta + omega.reshape((1,) * (theta.ndim - omega.ndim) + omega.shape)
-  return jnp.tanh(gamma * SQRT2 * jnp.cos(phase + QUARTER_TURN))
+  return jnp.tanh(gamma * (jnp.cos(phase) - jnp.sin(phase)))
 
 
 def rotate(theta_BxTxHxd: jax.Array, positions_BxT: jax.Array, lam_raw_Hxd: jax.Array) -> jax.Array:
