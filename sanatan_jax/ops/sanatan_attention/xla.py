@@ -1,8 +1,10 @@
 """The tiled XLA forms of SANATAN attention (MATH §1.1 step 6, §1.2).
 
 * ``parallel``: ``reference.parallel``'s sum in blocks of query rows, each against the keys up to its
-  last row (the causal half only), with a custom VJP that recomputes each block's scores in the
-  backward pass: the residuals are the features and values, never a T x T array. Any p and channels.
+  last row (the causal half only), with a custom VJP that recomputes the scores in the backward
+  pass, once by query blocks (dPhi(q)) and once by key blocks against the queries at or after them
+  (dPhi(k), dv), so no gradient is accumulated across blocks: the residuals are the features and
+  values, never a T x T array. Any p and channels.
 * ``blocked``: ``reference.parallel``'s sum tiled over query and key blocks; no T x T array is ever
   held, in the forward or (through rematerialisation of each query block) the backward pass.
   Scores lie in [0, 1] after division by c, so no running maximum is needed. Any p and channels.
@@ -326,14 +328,16 @@ def parallel(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array, lam_raw
   return base.power_output(num_BxTxHxV, den_BxTxH, v, x, state, options)
 
 
-def _block_scores(phi_q_BxRxHxF, phi_k_BxTxHxF, doc_BxT, first: int, stop: int, config: _Power):
-  """Scores [B, H, R, stop] of query rows first:stop against keys 0:stop, and the weights as a
-  function of them (``base.power_weights`` under the causal and document mask)."""
-  s_BxHxRxS = dot("bthf,bshf->bhts", phi_q_BxRxHxF, phi_k_BxTxHxF[:, :stop])
-  mask_1x1xRxS = (first + jnp.arange(stop - first))[:, None] >= jnp.arange(stop)[None, :]
+def _block_scores(phi_q_BxRxHxF, phi_k_BxSxHxF, doc_BxT, queries: tuple[int, int],
+                  keys: tuple[int, int], config: _Power):
+  """Scores [B, H, R, S] of query rows ``queries`` = (first, stop) against key rows ``keys``, and
+  the weights as a function of them (``base.power_weights`` under the causal and document mask)."""
+  (q0, q1), (k0, k1) = queries, keys
+  s_BxHxRxS = dot("bthf,bshf->bhts", phi_q_BxRxHxF, phi_k_BxSxHxF)
+  mask_1x1xRxS = (q0 + jnp.arange(q1 - q0))[:, None] >= (k0 + jnp.arange(k1 - k0))[None, :]
   mask_1x1xRxS = mask_1x1xRxS[None, None]
   if config.documents:
-    same_BxRxS = doc_BxT[:, first:stop, None] == doc_BxT[:, None, :stop]
+    same_BxRxS = doc_BxT[:, q0:q1, None] == doc_BxT[:, None, k0:k1]
     mask_1x1xRxS = mask_1x1xRxS & same_BxRxS[:, None]
 
   def weights(s):
@@ -345,23 +349,26 @@ def _block_scores(phi_q_BxRxHxF, phi_k_BxTxHxF, doc_BxT, first: int, stop: int, 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _power_sums(phi_q_BxTxHxF, phi_k_BxTxHxF, v_BxTxHxV, doc_BxT, config: _Power):
-  """N = Σ_j w_tj v_j [B, T, H, dv] and D = Σ_j w_tj [B, T, H] (fp32), one query block at a time."""
+  """N = Σ_j w_tj v_j [B, T, H, dv] and D = Σ_j w_tj [B, T, H] (fp32), one query block at a time
+  against the keys up to its last row."""
   nums, dens = [], []
-  inputs = (phi_q_BxTxHxF, phi_k_BxTxHxF, v_BxTxHxV)
-  for first, stop in config.blocks:
-    phi_q_BxTxHxF, phi_k_BxTxHxF, v_BxTxHxV = inputs
-    s, weights = _block_scores(phi_q_BxTxHxF[:, first:stop], phi_k_BxTxHxF, doc_BxT, first, stop, config)
+  q_blocks = [phi_q_BxTxHxF[:, first:stop] for first, stop in config.blocks]
+  for n, (first, stop) in enumerate(config.blocks):
+    s, weights = _block_scores(q_blocks[n], phi_k_BxTxHxF[:, :stop], doc_BxT, (first, stop), (0, stop),
+                               config)
     w_BxHxRxS = weights(s)
     nums.append(dot("bhts,bshv->bthv", w_BxHxRxS.astype(v_BxTxHxV.dtype), v_BxTxHxV[:, :stop]))
     dens.append(jnp.sum(w_BxHxRxS, axis=-1).transpose(0, 2, 1))
-    inputs = _after(inputs, (nums[-1], dens[-1]))
+    if n + 1 < len(q_blocks):
+      q_blocks[n + 1] = _after(q_blocks[n + 1], (nums[-1], dens[-1]))
   return jnp.concatenate(nums, axis=1), jnp.concatenate(dens, axis=1)
 
 
 def _after(inputs, results):
-  """``inputs`` as values available only once ``results`` are: the next query block starts after
-  this one ends, so one block's T-wide scratch is live at a time (XLA would otherwise be free to
-  compute every block's scores first)."""
+  """``inputs`` (the next block's own rows) as values available only once ``results`` are: the next
+  block starts after this one ends, so one block's T-wide scratch is live at a time (XLA would
+  otherwise be free to compute every block's scores first). Whole arrays are not passed through:
+  each barrier's copy of them would be re-laid out again."""
   return jax.lax.optimization_barrier((inputs, results))[0]
 
 
@@ -371,30 +378,48 @@ def _power_sums_fwd(phi_q_BxTxHxF, phi_k_BxTxHxF, v_BxTxHxV, doc_BxT, config: _P
 
 
 def _power_sums_bwd(config: _Power, residuals, cotangents):
-  """Per query block, the scores again, then dw = dN vᵀ + dD, dv += wᵀ dN, ds = dw ⊙ ∂w/∂s,
-  dPhi(q) = ds Phi(k), dPhi(k) += dsᵀ Phi(q)."""
+  """Two passes over the blocks, each recomputing the scores it needs: dw = dN vᵀ + dD and
+  ds = dw ⊙ ∂w/∂s, then per query block dPhi(q) = ds Phi(k) (keys up to its last row), and per key
+  block dv = wᵀ dN and dPhi(k) = dsᵀ Phi(q) (queries from its first row on). Each gradient row is
+  written once, with no accumulation across blocks."""
   phi_q_BxTxHxF, phi_k_BxTxHxF, v_BxTxHxV, doc_BxT = residuals
-  dnum_BxTxHxV, dden_BxTxH = cotangents
-  dq_blocks = []
-  dk_BxTxHxF = jnp.zeros(phi_k_BxTxHxF.shape, F32)
-  dv_BxTxHxV = jnp.zeros(v_BxTxHxV.shape, F32)
-  inputs = (phi_q_BxTxHxF, phi_k_BxTxHxF, v_BxTxHxV, dnum_BxTxHxV, dden_BxTxH)
-  for first, stop in config.blocks:
-    phi_q_BxTxHxF, phi_k_BxTxHxF, v_BxTxHxV, dnum_BxTxHxV, dden_BxTxH = inputs
-    phi_q_BxRxHxF = phi_q_BxTxHxF[:, first:stop]
-    s, weights = _block_scores(phi_q_BxRxHxF, phi_k_BxTxHxF, doc_BxT, first, stop, config)
+  dnum_BxTxHxV = cotangents[0].astype(v_BxTxHxV.dtype)
+  dden_BxHxT = cotangents[1].transpose(0, 2, 1)
+
+  def grad_scores(queries, keys, phi_q_BxRxHxF, phi_k_BxSxHxF, v_BxSxHxV):
+    """(w, ds, the block's dN) of query rows ``queries`` against key rows ``keys``."""
+    (q0, q1), _ = queries, keys
+    s, weights = _block_scores(phi_q_BxRxHxF, phi_k_BxSxHxF, doc_BxT, queries, keys, config)
     w_BxHxRxS, weights_vjp = jax.vjp(weights, s)
-    dnum_BxRxHxV = dnum_BxTxHxV[:, first:stop].astype(v_BxTxHxV.dtype)
-    dw_BxHxRxS = (dot("bthv,bshv->bhts", dnum_BxRxHxV, v_BxTxHxV[:, :stop])
-                  + dden_BxTxH[:, first:stop].transpose(0, 2, 1)[..., None])
-    dv_BxTxHxV = dv_BxTxHxV.at[:, :stop].add(
-        dot("bhts,bthv->bshv", w_BxHxRxS.astype(v_BxTxHxV.dtype), dnum_BxRxHxV))
+    dnum_BxRxHxV = dnum_BxTxHxV[:, q0:q1]
+    dw_BxHxRxS = dot("bthv,bshv->bhts", dnum_BxRxHxV, v_BxSxHxV) + dden_BxHxT[:, :, q0:q1, None]
     ds_BxHxRxS = weights_vjp(dw_BxHxRxS)[0].astype(phi_q_BxTxHxF.dtype)
-    dq_blocks.append(dot("bhts,bshf->bthf", ds_BxHxRxS, phi_k_BxTxHxF[:, :stop]))
-    dk_BxTxHxF = dk_BxTxHxF.at[:, :stop].add(dot("bhts,bthf->bshf", ds_BxHxRxS, phi_q_BxRxHxF))
-    inputs = _after(inputs, (dq_blocks[-1], dk_BxTxHxF, dv_BxTxHxV))
-  return (jnp.concatenate(dq_blocks, axis=1).astype(phi_q_BxTxHxF.dtype),
-          dk_BxTxHxF.astype(phi_k_BxTxHxF.dtype), dv_BxTxHxV.astype(v_BxTxHxV.dtype), None)
+    return w_BxHxRxS, ds_BxHxRxS, dnum_BxRxHxV
+
+  dq_BxTxHxF = jnp.zeros_like(phi_q_BxTxHxF)
+  q_blocks = [phi_q_BxTxHxF[:, first:stop] for first, stop in config.blocks]
+  for n, (first, stop) in enumerate(config.blocks):
+    _, ds_BxHxRxS, _ = grad_scores((first, stop), (0, stop), q_blocks[n], phi_k_BxTxHxF[:, :stop],
+                                   v_BxTxHxV[:, :stop])
+    dq_BxRxHxF = dot("bhts,bshf->bthf", ds_BxHxRxS, phi_k_BxTxHxF[:, :stop])
+    dq_BxTxHxF = dq_BxTxHxF.at[:, first:stop].set(dq_BxRxHxF.astype(dq_BxTxHxF.dtype))
+    if n + 1 < len(q_blocks):
+      q_blocks[n + 1] = _after(q_blocks[n + 1], dq_BxTxHxF)
+  T = phi_q_BxTxHxF.shape[1]
+  dk_BxTxHxF, dv_BxTxHxV = jnp.zeros_like(phi_k_BxTxHxF), jnp.zeros_like(v_BxTxHxV)
+  kv_blocks = [(phi_k_BxTxHxF[:, first:stop], v_BxTxHxV[:, first:stop]) for first, stop in config.blocks]
+  kv_blocks[0] = _after(kv_blocks[0], dq_BxTxHxF)
+  for n, (first, stop) in enumerate(config.blocks):
+    phi_k_BxSxHxF, v_BxSxHxV = kv_blocks[n]
+    w_BxHxRxS, ds_BxHxRxS, dnum_BxRxHxV = grad_scores((first, T), (first, stop), phi_q_BxTxHxF[:, first:],
+                                                      phi_k_BxSxHxF, v_BxSxHxV)
+    dv_BxSxHxV = dot("bhts,bthv->bshv", w_BxHxRxS.astype(v_BxTxHxV.dtype), dnum_BxRxHxV)
+    dk_BxSxHxF = dot("bhts,bthf->bshf", ds_BxHxRxS, phi_q_BxTxHxF[:, first:])
+    dv_BxTxHxV = dv_BxTxHxV.at[:, first:stop].set(dv_BxSxHxV.astype(dv_BxTxHxV.dtype))
+    dk_BxTxHxF = dk_BxTxHxF.at[:, first:stop].set(dk_BxSxHxF.astype(dk_BxTxHxF.dtype))
+    if n + 1 < len(kv_blocks):
+      kv_blocks[n + 1] = _after(kv_blocks[n + 1], (dk_BxTxHxF, dv_BxTxHxV))
+  return dq_BxTxHxF, dk_BxTxHxF, dv_BxTxHxV, None
 
 
 _power_sums.defvjp(_power_sums_fwd, _power_sums_bwd)
