@@ -185,7 +185,7 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
       "auto" or None picks the measured fastest for the backend (``resolve_implementation``).
     state: a SanatanState to continue from (p = 1, 6ch only).
     chunk_size, block_size: tile lengths of "chunked" / "chunked_scan" and of "blocked" / "parallel"
-      (its query rows).
+      (its query rows; on TPUs at least ``xla.PARALLEL_MIN_ROWS``, 256).
     rotate: False drops the temporal rotation (the "no lambda" ablation).
     kernel_precision: the Pallas GPU kernels' dot operands, "input" (the inputs' dtype), "tf32"
       or "float32" (fp32 throughout, fp32 o; ``pallas_utils.PRECISIONS``). Other implementations

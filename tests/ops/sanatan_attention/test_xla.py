@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from lmcore.numerics import relative_l2
+from lmcore.ops.common import pallas_utils
 from sanatan_jax import SanatanState, sanatan_attention
 from sanatan_jax.ops.sanatan_attention.xla import chunk_prefix_sum
 
@@ -86,6 +87,20 @@ class TestParallel(SanatanAttentionTestBase):
     loss = lambda *a: jnp.sum(sanatan_attention(*a, p=2, implementation="parallel", block_size=256)[0])
     compiled = jit(jax.grad(loss, tuple(range(5)))).lower(*shapes).compile()
     assert compiled.memory_analysis().temp_size_in_bytes <= 4 * T * T
+
+  def test_parallel_query_blocks_take_the_platforms_fewest_rows(self):
+    """``block_size`` 128 at T = 1024: 8 query blocks here, 4 of ``PARALLEL_MIN_ROWS["tpu"]`` = 256
+    rows on a TPU (two dots per block in the forward: scores, then weights by values)."""
+    shapes = [jax.ShapeDtypeStruct(s, jnp.float32)
+              for s in ((1, 1024, 1, 4), (1, 1024, 1, 4), (1, 1024, 1, 4), (1, 4), (1, 4))]
+
+    def dots():  # a new function each time: traces are cached per function
+      fn = lambda *a: sanatan_attention(*a, p=2, implementation="parallel", block_size=128)[0]
+      return str(jax.make_jaxpr(fn)(*shapes)).count("dot_general")
+
+    here = dots()
+    with pallas_utils.assume_backend("tpu"):
+      assert here - dots() == 2 * (8 - 4)
 
 
 class _ChunkedBf16:
