@@ -393,7 +393,7 @@ def _power_sums_bwd(config: _Power, residuals, cotangents):
 
   def grad_scores(queries, keys, phi_q_BxRxHxF, phi_k_BxSxHxF, v_BxSxHxV):
     """(w, ds, the block's dN) of query rows ``queries`` against key rows ``keys``."""
-    (q0, q1), _ = queries, keys
+    q0, q1 = queries
     s, weights = _block_scores(phi_q_BxRxHxF, phi_k_BxSxHxF, doc_BxT, queries, keys, config)
     w_BxHxRxS, weights_vjp = jax.vjp(weights, s)
     dnum_BxRxHxV = dnum_BxTxHxV[:, q0:q1]
@@ -416,10 +416,11 @@ def _power_sums_bwd(config: _Power, residuals, cotangents):
   kv_blocks[0] = _after(kv_blocks[0], dq_BxTxHxF)
   for n, (first, stop) in enumerate(config.blocks):
     phi_k_BxSxHxF, v_BxSxHxV = kv_blocks[n]
-    w_BxHxRxS, ds_BxHxRxS, dnum_BxRxHxV = grad_scores((first, T), (first, stop), phi_q_BxTxHxF[:, first:],
+    phi_q_BxRxHxF = phi_q_BxTxHxF[:, first:]  # the queries at or after the block's first row
+    w_BxHxRxS, ds_BxHxRxS, dnum_BxRxHxV = grad_scores((first, T), (first, stop), phi_q_BxRxHxF,
                                                       phi_k_BxSxHxF, v_BxSxHxV)
     dv_BxSxHxV = dot("bhts,bthv->bshv", w_BxHxRxS.astype(v_BxTxHxV.dtype), dnum_BxRxHxV)
-    dk_BxSxHxF = dot("bhts,bthf->bshf", ds_BxHxRxS, phi_q_BxTxHxF[:, first:])
+    dk_BxSxHxF = dot("bhts,bthf->bshf", ds_BxHxRxS, phi_q_BxRxHxF)
     dv_BxTxHxV = dv_BxTxHxV.at[:, first:stop].set(dv_BxSxHxV.astype(dv_BxTxHxV.dtype))
     dk_BxTxHxF = dk_BxTxHxF.at[:, first:stop].set(dk_BxSxHxF.astype(dk_BxTxHxF.dtype))
     if n + 1 < len(kv_blocks):
