@@ -44,7 +44,8 @@ CATEGORY_PATTERNS = (
     ("collective", "kernel", r"nccl|all-?reduce|all-?gather|reduce-?scatter|all-?to-?all|collective-?permute"
                              r"|(^|\W)(send|recv)(\W|$)"),
     ("pallas/triton", "kernel", r"__gpu\$xla\.gpu\.triton|mosaic|tpu_custom_call|pallas"
-                                r"|^_\w+_kernel\b"),  # a Pallas kernel's function name, e.g. _dkv_kernel
+                                r"|^_\w+_kernel(_\d*)?\b"),  # a Pallas kernel's function name (_dkv_kernel;
+    # a second call of one kernel in a step may carry a suffix, _factors_kernel_)
     ("pallas/triton", "scope", r"pallas_call"),
     ("attention", "kernel", r"cudnn|fmha|flash|sdpa|dot_product_attention"),
     ("loss", "scope", r"\bcross_entropy\b"),

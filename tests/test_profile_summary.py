@@ -112,6 +112,7 @@ def test_the_kernel_name_alone_categorizes_without_the_hlo():
   assert ps.categorize("some_kernel", "jit(train_step)/jvp(mixer)/pallas_call") == "pallas/triton"
   assert ps.categorize("some_kernel", "") == "other"
   assert ps.categorize("_dkv_kernel", "") == "pallas/triton"  # a Pallas kernel's function name (H200 trace)
+  assert ps.categorize("_factors_kernel_", "") == "pallas/triton"  # its second call in the step
   assert ps.scope_of("jit(train_step)/transpose(jvp(jvp()))/checkpoint/rematted_computation/mlp/mul") == "mlp"
   assert ps.scope_of("jit(train_step)/jvp(mixer_norm)/mul") == "other"
 

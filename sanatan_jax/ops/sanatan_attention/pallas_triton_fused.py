@@ -8,15 +8,16 @@ Mask (j <= t, same document)::
     A_n = Mask ⊙ Phi(Q_n) Phi(K_n)ᵀ,   N_n = A_n V_n + Phi(Q_n) S,   D_n = A_n 1 + Phi(Q_n) z,
     o = N / (D + c eps),               S <- S + Phi(K_n)ᵀ V_n,        z <- z + Phi(K_n)ᵀ 1.
 
-Features. XLA computes, once per token, the factors of Phi (``base.rotated_angles_and_roots``, fp32,
-rounded to the operands' dtype): (cos th_rot, sin th_rot) [B, T, H, 2, d] and the roots r [B, T, H, d],
-three d-wide arrays where Phi is 6d wide. Channel c of head dimension a is U_a W_a with
+Features. A small kernel computes, once per token, the factors of Phi (pallas_triton_factors.py: fp32
+inside, written in the operands' dtype): (cos th_rot, sin th_rot) [B, T, H, 2, d] and the roots
+r [B, T, H, d], three d-wide arrays where Phi is 6d wide. Channel c of head dimension a is U_a W_a with
 U = (1, cos, sin)[c mod 3] and W = (1, r)[c div 3]; each program forms its channels from them in
 registers (fp32 products rounded to the operands' dtype; the constant channel zero on padding), so
 all six channels, their states and their gradients are handled alike (at the price of a sixth of the
 kernels' work on a channel whose scores are the count d). The kernels write d Phi channel-major
-[B, T, H, 6, d]; XLA applies the product rule into the factors and their VJP. The custom VJP keeps
-no features: its backward recomputes the factors from q and k.
+[B, T, H, 6, d] (in channel groups); the factor kernels' VJP takes it through the product rule to
+dq, dk, d omega and d lam_raw. The custom VJP keeps no features: its backward recomputes the
+factors from q and k (unless asked to keep them).
 
 Programs. Grid (channel group, value tile, batch, head): a program owns ``Tiles.channels`` of the
 six channels and ``block_v`` value columns, so 6 / channels x dv / block_v programs share a
@@ -70,8 +71,10 @@ from lmcore.ops.common import pallas_utils as pu
 from lmcore.ops.common.layout import default_positions
 from lmcore.ops.common.segments import document_index
 from sanatan_jax import features
+from sanatan_jax.ops.sanatan_attention import pallas_triton_factors as factor_kernels
+from sanatan_jax.ops.sanatan_attention.pallas_triton_factors import Factors
 from sanatan_jax.ops.sanatan_attention.base import (EPS, SanatanState, after_cotangent, channel_major_state,
-                                                    interleaved_state, rotated_angles_and_roots)
+                                                    interleaved_state)
 
 CHANNELS = 6
 _F32 = jnp.float32
@@ -459,13 +462,12 @@ def _channels(parts, axis: int):
   return jnp.moveaxis(x, 0, axis)
 
 
-def _feature_grads(parts, dtype):
+def _feature_grads(parts, dtype) -> list:
   """The kernels' feature gradients, one array per channel index i within a group, each
-  [tiles, B, Tp, H, groups, dp] -> [B, Tp, H, 6, dp] (c = g·G + i) in ``dtype``: a reshape
-  for one channel per program and one value tile, else the tiles' parts summed in fp32."""
-  x = jnp.stack(parts, axis=-2)
-  x = x.reshape(*x.shape[:4], CHANNELS, x.shape[-1])
-  return x[0] if x.shape[0] == 1 else _tile_sum(x).astype(dtype)
+  [tiles, B, Tp, H, groups, dp] -> [B, Tp, H, groups, dp] in ``dtype`` (channel c = g·G + i of part
+  i, ``pallas_triton_factors.factor_grads``'s layout): the tiles' parts summed in fp32 where there
+  are several."""
+  return [x[0] if x.shape[0] == 1 else _tile_sum(x).astype(dtype) for x in parts]
 
 
 def _shape(*shape, dtype=_F32):
@@ -546,38 +548,12 @@ def _dkv(fq: Factors, fk: Factors, v, run, dN, dD, dS, dz, st: Static):
           _channels([jnp.sum(x, axis=0) for x in dz0], 2))
 
 
-class Factors(NamedTuple):
-  """The factors of Phi of one operand (q or k) that the kernels read: (cos th_rot, sin th_rot)
-  [B, Tp, H, 2, dp] and the roots r [B, Tp, H, dp], zero on padding."""
-
-  trig: jax.Array
-  root: jax.Array
-
-
 def _factors(q, k, omega, lam_raw, pos, st: Static) -> tuple[Factors, Factors]:
-  """The factors of Phi(q) and of Phi(k) in fp32 (``base.rotated_angles_and_roots``): three
-  d-wide arrays per operand where Phi is 6d wide, computed once per token."""
-  def one(u):
-    theta_rot, r = rotated_angles_and_roots(u, omega, lam_raw, pos, rotate=st.rotate)
-    trig = jnp.stack([jnp.cos(theta_rot), jnp.sin(theta_rot)], axis=-2)
-    return Factors(pu.pad_axis(pu.pad_axis(trig, 1, st.padded_length), 4, st.dp),
-                   pu.pad_axis(pu.pad_axis(r, 1, st.padded_length), 3, st.dp))
-
+  """The factors of Phi(q) and of Phi(k) in the operands' dtype, padded (``factor_kernels.factors``):
+  three d-wide arrays per operand where Phi is 6d wide, computed once per token."""
+  one = functools.partial(factor_kernels.factors, omega=omega, lam_raw=lam_raw, positions=pos, rotate=st.rotate,
+                          padded_length=st.padded_length, dp=st.dp, interpret=st.forward.interpret)
   return one(q), one(k)
-
-
-def _rounded(factors: Factors, dtype) -> Factors:
-  return Factors(*(x.astype(dtype) for x in factors))
-
-
-def _factor_grads(dphi, factors: Factors) -> Factors:
-  """d Phi [B, Tp, H, 6, dp] -> the factors' gradients (fp32), by the product rule on the channels
-  (1, cos, sin, r, r cos, r sin): d cos = dPhi_1 + r dPhi_4, d sin = dPhi_2 + r dPhi_5,
-  d r = dPhi_3 + cos dPhi_4 + sin dPhi_5 (the constant channel has none)."""
-  d = [dphi[..., c, :].astype(_F32) for c in range(CHANNELS)]
-  cos, sin, r = factors.trig[..., 0, :], factors.trig[..., 1, :], factors.root
-  d_trig = jnp.stack([d[1] + r * d[4], d[2] + r * d[5]], axis=-2)
-  return Factors(d_trig, d[3] + cos * d[4] + sin * d[5])
 
 
 def _pad_tokens(x, st: Static):
@@ -594,36 +570,33 @@ def _fused(q, k, v, omega, lam_raw, pos, run, S0, z0, st: Static):
 
 def _fused_fwd(q, k, v, omega, lam_raw, pos, run, S0, z0, st: Static):
   fq, fk = _factors(q, k, omega, lam_raw, pos, st)
-  fq_in, fk_in = _rounded(fq, q.dtype), _rounded(fk, k.dtype)
-  o, den, S, z = _forward(fq_in, fk_in, _pad_tokens(v, st), run, S0, z0, st)
+  o, den, S, z = _forward(fq, fk, _pad_tokens(v, st), run, S0, z0, st)
   out = (o[:, :st.length, :, :v.shape[-1]], S, z)
-  kept = (fq_in, fk_in) if st.keep_factors else None
+  kept = (fq, fk) if st.keep_factors else None
   return out, (q, k, v, omega, lam_raw, pos, run, S0, z0, o, den, kept)
 
 
 def _fused_bwd(st: Static, residuals, cotangents):
-  """dN = do / (D + c eps) and dD = -(do · o) / (D + c eps) in XLA, the two kernels, then the
-  product rule into the factors and their VJP. The factors are the forward's rounded ones when it
-  kept them (``Static.keep_factors``), else recomputed here (the product rule takes them in fp32)."""
+  """dN = do / (D + c eps) and dD = -(do · o) / (D + c eps) in XLA, the two kernels, then the factor
+  kernels' VJP (product rule and chain rule, ``factor_kernels.factor_grads``). The dq and dk/dv kernels read
+  the forward's factors when it kept them (``Static.keep_factors``), else factors recomputed here."""
   q, k, v, omega, lam_raw, pos, run, S0, z0, o, den, kept = residuals
   do, dS, dz = cotangents
   q, k, omega, lam_raw = after_cotangent((q, k, omega, lam_raw), do)
-  # With kept factors the outputs here go unused: XLA computes only what their VJP needs.
-  (fq, fk), factors_vjp = jax.vjp(lambda *a: _factors(*a, pos, st), q, k, omega, lam_raw)
-  if kept is not None:
-    fq, fk = fq_in, fk_in = kept
-  else:
-    fq_in, fk_in = _rounded(fq, q.dtype), _rounded(fk, k.dtype)
+  fq, fk = kept if kept is not None else _factors(q, k, omega, lam_raw, pos, st)
   inv_BxTxH = 1.0 / (den + st.c_eps)
   do = _pad_tokens(do.astype(_F32), st)
   dN = (do * inv_BxTxH[..., None]).astype(v.dtype)
   dD = -jnp.sum(do * o.astype(_F32), axis=-1) * inv_BxTxH
   vp = _pad_tokens(v, st)
-  dphi_q = _dq(fk_in, vp, run, dN, dD, S0, z0, st)
-  dphi_k, dv, dS0, dz0 = _dkv(fq_in, fk_in, vp, run, dN, dD, dS.astype(_F32), dz.astype(_F32), st)
-  dq, dk, d_omega, d_lam = factors_vjp((_factor_grads(dphi_q, fq), _factor_grads(dphi_k, fk)))
+  dphi_q = _dq(fk, vp, run, dN, dD, S0, z0, st)
+  dphi_k, dv, dS0, dz0 = _dkv(fq, fk, vp, run, dN, dD, dS.astype(_F32), dz.astype(_F32), st)
+  grads = functools.partial(factor_kernels.factor_grads, omega=omega, lam_raw=lam_raw, positions=pos,
+                            rotate=st.rotate, interpret=st.forward.interpret)
+  dq, d_omega_q, d_lam_q = grads(q, dphi_parts=dphi_q)
+  dk, d_omega_k, d_lam_k = grads(k, dphi_parts=dphi_k)
   dv = dv[:, :st.length, :, :v.shape[-1]].astype(v.dtype)
-  return dq, dk, dv, d_omega, d_lam, None, None, dS0, dz0
+  return dq, dk, dv, d_omega_q + d_omega_k, d_lam_q + d_lam_k, None, None, dS0, dz0
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)

@@ -113,10 +113,15 @@ def test_bf16_inputs_are_no_less_accurate_than_the_xla_chunked_form_in_bf16():
   assert worst(functools.partial(sanatan_fused_pallas, tiles=tiles)) <= worst(chunked)
 
 
+# Triton calls of one forward and backward: forward, dq and dk/dv; the factor kernel for q and k in
+# the forward and again in the backward (recomputed); the factors' VJP kernel for q and k.
+KERNEL_CALLS = 9
+
+
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 @pytest.mark.parametrize("documents,precision", [(True, "input"), (False, "tf32")])
 def test_kernels_lower_to_triton_for_an_h200(documents, precision):
-  """Forward, dq and dk/dv kernels pass the Pallas Triton lowering (power-of-two tiles, the 4-D
+  """Forward, dq, dk/dv and factor kernels pass the Pallas Triton lowering (power-of-two tiles, the 4-D
   grid, traced chunk loops, document masks) for an abstract H200 with bf16 inputs, padded head and
   value dims and a partial chunk, at the default tilings of bf16 and of fp32 operands."""
   def loss(q, k, v, omega, lam_raw, segment_ids):
@@ -126,7 +131,7 @@ def test_kernels_lower_to_triton_for_an_h200(documents, precision):
 
   lowered = pallas_utils.lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2, 3, 4)),
                                        *sanatan_abstract_inputs(T=200))
-  assert lowered.as_text().count("xla.gpu.triton") == 3
+  assert lowered.as_text().count("xla.gpu.triton") == KERNEL_CALLS
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -147,7 +152,7 @@ def test_every_tuning_tiling_lowers_at_the_benchmark_shape():
       return o.astype(jnp.float32).sum()
 
     lowered = pallas_utils.lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *args)
-    assert lowered.as_text().count("xla.gpu.triton") == 3, entry
+    assert lowered.as_text().count("xla.gpu.triton") == KERNEL_CALLS, entry
 
 
 def test_default_tiles_take_two_channels_per_dkv_program_from_many_rows():
@@ -233,7 +238,8 @@ def test_the_backward_does_not_keep_the_forwards_features(monkeypatch, implement
   to keep the forward's factors (``chunked_remat=False``) does keep them: more temporaries."""
   from sanatan_jax.ops.sanatan_attention import pallas_triton_flash
 
-  B, T, H, d, L = 1, 64, 2, 16, 3
+  # 256 tokens: the kept factors (3d per token) outweigh the interpreted factor kernels' buffers.
+  B, T, H, d, L = 1, 256 if implementation == "pallas_fused" else 64, 2, 16, 3
   x = jax.random.normal(jax.random.key(0), (B, T, H, d), jnp.bfloat16)
   W = jax.random.normal(jax.random.key(1), (L, d, d)) * 0.1
   omega, lam_raw = jnp.full((H, d), 0.7), jnp.zeros((H, d))
