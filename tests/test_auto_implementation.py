@@ -47,10 +47,11 @@ def test_default_and_gated_pick_pallas_only_on_gpu(on, platform, expected):
 
 @pytest.mark.parametrize("key_dim,value_dim,expected", [
     (64, 64, "pallas"), (32, 64, "pallas"), (128, 128, "pallas"), (96, 192, "pallas"),
-    (64, 128, "pallas"), (192, 384, "chunked"), (128, 193, "chunked"), (256, 64, "chunked")])
+    (64, 128, "pallas"), (128, 256, "pallas"), (192, 384, "chunked"), (128, 257, "chunked"),
+    (128, 512, "chunked"), (256, 64, "chunked")])
 def test_gated_auto_keeps_heads_wider_than_measured_on_xla_on_gpu(on, key_dim, value_dim, expected):
-  """The kernel beat XLA at every preset head up to 128 x 192 on the H200 (CyFA's 128 x 128,
-  repro_gla's 64 x 128, GLA 182M's 96 x 192, whose whole step is faster on it too)."""
+  """The kernel beat XLA at every head up to 128 x 256 on the H200 (CyFA's 128 x 128, repro_gla's
+  64 x 128, GLA 182M's 96 x 192, whose whole step is faster on it too) and lost at 128 x 512."""
   on("gpu")
   assert gated.resolve_implementation("auto", key_dim=key_dim, value_dim=value_dim) == expected
 
@@ -65,19 +66,30 @@ def test_auto_is_xla_for_wide_heads_of_every_op_on_gpu(on, key_dim, value_dim):
   for p, xla in ((1, "chunked"), (2, "parallel")):
     assert sanatan.resolve_implementation("auto", p=p, head_dim=key_dim, value_dim=value_dim) == xla
   for length in (2048, 8192):  # Taylor's key width is d' (BASED: 16)
-    for d, dv in ((16, 512), (key_dim, 64)):
+    for d, dv in ((16, 1024), (key_dim, 64)):
       assert taylor.resolve_implementation("auto", length=length, key_dim=d, value_dim=dv) == "chunked"
       assert taylor.resolve_implementation("auto", length=length, key_dim=d, value_dim=dv,
                                            segments=True) == "parallel"
 
 
-@pytest.mark.parametrize("key_dim,value_dim,expected", [(16, 64, "pallas_blocked"), (8, 32, "pallas_blocked"),
-                                                        (16, 112, "pallas_blocked"), (16, 256, "pallas_blocked"),
-                                                        (16, 512, "chunked"), (32, 64, "chunked")])
+@pytest.mark.parametrize("key_dim,value_dim,expected", [
+    (16, 64, "pallas_blocked"), (8, 32, "pallas_blocked"), (16, 112, "pallas_blocked"),
+    (16, 256, "pallas_blocked"), (32, 128, "pallas_blocked"), (64, 128, "pallas_blocked"),
+    (16, 512, "pallas"), (16, 1024, "chunked"), (128, 64, "chunked")])
 def test_taylor_auto_keeps_heads_wider_than_measured_on_xla_on_gpu(on, key_dim, value_dim, expected):
-  """The kernels beat XLA at d' = 16 up to dv = 256 (BASED 1.3B's 112 among them); wider take XLA."""
+  """At T = 2048 the blocked kernel beat XLA at d' up to 64 and dv up to 256 (BASED 1.3B's 112 among
+  them); at dv = 512 it does not fit in shared memory and the chunked kernel, which did beat XLA
+  there, runs; wider heads take XLA."""
   on("gpu")
   assert taylor.resolve_implementation("auto", length=2048, key_dim=key_dim, value_dim=value_dim) == expected
+
+
+@pytest.mark.parametrize("key_dim,value_dim", [(16, 512), (32, 128), (64, 64)])
+def test_taylor_auto_runs_the_chunked_kernel_on_long_sequences_on_gpu(on, key_dim, value_dim):
+  """From T = 8192 the chunked kernel runs at every head "auto" gives the kernels (H200, T = 8192:
+  3.13 against XLA's 15.08 ms at 16 x 512, 10.83 against 28.13 at 32 x 128)."""
+  on("gpu")
+  assert taylor.resolve_implementation("auto", length=8192, key_dim=key_dim, value_dim=value_dim) == "pallas"
 
 
 def _no_kernel(monkeypatch, module, *names):
@@ -100,10 +112,10 @@ def test_gated_auto_counts_the_normaliser_column_on_gpu(on, monkeypatch):
 
 
 def test_taylor_auto_runs_xla_for_wide_values_on_gpu(on, monkeypatch):
-  """dv = 320 is wider than the kernels were measured to win at: "auto" runs XLA chunked on a GPU."""
+  """dv = 640 is wider than the kernels were measured to win at: "auto" runs XLA chunked on a GPU."""
   on("gpu")
   _no_kernel(monkeypatch, taylor, "pallas", "pallas_blocked")
-  B, T, H, d, V = 1, 8, 1, 4, 320
+  B, T, H, d, V = 1, 8, 1, 4, 640
   _same(taylor.taylor_linear_attention, "chunked", _normal(0, B, T, H, d), _normal(1, B, T, H, d),
         _normal(2, B, T, H, V), chunk_size=4)
 

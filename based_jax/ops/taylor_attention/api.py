@@ -87,13 +87,18 @@ IMPLEMENTATIONS: dict[str, Callable[..., tuple[jax.Array, TaylorState]]] = {
 
 
 # The widest heads "auto" gives the Triton kernels: the widest they were timed at against XLA (H200,
-# fwd+bwd, B 8 × T 2048, d' = 16; resolve_implementation): dv = 64, 112 (BASED 1.3B), 128 and 256, where
-# the blocked kernel took 1.54 / 2.58 / 1.17 / 1.67 ms against XLA chunked's 9.34 / 11.71 / 7.48 / 8.09
-# and the chunked kernel 4.40 / 6.61 / 4.37 / 3.40. Every program holds a head's whole d' (the chunked
-# kernels carry d' + 1 groups of [d', 32] state tiles, so the state grows as d'²) and the blocked
-# kernels its whole dv (the chunked ones tile dv + 1 by 32). Wider heads take XLA.
-KERNEL_MAX_KEY_DIM = 16
-KERNEL_MAX_VALUE_DIM = 256
+# fwd+bwd, 16,384 tokens; resolve_implementation). At d' = 16 and T = 2048 the blocked kernel took
+# 1.54 / 2.58 / 1.17 / 1.67 ms at dv = 64 / 112 (BASED 1.3B) / 128 / 256 against XLA chunked's 9.34 /
+# 11.71 / 7.48 / 8.09 (the chunked kernel 4.40 / 6.61 / 4.37 / 3.40); at dv = 128 and d' = 32 / 64,
+# 1.24 / 1.39 against 18.48 / 55.54 (chunked kernel 10.70 / 29.56). The blocked kernels hold a head's
+# whole dv in shared memory: at dv = 512 they need 277 KiB of the chip's 227, so from
+# ``BLOCKED_MAX_VALUE_DIM`` on the chunked kernel runs (it tiles dv + 1 by 32): at d' = 16, dv = 512,
+# 3.41 ms against 6.35 at T = 2048 and 3.13 against 15.08 at T = 8192; at d' = 32, dv = 128, T = 8192,
+# 10.83 against 28.13. The chunked kernels carry d' + 1 groups of [d', 32] state tiles (the state grows
+# as d'²); d' = 64 was timed at T = 2048 only. Wider heads take XLA.
+KERNEL_MAX_KEY_DIM = 64
+KERNEL_MAX_VALUE_DIM = 512
+BLOCKED_MAX_VALUE_DIM = 256
 
 
 def resolve_implementation(implementation: str | None, **problem) -> str:
@@ -103,19 +108,20 @@ def resolve_implementation(implementation: str | None, **problem) -> str:
   ``segments`` (``segment_ids`` given), ``key_dim`` (d') and ``value_dim`` (dv; unknown widths
   count as small). On a GPU without the decay ablation (which the kernels lack), for heads of at
   most ``KERNEL_MAX_KEY_DIM`` x ``KERNEL_MAX_VALUE_DIM``, the Pallas kernels: "pallas_blocked" for
-  T < ``BLOCKED_BELOW``, else "pallas" (H200 fwd+bwd 2.05× / 3.71× / 5.97× XLA chunked at
+  T < ``BLOCKED_BELOW`` and dv <= ``BLOCKED_MAX_VALUE_DIM``, else "pallas" (H200 fwd+bwd 2.05× / 3.71× / 5.97× XLA chunked at
   T = 2048 / 8192 / 32768; the blocked ones 5.9× at 2048). Otherwise XLA (TPUs too: libtpu has
   never compiled the Mosaic kernels): "chunked", or with ``segments``, which chunked does not take,
   "parallel", the fastest XLA form that does (0.86× chunked at T = 2048 on the H200, at the cost of
   B H T² fp32 scores); "recurrent" is a T-step serial scan, the decode path.
   """
-  narrow = (problem.get("key_dim", 0) <= KERNEL_MAX_KEY_DIM
-            and problem.get("value_dim", 0) <= KERNEL_MAX_VALUE_DIM)
+  value_dim = problem.get("value_dim", 0)
+  narrow = problem.get("key_dim", 0) <= KERNEL_MAX_KEY_DIM and value_dim <= KERNEL_MAX_VALUE_DIM
 
   def auto() -> str:
     if pallas_utils.backend() == "gpu" and narrow and not problem.get("decay", False):
       length = problem.get("length")
-      return "pallas_blocked" if length is not None and length < BLOCKED_BELOW else "pallas"
+      short = length is not None and length < BLOCKED_BELOW
+      return "pallas_blocked" if short and value_dim <= BLOCKED_MAX_VALUE_DIM else "pallas"
     return "parallel" if problem.get("segments", False) else "chunked"
 
   return implementations.resolve("taylor_linear_attention", implementation, IMPLEMENTATIONS, auto)

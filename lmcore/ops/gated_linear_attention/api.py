@@ -20,7 +20,7 @@ Implementations (all compute the same function; tests/ops/gated_linear_attention
   * ``pallas``: the Triton-Pallas kernel (pallas_triton.py; interpret mode off GPU), on TPU the
     Mosaic kernel (pallas_mosaic_tpu.py);
   * ``auto`` (or None): ``pallas`` on GPU for heads at most ``KERNEL_MAX_KEY`` x ``KERNEL_MAX_VALUE``
-    wide (128 x 192), ``chunked`` otherwise and elsewhere (``resolve_implementation``).
+    wide (128 x 256), ``chunked`` otherwise and elsewhere (``resolve_implementation``).
 """
 
 from __future__ import annotations
@@ -69,12 +69,14 @@ _CHUNKED = ("chunked", "xla", "pallas")
 
 # The widest key and value a head may have for "auto" to pick the Triton kernel. Measured on one H200
 # (fwd+bwd, bf16, B 8 × T 2048, docs/BENCHMARKS.md), kernel against XLA chunked: per-key gates 12 × 32 × 64
-# 1.02 / 3.50 ms, 4 × 64 × 128 1.20 / 2.07 (repro_gla), 4 × 96 × 192 3.58 / 4.79 (GLA 182M); per-head
-# gates 4 × 128 × 128 1.00 / 1.69 (CyFA). GLA 182M's whole train step (32 × 2048, cuBLAS GEMMs) is
-# faster on the kernel too: 164,802 against 153,826 tok/s in one process. Each program holds a head's
-# whole key width (padded to a power of two) and, with per-key gates, a [16, 16, K] fp32 decay block
-# per sub-chunk; values come in tiles of 64.
-KERNEL_MAX_KEY, KERNEL_MAX_VALUE = 128, 192
+# 1.02 / 3.50 ms, 4 × 64 × 128 1.20 / 2.07 (repro_gla), 4 × 96 × 192 3.58 / 4.79 (GLA 182M), 8 × 128 × 128
+# 4.78 / 6.32, 4 × 128 × 256 4.51 / 4.92; per-head gates 4 × 128 × 128 1.00 / 1.69 (CyFA). Beyond: 2 × 128
+# × 512 4.36 / 2.91 (XLA ahead); at K = 256 the kernel ran out of memory or took 49.1 ms (XLA 5.98), at
+# K = 512 103.9. GLA 182M's whole train step (32 × 2048, cuBLAS GEMMs) is faster on the kernel too:
+# 164,802 against 153,826 tok/s in one process. Each program holds a head's whole key width (padded to a
+# power of two) and, with per-key gates, a [16, 16, K] fp32 decay block per sub-chunk; values come in
+# tiles of 64.
+KERNEL_MAX_KEY, KERNEL_MAX_VALUE = 128, 256
 
 
 def resolve_implementation(implementation: str | None, **problem) -> str:
