@@ -21,8 +21,9 @@ with ``s_tj = Phi(q_t).Phi(k_j)`` (sanatan_jax.features; 4ch clips ``s`` at 0, 3
   causal and document block skipping, their own tiles) wherever ``pallas`` runs the blocked ones;
   GPUs (Triton) only, interpreted on a CPU.
 * ``pallas_fused`` (p = 1, 6ch): the fused-chunk Triton kernels of pallas_triton_fused.py (the features'
-  factors cos, sin and r from XLA, each program carrying its channels' state through the chunks in order; their own
-  tiles, not ``chunk_size``); GPUs only, interpreted on a CPU.
+  factors cos, sin and r, and their VJP, from the small kernels of pallas_triton_factors.py; each
+  program carrying its channels' state through the chunks in order; their own tiles, not
+  ``chunk_size``); GPUs only, interpreted on a CPU.
 * ``auto`` (or None): p = 1 with 6ch ``pallas_fused`` on GPUs and XLA ``chunked`` elsewhere; every
   other variant ``pallas_flash`` on GPUs and XLA ``parallel`` elsewhere; heads wider than the kernels
   were measured to win at take XLA on GPUs too (``resolve_implementation``).
