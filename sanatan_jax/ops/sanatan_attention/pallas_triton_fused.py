@@ -511,7 +511,7 @@ def _forward(fq: Factors, fk: Factors, v, run, S0, z0, st: Static):
 
 
 def _dq(fk: Factors, v, run, dN, dD, S0, z0, st: Static):
-  """dq kernel: d Phi(q) [B, Tp, H, 6, dp] in the features' dtype."""
+  """dq kernel: d Phi(q) in the features' dtype, as G parts [B, Tp, H, 6 / G, dp] (``_feature_grads``)."""
   cfg = st.dq
   B, Tp, H, _ = v.shape
   G, grid = cfg.channels, _grid(v, st, cfg)
@@ -527,8 +527,9 @@ def _dq(fk: Factors, v, run, dN, dD, S0, z0, st: Static):
 
 
 def _dkv(fq: Factors, fk: Factors, v, run, dN, dD, dS, dz, st: Static):
-  """dk/dv kernel: d Phi(k) [B, Tp, H, 6, dp] in the features' dtype, dv [B, Tp, H, Vp] and the
-  initial state's gradients (S, z in kernel layout), fp32."""
+  """dk/dv kernel: d Phi(k) in the features' dtype, as G parts [B, Tp, H, 6 / G, dp]
+  (``_feature_grads``), dv [B, Tp, H, Vp] and the initial state's gradients (S, z in kernel layout),
+  fp32."""
   cfg = st.dkv
   B, Tp, H, _ = v.shape
   G, grid = cfg.channels, _grid(v, st, cfg)
