@@ -31,7 +31,6 @@ t d theta_rot; XLA adds the programs' sums.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -61,7 +60,8 @@ class Factors(NamedTuple):
 
 class Config(NamedTuple):
   """Static parameters: tokens per program, the real length and head dim, whether either is padded,
-  the rotation flag."""
+  the rotation flag; for ``pu.call``, the interpret flag, Triton warps and stages and the precision of
+  dots (these kernels have none)."""
 
   block_t: int
   length: int
@@ -69,6 +69,9 @@ class Config(NamedTuple):
   padded: bool
   rotate: bool
   interpret: bool
+  num_warps: int = NUM_WARPS
+  num_stages: int = 1
+  precision: str = "input"
 
 
 # In-kernel pieces.
@@ -195,12 +198,6 @@ def _in_specs(dp: int, cfg: Config) -> list:
           spec((None, dp), lambda h, t, b: (h, 0))]
 
 
-def _call(kernel, cfg: Config, grid, in_specs, out_specs, out_shape, *args):
-  return pl.pallas_call(functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs,
-                        out_specs=out_specs, out_shape=out_shape, interpret=cfg.interpret,
-                        compiler_params=pu.compiler_params(cfg.interpret, NUM_WARPS, 1))(*args)
-
-
 def _padded(u, omega, lam_raw, pos, padded_length: int, dp: int):
   """u [B, Tp, H, dp], positions [B, Tp] int32, omega and lam_raw [H, dp]."""
   u = pu.pad_axis(pu.pad_axis(u, 1, padded_length), 3, dp)
@@ -220,7 +217,7 @@ def factors(u: jax.Array, omega: jax.Array, lam_raw: jax.Array, positions: jax.A
                pl.BlockSpec((None, BT, None, dp), lambda h, t, b: (b, t, h, 0))]
   out_shape = [jax.ShapeDtypeStruct((B, padded_length, H, 2, dp), u.dtype),
                jax.ShapeDtypeStruct((B, padded_length, H, dp), u.dtype)]
-  return Factors(*_call(_factors_kernel, cfg, _grid(u, cfg), _in_specs(dp, cfg), out_specs, out_shape,
+  return Factors(*pu.call(_factors_kernel, cfg, _grid(u, cfg), _in_specs(dp, cfg), out_specs, out_shape,
                         u, pos, omega, lam_raw))
 
 
@@ -245,7 +242,7 @@ def factor_grads(u: jax.Array, omega: jax.Array, lam_raw: jax.Array, positions: 
   sums = spec((None, None, None, dp), lambda h, t, b: (b, t, h, 0))
   out_specs = [spec((None, BT, None, dp), lambda h, t, b: (b, t, h, 0)), sums, sums]
   out_shape = [jax.ShapeDtypeStruct(up.shape, u.dtype)] + [jax.ShapeDtypeStruct((B, grid[1], H, dp), _F32)] * 2
-  du, g_sum, t_sum = _call(_grads_kernel, cfg, grid, in_specs, out_specs, out_shape, up, pos, omega_p,
+  du, g_sum, t_sum = pu.call(_grads_kernel, cfg, grid, in_specs, out_specs, out_shape, up, pos, omega_p,
                            lam_p, *[dphi_parts[c % G] for c in range(1, 6)])
   d_omega = jnp.sum(g_sum, axis=(0, 1))[:, :d]
   if rotate:
