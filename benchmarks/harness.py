@@ -205,9 +205,12 @@ def _sanatan_pallas() -> dict:
   return {_pallas_name(): lambda q, k, v, w, l: kernel(q, k, v, w, l)[0]}
 
 
+FLASH_FACTOR_CASE = "pallas_flash (factor kernels)"
+
+
 def sanatan_p2_cases(batch, length, dtype, shape: HeadShape | None = None):
   """SANATAN p = 2 (no recurrence): the blocked Pallas kernel and the flash one ("pallas_flash",
-  Triton only) vs XLA blocked vs the XLA parallel form (query blocks, custom VJP) vs the
+  Triton only; also with the factor kernels' features, ``flash_features="kernels"``) vs XLA blocked vs the XLA parallel form (query blocks, custom VJP) vs the
   materialised reference (autodiff), each credited the causal half of the scores and mixing,
   2·T²·(F + V)/2 per head with F = 6d."""
   from lmcore.ops.common import pallas_utils
@@ -220,8 +223,10 @@ def sanatan_p2_cases(batch, length, dtype, shape: HeadShape | None = None):
                                                    **options)[0]
 
   kernel = lambda precision: op("pallas", kernel_precision=precision)
-  flash = ("a Triton (GPU) kernel" if pallas_utils.backend() == "tpu" else op("pallas_flash"))
-  cases = {_pallas_name(): op("pallas"), **_precision_cases(kernel, dtype), "pallas_flash": flash,
+  on_tpu = pallas_utils.backend() == "tpu"
+  flash = lambda **options: "a Triton (GPU) kernel" if on_tpu else op("pallas_flash", **options)
+  cases = {_pallas_name(): op("pallas"), **_precision_cases(kernel, dtype), "pallas_flash": flash(),
+           FLASH_FACTOR_CASE: flash(flash_features="kernels"),
            "blocked (xla)": op("blocked"), "parallel (xla)": op("parallel")}
   if batch * H * length * length <= PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = _sanatan_reference(p=2)
@@ -441,10 +446,10 @@ REFERENCE = {"sanatan_p1": "chunked (xla)", "sanatan_p2": "blocked (xla)", "gate
              "taylor": "chunked (xla)"}
 # The forms "auto" chooses between on a GPU (``--auto_only`` times only these): the XLA form it falls
 # back to first (SANATAN p = 1: at the mixers' chunk of 128; a row's ratio reference when REFERENCE's
-# case was not timed), then the kernels it may pick (SANATAN p = 1: the fused-chunk kernel, chosen by
-# name so far). Ops not listed keep every case.
+# case was not timed), then the kernels it may pick (SANATAN p = 2: the flash kernels with either
+# feature source, ``flash_features``). Ops not listed keep every case.
 AUTO_CASES = {"sanatan_p1": ("chunked (xla, C=128)", "pallas_fused"),
-              "sanatan_p2": ("parallel (xla)", "pallas_flash"),
+              "sanatan_p2": ("parallel (xla)", "pallas_flash", FLASH_FACTOR_CASE),
               "gated": ("chunked (xla)", "pallas"),
               "taylor": ("chunked (xla)", "pallas", "pallas_blocked")}
 

@@ -13,7 +13,7 @@ from lmcore.ops.common import pallas_utils
 from lmcore.mixers import flops
 from lmcore.mixers.base import InitSpec, dense, float_bytes
 from sanatan_jax import features, gate_stats
-from sanatan_jax.ops.sanatan_attention import pallas_triton_fused, pallas_triton_p1
+from sanatan_jax.ops.sanatan_attention import pallas_triton_flash, pallas_triton_fused, pallas_triton_p1
 from sanatan_jax.ops.sanatan_attention.api import (IMPLEMENTATIONS, resolve_implementation,
                                                    sanatan_attention)
 from sanatan_jax.ops.sanatan_attention.base import (SanatanState, has_constant_state,
@@ -59,6 +59,9 @@ class SanatanMixer(nnx.Module):
     # dkv=64x64x2x8x2" (chunk x value tile x channels per program x warps x stages; '' = the defaults,
     # chosen by problem size).
     fused_tiles: str = ""
+    # "pallas_flash" (p >= 2 on GPUs) only: its feature channels from XLA's feature map ("xla") or
+    # from the factor kernels that also feed "pallas_fused" ("kernels"; 6 channels).
+    flash_features: str = "xla"
     learn_omega: bool = True
     rotate: bool = True
     decode_implementation: str = "recurrent"
@@ -73,6 +76,7 @@ class SanatanMixer(nnx.Module):
                        implementation=self.implementation)
       pallas_utils.check_precision(self.kernel_precision, "SANATAN kernel_precision")
       pallas_triton_fused.parse_tiles(self.fused_tiles, pallas_triton_fused.TILES["default"][2])
+      pallas_triton_flash.check_features(self.flash_features, self.channels, "SANATAN flash_features")
 
     @property
     def dv(self) -> int:
@@ -119,7 +123,7 @@ class SanatanMixer(nnx.Module):
         implementation=cfg.decode_implementation if decoding else cfg.implementation,
         state=state, chunk_size=cfg.chunk_size, block_size=cfg.block_size, rotate=cfg.rotate,
         kernel_precision=cfg.kernel_precision, chunked_remat=cfg.chunked_remat,
-        fused_tiles=cfg.fused_tiles)
+        fused_tiles=cfg.fused_tiles, flash_features=cfg.flash_features)
     return self.wo(o_BxTxHxV.reshape(B, T, cfg.n_heads * cfg.dv)), new_state
 
   def _check_has_state(self) -> None:

@@ -86,6 +86,8 @@ def _pallas(q, k, v, omega, lam_raw, *, positions=None, segment_ids=None, state=
   else:
     blocked = (pallas_mosaic_tpu_blocked.sanatan_blocked_tpu if on_tpu
                else pallas_triton_blocked.sanatan_blocked_pallas)
+  if flash:
+    kernel_options = dict(kernel_options, features=options.flash_features)
   kernel = functools.partial(blocked, p=options.p, channels=options.channels,
                              three_channel=options.three_channel, rotate=options.rotate, **kernel_options)
   return shard_map.run_sharded(kernel, inputs, _LAYOUTS, "BTH"), None
@@ -172,7 +174,8 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
                       state: SanatanState | None = None, chunk_size: int = 64,
                       block_size: int = 128, rotate: bool = True,
                       kernel_precision: str = "input", chunked_remat: bool = True,
-                      fused_tiles: str = "") -> tuple[jax.Array, SanatanState | None]:
+                      fused_tiles: str = "", flash_features: str = "xla"
+                      ) -> tuple[jax.Array, SanatanState | None]:
   """SANATAN attention of MATH §1.1 (steps 2-6) for every head.
 
   Args:
@@ -197,6 +200,8 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
       values per token, head and operand in the inputs' dtype).
     fused_tiles: "pallas_fused" only: tilings replacing the kernels' defaults
       (``pallas_triton_fused.parse_tiles``), e.g. "forward=64x16x6x4x3"; "" keeps the defaults.
+    flash_features: "pallas_flash" only: where its feature channels come from, "xla" or "kernels"
+      (6 channels; ``pallas_triton_flash.FEATURE_SOURCES``).
 
   Returns:
     o [B, T, H, dv] in v's dtype (fp32 from the kernels at kernel_precision "tf32"/"float32"),
@@ -211,9 +216,10 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
   validate_options(p=p, channels=channels, three_channel=three_channel,
                    implementation=implementation)
   pallas_utils.check_precision(kernel_precision, "sanatan_attention")
+  pallas_triton_flash.check_features(flash_features, channels, "sanatan_attention")
   options = Options(p=p, channels=channels, three_channel=three_channel, rotate=rotate,
                     chunk_size=chunk_size, block_size=block_size,
                     kernel_precision=kernel_precision, chunked_remat=chunked_remat,
-                    fused_tiles=fused_tiles)
+                    fused_tiles=fused_tiles, flash_features=flash_features)
   return IMPLEMENTATIONS[implementation](q, k, v, omega, lam_raw, positions=positions,
                                          segment_ids=segment_ids, state=state, options=options)

@@ -58,6 +58,7 @@ class Options(NamedTuple):
   kernel_precision: str = "input"
   chunked_remat: bool = True
   fused_tiles: str = ""
+  flash_features: str = "xla"
 
 
 def has_constant_state(p: int, channels: int) -> bool:

@@ -7,7 +7,8 @@ position t::
     theta_rot = theta + t lam_a,   lam = 0.01 tanh(lam_raw),
 
 and Phi's channels are (1, cos, sin, r, r cos, r sin) of (theta_rot, r). The fused-chunk kernels read
-the factors (cos theta_rot, sin theta_rot) and r; these kernels make them and take their gradients,
+the factors (cos theta_rot, sin theta_rot) and r (the flash kernels, with ``features="kernels"``, the
+channels XLA forms from them); these kernels make them and take their gradients,
 each reading and writing every array once (XLA, evaluating the same chain, wrote several fp32
 [B, T, H, d] intermediates per operand and layer). Sines and cosines come in pairs from one argument
 reduction and Taylor polynomials (``_sincos``: at most 7e-8 from the exact values for |x| <= 400,
@@ -16,8 +17,9 @@ jnp's 3e-8).
 ``factors``: u -> (cos theta_rot, sin theta_rot) [B, Tp, H, 2, dp] and r [B, Tp, H, dp] in u's dtype
 (fp32 inside), zero on padding.
 
-``factor_grads``: u and d Phi -> du, d omega, d lam_raw, by the product rule and the chain rule in
-fp32 (the constant channel has no gradient)::
+``factor_grads`` (d Phi channel-major, in channel groups) and ``channel_grads`` (its five non-constant
+channels as separate arrays): u and d Phi -> du, d omega, d lam_raw, by the product rule and the chain
+rule in fp32 (the constant channel has no gradient)::
 
     d cos = dPhi_1 + r dPhi_4,   d sin = dPhi_2 + r dPhi_5,   d r = dPhi_3 + cos dPhi_4 + sin dPhi_5,
     d theta_rot = cos d sin - sin d cos,
@@ -227,23 +229,44 @@ def factor_grads(u: jax.Array, omega: jax.Array, lam_raw: jax.Array, positions: 
   """(du [B, T, H, d] in u's dtype, d omega, d lam_raw [H, d] in their dtypes) from the cotangent of
   Phi given as ``dphi_parts``: G arrays [B, Tp, H, 6 / G, dp], channel c = g·G + i in part i at
   group g (one array [B, Tp, H, 6, dp] for G = 1)."""
-  B, T, H, d = u.shape
   G = len(dphi_parts)
-  _, Tp, _, _, dp = dphi_parts[0].shape
+
+  def spec(block_t: int, dp: int, c: int) -> pl.BlockSpec:
+    return pl.BlockSpec((None, block_t, None, None, dp), lambda h, t, b: (b, t, h, c // G, 0))
+
+  return _grads(u, omega, lam_raw, positions, [dphi_parts[c % G] for c in range(1, 6)], spec,
+                rotate=rotate, interpret=interpret)
+
+
+def channel_grads(u: jax.Array, omega: jax.Array, lam_raw: jax.Array, positions: jax.Array,
+                  dphi_channels: tuple[jax.Array, ...], *, rotate: bool, interpret: bool
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``factor_grads`` with the cotangent of Phi given as its five non-constant channels, each
+  [B, Tp, H, dp] (feature_map's order: cos, sin, r, r cos, r sin), as the flash kernels write it."""
+
+  def spec(block_t: int, dp: int, c: int) -> pl.BlockSpec:
+    return pl.BlockSpec((None, block_t, None, dp), lambda h, t, b: (b, t, h, 0))
+
+  return _grads(u, omega, lam_raw, positions, list(dphi_channels), spec, rotate=rotate,
+                interpret=interpret)
+
+
+def _grads(u, omega, lam_raw, positions, channels: list[jax.Array], channel_spec, *, rotate: bool,
+           interpret: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The VJP kernel over ``channels`` (d Phi's channels 1..5 in order, padded to [B, Tp, H, ...]),
+  channel c read through ``channel_spec(block_t, dp, c)``."""
+  B, T, H, d = u.shape
+  Tp, dp = channels[0].shape[1], channels[0].shape[-1]
   up, omega_p, lam_p, pos = _padded(u, omega, lam_raw, positions, Tp, dp)
   cfg = _config(up, T, d, rotate, interpret)
   BT, spec = cfg.block_t, pl.BlockSpec
-
-  def channel(c):
-    return spec((None, BT, None, None, dp), lambda h, t, b: (b, t, h, c // G, 0))
-
-  in_specs = _in_specs(dp, cfg) + [channel(c) for c in range(1, 6)]
+  in_specs = _in_specs(dp, cfg) + [channel_spec(BT, dp, c) for c in range(1, 6)]
   grid = _grid(up, cfg)
   sums = spec((None, None, None, dp), lambda h, t, b: (b, t, h, 0))
   out_specs = [spec((None, BT, None, dp), lambda h, t, b: (b, t, h, 0)), sums, sums]
   out_shape = [jax.ShapeDtypeStruct(up.shape, u.dtype)] + [jax.ShapeDtypeStruct((B, grid[1], H, dp), _F32)] * 2
   du, g_sum, t_sum = pu.call(_grads_kernel, cfg, grid, in_specs, out_specs, out_shape, up, pos, omega_p,
-                           lam_p, *[dphi_parts[c % G] for c in range(1, 6)])
+                             lam_p, *channels)
   d_omega = jnp.sum(g_sum, axis=(0, 1))[:, :d]
   if rotate:
     d_lam = (features.LAMBDA_SCALE * (1.0 - jnp.square(jnp.tanh(lam_raw.astype(_F32))))

@@ -15,7 +15,11 @@ contraction of 6ch is five dots of width d). Features are inputs of the kernels 
 computed inside them: transcendentals in the loops would be recomputed once per pair of blocks, and
 forming even the products r cos, r sin there costs registers the backward kernels do not have (they
 hold 5 fp32 [block, d] accumulators). The custom VJP keeps no features: its backward recomputes them
-from q and k.
+from q and k. With ``features="kernels"`` (6 channels) the factor kernels of pallas_triton_factors.py
+write (cos th_rot, sin th_rot) and r in the operands' dtype, XLA forms r cos and r sin from them, the
+backward kernels write the feature gradients in that dtype, and the factor kernels' VJP
+(``channel_grads``) takes them to dq, dk, d omega and d lam_raw: the fused p = 1 kernels' feature
+path, without XLA's fp32 intermediates.
 
 Forward, grid (query block, batch, head), query blocks last-to-first so the longest programs start
 first: a program loads its query features once and loops over the key blocks from its first
@@ -55,6 +59,7 @@ from lmcore.ops.common import pallas_utils as pu
 from lmcore.ops.common.layout import default_positions
 from lmcore.ops.common.segments import document_index
 from sanatan_jax import features
+from sanatan_jax.ops.sanatan_attention import pallas_triton_factors as factor_kernels
 from sanatan_jax.ops.sanatan_attention.base import (EPS, after_cotangent, check_blocked_options,
                                                     sanatan_features)
 
@@ -90,6 +95,10 @@ TILES = {"default": {2: FlashTiles(forward=Tiles(128, 64, 8, 2), backward=Tiles(
                      4: FlashTiles(forward=Tiles(32, 32, 4, 2), backward=Tiles(32, 32, 8, 2))}}
 
 
+# Where the feature channels come from: XLA's feature map, or the factor kernels (6 channels).
+FEATURE_SOURCES = ("xla", "kernels")
+
+
 def default_tiles(dtype) -> FlashTiles:
   """The ``TILES`` entry of the first device's kind (else the default one) for operands of
   ``dtype``."""
@@ -116,7 +125,8 @@ class KernelConfig(NamedTuple):
 
 class Static(NamedTuple):
   """What the custom VJP holds static: the forward kernel's config and the backward kernels' (dq
-  and dk/dv), the rotation flag, the real and padded lengths, the padded head dims."""
+  and dk/dv), the rotation flag, the real and padded lengths, the padded head dims, and whether the
+  features come from the factor kernels (``features="kernels"``)."""
 
   forward: KernelConfig
   backward: KernelConfig
@@ -125,6 +135,7 @@ class Static(NamedTuple):
   padded_length: int
   dp: int
   Vp: int
+  feature_kernels: bool
 
 
 def feature_count(channels: int) -> int:
@@ -133,8 +144,11 @@ def feature_count(channels: int) -> int:
 
 
 def _features(q, k, omega, lam_raw, pos, st: Static) -> tuple[tuple, tuple]:
-  """The non-constant channels of Phi(q) and of Phi(k), each fp32 [B, Tp, H, dp] and zero on
-  padding (``base.sanatan_features``, feature index ``channels · a + c`` split by channel c)."""
+  """The non-constant channels of Phi(q) and of Phi(k), each [B, Tp, H, dp] and zero on padding:
+  fp32 from XLA (``base.sanatan_features``, feature index ``channels · a + c`` split by channel c),
+  or in the operands' dtype from the factor kernels (``_factor_channels``)."""
+  if st.feature_kernels:
+    return _factor_channels(q, omega, lam_raw, pos, st), _factor_channels(k, omega, lam_raw, pos, st)
   channels = st.forward.channels
   phi = sanatan_features(q, k, omega, lam_raw, pos, channels=channels, rotate=st.rotate)
 
@@ -145,6 +159,18 @@ def _features(q, k, omega, lam_raw, pos, st: Static) -> tuple[tuple, tuple]:
                  for c in range(1, channels))
 
   return tuple(split(x) for x in phi)
+
+
+def _factor_channels(u, omega, lam_raw, pos, st: Static) -> tuple:
+  """The five non-constant channels of the 6-channel Phi(u) (cos, sin, r, r cos, r sin), each
+  [B, Tp, H, dp] in u's dtype and zero on padding: the factor kernels' (cos th_rot, sin th_rot) and
+  r, and their products formed in fp32 by XLA and rounded (as the fused kernels form them)."""
+  f = factor_kernels.factors(u, omega, lam_raw, pos, rotate=st.rotate,
+                             padded_length=st.padded_length, dp=st.dp,
+                             interpret=st.forward.interpret)
+  cos, sin, r = f.trig[..., 0, :], f.trig[..., 1, :], f.root
+  times = lambda a, b: (a.astype(_F32) * b.astype(_F32)).astype(u.dtype)
+  return cos, sin, r, times(r, cos), times(r, sin)
 
 
 # In-kernel pieces.
@@ -227,7 +253,7 @@ def _query_loops(body, k_start, last_ref, n_query_blocks: int, init, cfg: Kernel
 
 def _store(refs, values) -> None:
   for ref, value in zip(refs, values):
-    ref[...] = value
+    ref[...] = value.astype(ref.dtype)
 
 
 def _forward_kernel(*refs, cfg: KernelConfig):
@@ -342,12 +368,14 @@ def _forward(phi_q, phi_k, v, run, first, st: Static):
 
 
 def _backward(phi_q, phi_k, v, run, first, last, dN, dn, st: Static):
-  """The feature gradients of q and of k (fp32 channel tuples) and dv [B, Tp, H, Vp] (fp32)."""
+  """The feature gradients of q and of k (channel tuples: fp32, or the features' dtype when the
+  factor kernels take them) and dv [B, Tp, H, Vp] (fp32)."""
   cfg = st.backward
   B, Tp, H, _ = v.shape
   nf = len(phi_q)
-  grads = lambda width, count: tuple(jax.ShapeDtypeStruct((B, Tp, H, width), _F32)
-                                     for _ in range(count))
+  dphi_dtype = phi_q[0].dtype if st.feature_kernels else _F32
+  grads = lambda width, count, dtype=dphi_dtype: tuple(
+      jax.ShapeDtypeStruct((B, Tp, H, width), dtype) for _ in range(count))
   s = _specs(Tp, st.dp, st.Vp, cfg.block, reverse=True)
   dphi_q = pu.call(_dq_kernel, cfg, (Tp // cfg.block, B, H),
                    _input_specs(s, nf, st.dp, st.Vp, True), [s["block"](st.dp)] * nf,
@@ -356,7 +384,7 @@ def _backward(phi_q, phi_k, v, run, first, last, dN, dn, st: Static):
   *dphi_k, dv = pu.call(_dkv_kernel, cfg, (Tp // cfg.block, B, H),
                         _input_specs(s, nf, st.dp, st.Vp, True),
                         [s["block"](st.dp)] * nf + [s["block"](st.Vp)],
-                        grads(st.dp, nf) + grads(st.Vp, 1), *phi_q, *phi_k, v, run, last, dN, dn)
+                        grads(st.dp, nf) + grads(st.Vp, 1, _F32), *phi_q, *phi_k, v, run, last, dN, dn)
   return tuple(dphi_q), tuple(dphi_k), dv
 
 
@@ -384,10 +412,14 @@ def _flash_fwd(q, k, v, omega, lam_raw, pos, run, first, last, st: Static):
 
 def _flash_bwd(st: Static, residuals, do):
   """dN = do / (n + eps) and dn = -(do · o) / (n + eps) in XLA, the kernels, then the feature
-  map's VJP."""
+  map's VJP (XLA's, or the factor kernels' ``channel_grads``)."""
   q, k, v, omega, lam_raw, pos, run, first, last, o, n = residuals
   q, k, omega, lam_raw = after_cotangent((q, k, omega, lam_raw), do)
-  (phi_q, phi_k), features_vjp = jax.vjp(lambda *a: _features(*a, pos, st), q, k, omega, lam_raw)
+  if st.feature_kernels:
+    phi_q, phi_k = _features(q, k, omega, lam_raw, pos, st)
+    features_vjp = functools.partial(_factor_channel_vjp, q, k, omega, lam_raw, pos, st)
+  else:
+    (phi_q, phi_k), features_vjp = jax.vjp(lambda *a: _features(*a, pos, st), q, k, omega, lam_raw)
   inv_BxTxH = 1.0 / (n + EPS)
   do = _pad_tokens(do.astype(_F32), st)
   dN = (do * inv_BxTxH[..., None]).astype(v.dtype)
@@ -400,6 +432,16 @@ def _flash_bwd(st: Static, residuals, do):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _factor_channel_vjp(q, k, omega, lam_raw, pos, st: Static, dphi):
+  """(dq, dk, d omega, d lam_raw) from the channel gradients (dphi_q, dphi_k) of
+  ``_factor_channels`` by the factor kernels' VJP."""
+  grads = functools.partial(factor_kernels.channel_grads, omega=omega, lam_raw=lam_raw,
+                            positions=pos, rotate=st.rotate, interpret=st.forward.interpret)
+  (dq, d_omega_q, d_lam_q), (dk, d_omega_k, d_lam_k) = (grads(u, dphi_channels=d)
+                                                        for u, d in zip((q, k), dphi))
+  return dq, dk, d_omega_q + d_omega_k, d_lam_q + d_lam_k
 
 
 def _document_bounds(run_BxTp):
@@ -421,6 +463,16 @@ def _kernel_config(tiles: Tiles, T: int, interpret: bool, **common) -> KernelCon
                       num_stages=tiles.num_stages, **common)
 
 
+def check_features(features: str, channels: int, op: str) -> None:
+  """Raises ValueError for a feature source not in ``FEATURE_SOURCES`` or "kernels" with a channel
+  variant other than 6 (the factor kernels make the 6-channel map's factors)."""
+  if features not in FEATURE_SOURCES:
+    raise ValueError(f"{op}: features must be one of {', '.join(FEATURE_SOURCES)}, got {features!r}")
+  if features == "kernels" and channels != 6:
+    raise ValueError(f"{op}: features='kernels' needs channels=6 (got {channels}); use "
+                     "features='xla' for the 4- and 3-channel variants")
+
+
 def _check_tiles(tiles: FlashTiles, op: str) -> None:
   for name, kernel in tiles._asdict().items():
     for field in ("block", "loop"):
@@ -434,7 +486,7 @@ def sanatan_flash_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
                          segment_ids: jax.Array | None = None, p: int = 2, channels: int = 6,
                          three_channel: str = "clean", rotate: bool = True,
                          interpret: bool | None = None, tiles: FlashTiles | None = None,
-                         precision: str = "input") -> jax.Array:
+                         precision: str = "input", features: str = "xla") -> jax.Array:
   """SANATAN attention at any power p and channel variant (MATH §1.1) by the flash Pallas
   kernels; the output of ``sanatan_attention(..., implementation="parallel")``. No state (p >= 2
   and the 4/3-channel ablations have no constant-size state).
@@ -451,6 +503,10 @@ def sanatan_flash_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
       capped at the next power of two >= T.
     precision: "input" (dots take operands in the inputs' dtype), "tf32" or "float32" (the
       kernels run on fp32 copies and return fp32; ``pu.PRECISIONS``).
+    features: where the feature channels come from (``FEATURE_SOURCES``): "xla" (the feature map in
+      fp32, rounded to the operands' dtype; its VJP by XLA) or "kernels" (6 channels only: the factor
+      kernels of pallas_triton_factors.py, the products r cos and r sin by XLA, the kernels' feature
+      gradients in the operands' dtype and their VJP by the factor kernels).
 
   Returns:
     o [B, T, H, dv] in v's dtype (fp32 unless ``precision`` is "input").
@@ -463,6 +519,7 @@ def sanatan_flash_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
   tiles = default_tiles(q.dtype) if tiles is None else tiles
   _check_tiles(tiles, op)
   check_blocked_options(p, channels, three_channel, tiles.forward.block, tiles.forward.loop, op=op)
+  check_features(features, channels, op)
   B, T, H, d = q.shape
   if positions is None:
     positions = default_positions(B, T)
@@ -472,7 +529,7 @@ def sanatan_flash_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
   largest = max(forward.block, forward.loop, backward.block, backward.loop)
   st = Static(forward=forward, backward=backward, rotate=rotate, length=T,
               padded_length=pu.round_up(T, largest), dp=pu.block_size(d, interpret),
-              Vp=pu.block_size(v.shape[-1], interpret))
+              Vp=pu.block_size(v.shape[-1], interpret), feature_kernels=features == "kernels")
   # Edge-padding keeps padded tokens in the last run; causality hides them from real queries.
   run = pu.pad_axis(document_index(segment_ids, B, T), 1, st.padded_length, mode="edge")
   first, last = _document_bounds(run)

@@ -1,7 +1,8 @@
 """The factor kernels of the fused SANATAN p = 1 path equal XLA: the factors (cos th_rot, sin th_rot, r)
 of ``base.rotated_angles_and_roots`` padded with zeros, and their VJP equal autodiff's through the
 product rule of the six channels, for padded tokens and head dims, every channel grouping of d Phi,
-document positions and the no-rotation ablation; both kernels lower to Triton for an H200.
+document positions and the no-rotation ablation (and ``channel_grads``, the VJP of d Phi given as
+separate channels, as ``factor_grads``); both kernels lower to Triton for an H200.
 
 Interpret mode on CPU, fp32. Tolerance: relative L2 1e-5 (the same fp32 formulas, differently
 fused, the kernels' sine and cosine by their own argument reduction and polynomials; observed below
@@ -16,7 +17,8 @@ import pytest
 from lmcore.numerics import relative_l2
 from lmcore.ops.common import pallas_utils
 from sanatan_jax.ops.sanatan_attention.base import rotated_angles_and_roots
-from sanatan_jax.ops.sanatan_attention.pallas_triton_factors import factor_grads, factors
+from sanatan_jax.ops.sanatan_attention.pallas_triton_factors import (channel_grads, factor_grads,
+                                                                     factors)
 
 TOL = 1e-5
 CHANNELS = 6
@@ -82,6 +84,20 @@ def test_factors_and_their_vjp_equal_xla(shape, padded, rotate, groups, first):
       assert not jnp.any(a) and not jnp.any(b)
       continue
     _close(a, b, name, tol)
+
+
+def test_channel_grads_equal_factor_grads_of_the_same_channels():
+  """``channel_grads`` (the five non-constant channels of d Phi as separate arrays, the flash
+  kernels' layout) gives ``factor_grads``' results for the same cotangent, padded tokens and dims."""
+  B, T, H, d, Tp, dp = 1, 20, 2, 6, 24, 8
+  u, omega, lam_raw, positions, key = _inputs(B, T, H, d)
+  dphi = jax.random.normal(key, (B, Tp, H, CHANNELS, dp))
+  common = dict(rotate=True, interpret=True)
+  want = factor_grads(u, omega, lam_raw, positions, [dphi], **common)
+  channels = tuple(dphi[..., c, :] for c in range(1, CHANNELS))
+  got = channel_grads(u, omega, lam_raw, positions, channels, **common)
+  for name, a, b in zip(("du", "d_omega", "d_lam_raw"), got, want):
+    _close(a, b, name)
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")

@@ -66,6 +66,24 @@ def test_flash_kernel_equals_parallel_with_gradients(p, channels, three_channel,
   assert_close(got, want, f"p={p} {channels}ch {three_channel} T={T} d={d} tiles={forward, backward}")
 
 
+@pytest.mark.parametrize("T,d,forward,backward,documents,rotate", [
+    (37, 8, (16, 8), (8, 16), False, True),  # partial last block
+    (21, 6, (8, 8), (8, 8), False, False),  # head dim padded 6 -> 8, no rotation
+    (37, 8, (8, 8), (8, 8), True, True),  # packed documents, positions restarting
+])
+def test_factor_kernel_features_equal_parallel_with_gradients(T, d, forward, backward, documents,
+                                                              rotate):
+  """``features="kernels"``: the channels from the factor kernels (cos, sin, r; r cos and r sin by
+  XLA) and their VJP by ``channel_grads`` give the parallel form's output and gradients."""
+  inputs = sanatan_inputs(T + d, T, d=d)
+  options = dict(p=2, rotate=rotate, **(packed_documents(2, T, (12, 25)) if documents else {}))
+  kernel = functools.partial(sanatan_flash_pallas, tiles=_tiles(forward, backward),
+                             features="kernels")
+  got = run_blocked(kernel, inputs, **options)
+  want = run_blocked(_parallel, inputs, **options)
+  assert_close(got, want, f"factor kernels T={T} d={d} documents={documents} rotate={rotate}")
+
+
 def test_four_channel_inputs_above_reach_the_clip():
   """The d = 4 inputs of the 4-channel p = 2 case have negative total scores (clipped to 0 before
   the power), so that case tests the clip and its gradient."""
@@ -109,6 +127,8 @@ def test_bf16_inputs_are_no_less_accurate_than_the_xla_form_in_bf16():
 
   fast = worst(functools.partial(sanatan_flash_pallas, p=2, tiles=tiles))
   assert fast <= worst(parallel)
+  factor_features = functools.partial(sanatan_flash_pallas, p=2, tiles=tiles, features="kernels")
+  assert worst(factor_features) <= worst(parallel)
   op = functools.partial(sanatan_attention, p=2, implementation="pallas_flash",
                          kernel_precision="float32")
   assert worst(lambda *a: op(*a)[0], jnp.float32) < fast
@@ -130,22 +150,25 @@ def test_op_dispatches_powers_to_the_flash_kernel_and_p1_six_channels_to_the_p1_
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
-@pytest.mark.parametrize("p,channels,three_channel,documents,precision", [
-    (2, 6, "clean", True, "input"), (4, 4, "clean", False, "tf32"), (1, 3, "legacy", True, "input")])
+@pytest.mark.parametrize("p,channels,three_channel,documents,precision,features", [
+    (2, 6, "clean", True, "input", "xla"), (4, 4, "clean", False, "tf32", "xla"),
+    (1, 3, "legacy", True, "input", "xla"), (2, 6, "clean", True, "input", "kernels")])
 def test_kernels_lower_to_triton_for_an_h200_with_bfloat16_inputs(p, channels, three_channel,
-                                                                  documents, precision):
+                                                                  documents, precision, features):
   """Forward, dq and dk/dv kernels pass the Pallas Triton lowering (power-of-two blocks, traced
   loop bounds, document bounds) for an abstract H200, with padded dims and a partial block, at
-  the default tilings of bf16 and of fp32 operands."""
+  the default tilings of bf16 and of fp32 operands; with ``features="kernels"`` so do the factor
+  kernels (q and k in the forward and again in the backward) and their VJP (q and k)."""
   def loss(q, k, v, omega, lam_raw, segment_ids):
     o = sanatan_flash_pallas(q, k, v, omega, lam_raw, p=p, channels=channels,
                              three_channel=three_channel, interpret=False, precision=precision,
-                             segment_ids=segment_ids if documents else None)
+                             segment_ids=segment_ids if documents else None, features=features)
     return o.astype(jnp.float32).sum()
 
   lowered = pallas_utils.lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2, 3, 4)),
                                        *sanatan_abstract_inputs(T=200))
-  assert lowered.as_text().count("xla.gpu.triton") == 3  # forward, dq, dk/dv
+  factor_calls = 2 + 2 + 2 if features == "kernels" else 0
+  assert lowered.as_text().count("xla.gpu.triton") == 3 + factor_calls
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -178,6 +201,11 @@ def test_bad_options_raise_clear_errors():
     sanatan_flash_pallas(q, k, v, omega, lam_raw, p=0)
   with pytest.raises(ValueError, match="channels must be one of"):
     sanatan_flash_pallas(q, k, v, omega, lam_raw, channels=5)
+  with pytest.raises(ValueError, match="features must be one of xla, kernels, got 'triton'"):
+    sanatan_flash_pallas(q, k, v, omega, lam_raw, features="triton")
+  with pytest.raises(ValueError, match="features='kernels' needs channels=6"):
+    sanatan_attention(q, k, v, omega, lam_raw, p=2, channels=4, implementation="pallas_flash",
+                      flash_features="kernels")
   with pallas_utils.assume_backend("tpu"), pytest.raises(NotImplementedError, match="on a TPU"):
     sanatan_attention(q, k, v, omega, lam_raw, p=2, implementation="pallas_flash")
 
@@ -195,3 +223,22 @@ def test_the_mixer_counts_the_flash_kernel_as_the_form_it_runs():
 
   assert flops(p=2, implementation="pallas_flash") == flops(p=2, implementation="parallel")
   assert flops(implementation="pallas_flash") == flops(implementation="pallas")
+
+
+def test_flash_features_reach_the_kernels_through_the_mixer():
+  """``SanatanMixer.Config.flash_features`` reaches the op: "kernels" adds the factor kernels (q and
+  k) to the forward's kernel calls, and a 4-channel config asking for them is refused at once."""
+  from flax import nnx
+
+  from sanatan_jax.mixer import SanatanMixer
+
+  def kernel_calls(features):
+    config = SanatanMixer.Config(n_heads=2, head_dim=8, p=2, implementation="pallas_flash",
+                                 flash_features=features)
+    mixer = SanatanMixer(config, d_model=16, rngs=nnx.Rngs(0))
+    jaxpr = jax.make_jaxpr(lambda x: mixer(x)[0])(jnp.ones((1, 16, 16)))
+    return str(jaxpr).count("pallas_call")
+
+  assert kernel_calls("kernels") == kernel_calls("xla") + 2
+  with pytest.raises(ValueError, match="features='kernels' needs channels=6"):
+    SanatanMixer.Config(p=2, channels=4, flash_features="kernels")
