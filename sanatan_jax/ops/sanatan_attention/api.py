@@ -17,8 +17,9 @@ with ``s_tj = Phi(q_t).Phi(k_j)`` (sanatan_jax.features; 4ch clips ``s`` at 0, 3
   ``chunk_size``; on a TPU the Mosaic kernels of pallas_mosaic_tpu_p1.py). Every other p and
   channel variant: the blocked, flash-style kernels (pallas_triton_blocked.py; their own blocks,
   not ``block_size``), no state; on a TPU their Mosaic form (pallas_mosaic_tpu_blocked.py).
-* ``pallas_flash``: ``pallas`` with the flash kernels of pallas_triton_flash.py (features from XLA,
-  causal and document block skipping, their own tiles) wherever ``pallas`` runs the blocked ones;
+* ``pallas_flash``: ``pallas`` with the flash kernels of pallas_triton_flash.py (features from XLA, or
+  with ``flash_features="kernels"`` from the factor kernels; causal and document block skipping, their
+  own tiles) wherever ``pallas`` runs the blocked ones;
   GPUs (Triton) only, interpreted on a CPU.
 * ``pallas_fused`` (p = 1, 6ch): the fused-chunk Triton kernels of pallas_triton_fused.py (the features'
   factors cos, sin and r, and their VJP, from the small kernels of pallas_triton_factors.py; each

@@ -16,10 +16,11 @@ computed inside them: transcendentals in the loops would be recomputed once per 
 forming even the products r cos, r sin there costs registers the backward kernels do not have (they
 hold 5 fp32 [block, d] accumulators). The custom VJP keeps no features: its backward recomputes them
 from q and k. With ``features="kernels"`` (6 channels) the factor kernels of pallas_triton_factors.py
-write (cos th_rot, sin th_rot) and r in the operands' dtype, XLA forms r cos and r sin from them, the
-backward kernels write the feature gradients in that dtype, and the factor kernels' VJP
-(``channel_grads``) takes them to dq, dk, d omega and d lam_raw: the fused p = 1 kernels' feature
-path, without XLA's fp32 intermediates.
+write (cos th_rot, sin th_rot) and r in the operands' dtype, XLA forms r cos and r sin from them,
+and the factor kernels' VJP (``channel_grads``) takes the kernels' fp32 feature gradients to dq, dk,
+d omega and d lam_raw: the fused p = 1 kernels' feature path, without XLA's fp32 intermediates. (The
+gradients stay fp32: in bf16 the worst input gradient of the agreement check grew from 5.9e-3 to
+7.9e-3, the XLA path's own bf16 error.)
 
 Forward, grid (query block, batch, head), query blocks last-to-first so the longest programs start
 first: a program loads its query features once and loops over the key blocks from its first
@@ -253,7 +254,7 @@ def _query_loops(body, k_start, last_ref, n_query_blocks: int, init, cfg: Kernel
 
 def _store(refs, values) -> None:
   for ref, value in zip(refs, values):
-    ref[...] = value.astype(ref.dtype)
+    ref[...] = value
 
 
 def _forward_kernel(*refs, cfg: KernelConfig):
@@ -368,14 +369,12 @@ def _forward(phi_q, phi_k, v, run, first, st: Static):
 
 
 def _backward(phi_q, phi_k, v, run, first, last, dN, dn, st: Static):
-  """The feature gradients of q and of k (channel tuples: fp32, or the features' dtype when the
-  factor kernels take them) and dv [B, Tp, H, Vp] (fp32)."""
+  """The feature gradients of q and of k (fp32 channel tuples) and dv [B, Tp, H, Vp] (fp32)."""
   cfg = st.backward
   B, Tp, H, _ = v.shape
   nf = len(phi_q)
-  dphi_dtype = phi_q[0].dtype if st.feature_kernels else _F32
-  grads = lambda width, count, dtype=dphi_dtype: tuple(
-      jax.ShapeDtypeStruct((B, Tp, H, width), dtype) for _ in range(count))
+  grads = lambda width, count: tuple(jax.ShapeDtypeStruct((B, Tp, H, width), _F32)
+                                     for _ in range(count))
   s = _specs(Tp, st.dp, st.Vp, cfg.block, reverse=True)
   dphi_q = pu.call(_dq_kernel, cfg, (Tp // cfg.block, B, H),
                    _input_specs(s, nf, st.dp, st.Vp, True), [s["block"](st.dp)] * nf,
@@ -384,7 +383,7 @@ def _backward(phi_q, phi_k, v, run, first, last, dN, dn, st: Static):
   *dphi_k, dv = pu.call(_dkv_kernel, cfg, (Tp // cfg.block, B, H),
                         _input_specs(s, nf, st.dp, st.Vp, True),
                         [s["block"](st.dp)] * nf + [s["block"](st.Vp)],
-                        grads(st.dp, nf) + grads(st.Vp, 1, _F32), *phi_q, *phi_k, v, run, last, dN, dn)
+                        grads(st.dp, nf) + grads(st.Vp, 1), *phi_q, *phi_k, v, run, last, dN, dn)
   return tuple(dphi_q), tuple(dphi_k), dv
 
 
@@ -505,8 +504,8 @@ def sanatan_flash_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
       kernels run on fp32 copies and return fp32; ``pu.PRECISIONS``).
     features: where the feature channels come from (``FEATURE_SOURCES``): "xla" (the feature map in
       fp32, rounded to the operands' dtype; its VJP by XLA) or "kernels" (6 channels only: the factor
-      kernels of pallas_triton_factors.py, the products r cos and r sin by XLA, the kernels' feature
-      gradients in the operands' dtype and their VJP by the factor kernels).
+      kernels of pallas_triton_factors.py, the products r cos and r sin by XLA, and the VJP by the
+      factor kernels).
 
   Returns:
     o [B, T, H, dv] in v's dtype (fp32 unless ``precision`` is "input").
