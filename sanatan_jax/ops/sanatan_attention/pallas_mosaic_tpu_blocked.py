@@ -445,7 +445,13 @@ def _dq_kernel(first_key_ref, q_ref, pos_q_ref, run_q_ref, omega_ref, lam_ref, d
   @pl.when(step.last)
   def _():
     _, features_vjp = _features(*outer, cfg, with_vjp=True)
-    dq_ref[...], domega_ref[...], dlam_ref[...] = features_vjp(dphi_scratch[...])
+    _store_grads((dq_ref, domega_ref, dlam_ref), features_vjp(dphi_scratch[...]))
+
+
+def _store_grads(refs, grads) -> None:
+  """The outer block's feature VJP (fp32) into its output refs, each in the ref's dtype."""
+  for ref, grad in zip(refs, grads):
+    ref[...] = grad.astype(ref.dtype)
 
 
 def _dkv_kernel(last_query_ref, k_ref, pos_k_ref, run_k_ref, omega_ref, lam_ref, v_ref, phi_q_ref,
@@ -481,7 +487,7 @@ def _dkv_kernel(last_query_ref, k_ref, pos_k_ref, run_k_ref, omega_ref, lam_ref,
   @pl.when(step.last)
   def _():
     _, features_vjp = _features(*outer, cfg, with_vjp=True)
-    dk_ref[...], domega_ref[...], dlam_ref[...] = features_vjp(dphi_scratch[...])
+    _store_grads((dk_ref, domega_ref, dlam_ref), features_vjp(dphi_scratch[...]))
 
 
 # Calls.
@@ -637,14 +643,15 @@ def _forward(x: _Inputs, st: Static):
 
 
 def _backward(x: _Inputs, dN, dD, st: Static):
-  """dq, dk [B·H, Tp, d], dv [B·H, Tp, dv] and d omega, d lam_raw [H, F] (spread), fp32."""
+  """dq, dk [B·H, Tp, d] in q's and k's dtypes, dv [B·H, Tp, dv] and d omega, d lam_raw [H, F]
+  (spread) in fp32."""
   cfg = st.cfg
   BH, Tp, V = x.v.shape
   d, F = cfg.head_dim, cfg.width
   query_major, key_major = _orders(st)
   first_key, last_query = _document_tables(x.run, cfg)
   phi_q, phi_k = _packed_features(x.q, x, st), _packed_features(x.k, x, st)
-  rows = lambda width: _Operand(jax.ShapeDtypeStruct((BH, Tp, width), _F32))
+  rows = lambda width, dtype=_F32: _Operand(jax.ShapeDtypeStruct((BH, Tp, width), dtype))
   partial = lambda order: _Operand(jax.ShapeDtypeStruct((BH, order.n_outer, 1, F), _F32),
                                    layout="partial")
   pos, run_column = x.pos[:, :, None], x.run[:, :, None]
@@ -655,14 +662,14 @@ def _backward(x: _Inputs, dN, dD, st: Static):
       [_Operand(x.q), _Operand(pos, layout="column"), _Operand(run_column, layout="column"),
        *params, _Operand(dN), _Operand(dD), _Operand(phi_k, "inner"), _Operand(x.v, "inner"),
        run_row],
-      [rows(d), partial(query_major), partial(query_major)], 2 * (2 * F + V), 2,
+      [rows(d, x.q.dtype), partial(query_major), partial(query_major)], 2 * (2 * F + V), 2,
       [((cfg.block_q, F), x.q.dtype), ((cfg.block_q, F), _F32)])
   dk, dv, domega_k, dlam_k = _call(
       _dkv_kernel, key_major, last_query,
       [_Operand(x.k), _Operand(pos, layout="column"), _Operand(run_column, layout="column"),
        *params, _Operand(x.v), _Operand(phi_q, "inner"), run_row, _Operand(dN, "inner"),
        _Operand(jnp.swapaxes(dD, 1, 2), "inner", "row")],
-      [rows(d), rows(V), partial(key_major), partial(key_major)], 2 * (2 * F + 2 * V), 2,
+      [rows(d, x.k.dtype), rows(V), partial(key_major), partial(key_major)], 2 * (2 * F + 2 * V), 2,
       [((cfg.block_k, F), x.k.dtype), ((cfg.block_k, F), _F32)])
   per_head = lambda g: g.reshape(-1, cfg.n_heads, *g.shape[1:]).sum((0, 2))[:, 0]
   return (dq, dk, dv, per_head(domega_q) + per_head(domega_k),

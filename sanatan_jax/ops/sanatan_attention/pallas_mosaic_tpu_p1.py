@@ -263,7 +263,7 @@ def _dq_kernel(*refs, cfg: KernelConfig):
   x, q_vjp = _load(seq, cfg, vjp_of="q")
   S = _tiles(S_ref)
   dq, d_omega, d_lam = q_vjp(_dphi_q(x, dN_ref[...], S))
-  dq_ref[...] = dq
+  dq_ref[...] = dq.astype(dq_ref.dtype)
   _accumulate(domega_ref, dlam_ref, d_omega, d_lam)
   _store(S_ref, _advance(S, x))
 
@@ -275,8 +275,8 @@ def _dkv_kernel(*refs, cfg: KernelConfig):
   x, k_vjp = _load(seq, cfg, vjp_of="k")
   dN, dS = dN_ref[...], _tiles(dS_ref)
   dk, d_omega, d_lam = k_vjp(_dphi_k(x, dN, dS))
-  dk_ref[...] = dk
-  dv_ref[...] = _dv(x, dN, dS)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dv_ref[...] = _dv(x, dN, dS).astype(dv_ref.dtype)
   _accumulate(domega_ref, dlam_ref, d_omega, d_lam)
   _store(dS_ref, _retreat(dS, x, dN))
   _last_step(dS0_ref, dS_ref)
@@ -370,7 +370,9 @@ def _fused_bwd(cfg, residuals, cotangents):
   BH, H = q.shape[0], cfg.n_heads
   n_tiles = v.shape[-1] // cfg.block_v
   dN, dS_T = dN.astype(v.dtype), dS_T.astype(_F32)
-  partial = jax.ShapeDtypeStruct((n_tiles, *q.shape), _F32)
+  # One value tile: dq and dk are whole, written in q's dtype (they are rounded to it anyway); several
+  # are partial sums, added in fp32.
+  partial = jax.ShapeDtypeStruct((n_tiles, *q.shape), q.dtype if n_tiles == 1 else _F32)
   partial_param = jax.ShapeDtypeStruct((n_tiles, BH, 1, q.shape[-1]), _F32)
   s = _sweep(q, k, v, pos, docs, omega, lam_raw, cfg, reverse=False)
   dq, domega_q, dlam_q = _call(
@@ -380,7 +382,7 @@ def _fused_bwd(cfg, residuals, cotangents):
   dk, dv, domega_k, dlam_k, dS0 = _call(
       _dkv_kernel, cfg, s, [dS_T, dN], [s.state, s.values],
       [s.partial, s.values, s.partial_param, s.partial_param, s.state],
-      (partial, jax.ShapeDtypeStruct(v.shape, _F32), partial_param, partial_param,
+      (partial, jax.ShapeDtypeStruct(v.shape, v.dtype), partial_param, partial_param,
        jax.ShapeDtypeStruct(S0.shape, _F32)))
   per_head = lambda g: g.reshape(n_tiles, BH // H, H, 1, -1).sum((0, 1))
   return (dq.sum(0).astype(q.dtype), dk.sum(0).astype(k.dtype), dv.astype(v.dtype), None, None,
