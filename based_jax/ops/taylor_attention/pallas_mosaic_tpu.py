@@ -251,7 +251,7 @@ def _dq_kernel(*refs, cfg: KernelConfig):
   s, visible = _intra(ch, d)
   dPhi = jnp.where(ch.reads, pu.dot(ch.dN, X.astype(dt), trans_b=True), 0.0)
   dq_ref[...] = (_features_grad(dPhi, ch.q, ch.maps, d)
-                 + pu.dot(_dscores(ch, s, visible, d), ch.k))
+                 + pu.dot(_dscores(ch, s, visible, d), ch.k)).astype(dq_ref.dtype)
   X_ref[...] = _kept(X, ch) + pu.dot(_write_features(ch, d), ch.v, trans_a=True)
 
 
@@ -268,10 +268,10 @@ def _dkv_kernel(*refs, cfg: KernelConfig):
   dX, dt = dX_ref[...], ch.q.dtype
   s, visible = _intra(ch, d)
   dv_ref[...] = (pu.dot(_write_features(ch, d), dX.astype(dt))
-                 + pu.dot(_scores(s, visible).astype(dt), ch.dN, trans_a=True))
+                 + pu.dot(_scores(s, visible).astype(dt), ch.dN, trans_a=True)).astype(dv_ref.dtype)
   dPhi = jnp.where(ch.writes, pu.dot(ch.v, dX.astype(dt), trans_b=True), 0.0)
   dk_ref[...] = (_features_grad(dPhi, ch.k, ch.maps, d)
-                 + pu.dot(_dscores(ch, s, visible, d), ch.q, trans_a=True))
+                 + pu.dot(_dscores(ch, s, visible, d), ch.q, trans_a=True)).astype(dk_ref.dtype)
   dX_ref[...] = _kept(dX, ch) + pu.dot(_read_features(ch, d), ch.dN, trans_a=True)
 
   @pl.when(m == pl.num_programs(2) - 1)
@@ -364,14 +364,16 @@ def _fused_bwd(cfg, residuals, cotangents):
   dN, dX_end = cotangents
   Fp, n_tiles = X0.shape[1], v.shape[-1] // cfg.block_v
   dN = dN.astype(v.dtype)
-  partial = jax.ShapeDtypeStruct((n_tiles, *q.shape), _F32)
+  # One value tile: dq and dk are whole, written in q's dtype (they are rounded to it anyway); several
+  # are partial sums, added in fp32. dv is written in v's dtype.
+  partial = jax.ShapeDtypeStruct((n_tiles, *q.shape), q.dtype if n_tiles == 1 else _F32)
   s = _sweep(q, k, v, runs, Fp, cfg, reverse=False)
   dq = _call(_dq_kernel, cfg, s, [X0, dN], [s.state, s.values], s.partial, partial, Fp)
   s = _sweep(q, k, v, runs, Fp, cfg, reverse=True)
   dk, dv, dX0 = _call(
       _dkv_kernel, cfg, s, [dX_end.astype(_F32), dN], [s.state, s.values],
       [s.partial, s.values, s.state],
-      (partial, jax.ShapeDtypeStruct(v.shape, _F32), jax.ShapeDtypeStruct(X0.shape, _F32)), Fp)
+      (partial, jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(X0.shape, _F32)), Fp)
   return (dq.sum(0).astype(q.dtype), dk.sum(0).astype(k.dtype), dv.astype(v.dtype), None, dX0)
 
 
