@@ -76,7 +76,7 @@ class SanatanMixer(nnx.Module):
                        implementation=self.implementation)
       pallas_utils.check_precision(self.kernel_precision, "SANATAN kernel_precision")
       pallas_triton_fused.parse_tiles(self.fused_tiles, pallas_triton_fused.TILES["default"][2])
-      pallas_triton_flash.check_features(self.flash_features, self.channels, "SANATAN flash_features")
+      pallas_triton_flash.check_features(self.flash_features, self.channels, "SANATAN", "flash_features")
 
     @property
     def dv(self) -> int:

@@ -217,7 +217,7 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
   validate_options(p=p, channels=channels, three_channel=three_channel,
                    implementation=implementation)
   pallas_utils.check_precision(kernel_precision, "sanatan_attention")
-  pallas_triton_flash.check_features(flash_features, channels, "sanatan_attention")
+  pallas_triton_flash.check_features(flash_features, channels, "sanatan_attention", "flash_features")
   options = Options(p=p, channels=channels, three_channel=three_channel, rotate=rotate,
                     chunk_size=chunk_size, block_size=block_size,
                     kernel_precision=kernel_precision, chunked_remat=chunked_remat,

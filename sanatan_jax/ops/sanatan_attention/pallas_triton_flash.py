@@ -462,14 +462,15 @@ def _kernel_config(tiles: Tiles, T: int, interpret: bool, **common) -> KernelCon
                       num_stages=tiles.num_stages, **common)
 
 
-def check_features(features: str, channels: int, op: str) -> None:
-  """Raises ValueError for a feature source not in ``FEATURE_SOURCES`` or "kernels" with a channel
-  variant other than 6 (the factor kernels make the 6-channel map's factors)."""
+def check_features(features: str, channels: int, op: str, name: str = "features") -> None:
+  """Raises ValueError for a feature source (the option ``name``) not in ``FEATURE_SOURCES`` or
+  "kernels" with a channel variant other than 6 (the factor kernels make the 6-channel map's
+  factors)."""
   if features not in FEATURE_SOURCES:
-    raise ValueError(f"{op}: features must be one of {', '.join(FEATURE_SOURCES)}, got {features!r}")
+    raise ValueError(f"{op}: {name} must be one of {', '.join(FEATURE_SOURCES)}, got {features!r}")
   if features == "kernels" and channels != 6:
-    raise ValueError(f"{op}: features='kernels' needs channels=6 (got {channels}); use "
-                     "features='xla' for the 4- and 3-channel variants")
+    raise ValueError(f"{op}: {name}='kernels' needs channels=6 (got {channels}); use "
+                     f"{name}='xla' for the 4- and 3-channel variants")
 
 
 def _check_tiles(tiles: FlashTiles, op: str) -> None:

@@ -203,7 +203,7 @@ def test_bad_options_raise_clear_errors():
     sanatan_flash_pallas(q, k, v, omega, lam_raw, channels=5)
   with pytest.raises(ValueError, match="features must be one of xla, kernels, got 'triton'"):
     sanatan_flash_pallas(q, k, v, omega, lam_raw, features="triton")
-  with pytest.raises(ValueError, match="features='kernels' needs channels=6"):
+  with pytest.raises(ValueError, match="flash_features='kernels' needs channels=6"):
     sanatan_attention(q, k, v, omega, lam_raw, p=2, channels=4, implementation="pallas_flash",
                       flash_features="kernels")
   with pallas_utils.assume_backend("tpu"), pytest.raises(NotImplementedError, match="on a TPU"):
@@ -240,5 +240,5 @@ def test_flash_features_reach_the_kernels_through_the_mixer():
     return str(jaxpr).count("pallas_call")
 
   assert kernel_calls("kernels") == kernel_calls("xla") + 2
-  with pytest.raises(ValueError, match="features='kernels' needs channels=6"):
+  with pytest.raises(ValueError, match="SANATAN: flash_features='kernels' needs channels=6"):
     SanatanMixer.Config(p=2, channels=4, flash_features="kernels")
