@@ -210,9 +210,9 @@ FLASH_FACTOR_CASE = "pallas_flash (factor kernels)"
 
 def sanatan_p2_cases(batch, length, dtype, shape: HeadShape | None = None):
   """SANATAN p = 2 (no recurrence): the blocked Pallas kernel and the flash one ("pallas_flash",
-  Triton only; also with the factor kernels' features, ``flash_features="kernels"``) vs XLA blocked vs the XLA parallel form (query blocks, custom VJP) vs the
-  materialised reference (autodiff), each credited the causal half of the scores and mixing,
-  2·T²·(F + V)/2 per head with F = 6d."""
+  Triton only; also with the factor kernels' features, ``flash_features="kernels"``) vs XLA blocked
+  vs the XLA parallel form (query blocks, custom VJP) vs the materialised reference (autodiff), each
+  credited the causal half of the scores and mixing, 2·T²·(F + V)/2 per head with F = 6d."""
   from lmcore.ops.common import pallas_utils
   from sanatan_jax import sanatan_attention
 

@@ -108,10 +108,11 @@ def resolve_implementation(implementation: str | None, **problem) -> str:
   ``segments`` (``segment_ids`` given), ``key_dim`` (d') and ``value_dim`` (dv; unknown widths
   count as small). On a GPU without the decay ablation (which the kernels lack), for heads of at
   most ``KERNEL_MAX_KEY_DIM`` x ``KERNEL_MAX_VALUE_DIM``, the Pallas kernels: "pallas_blocked" for
-  T < ``BLOCKED_BELOW`` and dv <= ``BLOCKED_MAX_VALUE_DIM``, else "pallas" (H200 fwd+bwd 2.05× / 3.71× / 5.97× XLA chunked at
-  T = 2048 / 8192 / 32768; the blocked ones 5.9× at 2048). Otherwise XLA (TPUs too: libtpu has
-  never compiled the Mosaic kernels): "chunked", or with ``segments``, which chunked does not take,
-  "parallel", the fastest XLA form that does (0.86× chunked at T = 2048 on the H200, at the cost of
+  T < ``BLOCKED_BELOW`` and dv <= ``BLOCKED_MAX_VALUE_DIM``, else "pallas" (H200 fwd+bwd 2.05× /
+  3.71× / 5.97× XLA chunked at T = 2048 / 8192 / 32768; the blocked ones 5.9× at 2048). Otherwise XLA
+  (TPUs too: the Mosaic kernels, compiled by libtpu in the tests, have not been timed on a TPU):
+  "chunked", or with ``segments``, which chunked does not take, "parallel", the fastest XLA form that
+  does (0.86× chunked at T = 2048 on the H200, at the cost of
   B H T² fp32 scores); "recurrent" is a T-step serial scan, the decode path.
   """
   value_dim = problem.get("value_dim", 0)
