@@ -314,7 +314,7 @@ def run(presets: list[str], *, batch: int, seq_len: int, steps: int, warmup: int
     except Exception as e:  # OOM or a missing kernel: report it and go on with the next preset.
       row = TrainRow(name, variant, "+".join(sorted(set(config.model.layer_kinds()))),
                      config.train.batch_size, config.data.seq_len, config.train.grad_accum, 0,
-                     note=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+                     note=failure_note(e, name, variant, config))
     print(f"  {format_row_line(row)}", flush=True)
     rows.append(row)
     if jsonl:
@@ -324,6 +324,19 @@ def run(presets: list[str], *, batch: int, seq_len: int, steps: int, warmup: int
     gc.collect()
     jax.clear_caches()
   return with_ratios(rows)
+
+
+def failure_note(error: Exception, name: str, variant: str, config) -> str:
+  """The note of a preset that failed: the error's first line; out of memory, also the override that
+  halves the micro-batch (NAME@train.grad_accum=2N) while the micro-batch can still be halved."""
+  first = str(error).splitlines()[0][:120] if str(error) else ""
+  note = f"{type(error).__name__}: {first}"
+  batch, accum = config.train.batch_size, config.train.grad_accum
+  if "RESOURCE_EXHAUSTED" in str(error) and batch % (2 * accum) == 0:
+    spec = "@".join(filter(None, (name, variant, f"train.grad_accum={2 * accum}")))
+    note = (f"out of memory at micro-batch {batch // accum} × {config.data.seq_len}; "
+            f"--presets={spec} halves it. {note}")
+  return note
 
 
 def with_ratios(rows: list[TrainRow]) -> list[TrainRow]:

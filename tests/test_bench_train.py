@@ -51,7 +51,9 @@ def test_a_failing_preset_becomes_a_row_and_a_sweep_runs_each_value(monkeypatch)
   assert seen == [("baselines:softmax_tiny", "train.loss_impl=fused", "fused"),
                   ("baselines:softmax_tiny", "train.loss_impl=materialized", "materialized")]
   assert rows[0].tokens_per_s == 32e3 and rows[1].tokens_per_s is None
-  assert rows[1].note == "MemoryError: RESOURCE_EXHAUSTED: out of memory"
+  assert rows[1].note == ("out of memory at micro-batch 2 × 16; --presets=baselines:softmax_tiny@"
+                          "train.loss_impl=materialized@train.grad_accum=2 halves it. "
+                          "MemoryError: RESOURCE_EXHAUSTED: out of memory")
   # A preset without the swept key runs once, and is the softmax reference of every variant.
   seen.clear()
   rows = train_step.run(["baselines:softmax_tiny", "sanatan:tiny"], batch=2, seq_len=16, steps=1,
