@@ -23,7 +23,7 @@ def save(fig, path: str, title: str = "") -> None:
     fig.suptitle(title)
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=120)
+  fig.savefig(path, dpi=120, bbox_inches="tight")  # labels beyond the axes included
   plt.close(fig)
 
 
