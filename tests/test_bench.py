@@ -214,3 +214,14 @@ def test_only_the_named_cases_are_timed(tmp_path, monkeypatch):
   rows = bench.run_all(ops=["sanatan_p1"], lengths=[16], tokens=16, dtype="float32", repeats=1,
                        fla_ops=[], jsonl=str(tmp_path / "rows.jsonl"), only=only)
   assert [r.impl for r in rows] == list(only)
+
+
+def test_the_forms_auto_chooses_between_are_timed_first(tmp_path, monkeypatch):
+  """Each op's AUTO_CASES, then its REFERENCE, then the rest: a time limit cuts the least needed rows."""
+  monkeypatch.setattr(bench, "_fwd_and_fwdbwd", lambda fn, args, repeats, lock="": (1.0, 2.0))
+  rows = bench.run_all(ops=["sanatan_p2"], lengths=[16], tokens=16, dtype="float32", repeats=1,
+                       fla_ops=[], jsonl=str(tmp_path / "rows.jsonl"))
+  impls = [r.impl for r in rows]
+  first = [*bench.AUTO_CASES["sanatan_p2"], bench.REFERENCE["sanatan_p2"]]
+  assert impls[:len(first)] == first and len(impls) > len(first), impls
+  assert "pallas" in impls[len(first):]  # the blocked kernel: after the decisive forms
