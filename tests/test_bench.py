@@ -191,7 +191,7 @@ def test_rows_record_their_head_shape_and_compare_within_it(tmp_path, monkeypatc
   labels = ["", *(s.label for s in bench.PRESET_SHAPES["gated"])]
   gated = [r for r in rows if r.op == "gated"]
   assert [(r.shape, r.impl) for r in gated] == [(label, impl) for label in labels
-                                                for impl in ("pallas", "chunked (xla)")]
+                                                for impl in ("chunked (xla)", "pallas")]
   kernels = [r for r in gated if r.impl == "pallas"]
   assert all(r.ratio_fwdbwd == 1.0 and r.reference == "gated/chunked (xla)" for r in kernels)
   assert [r.shape for r in rows if r.op == "softmax"] == [""]
