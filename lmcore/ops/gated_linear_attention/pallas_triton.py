@@ -60,6 +60,11 @@ from lmcore.ops.gated_linear_attention.base import (LinearAttentionState, check_
 # Chunk and sub-chunk (with 8 warps): the best measured on an H200, see the module docstring.
 CHUNK = 16
 SUB_CHUNK = 16
+# The backward's state dots split their fp32 operands into two bf16 parts (``_state_dot``): H200, bf16,
+# T = 1000, B = 2, against fp32 XLA: the gate gradient's error 5.7e-3 -> 1.7e-3 (XLA chunked in bf16:
+# 3.3e-3), the others' 3.3-3.7e-3 -> 2.3-2.4e-3; fwd+bwd 1.90 -> 2.07 ms at 8 x 2048 and 3.39 -> 3.85
+# at 1 x 32768 (docs/BENCHMARKS.md).
+SPLIT = True
 _F32 = jnp.float32
 
 
@@ -67,7 +72,8 @@ class KernelConfig(NamedTuple):
   """Static kernel parameters (hashable: they key the compiled kernels).
 
   chunk: tokens per chunk C (a power of two); sub_chunk: tokens per diagonal block (C for a scalar
-  gate); block_v: value columns per program BV; scale: multiplies the scores.
+  gate); block_v: value columns per program BV; scale: multiplies the scores; split: the backward's
+  state dots take their fp32 operands as two bf16 parts (``_state_dot``).
   """
 
   chunk: int
@@ -79,6 +85,7 @@ class KernelConfig(NamedTuple):
   num_stages: int
   scan: str
   precision: str
+  split: bool
 
 
 class _Sub(NamedTuple):
@@ -155,27 +162,47 @@ def _off_scores(x: _Sub, y: _Sub):
 
 
 def _q_from_state(x: _Sub, state_doc):
-  """q ⊙ exp(b) for tokens still in the state's document, else 0 (input dtype)."""
+  """q ⊙ exp(b) for tokens still in the state's document, else 0 (fp32)."""
   reads = (x.doc == state_doc)[:, None]
-  return jnp.where(reads, x.q.astype(_F32) * jnp.exp(x.b), 0.0).astype(x.q.dtype)
+  return jnp.where(reads, x.q.astype(_F32) * jnp.exp(x.b), 0.0)
 
 
 def _k_to_end(x: _Sub, b_end, last_doc):
-  """k ⊙ exp(b_C - b) for tokens of the chunk's last document, else 0 (input dtype)."""
+  """k ⊙ exp(b_C - b) for tokens of the chunk's last document, else 0 (fp32)."""
   writes = (x.doc == last_doc)[:, None]
-  return jnp.where(writes, x.k.astype(_F32) * jnp.exp(b_end - x.b), 0.0).astype(x.k.dtype)
+  return jnp.where(writes, x.k.astype(_F32) * jnp.exp(b_end - x.b), 0.0)
 
 
-def _writes(subs, b_end, last_doc):
+def _parts(x, dtype, split: bool) -> tuple:
+  """x as operands of ``dtype``: (x) rounded, or with ``split`` an fp32 x as (hi, lo), hi = x rounded
+  and lo = x - hi rounded (x to about twice the bits of ``dtype``)."""
+  hi = x.astype(dtype)
+  if not split or x.dtype != _F32 or dtype == _F32:
+    return (hi,)
+  return hi, (x - hi.astype(_F32)).astype(dtype)
+
+
+def _state_dot(a, b, dtype, split: bool, **transpose):
+  """a @ b (``pu.dot``; ``transpose``: its trans_a / trans_b) with operands of ``dtype``. With
+  ``split``, each fp32 operand enters as ``_parts`` and the products of the parts are summed (all but
+  lo·lo): the state path's bf16 roundings of k ⊙ exp(b_C - b), q ⊙ exp(b), S and dS drop out."""
+  pairs = [(x, y) for i, x in enumerate(_parts(a, dtype, split))
+           for j, y in enumerate(_parts(b, dtype, split)) if i + j < 2]
+  return sum(pu.dot(x, y, **transpose) for x, y in pairs)
+
+
+def _writes(subs, b_end, last_doc, split: bool = False):
   """What a chunk adds to the state, sum_j (k_j ⊙ exp(b_C - b_j)) v_jᵀ over its last document:
   fp32 [K, BV]."""
-  return sum(pu.dot(_k_to_end(x, b_end, last_doc), x.v, trans_a=True) for x in subs)
+  return sum(_state_dot(_k_to_end(x, b_end, last_doc), x.v, x.v.dtype, split, trans_a=True)
+             for x in subs)
 
 
-def _reads_grad(subs, state_doc):
+def _reads_grad(subs, state_doc, split: bool = False):
   """The chunk's own share of dL/dS_n (S_n: the state at its start), sum_i (q_i ⊙ exp(b_i)) do_iᵀ
   over the tokens that read S_n, with do already scaled: fp32 [K, BV]."""
-  return sum(pu.dot(_q_from_state(x, state_doc), x.do, trans_a=True) for x in subs)
+  return sum(_state_dot(_q_from_state(x, state_doc), x.do, x.do.dtype, split, trans_a=True)
+             for x in subs)
 
 
 def _chunk_outputs(subs, S, state_doc):
@@ -184,7 +211,7 @@ def _chunk_outputs(subs, S, state_doc):
   dt = subs[0].v.dtype
   out = []
   for i, x in enumerate(subs):
-    o = pu.dot(_q_from_state(x, state_doc), S.astype(dt))
+    o = pu.dot(_q_from_state(x, state_doc).astype(dt), S.astype(dt))
     for y in subs[:i]:
       o += pu.dot(_off_scores(x, y).astype(dt), y.v)
     decay = _diag_decay(x, _visible(x.doc, x.doc, True))
@@ -193,13 +220,13 @@ def _chunk_outputs(subs, S, state_doc):
   return out
 
 
-def _dq_chunk(subs, S, state_doc):
+def _dq_chunk(subs, S, state_doc, split: bool = False):
   """dq of one chunk from scale * do, the state at the chunk start and the intra-chunk scores."""
   dt = subs[0].q.dtype
   out = []
   for i, x in enumerate(subs):
     reads = (x.doc == state_doc)[:, None]
-    dq = jnp.where(reads, pu.dot(x.do, S.astype(dt), trans_b=True) * jnp.exp(x.b), 0.0)
+    dq = jnp.where(reads, _state_dot(x.do, S, dt, split, trans_b=True) * jnp.exp(x.b), 0.0)
     for y in subs[:i]:
       dA = jnp.where(_visible(x.doc, y.doc, False), pu.dot(x.do, y.v, trans_b=True), 0.0)
       _, k_t = _off_factors(x, y)
@@ -215,14 +242,14 @@ def _dq_chunk(subs, S, state_doc):
   return out
 
 
-def _dkv_chunk(subs, dS, b_end, last_doc):
+def _dkv_chunk(subs, dS, b_end, last_doc, split: bool = False):
   """dk, dv of one chunk from dS (the gradient of the state after it) and the later queries."""
   dt = subs[0].q.dtype
   out = []
   for j, y in enumerate(subs):
     writes = (y.doc == last_doc)[:, None]
-    dv = pu.dot(_k_to_end(y, b_end, last_doc), dS.astype(dt))
-    dk = jnp.where(writes, pu.dot(y.v, dS.astype(dt), trans_b=True) * jnp.exp(b_end - y.b), 0.0)
+    dv = _state_dot(_k_to_end(y, b_end, last_doc), dS, dt, split)
+    dk = jnp.where(writes, _state_dot(y.v, dS, dt, split, trans_b=True) * jnp.exp(b_end - y.b), 0.0)
     for x in subs[j + 1:]:
       q_t, k_t = _off_factors(x, y)
       visible = _visible(x.doc, y.doc, False)
@@ -285,8 +312,8 @@ def _writes_and_reads_grad_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, prev_doc_
   """Backward phase 1: W_n again (the forward states are recomputed, not saved) and R_n, chunk
   n's own share of dL/dS_n."""
   subs, b_end, last_doc = _load_chunk((q_ref, k_ref, v_ref, g_ref, doc_ref), cfg, do_ref)
-  W_ref[...] = _writes(subs, b_end, last_doc)
-  R_ref[...] = _reads_grad(subs, _state_doc(doc_ref, prev_doc_ref))
+  W_ref[...] = _writes(subs, b_end, last_doc, cfg.split)
+  R_ref[...] = _reads_grad(subs, _state_doc(doc_ref, prev_doc_ref), cfg.split)
 
 
 def _grads_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, prev_doc_ref, do_ref, S_ref, dS_ref,
@@ -295,9 +322,9 @@ def _grads_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, prev_doc_ref, do_ref, S_r
   after it), both with the intra-chunk terms."""
   subs, b_end, last_doc = _load_chunk((q_ref, k_ref, v_ref, g_ref, doc_ref), cfg, do_ref)
   c = cfg.sub_chunk
-  for i, dq in enumerate(_dq_chunk(subs, S_ref[...], _state_doc(doc_ref, prev_doc_ref))):
+  for i, dq in enumerate(_dq_chunk(subs, S_ref[...], _state_doc(doc_ref, prev_doc_ref), cfg.split)):
     pu.store_rows(dq_ref, i * c, dq)
-  for j, (dk, dv) in enumerate(_dkv_chunk(subs, dS_ref[...], b_end, last_doc)):
+  for j, (dk, dv) in enumerate(_dkv_chunk(subs, dS_ref[...], b_end, last_doc, cfg.split)):
     pu.store_rows(dk_ref, j * c, dk)
     pu.store_rows(dv_ref, j * c, dv)
 
@@ -391,8 +418,9 @@ def _gla_bwd(cfg, residuals, cotangents):
       [s["q"], s["q"], s["v"], s["g"], s["doc"], s["prev_doc"], s["v"]], [s["state"], s["state"]],
       (per_chunk, per_chunk), q, k, v, g, doc, doc, do)
   decay = _chunk_decays(g, doc, cfg.chunk)
-  S_BxHxNxKxV, S_end = _scan_states(decay, W_BxHxNxKxV, S0, cfg, reverse=False, dtype=q.dtype)
-  dS_BxHxNxKxV, dS0 = _scan_states(decay, R_BxHxNxKxV, dS_end, cfg, reverse=True, dtype=q.dtype)
+  states = _F32 if cfg.split else q.dtype  # split: the grads kernel splits fp32 states itself
+  S_BxHxNxKxV, S_end = _scan_states(decay, W_BxHxNxKxV, S0, cfg, reverse=False, dtype=states)
+  dS_BxHxNxKxV, dS0 = _scan_states(decay, R_BxHxNxKxV, dS_end, cfg, reverse=True, dtype=states)
   partial = jax.ShapeDtypeStruct((grid[3], B, Tp, H, K), _F32)
   dq, dk, dv = pu.call(
       _grads_kernel, cfg, grid,
@@ -409,14 +437,15 @@ _gla.defvjp(_gla_fwd, _gla_bwd)
 def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: float, doc_BxT,
             chunk_size: int = CHUNK, interpret: bool | None = None, block_v: int = 64,
             sub_chunk: int = SUB_CHUNK, num_warps: int = 8, num_stages: int = 2,
-            scan: str = "pallas", precision: str = "input"):
+            scan: str = "pallas", precision: str = "input", split: bool = SPLIT):
   """The Pallas backend with xla.chunked's contract: (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32).
 
   Pads T to whole chunks and K, V to power-of-two blocks (zeros: they leave state and outputs
   unchanged), runs the kernels and slices the padding off; G = 1 (scalar gate) or K (per channel).
   ``block_v``, ``sub_chunk`` (per-channel gates only), ``num_warps``, ``num_stages`` and ``scan``
   (phase 2: "pallas" or "xla") are GPU tuning knobs (defaults: the measured best, see the module
-  docstring), and ``precision`` the dots' operands ("input": the inputs' dtype; "tf32" or
+  docstring), ``split`` takes the backward's state dots in two bf16 parts (``_state_dot``), and
+  ``precision`` the dots' operands ("input": the inputs' dtype; "tf32" or
   "float32": fp32 copies, ``pu.PRECISIONS``); compiled kernels need chunk, sub-chunk and blocks of
   at least 16.
   """
@@ -433,7 +462,8 @@ def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: fl
   per_channel = G > 1
   cfg = KernelConfig(chunk=C, sub_chunk=min(sub_chunk, C) if per_channel else C, block_v=BV,
                      scale=float(scale), interpret=interpret,
-                     num_warps=num_warps, num_stages=num_stages, scan=scan, precision=precision)
+                     num_warps=num_warps, num_stages=num_stages, scan=scan, precision=precision,
+                     split=split)
   pad = lambda x, sizes: functools.reduce(lambda y, a: pu.pad_axis(y, a, sizes[a]), sizes, x)
   q = pad(q_BxTxHxK, {1: Tp, 3: Kp})
   k = pad(k_BxTxHxK, {1: Tp, 3: Kp})
@@ -456,7 +486,7 @@ def gated_linear_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array,
   """``gated_linear_attention`` computed by the Pallas kernels; same arguments and results.
 
   ``precision`` (``pu.PRECISIONS``): o in q's dtype for "input", else fp32 (see ``chunked``).
-  ``tuning`` passes ``block_v``, ``sub_chunk``, ``num_warps``, ``num_stages``, ``scan`` to
+  ``tuning`` passes ``block_v``, ``sub_chunk``, ``num_warps``, ``num_stages``, ``scan``, ``split`` to
   ``chunked``.
   Zero state, no decay and one document by default, and normalisation: ``base.run_backend``.
   """
