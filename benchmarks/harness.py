@@ -339,18 +339,22 @@ TUNING = {
     "sanatan_p1": [dict(chunk_size=32, block_v=64, num_warps=8, scan="xla"),
                    dict(chunk_size=16, block_v=64, num_warps=8),
                    dict(chunk_size=16, block_v=64, num_warps=8, scan="xla")],
-    "gated": [dict(chunk_size=16, num_warps=8, scan="xla"), dict(chunk_size=32, num_warps=8),
+    "gated": [dict(chunk_size=16, num_warps=8, split=False),
+              dict(chunk_size=16, num_warps=8, scan="xla"), dict(chunk_size=32, num_warps=8),
               dict(chunk_size=32, num_warps=8, scan="xla")],
 }
 
 
 # Tilings of the SANATAN flash kernels tried by ``--tune=sanatan_p2`` (forward, backward), each
-# (block, loop, warps, stages) as ``pallas_triton_flash.Tiles``; the first is its default.
-FLASH_TUNING = [((128, 64, 8, 2), (128, 32, 8, 2)),
-                ((128, 64, 8, 3), (64, 32, 8, 2)),
-                ((128, 32, 8, 3), (128, 16, 8, 2)),
-                ((64, 64, 4, 2), (64, 64, 4, 2)),
-                ((128, 128, 8, 1), (128, 32, 8, 3))]
+# (block, loop, warps, stages) as ``pallas_triton_flash.Tiles``; the first is its default. Measured
+# slower on the H200 (8 x 2048, docs/BENCHMARKS.md) and no longer tried: backward blocks of 64 (4 or 8
+# warps) and loops of 16.
+FLASH_TUNING = [((128, 64, 8, 3), (128, 32, 8, 3)),
+                ((128, 64, 8, 2), (128, 32, 8, 2)),
+                ((128, 128, 8, 1), (128, 32, 8, 3)),
+                ((128, 64, 8, 3), (128, 32, 8, 4)),
+                ((128, 64, 8, 4), (128, 32, 8, 3)),
+                ((128, 128, 8, 2), (128, 32, 8, 3))]
 
 
 def _tiles_name(tiles) -> str:

@@ -86,13 +86,15 @@ class FlashTiles(NamedTuple):
 
 
 # Tilings per GPU (``device_kind``; "default" for any other) and operand width in bytes (2: bf16
-# inputs; 4: fp32 inputs or precision "tf32"/"float32"). Not yet timed. At d = dv = 64 an sm_90
-# Triton compile of the bf16 tiling keeps the forward at 127 registers and 176 KiB of shared memory,
-# dq at 236 registers and dk/dv at 255 with a 16-byte spill (both 144 KiB): the backward kernels
-# hold 5 fp32 [block, d] accumulators, and 128-row blocks give each of 8 warps' two warpgroups its
-# own 64 rows. fp32 operands take twice the shared memory; the fp32 tiling compiles without spills
-# (TF32 and IEEE dots) within 104 KiB. benchmarks.harness.FLASH_TUNING lists the tilings to time.
-TILES = {"default": {2: FlashTiles(forward=Tiles(128, 64, 8, 2), backward=Tiles(128, 32, 8, 2)),
+# inputs; 4: fp32 inputs or precision "tf32"/"float32"). H200, bf16, 8 x 2048, 12 heads of 64, fwd+bwd
+# in one process (docs/BENCHMARKS.md): three pipeline stages in both kernels 3.45 ms against 3.89 at
+# two; backward blocks of 64 rows 4.0-5.7 ms. At d = dv = 64 an sm_90 Triton compile of the bf16
+# two-stage tiling keeps the forward at 127 registers and 176 KiB of shared memory, dq at 236
+# registers and dk/dv at 255 with a 16-byte spill (both 144 KiB): the backward kernels hold 5 fp32
+# [block, d] accumulators, and 128-row blocks give each of 8 warps' two warpgroups its own 64 rows.
+# fp32 operands take twice the shared memory; the fp32 tiling compiles without spills (TF32 and IEEE
+# dots) within 104 KiB. benchmarks.harness.FLASH_TUNING lists the tilings timed.
+TILES = {"default": {2: FlashTiles(forward=Tiles(128, 64, 8, 3), backward=Tiles(128, 32, 8, 3)),
                      4: FlashTiles(forward=Tiles(32, 32, 4, 2), backward=Tiles(32, 32, 8, 2))}}
 
 

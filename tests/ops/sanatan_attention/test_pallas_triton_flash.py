@@ -180,7 +180,7 @@ def test_every_tuning_tiling_lowers_at_the_benchmark_shape():
   assert len(cases) == len(harness.FLASH_TUNING)
   forward, backward = harness.FLASH_TUNING[0]
   assert FlashTiles(Tiles(*forward), Tiles(*backward)) == TILES["default"][2]
-  assert next(iter(cases)) == "pallas_flash (fwd 128x64 8w 2s, bwd 128x32 8w 2s)"
+  assert next(iter(cases)) == "pallas_flash (fwd 128x64 8w 3s, bwd 128x32 8w 3s)"
   for forward, backward in harness.FLASH_TUNING:
     tiles = FlashTiles(Tiles(*forward), Tiles(*backward))
 
