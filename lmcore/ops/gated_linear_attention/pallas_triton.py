@@ -28,15 +28,18 @@ Backward (``jax.custom_vjp``): the forward saves only its inputs; the chunk stat
 With R_n = sum_i (q_i ⊙ exp(b_i)) do_iᵀ over the tokens reading S_n, the state gradients follow
 dS_N = dL/dS_T, dS_n = diag(a_n) dS_{n+1} + R_n. One kernel writes W_n and R_n per chunk, two
 chunk scans give every S_n and dS_n, and one kernel per chunk computes dq (from S_n), dk and
-dv (from dS_{n+1}). The gate gradient needs no kernel: with B the cumulative log gate, the output
-depends on B only through q ⊙ exp(B), k ⊙ exp(-B) and the final state's exp(B_T), so
+dv (from dS_{n+1}). Those state dots (k ⊙ exp(b_C - b) and q ⊙ exp(b) into W_n and R_n, S_n and dS_n
+into dq, dk, dv) take each fp32 operand as two bf16 parts (hi, lo), so the chunk states and the
+gradients reaching the gate carry about 16 bits instead of 8 (``_state_dot``). The gate gradient
+needs no kernel: with B the cumulative log gate, the output depends on B only through q ⊙ exp(B),
+k ⊙ exp(-B) and the final state's exp(B_T), so
 dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ S_T ⊙ dS_T summed over values at t = T) and dg is the reverse
 cumulative sum of dB. With several value tiles each program returns partial dq, dk (sums over
 values) that are added outside.
 
 Defaults are the best measured on an H200 (B·T = 16384, H = 12, K = V = 64, per-channel gates,
 bf16, fwd+bwd ms at T = 2048 / 8192 / 32768; docs/BENCHMARKS.md): chunk 16, 8 warps,
-sub-chunk 16, the Pallas chunk scan: 2.05 / 1.96 / 3.41 (XLA chunked 5.50 / 6.85 / 11.99; FLA's
+sub-chunk 16, the Pallas chunk scan; with one bf16 rounding in the state dots: 2.05 / 1.96 / 3.41 (XLA chunked 5.50 / 6.85 / 11.99; FLA's
 chunk_gla 2.62 / 2.60 / 4.22). With the scan's first tiles, chunk 32 was 2.00 / 2.02 / 4.09 against
 chunk 16's 1.99 / 1.93 / 3.97; with XLA's associative scan, chunk 32 2.36 / 2.28 / 4.20, chunk 16
 2.47 / 2.25 / 4.31. Earlier (XLA scan): chunk 64 4.86 / 4.80 at 8 warps, 10.36 / 10.49 / 20.19 at
