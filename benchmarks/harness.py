@@ -387,8 +387,12 @@ FUSED_TUNING = [((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 1, 8, 2)),
                 ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (32, 64, 2, 4, 2)),
                 ((64, 64, 1, 4, 4), (64, 64, 1, 4, 4), (64, 64, 2, 8, 2)),
                 ((64, 32, 3, 8, 3), (64, 64, 1, 4, 3), (64, 64, 2, 8, 2))]
+# Settings of the blocked Taylor kernels tried by ``--tune=taylor_blocked`` (query block, key block,
+# warps, pipeline stages; ``taylor_sums_blocked``'s knobs); the first is its default. Their rows belong
+# to the op "taylor".
+TAYLOR_BLOCKED_TUNING = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (128, 64, 8, 3)]
 # Tuning names whose rows belong to another op's table.
-TUNED_OPS = {"sanatan_p1_fused": "sanatan_p1"}
+TUNED_OPS = {"sanatan_p1_fused": "sanatan_p1", "taylor_blocked": "taylor"}
 
 
 def _fused_name(tiles) -> str:
@@ -419,6 +423,20 @@ def _setting_name(setting: dict) -> str:
   return f"pallas ({', '.join(parts)})"
 
 
+def taylor_blocked_tuning_cases(batch: int, length: int, dtype) -> tuple[tuple, dict, dict]:
+  """(args, cases, flops) of the blocked Taylor kernels at every TAYLOR_BLOCKED_TUNING setting."""
+  from based_jax.ops.taylor_attention import pallas_triton_blocked as blocked
+
+  args, _, flops = taylor_cases(batch, length, dtype)
+  cases = {}
+  for block_q, block_k, warps, stages in TAYLOR_BLOCKED_TUNING:
+    name = f"pallas_blocked ({block_q}x{block_k} {warps}w {stages}s)"
+    cases[name] = functools.partial(
+        lambda q, k, v, **knobs: blocked.taylor_linear_attention_blocked(q, k, v, **knobs)[0],
+        block_q=block_q, block_k=block_k, num_warps=warps, num_stages=stages)
+  return args, cases, {name: flops["pallas_blocked"] for name in cases}
+
+
 def tuning_cases(op_name: str, batch: int, length: int, dtype) -> tuple[tuple, dict, dict]:
   """(args, cases, flops) of the Triton kernel of ``op_name`` at every TUNING setting; for
   "sanatan_p2", the flash kernel at every FLASH_TUNING tiling; for "sanatan_p1_fused", the
@@ -430,9 +448,11 @@ def tuning_cases(op_name: str, batch: int, length: int, dtype) -> tuple[tuple, d
     return flash_tuning_cases(batch, length, dtype)
   if op_name == "sanatan_p1_fused":
     return fused_tuning_cases(batch, length, dtype)
+  if op_name == "taylor_blocked":
+    return taylor_blocked_tuning_cases(batch, length, dtype)
   if op_name not in TUNING:
     raise ValueError(f"no tuning settings for op {op_name!r}; tunable: "
-                     f"{', '.join([*TUNING, 'sanatan_p2', 'sanatan_p1_fused'])}")
+                     f"{', '.join([*TUNING, 'sanatan_p2', 'sanatan_p1_fused', 'taylor_blocked'])}")
   args, _, _ = OPS[op_name](batch, length, dtype)
   kernel = {"sanatan_p1": sanatan_p1_pallas, "gated": pallas.gated_linear_attention_pallas}[op_name]
   features = 6 * HEAD_DIM if op_name == "sanatan_p1" else HEAD_DIM

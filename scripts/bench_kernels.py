@@ -47,7 +47,8 @@ _JSONL = flags.DEFINE_string("jsonl", "", "Rows are appended here as they are me
 _TUNE = flags.DEFINE_list("tune", [], "Ops whose Triton kernel is also timed at every setting of "
                           "benchmarks.harness.TUNING (chunk, value tile, warps), e.g. sanatan_p1,gated; "
                           "sanatan_p2 times the flash kernel at every FLASH_TUNING tiling, "
-                          "sanatan_p1_fused the fused-chunk kernel at every FUSED_TUNING tiling.")
+                          "sanatan_p1_fused the fused-chunk kernel at every FUSED_TUNING tiling, "
+                          "taylor_blocked the blocked Taylor kernels at every TAYLOR_BLOCKED_TUNING setting.")
 _SHAPES = flags.DEFINE_list("shapes", ["default"], "Named sets of head shapes to time each op at: default, "
                             "preset (the paper presets' heads), wide (K, V up to 512); softmax and FLA keep "
                             "their default shapes.")

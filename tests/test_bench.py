@@ -77,6 +77,23 @@ def test_tuning_settings_compute_the_default_kernels_function():
     bench.tuning_cases("taylor", 1, 64, "float32")
 
 
+def test_blocked_taylor_tuning_settings_compute_the_ops_function():
+  """Every TAYLOR_BLOCKED_TUNING setting is named by its blocks, warps and stages, credited the blocked
+  kernel's FLOPs and its rows go to the op "taylor"; the first computes the XLA chunked path's output
+  (T = 32: the blocks are capped at 32, the rest are the same interpreted function; the kernels' own
+  tests cover the block sizes)."""
+  args, cases, flops = bench.tuning_cases("taylor_blocked", 1, 32, "float32")
+  _, defaults, default_flops = bench.OPS["taylor"](1, 32, "float32")
+  assert len(cases) == len(bench.TAYLOR_BLOCKED_TUNING)
+  for name, (block_q, block_k, warps, stages) in zip(cases, bench.TAYLOR_BLOCKED_TUNING):
+    assert name == f"pallas_blocked ({block_q}x{block_k} {warps}w {stages}s)"
+    assert flops[name] == default_flops["pallas_blocked"]
+  want = defaults["chunked (xla)"](*args)
+  got = next(iter(cases.values()))(*args)
+  assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5
+  assert bench.TUNED_OPS["taylor_blocked"] == "taylor"
+
+
 def test_chunk_scan_benchmark_times_every_setting_and_appends_its_table(tmp_path):
   """scripts/bench_chunk_scan.py on CPU (interpreted): one row per setting, timed, then one dated block."""
   out = tmp_path / "BENCH.md"
