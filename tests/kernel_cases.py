@@ -96,6 +96,33 @@ def run_gated(fn, inputs, projections, **options):
           "dlog_forget": grads[3], "dS0": grads[4].S, "dz0": grads[4].z}
 
 
+def gated_bf16_gradient_errors(kernel, kernel_split_off) -> dict[str, np.ndarray]:
+  """Relative L2 errors of the gradients (q, k, v, log forget gate) from bf16 inputs (T = 64, 2 heads
+  of 32, per-key gates drawn as the benchmarks draw them) against the fp32 scan on the same values:
+  for XLA chunked ("xla"), ``kernel`` ("split": its default) and ``kernel_split_off`` ("one": its state
+  dots with one rounding)."""
+  from lmcore.ops.gated_linear_attention import gated_linear_attention
+
+  B, T, H, K = 1, 64, 2, 32
+  keys = jax.random.split(jax.random.key(0), 5)
+  q, k, v = (jax.random.normal(key, (B, T, H, K)) * scale for key, scale in zip(keys, (K ** -0.5, K ** -0.5, 1)))
+  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  gate = jax.nn.log_sigmoid(jax.random.normal(keys[3], (B, T, H, K)) + 4.0) / 16
+  do = jax.random.normal(keys[4], (B, T, H, K))
+
+  def grads(fn, *args):
+    loss = lambda *a: jnp.sum(fn(*a)[0].astype(jnp.float32) * do)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+
+  with jax.default_matmul_precision("highest"):
+    want = grads(lambda *a: gated_linear_attention(*a, implementation="recurrent"),
+                 *(x.astype(jnp.float32) for x in (q, k, v)), gate)
+  errors = lambda fn: np.array([relative_l2(g.astype(jnp.float32), w)
+                                for g, w in zip(grads(fn, q, k, v, gate), want)])
+  xla = lambda *a: gated_linear_attention(*a, implementation="chunked", chunk_size=CHUNK)
+  return {"xla": errors(xla), "split": errors(kernel), "one": errors(kernel_split_off)}
+
+
 def gated_abstract_inputs(gate_shape, B=1, T=200, H=2, K=24, V=40):
   """bf16 q, k, v with head dims that need padding, a partial chunk, fp32 gate, segment ids."""
   gate = jax.ShapeDtypeStruct((B, T, H) if gate_shape == "head" else (B, T, H, K), jnp.float32)

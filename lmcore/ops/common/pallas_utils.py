@@ -216,6 +216,25 @@ def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = Fa
                              preferred_element_type=jnp.float32)
 
 
+def _parts(x: jax.Array, dtype, split: bool) -> tuple[jax.Array, ...]:
+  """x as dot operands of ``dtype``: (x rounded), or with ``split`` an fp32 x as (hi, lo), hi = x
+  rounded and lo = (x - hi) rounded."""
+  hi = x.astype(dtype)
+  if not split or x.dtype != jnp.float32 or jnp.dtype(dtype) == jnp.float32:
+    return (hi,)
+  return hi, (x - hi.astype(jnp.float32)).astype(dtype)
+
+
+def split_dot(a: jax.Array, b: jax.Array, dtype, split: bool, *, trans_a: bool = False,
+              trans_b: bool = False) -> jax.Array:
+  """a @ b (``dot``) with operands of ``dtype``. With ``split``, each fp32 operand enters as two parts,
+  hi = round(x) and lo = round(x - hi), and the products of the parts but lo · lo are summed: about
+  twice the mantissa of ``dtype`` (bf16: 16 bits instead of 8) for two or three dots instead of one."""
+  pairs = [(x, y) for i, x in enumerate(_parts(a, dtype, split))
+           for j, y in enumerate(_parts(b, dtype, split)) if i + j < 2]
+  return sum(dot(x, y, trans_a=trans_a, trans_b=trans_b) for x, y in pairs)
+
+
 def _aligned(start, size: int):
   """Tells the compiler a traced row offset is a multiple of the block size (aligned loads)."""
   return start if isinstance(start, int) else pl.multiple_of(start, size)

@@ -62,7 +62,8 @@ class KernelConfig(NamedTuple):
   chunk: tokens per chunk C; sub_chunk: query rows per diagonal block (per-channel gates only);
   block_v: value columns per grid step BV; n_heads: H (the document arrays are per batch row);
   scalar_gate: one gate per head (G = 1); scale: multiplies the scores; interpret:
-  ``pallas_call``'s ``interpret`` argument.
+  ``pallas_call``'s ``interpret`` argument; split: the backward's state dots take their fp32
+  operands as two parts in the inputs' dtype (``pallas_utils.split_dot``).
   """
 
   chunk: int
@@ -72,6 +73,7 @@ class KernelConfig(NamedTuple):
   scalar_gate: bool
   scale: float
   interpret: Any
+  split: bool
 
 
 class _Seq(NamedTuple):
@@ -134,14 +136,13 @@ def _b_end(ch: _Chunk):
 
 
 def _q_from_state(ch: _Chunk):
-  """q ⊙ exp(b) for tokens still in the state's document, else 0 (input dtype) [C, Kp]."""
-  return jnp.where(ch.reads, ch.q.astype(_F32) * jnp.exp(ch.b), 0.0).astype(ch.q.dtype)
+  """q ⊙ exp(b) for tokens still in the state's document, else 0 (fp32) [C, Kp]."""
+  return jnp.where(ch.reads, ch.q.astype(_F32) * jnp.exp(ch.b), 0.0)
 
 
 def _k_to_end(ch: _Chunk):
-  """k ⊙ exp(b_C - b) for tokens of the chunk's last document, else 0 (input dtype) [C, Kp]."""
-  k_to_end = ch.k.astype(_F32) * jnp.exp(_b_end(ch) - ch.b)
-  return jnp.where(ch.writes, k_to_end, 0.0).astype(ch.k.dtype)
+  """k ⊙ exp(b_C - b) for tokens of the chunk's last document, else 0 (fp32) [C, Kp]."""
+  return jnp.where(ch.writes, ch.k.astype(_F32) * jnp.exp(_b_end(ch) - ch.b), 0.0)
 
 
 def _decayed(S_T, ch: _Chunk):
@@ -149,14 +150,14 @@ def _decayed(S_T, ch: _Chunk):
   return jnp.where(ch.reads[-1:], S_T * jnp.exp(_b_end(ch)), 0.0)
 
 
-def _advance(S_T, ch: _Chunk):
+def _advance(S_T, ch: _Chunk, split: bool):
   """Sᵀ after the chunk: decay (or reset at a new document), then add its last document's writes."""
-  return _decayed(S_T, ch) + pu.dot(ch.v, _k_to_end(ch), trans_a=True)
+  return _decayed(S_T, ch) + pu.split_dot(ch.v, _k_to_end(ch), ch.v.dtype, split, trans_a=True)
 
 
-def _retreat(dS_T, ch: _Chunk):
+def _retreat(dS_T, ch: _Chunk, split: bool):
   """dSᵀ before the chunk from dSᵀ after it: the decay's transpose plus the chunk's state reads."""
-  return _decayed(dS_T, ch) + pu.dot(ch.do, _q_from_state(ch), trans_a=True)
+  return _decayed(dS_T, ch) + pu.split_dot(ch.do, _q_from_state(ch), ch.do.dtype, split, trans_a=True)
 
 
 # Scalar gate: one decay matrix.
@@ -295,10 +296,10 @@ def _forward_kernel(*refs, cfg: KernelConfig):
   ch = _load(seq)
   S_T = S_ref[...]
   scores, _, _ = _intra(cfg)
-  o = (pu.dot(_q_from_state(ch), S_T.astype(ch.q.dtype), trans_b=True)
+  o = (pu.dot(_q_from_state(ch).astype(ch.q.dtype), S_T.astype(ch.q.dtype), trans_b=True)
        + pu.dot(scores(ch, cfg).astype(ch.v.dtype), ch.v))
   o_ref[...] = cfg.scale * o
-  S_ref[...] = _advance(S_T, ch)
+  S_ref[...] = _advance(S_T, ch, split=False)
 
   @pl.when(n == pl.num_programs(2) - 1)
   def _():
@@ -316,9 +317,9 @@ def _dq_kernel(*refs, cfg: KernelConfig):
   ch = _load(seq, do_ref)
   S_T = S_ref[...]
   _, dq_intra, _ = _intra(cfg)
-  from_state = pu.dot(ch.do, S_T.astype(ch.do.dtype)) * jnp.exp(ch.b)
+  from_state = pu.split_dot(ch.do, S_T, ch.do.dtype, cfg.split) * jnp.exp(ch.b)
   dq_ref[...] = jnp.where(ch.reads, from_state, 0.0) + dq_intra(ch, cfg)
-  S_ref[...] = _advance(S_T, ch)
+  S_ref[...] = _advance(S_T, ch, cfg.split)
 
 
 def _dkv_kernel(*refs, cfg: KernelConfig):
@@ -334,11 +335,11 @@ def _dkv_kernel(*refs, cfg: KernelConfig):
   dS_T = dS_ref[...]
   dt = ch.q.dtype
   scores, _, dk_intra = _intra(cfg)
-  dv_ref[...] = (pu.dot(_k_to_end(ch), dS_T.astype(dt), trans_b=True)
+  dv_ref[...] = (pu.split_dot(_k_to_end(ch), dS_T, dt, cfg.split, trans_b=True)
                  + pu.dot(scores(ch, cfg).astype(dt), ch.do, trans_a=True))
-  to_end = pu.dot(ch.v, dS_T.astype(dt)) * jnp.exp(_b_end(ch) - ch.b)
+  to_end = pu.split_dot(ch.v, dS_T, dt, cfg.split) * jnp.exp(_b_end(ch) - ch.b)
   dk_ref[...] = jnp.where(ch.writes, to_end, 0.0) + dk_intra(ch, cfg)
-  dS_ref[...] = _retreat(dS_T, ch)
+  dS_ref[...] = _retreat(dS_T, ch, cfg.split)
 
   @pl.when(m == pl.num_programs(2) - 1)
   def _():
@@ -388,10 +389,14 @@ def _cost(kernel, cfg: KernelConfig, grid, specs, arrays) -> pl.CostEstimate:
   per-channel gate's exact diagonal blocks, which are elementwise), its exponentials and the bytes
   its blocks move (``pu.pipeline_bytes`` of ``arrays``, inputs then outputs, in blocks ``specs``)."""
   C, c, BV, Kp = cfg.chunk, cfg.sub_chunk, cfg.block_v, arrays[0].shape[-1]
-  # One dot of each shape: a [C, C] block against Kp lanes, against BV values, and a state product.
+  # One dot of each shape: a [C, C] block against Kp lanes, against BV values, and a state product;
+  # the backward's state products in two parts (``cfg.split``, inputs below fp32) are two dots each,
+  # three for dv's (both operands split).
   score, value, state = 2 * C * C * Kp, 2 * C * C * BV, 2 * C * Kp * BV
-  per_step = {_forward_kernel: score + value + 2 * state, _dq_kernel: score + value + 2 * state,
-              _dkv_kernel: 2 * score + 2 * value + 3 * state}[kernel]
+  split = cfg.split and arrays[0].dtype != _F32
+  per_step = {_forward_kernel: score + value + 2 * state,
+              _dq_kernel: score + value + (4 if split else 2) * state,
+              _dkv_kernel: 2 * score + 2 * value + (7 if split else 3) * state}[kernel]
   # exp of the gates per token (one per lane with per-channel gates), and of the intra-chunk decays:
   # a [C, C] matrix, or per sub-chunk the anchored factors of the chunk and its exact diagonal.
   per_token = C * (1 if cfg.scalar_gate else Kp)
@@ -480,13 +485,15 @@ def _check_sizes(chunk_size: int, sub_chunk: int, block_v: int, compiled: bool) 
 def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: float, doc_BxT,
             chunk_size: int = 64, interpret: bool | pltpu.InterpretParams | None = None,
             block_v: int = LANES,
-            sub_chunk: int = SUB_CHUNK):
+            sub_chunk: int = SUB_CHUNK, split: bool = True):
   """The TPU backend with xla.chunked's contract: (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32).
 
   Pads T to whole chunks, K to a multiple of 128 and V to a multiple of ``block_v`` (zeros), runs
   the kernels head-major and undoes the layout; G = 1 (scalar gate) or K (per channel). Compiled,
   chunks hold max(chunk_size, 128) tokens and ``block_v`` must be a multiple of 128; interpreted
   (``interpret=True``, or None off TPU) any powers of two run, so that tests cross many chunks.
+  ``split`` takes the backward's state dots in two parts (``pallas_utils.split_dot``; False: one
+  rounding to the inputs' dtype).
   """
   interpret = pu.resolve_tpu_interpret(interpret, "gated_linear_attention",
                                         "implementation='chunked'")
@@ -496,7 +503,7 @@ def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: fl
   C = chunk_size if interpret else max(chunk_size, LANES)
   Tp, Kp, Vp = pu.round_up(T, C), pu.round_up(K, LANES), pu.round_up(V, block_v)
   cfg = KernelConfig(chunk=C, sub_chunk=min(sub_chunk, C), block_v=block_v, n_heads=H,
-                     scalar_gate=G == 1, scale=float(scale), interpret=interpret)
+                     scalar_gate=G == 1, scale=float(scale), interpret=interpret, split=split)
   S0_T = pu.pad_axis(pu.pad_axis(jnp.swapaxes(S0_BxHxKxV.astype(_F32), 2, 3), 2, Vp), 3, Kp)
   o, S_T = _fused(heads_first(q_BxTxHxK, Tp, Kp), heads_first(k_BxTxHxK, Tp, Kp),
                   heads_first(v_BxTxHxV, Tp, Vp),
@@ -515,7 +522,7 @@ def gated_linear_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array,
                                ) -> tuple[jax.Array, LinearAttentionState]:
   """``gated_linear_attention`` computed by the TPU kernels; same arguments and results.
 
-  ``tuning`` passes ``block_v`` and ``sub_chunk`` to ``chunked``. Zero state, no decay and one
+  ``tuning`` passes ``block_v``, ``sub_chunk`` and ``split`` to ``chunked``. Zero state, no decay and one
   document by default, and normalisation: ``base.run_backend``.
   """
   check_shapes(q, k, v, log_forget, state, segment_ids)

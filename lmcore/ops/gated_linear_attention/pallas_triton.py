@@ -30,8 +30,8 @@ dS_N = dL/dS_T, dS_n = diag(a_n) dS_{n+1} + R_n. One kernel writes W_n and R_n p
 chunk scans give every S_n and dS_n, and one kernel per chunk computes dq (from S_n), dk and
 dv (from dS_{n+1}). Those state dots (k ⊙ exp(b_C - b) and q ⊙ exp(b) into W_n and R_n, S_n and dS_n
 into dq, dk, dv) take each fp32 operand as two bf16 parts (hi, lo), so the chunk states and the
-gradients reaching the gate carry about 16 bits instead of 8 (``_state_dot``). The gate gradient
-needs no kernel: with B the cumulative log gate, the output depends on B only through q ⊙ exp(B),
+gradients reaching the gate carry about 16 bits instead of 8 (``pallas_utils.split_dot``). The gate
+gradient needs no kernel: with B the cumulative log gate, the output depends on B only through q ⊙ exp(B),
 k ⊙ exp(-B) and the final state's exp(B_T), so
 dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ S_T ⊙ dS_T summed over values at t = T) and dg is the reverse
 cumulative sum of dB. With several value tiles each program returns partial dq, dk (sums over
@@ -39,11 +39,12 @@ values) that are added outside.
 
 Defaults are the best measured on an H200 (B·T = 16384, H = 12, K = V = 64, per-channel gates,
 bf16, fwd+bwd ms at T = 2048 / 8192 / 32768; docs/BENCHMARKS.md): chunk 16, 8 warps,
-sub-chunk 16, the Pallas chunk scan; with one bf16 rounding in the state dots: 2.05 / 1.96 / 3.41 (XLA chunked 5.50 / 6.85 / 11.99; FLA's
-chunk_gla 2.62 / 2.60 / 4.22). With the scan's first tiles, chunk 32 was 2.00 / 2.02 / 4.09 against
-chunk 16's 1.99 / 1.93 / 3.97; with XLA's associative scan, chunk 32 2.36 / 2.28 / 4.20, chunk 16
-2.47 / 2.25 / 4.31. Earlier (XLA scan): chunk 64 4.86 / 4.80 at 8 warps, 10.36 / 10.49 / 20.19 at
-4; sub-chunk 32 or 64: 15-21 at T = 8192.
+sub-chunk 16, the Pallas chunk scan; with one bf16 rounding in the state dots: 2.05 / 1.96 / 3.41
+(XLA chunked 5.50 / 6.85 / 11.99; FLA's chunk_gla 2.62 / 2.60 / 4.22); in two parts 2.07 at 2048 and
+3.85 at 32768 (one rounding 1.90 / 3.39 in the same process). With the scan's first tiles, chunk 32
+was 2.00 / 2.02 / 4.09 against chunk 16's 1.99 / 1.93 / 3.97; with XLA's associative scan, chunk 32
+2.36 / 2.28 / 4.20, chunk 16 2.47 / 2.25 / 4.31. Earlier (XLA scan): chunk 64 4.86 / 4.80 at 8
+warps, 10.36 / 10.49 / 20.19 at 4; sub-chunk 32 or 64: 15-21 at T = 8192.
 """
 
 from __future__ import annotations
@@ -63,10 +64,10 @@ from lmcore.ops.gated_linear_attention.base import (LinearAttentionState, check_
 # Chunk and sub-chunk (with 8 warps): the best measured on an H200, see the module docstring.
 CHUNK = 16
 SUB_CHUNK = 16
-# The backward's state dots split their fp32 operands into two bf16 parts (``_state_dot``): H200, bf16,
-# T = 1000, B = 2, against fp32 XLA: the gate gradient's error 5.7e-3 -> 1.7e-3 (XLA chunked in bf16:
-# 3.3e-3), the others' 3.3-3.7e-3 -> 2.3-2.4e-3; fwd+bwd 1.90 -> 2.07 ms at 8 x 2048 and 3.39 -> 3.85
-# at 1 x 32768 (docs/BENCHMARKS.md).
+# The backward's state dots take their fp32 operands as two bf16 parts (``pallas_utils.split_dot``):
+# H200, bf16, T = 1000, B = 2, against fp32 XLA: the gate gradient's error 5.7e-3 -> 1.7e-3 (XLA
+# chunked in bf16: 3.3e-3), the others' 3.3-3.7e-3 -> 2.3-2.4e-3; fwd+bwd 1.90 -> 2.07 ms at 8 x 2048
+# and 3.39 -> 3.85 at 1 x 32768 (docs/BENCHMARKS.md).
 SPLIT = True
 _F32 = jnp.float32
 
@@ -76,7 +77,7 @@ class KernelConfig(NamedTuple):
 
   chunk: tokens per chunk C (a power of two); sub_chunk: tokens per diagonal block (C for a scalar
   gate); block_v: value columns per program BV; scale: multiplies the scores; split: the backward's
-  state dots take their fp32 operands as two bf16 parts (``_state_dot``).
+  state dots take their fp32 operands as two bf16 parts (``pallas_utils.split_dot``).
   """
 
   chunk: int
@@ -176,35 +177,17 @@ def _k_to_end(x: _Sub, b_end, last_doc):
   return jnp.where(writes, x.k.astype(_F32) * jnp.exp(b_end - x.b), 0.0)
 
 
-def _parts(x, dtype, split: bool) -> tuple:
-  """x as operands of ``dtype``: (x) rounded, or with ``split`` an fp32 x as (hi, lo), hi = x rounded
-  and lo = x - hi rounded (x to about twice the bits of ``dtype``)."""
-  hi = x.astype(dtype)
-  if not split or x.dtype != _F32 or dtype == _F32:
-    return (hi,)
-  return hi, (x - hi.astype(_F32)).astype(dtype)
-
-
-def _state_dot(a, b, dtype, split: bool, **transpose):
-  """a @ b (``pu.dot``; ``transpose``: its trans_a / trans_b) with operands of ``dtype``. With
-  ``split``, each fp32 operand enters as ``_parts`` and the products of the parts are summed (all but
-  lo·lo): the state path's bf16 roundings of k ⊙ exp(b_C - b), q ⊙ exp(b), S and dS drop out."""
-  pairs = [(x, y) for i, x in enumerate(_parts(a, dtype, split))
-           for j, y in enumerate(_parts(b, dtype, split)) if i + j < 2]
-  return sum(pu.dot(x, y, **transpose) for x, y in pairs)
-
-
 def _writes(subs, b_end, last_doc, split: bool = False):
   """What a chunk adds to the state, sum_j (k_j ⊙ exp(b_C - b_j)) v_jᵀ over its last document:
   fp32 [K, BV]."""
-  return sum(_state_dot(_k_to_end(x, b_end, last_doc), x.v, x.v.dtype, split, trans_a=True)
+  return sum(pu.split_dot(_k_to_end(x, b_end, last_doc), x.v, x.v.dtype, split, trans_a=True)
              for x in subs)
 
 
 def _reads_grad(subs, state_doc, split: bool = False):
   """The chunk's own share of dL/dS_n (S_n: the state at its start), sum_i (q_i ⊙ exp(b_i)) do_iᵀ
   over the tokens that read S_n, with do already scaled: fp32 [K, BV]."""
-  return sum(_state_dot(_q_from_state(x, state_doc), x.do, x.do.dtype, split, trans_a=True)
+  return sum(pu.split_dot(_q_from_state(x, state_doc), x.do, x.do.dtype, split, trans_a=True)
              for x in subs)
 
 
@@ -229,7 +212,7 @@ def _dq_chunk(subs, S, state_doc, split: bool = False):
   out = []
   for i, x in enumerate(subs):
     reads = (x.doc == state_doc)[:, None]
-    dq = jnp.where(reads, _state_dot(x.do, S, dt, split, trans_b=True) * jnp.exp(x.b), 0.0)
+    dq = jnp.where(reads, pu.split_dot(x.do, S, dt, split, trans_b=True) * jnp.exp(x.b), 0.0)
     for y in subs[:i]:
       dA = jnp.where(_visible(x.doc, y.doc, False), pu.dot(x.do, y.v, trans_b=True), 0.0)
       _, k_t = _off_factors(x, y)
@@ -251,8 +234,8 @@ def _dkv_chunk(subs, dS, b_end, last_doc, split: bool = False):
   out = []
   for j, y in enumerate(subs):
     writes = (y.doc == last_doc)[:, None]
-    dv = _state_dot(_k_to_end(y, b_end, last_doc), dS, dt, split)
-    dk = jnp.where(writes, _state_dot(y.v, dS, dt, split, trans_b=True) * jnp.exp(b_end - y.b), 0.0)
+    dv = pu.split_dot(_k_to_end(y, b_end, last_doc), dS, dt, split)
+    dk = jnp.where(writes, pu.split_dot(y.v, dS, dt, split, trans_b=True) * jnp.exp(b_end - y.b), 0.0)
     for x in subs[j + 1:]:
       q_t, k_t = _off_factors(x, y)
       visible = _visible(x.doc, y.doc, False)
@@ -447,9 +430,9 @@ def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: fl
   unchanged), runs the kernels and slices the padding off; G = 1 (scalar gate) or K (per channel).
   ``block_v``, ``sub_chunk`` (per-channel gates only), ``num_warps``, ``num_stages`` and ``scan``
   (phase 2: "pallas" or "xla") are GPU tuning knobs (defaults: the measured best, see the module
-  docstring), ``split`` takes the backward's state dots in two bf16 parts (``_state_dot``), and
-  ``precision`` the dots' operands ("input": the inputs' dtype; "tf32" or
-  "float32": fp32 copies, ``pu.PRECISIONS``); compiled kernels need chunk, sub-chunk and blocks of
+  docstring), ``split`` takes the backward's state dots in two bf16 parts
+  (``pallas_utils.split_dot``), and ``precision`` the dots' operands ("input": the inputs' dtype;
+  "tf32" or "float32": fp32 copies, ``pu.PRECISIONS``); compiled kernels need chunk, sub-chunk and blocks of
   at least 16.
   """
   interpret = pu.resolve_interpret(interpret)

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from kernel_cases import (assert_close, document_ids, gated_abstract_inputs, gated_inputs, normal,
-                          normals, run_gated)
+from kernel_cases import (assert_close, document_ids, gated_abstract_inputs, gated_bf16_gradient_errors,
+                          gated_inputs, normal, normals, run_gated)
 from lmcore.ops.common import pallas_utils
 from lmcore.ops.gated_linear_attention import LinearAttentionState, gated_linear_attention
 from lmcore.ops.gated_linear_attention import pallas_mosaic_tpu as pallas_tpu
@@ -105,3 +105,13 @@ def test_compiling_off_tpu_and_bad_block_sizes_raise_clear_errors():
   compiled = functools.partial(pallas_tpu.gated_linear_attention_tpu, interpret=False, block_v=64)
   with pytest.raises(ValueError, match="multiple of 128"):
     pallas_utils.lower_for_tpu(compiled, q, k, v, log_forget)
+
+
+def test_bf16_state_dots_in_two_parts_keep_every_gradient_within_the_xla_paths_bf16_error():
+  """``kernel_cases.gated_bf16_gradient_errors`` at chunk 16 (interpreted): as the Triton kernel, the
+  backward's state dots in two bf16 parts (the default) keep every gradient within the XLA chunked
+  path's own bf16 error; with one rounding (``split=False``) the gate gradient is not."""
+  kernel = functools.partial(pallas_tpu.gated_linear_attention_tpu, chunk_size=16, interpret=True)
+  errors = gated_bf16_gradient_errors(kernel, functools.partial(kernel, split=False))
+  assert np.all(errors["split"] <= errors["xla"]), errors
+  assert errors["one"][3] > errors["xla"][3] > errors["split"][3], errors

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 from kernel_cases import (CHUNK, FAST_COMPILE, assert_close, document_ids, gated_abstract_inputs,
-                          gated_inputs, normal, normals, run_gated)
-from lmcore.numerics import relative_l2
+                          gated_bf16_gradient_errors, gated_inputs, normal, normals, run_gated)
 from lmcore.ops.common import pallas_utils
 from lmcore.ops.gated_linear_attention import LinearAttentionState, gated_linear_attention
 from lmcore.ops.gated_linear_attention import pallas_triton as pallas
@@ -112,27 +111,10 @@ def test_compiling_off_gpu_and_bad_chunk_sizes_raise_clear_errors():
 
 
 def test_bf16_state_dots_in_two_parts_keep_every_gradient_within_the_xla_paths_bf16_error():
-  """bf16 inputs (T = 64: four chunks; per-key gates as the benchmarks draw them) against the fp32
-  scan on the same values, relative L2 per gradient. With the backward's state dots in two bf16 parts
-  (the default) every gradient is within the XLA chunked path's own bf16 error; with one rounding
+  """``kernel_cases.gated_bf16_gradient_errors``: with the backward's state dots in two bf16 parts (the
+  default) every gradient is within the XLA chunked path's own bf16 error; with one rounding
   (``split=False``) the gate gradient is not (H200, T = 1000: 5.7e-3 against XLA's 3.3e-3)."""
-  B, T, H, K = 1, 64, 2, 32
-  keys = jax.random.split(jax.random.key(0), 5)
-  q, k, v = (jax.random.normal(key, (B, T, H, K)) * scale for key, scale in zip(keys, (K ** -0.5, K ** -0.5, 1)))
-  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
-  gate = jax.nn.log_sigmoid(jax.random.normal(keys[3], (B, T, H, K)) + 4.0) / 16
-  do = jax.random.normal(keys[4], (B, T, H, K))
-
-  def grads(fn, *args):
-    loss = lambda *a: jnp.sum(fn(*a)[0].astype(jnp.float32) * do)
-    return jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
-
-  with jax.default_matmul_precision("highest"):
-    want = grads(functools.partial(gated_linear_attention, implementation="recurrent"),
-                 *(x.astype(jnp.float32) for x in (q, k, v)), gate)
-  errors = lambda fn: np.array([relative_l2(g.astype(jnp.float32), w) for g, w in zip(grads(fn, q, k, v, gate), want)])
-  xla = errors(functools.partial(gated_linear_attention, implementation="chunked", chunk_size=CHUNK))
-  split = errors(pallas.gated_linear_attention_pallas)
-  one_rounding = errors(functools.partial(pallas.gated_linear_attention_pallas, split=False))
-  assert np.all(split <= xla), (split, xla)
-  assert one_rounding[3] > xla[3] > split[3], (one_rounding, xla, split)
+  errors = gated_bf16_gradient_errors(pallas.gated_linear_attention_pallas,
+                                      functools.partial(pallas.gated_linear_attention_pallas, split=False))
+  assert np.all(errors["split"] <= errors["xla"]), errors
+  assert errors["one"][3] > errors["xla"][3] > errors["split"][3], errors
