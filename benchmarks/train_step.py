@@ -328,12 +328,14 @@ def run(presets: list[str], *, batch: int, seq_len: int, steps: int, warmup: int
 
 def failure_note(error: Exception, name: str, variant: str, config) -> str:
   """The note of a preset that failed: the error's first line; out of memory, also the override that
-  halves the micro-batch (NAME@train.grad_accum=2N) while the micro-batch can still be halved."""
+  halves the micro-batch (NAME@train.grad_accum=2N, replacing a grad_accum the variant set) while the
+  micro-batch can still be halved."""
   first = str(error).splitlines()[0][:120] if str(error) else ""
   note = f"{type(error).__name__}: {first}"
   batch, accum = config.train.batch_size, config.train.grad_accum
   if "RESOURCE_EXHAUSTED" in str(error) and batch % (2 * accum) == 0:
-    spec = "@".join(filter(None, (name, variant, f"train.grad_accum={2 * accum}")))
+    kept = [part for part in variant.split("@") if part and not part.startswith("train.grad_accum=")]
+    spec = "@".join([name, *kept, f"train.grad_accum={2 * accum}"])
     note = (f"out of memory at micro-batch {batch // accum} × {config.data.seq_len}; "
             f"--presets={spec} halves it. {note}")
   return note

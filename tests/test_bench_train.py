@@ -2,6 +2,7 @@
 table with ratios to softmax, the JSONL rows, the plot and the dated markdown block; flags checked."""
 
 import json
+import types
 
 import pytest
 
@@ -118,3 +119,12 @@ def test_bad_flags_say_what_to_fix():
     train_step.run(["baselines:softmax_tiny"], batch=2, seq_len=16, steps=1, overrides=["train.steps"])
   with pytest.raises(train_step.BenchError, match="train.loss_impl='fast'; valid"):
     train_step.run(["baselines:softmax_tiny"], batch=2, seq_len=16, steps=1, overrides=["train.loss_impl=fast"])
+
+
+def test_the_out_of_memory_hint_replaces_a_grad_accum_the_variant_set():
+  config = types.SimpleNamespace(train=types.SimpleNamespace(batch_size=32, grad_accum=2),
+                                 data=types.SimpleNamespace(seq_len=2048))
+  error = RuntimeError("RESOURCE_EXHAUSTED: Out of memory")
+  note = train_step.failure_note(error, "based_1p3b", "train.loss_impl=fused@train.grad_accum=2", config)
+  assert note.startswith("out of memory at micro-batch 16 × 2048; "
+                         "--presets=based_1p3b@train.loss_impl=fused@train.grad_accum=4 halves it.")
