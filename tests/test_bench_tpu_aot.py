@@ -77,8 +77,9 @@ def test_script_reports_kernel_estimates_and_xla_forms_and_a_rerun_compiles_noth
   kernel, xla = rows["pallas (Mosaic, C=128)"], rows["chunked (XLA, C=64)"]
   assert kernel["devices"] == 4 and kernel["device_kind"] == "TPU v4" and not kernel["note"]
   # The Mosaic kernels' estimate: 12 heads x 2 chunks of 128 per chip, K and V padded to 128 lanes;
-  # per step 4, 4 and 7 dots of 2·128³ (forward, dq, dk/dv); the compiler's count includes it.
-  assert kernel["kernel_flops"] == 12 * 2 * 15 * 2 * 128 ** 3 <= kernel["xla_flops"]
+  # per step 4, 6 and 11 dots of 2·128³ (forward, dq, dk/dv; the backward's state products in two
+  # bf16 parts: two dots each, three for dv's); the compiler's count includes it.
+  assert kernel["kernel_flops"] == 12 * 2 * 21 * 2 * 128 ** 3 <= kernel["xla_flops"]
   assert 0 < kernel["kernel_bytes"] < kernel["bytes_accessed"] and kernel["loops"] == []
   # XLA chunked scans over 4 chunks of 64 (forward and backward): those bodies count 4 times.
   assert xla["kernel_flops"] == 0 and xla["loops"] == [4, 4] and xla["loops_counted"]
