@@ -348,13 +348,11 @@ TUNING = {
 # Tilings of the SANATAN flash kernels tried by ``--tune=sanatan_p2`` (forward, backward), each
 # (block, loop, warps, stages) as ``pallas_triton_flash.Tiles``; the first is its default. Measured
 # slower on the H200 (8 x 2048, docs/BENCHMARKS.md) and no longer tried: backward blocks of 64 (4 or 8
-# warps) and loops of 16.
+# warps) and loops of 16; four forward stages, and forward loops of 128 at two, exceed its shared memory.
 FLASH_TUNING = [((128, 64, 8, 3), (128, 32, 8, 3)),
                 ((128, 64, 8, 2), (128, 32, 8, 2)),
                 ((128, 128, 8, 1), (128, 32, 8, 3)),
-                ((128, 64, 8, 3), (128, 32, 8, 4)),
-                ((128, 64, 8, 4), (128, 32, 8, 3)),
-                ((128, 128, 8, 2), (128, 32, 8, 3))]
+                ((128, 64, 8, 3), (128, 32, 8, 4))]
 
 
 def _tiles_name(tiles) -> str:
@@ -388,8 +386,8 @@ FUSED_TUNING = [((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 1, 8, 2)),
                 ((64, 64, 1, 4, 4), (64, 64, 1, 4, 4), (64, 64, 2, 8, 2)),
                 ((64, 32, 3, 8, 3), (64, 64, 1, 4, 3), (64, 64, 2, 8, 2))]
 # Settings of the blocked Taylor kernels tried by ``--tune=taylor_blocked`` (query block, key block,
-# warps, pipeline stages; ``taylor_sums_blocked``'s knobs); the first is its default. Their rows belong
-# to the op "taylor".
+# warps, pipeline stages; ``taylor_sums_blocked``'s knobs); the first is its default, the fastest of
+# these on the H200 at 8 x 2048 (docs/BENCHMARKS.md). Their rows belong to the op "taylor".
 TAYLOR_BLOCKED_TUNING = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (128, 64, 8, 3)]
 # Tuning names whose rows belong to another op's table.
 TUNED_OPS = {"sanatan_p1_fused": "sanatan_p1", "taylor_blocked": "taylor"}
