@@ -332,16 +332,16 @@ def softmax_cases(batch, length, dtype, shape: HeadShape | None = None):
 
 
 # Kernel settings tried by ``--tune`` (each op's defaults are timed by the plain run): phase 2 by
-# XLA's associative scan instead of the Pallas chunk scan, and the other of chunks 16 and 32, each
-# way; the gated kernel's state dots with one bf16 rounding (``split=False``). Settings measured slower on the H200 (docs/BENCHMARKS.md: chunk 64, 4 warps, value tile 32;
-# the gated kernel's sub-chunk 32 or 64) are no longer tried.
+# XLA's associative scan instead of the Pallas chunk scan, and the other of chunks 16 and 32 (SANATAN
+# each way); the gated kernel's state dots with one bf16 rounding (``split=False``). Settings measured
+# slower on the H200 (docs/BENCHMARKS.md: chunk 64, 4 warps, value tile 32; the gated kernel's sub-chunk
+# 32 or 64, and chunk 32 with XLA's scan) are no longer tried.
 TUNING = {
     "sanatan_p1": [dict(chunk_size=32, block_v=64, num_warps=8, scan="xla"),
                    dict(chunk_size=16, block_v=64, num_warps=8),
                    dict(chunk_size=16, block_v=64, num_warps=8, scan="xla")],
     "gated": [dict(chunk_size=16, num_warps=8, split=False),
-              dict(chunk_size=16, num_warps=8, scan="xla"), dict(chunk_size=32, num_warps=8),
-              dict(chunk_size=32, num_warps=8, scan="xla")],
+              dict(chunk_size=16, num_warps=8, scan="xla"), dict(chunk_size=32, num_warps=8)],
 }
 
 

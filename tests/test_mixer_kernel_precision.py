@@ -62,3 +62,23 @@ def test_float32_kernel_precision_reaches_the_kernels(seed, kind):
 def test_unknown_kernel_precision_fails_at_config_conversion(kind):
   with pytest.raises(ValueError, match="unknown precision 'fp16'; valid: input, tf32, float32"):
     _mixer_config(kind, kernel_precision="fp16")
+
+
+@pytest.mark.parametrize("kind", ["gla", "cyfa"])
+def test_kernel_split_state_reaches_the_gated_kernels_backward(kind):
+  """``kernel_split_state`` (the gated kernels' backward state dots in two bf16 parts, default True)
+  changes the parameter gradients of a bf16 Pallas mixer by about a bf16 rounding, not its output."""
+  x = jnp.asarray(np.random.default_rng(3).normal(size=(2, T, D)), jnp.bfloat16)
+
+  def outputs_and_grads(split):
+    config = _mixer_config(kind, **SMALL[kind], implementation="pallas", kernel_split_state=split)
+    mixer = mixer_class(kind)(config, d_model=D, init=INIT, dtype=jnp.bfloat16, rngs=nnx.Rngs(3))
+    graphdef, params = nnx.split(mixer)
+    loss = lambda params: jnp.sum(nnx.merge(graphdef, params)(x)[0].astype(jnp.float32) ** 2)
+    grads = jax.jit(jax.grad(loss), compiler_options=FAST_COMPILE)(params)
+    return nnx.merge(graphdef, params)(x)[0], jnp.concatenate([g.ravel() for g in jax.tree.leaves(grads)])
+
+  (y_two, g_two), (y_one, g_one) = outputs_and_grads(True), outputs_and_grads(False)
+  np.testing.assert_array_equal(np.asarray(y_two), np.asarray(y_one))
+  assert not np.array_equal(np.asarray(g_two), np.asarray(g_one)), "kernel_split_state ignored"
+  assert relative_l2(g_one, g_two) < BF16_ROUNDINGS

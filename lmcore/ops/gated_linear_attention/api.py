@@ -102,6 +102,7 @@ def gated_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                            chunk_size: int | None = None,
                            normalize: bool = False, eps: float = 1e-6, scale: float = 1.0,
                            segment_ids: jax.Array | None = None, kernel_precision: str = "input",
+                           kernel_split_state: bool = True,
                            chunked_remat: bool = True) -> tuple[jax.Array, LinearAttentionState]:
   """Gated (optionally normalised) linear attention; returns (o [B, T, H, V] in q's dtype, state).
 
@@ -124,6 +125,9 @@ def gated_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     kernel_precision: the Pallas GPU kernel's dot operands, "input" (the inputs' dtype), "tf32" or
       "float32" (fp32 throughout, and o in fp32; ``pallas_utils.PRECISIONS``). Other
       implementations ignore it.
+    kernel_split_state: "pallas" only: the kernels' backward takes its state dots' fp32 operands
+      as two parts in the inputs' dtype (``pallas_utils.split_dot``; bf16: the gate gradient within
+      the XLA path's own error); False: one rounding, faster (H200: 9-14% of the op).
     chunked_remat: "chunked" / "xla" only: the backward pass recomputes the forward from the
       inputs instead of keeping the chunk states and intra-chunk blocks (``xla.chunked``).
   """
@@ -136,7 +140,7 @@ def gated_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   if chunk_size is not None and implementation in _CHUNKED:
     options["chunk_size"] = chunk_size
   if implementation == "pallas":
-    options.update(pallas_utils.kernel_options(kernel_precision, OP))
+    options.update(pallas_utils.kernel_options(kernel_precision, OP), split=kernel_split_state)
   if implementation in ("chunked", "xla"):
     options["remat"] = chunked_remat
   backend = IMPLEMENTATIONS[implementation]
