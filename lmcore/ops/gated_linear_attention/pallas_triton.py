@@ -177,14 +177,14 @@ def _k_to_end(x: _Sub, b_end, last_doc):
   return jnp.where(writes, x.k.astype(_F32) * jnp.exp(b_end - x.b), 0.0)
 
 
-def _writes(subs, b_end, last_doc, split: bool = False):
+def _writes(subs, b_end, last_doc, split: bool):
   """What a chunk adds to the state, sum_j (k_j ⊙ exp(b_C - b_j)) v_jᵀ over its last document:
   fp32 [K, BV]."""
   return sum(pu.split_dot(_k_to_end(x, b_end, last_doc), x.v, x.v.dtype, split, trans_a=True)
              for x in subs)
 
 
-def _reads_grad(subs, state_doc, split: bool = False):
+def _reads_grad(subs, state_doc, split: bool):
   """The chunk's own share of dL/dS_n (S_n: the state at its start), sum_i (q_i ⊙ exp(b_i)) do_iᵀ
   over the tokens that read S_n, with do already scaled: fp32 [K, BV]."""
   return sum(pu.split_dot(_q_from_state(x, state_doc), x.do, x.do.dtype, split, trans_a=True)
@@ -206,7 +206,7 @@ def _chunk_outputs(subs, S, state_doc):
   return out
 
 
-def _dq_chunk(subs, S, state_doc, split: bool = False):
+def _dq_chunk(subs, S, state_doc, split: bool):
   """dq of one chunk from scale * do, the state at the chunk start and the intra-chunk scores."""
   dt = subs[0].q.dtype
   out = []
@@ -228,7 +228,7 @@ def _dq_chunk(subs, S, state_doc, split: bool = False):
   return out
 
 
-def _dkv_chunk(subs, dS, b_end, last_doc, split: bool = False):
+def _dkv_chunk(subs, dS, b_end, last_doc, split: bool):
   """dk, dv of one chunk from dS (the gradient of the state after it) and the later queries."""
   dt = subs[0].q.dtype
   out = []
@@ -283,7 +283,7 @@ def _state_doc(doc_ref, prev_doc_ref):
 def _writes_kernel(k_ref, v_ref, g_ref, doc_ref, W_ref, *, cfg):
   """Phase 1: W_n, what chunk n adds to the state ([K, BV] fp32)."""
   subs, b_end, last_doc = _load_chunk((None, k_ref, v_ref, g_ref, doc_ref), cfg)
-  W_ref[...] = _writes(subs, b_end, last_doc)
+  W_ref[...] = _writes(subs, b_end, last_doc, split=False)  # the forward keeps one rounding
 
 
 def _outputs_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, prev_doc_ref, S_ref, o_ref, *, cfg):
