@@ -19,6 +19,7 @@ from based_jax.base_conv import silu_gated_conv, zoology_gated_conv
 from based_jax.ops.taylor_attention import (TaylorState, default_decay_rates,
                                             taylor_linear_attention, zero_state)
 from based_jax.ops.taylor_attention.api import resolve_implementation
+from based_jax.ops.taylor_attention.pallas_triton_fused import Tiles as FusedTiles
 from based_jax.sliding_window import (WindowState, rotary, sliding_window_attention,
                                       zero_window_state)
 from based_jax.taylor import feature_width
@@ -121,6 +122,7 @@ class TaylorLinearAttention(nnx.Module):
       F = ``taylor.feature_width(d', feature)`` (153 compact, 273 full at d' = 16);
     * ``pallas``: the same with F = ``feature_width(d', "full")``, the kernels' state rows
       (d' + 1 groups of d' plus the constant row) whatever ``feature``;
+    * ``pallas_fused``: as ``pallas`` at the fused kernels' own chunk (``FusedTiles().chunk``);
     * ``recurrent``: 4 · F · (dv + 1).
     """
     cfg = self.config
@@ -132,8 +134,9 @@ class TaylorLinearAttention(nnx.Module):
     elif name == "recurrent":
       mixing = flops.recurrent(feature_width(d, cfg.feature), V)
     else:
-      F = feature_width(d, "full" if name == "pallas" else cfg.feature)
-      mixing = flops.chunked(F, V, cfg.chunk_size, seq_len, score_width=d)
+      F = feature_width(d, "full" if name.startswith("pallas") else cfg.feature)
+      chunk = FusedTiles().chunk if name == "pallas_fused" else cfg.chunk_size
+      mixing = flops.chunked(F, V, chunk, seq_len, score_width=d)
     return flops.dense(self) + cfg.n_heads * mixing
 
 

@@ -306,14 +306,16 @@ def taylor_cases(batch, length, dtype, shape: HeadShape | None = None):
   kernel = lambda precision: op("pallas", kernel_precision=precision)
   cases = {pallas_name: op("pallas"), **_precision_cases(kernel, dtype),
            "chunked (xla)": op("chunked")}
-  if pallas_name == "pallas":  # the blocked (quadratic) Triton kernels; GPU only
+  if pallas_name == "pallas":  # the blocked (quadratic) and fused-chunk Triton kernels; GPU only
     cases["pallas_blocked"] = op("pallas_blocked")
+    cases["pallas_fused"] = op("pallas_fused")
   if batch * H * length * length <= PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = op("parallel")
   F = 1 + d + d * (d + 1) // 2  # the compact feature width, 153 at d' = 16
   flops = {impl: chunked_flops(batch, length, H, F, V) for impl in cases}
   if pallas_name == "pallas (tpu)":  # compiled Mosaic chunks are >= 128 tokens
     flops[pallas_name] = chunked_flops(batch, length, H, F, V, chunk=TPU_CHUNK)
+  flops["pallas_fused"] = chunked_flops(batch, length, H, F, V)
   for name in ("parallel (reference)", "pallas_blocked"):
     flops[name] = parallel_flops(batch, length, H, d + 2, V)
   return args, cases, flops
@@ -389,8 +391,18 @@ FUSED_TUNING = [((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 1, 8, 2)),
 # warps, pipeline stages; ``taylor_sums_blocked``'s knobs); the first is its default, the fastest of
 # these on the H200 at 8 x 2048 (docs/BENCHMARKS.md). Their rows belong to the op "taylor".
 TAYLOR_BLOCKED_TUNING = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (128, 64, 8, 3)]
+# Tilings of the fused-chunk Taylor kernels tried by ``--tune=taylor_fused``, as
+# ``pallas_triton_fused.Tiles`` fields (chunk, features, block_v, then (warps, stages) of the forward,
+# dq, dk/dv and intra kernels); the first is its default. Their rows belong to the op "taylor".
+# Measured slower on the H200 (docs/BENCHMARKS.md) and no longer tried: two pipeline stages,
+# feature blocks of 128, value tiles of 32, chunks of 32, 8 warps at chunks of 64.
+TAYLOR_FUSED_TUNING = [(128, 64, 64, (8, 3), (8, 3), (8, 3), (8, 2)),
+                       (64, 64, 64, (4, 3), (4, 3), (8, 3), (4, 2)),
+                       (64, 64, 64, (4, 4), (4, 4), (8, 3), (4, 2)),
+                       (128, 64, 64, (8, 4), (8, 4), (8, 3), (8, 2)),
+                       (64, 32, 64, (4, 3), (4, 3), (8, 3), (4, 2))]
 # Tuning names whose rows belong to another op's table.
-TUNED_OPS = {"sanatan_p1_fused": "sanatan_p1", "taylor_blocked": "taylor"}
+TUNED_OPS = {"sanatan_p1_fused": "sanatan_p1", "taylor_blocked": "taylor", "taylor_fused": "taylor"}
 
 
 def _fused_name(tiles) -> str:
@@ -435,6 +447,26 @@ def taylor_blocked_tuning_cases(batch: int, length: int, dtype) -> tuple[tuple, 
   return args, cases, {name: flops["pallas_blocked"] for name in cases}
 
 
+def _taylor_fused_name(entry) -> str:
+  """"pallas_fused (C=64, F=64, BV=64, fwd 4w 2s, dq ..., dkv ..., intra ...)" for a
+  TAYLOR_FUSED_TUNING entry."""
+  kernels = ", ".join(f"{name} {w}w {s}s" for name, (w, s) in zip(("fwd", "dq", "dkv", "intra"), entry[3:]))
+  return f"pallas_fused (C={entry[0]}, F={entry[1]}, BV={entry[2]}, {kernels})"
+
+
+def taylor_fused_tuning_cases(batch: int, length: int, dtype) -> tuple[tuple, dict, dict]:
+  """(args, cases, flops) of the fused-chunk Taylor kernels at every TAYLOR_FUSED_TUNING tiling."""
+  from based_jax.ops.taylor_attention import pallas_triton_fused as fused
+
+  args, _, flops = taylor_cases(batch, length, dtype)
+  cases = {}
+  for entry in TAYLOR_FUSED_TUNING:
+    tiles = fused.Tiles(*entry)
+    cases[_taylor_fused_name(entry)] = (
+        lambda q, k, v, tiles=tiles: fused.taylor_fused_pallas(q, k, v, tiles=tiles)[0])
+  return args, cases, {name: flops["pallas_fused"] for name in cases}
+
+
 def tuning_cases(op_name: str, batch: int, length: int, dtype) -> tuple[tuple, dict, dict]:
   """(args, cases, flops) of the Triton kernel of ``op_name`` at every TUNING setting; for
   "sanatan_p2", the flash kernel at every FLASH_TUNING tiling; for "sanatan_p1_fused", the
@@ -448,9 +480,11 @@ def tuning_cases(op_name: str, batch: int, length: int, dtype) -> tuple[tuple, d
     return fused_tuning_cases(batch, length, dtype)
   if op_name == "taylor_blocked":
     return taylor_blocked_tuning_cases(batch, length, dtype)
+  if op_name == "taylor_fused":
+    return taylor_fused_tuning_cases(batch, length, dtype)
   if op_name not in TUNING:
     raise ValueError(f"no tuning settings for op {op_name!r}; tunable: "
-                     f"{', '.join([*TUNING, 'sanatan_p2', 'sanatan_p1_fused', 'taylor_blocked'])}")
+                     f"{', '.join([*TUNING, 'sanatan_p2', 'sanatan_p1_fused', *TUNED_OPS])}")
   args, _, _ = OPS[op_name](batch, length, dtype)
   kernel = {"sanatan_p1": sanatan_p1_pallas, "gated": pallas.gated_linear_attention_pallas}[op_name]
   features = 6 * HEAD_DIM if op_name == "sanatan_p1" else HEAD_DIM
@@ -473,7 +507,7 @@ REFERENCE = {"sanatan_p1": "chunked (xla)", "sanatan_p2": "blocked (xla)", "gate
 AUTO_CASES = {"sanatan_p1": ("chunked (xla, C=128)", "pallas_fused"),
               "sanatan_p2": ("parallel (xla)", "pallas_flash", FLASH_FACTOR_CASE),
               "gated": ("chunked (xla)", "pallas"),
-              "taylor": ("chunked (xla)", "pallas", "pallas_blocked")}
+              "taylor": ("chunked (xla)", "pallas", "pallas_blocked", "pallas_fused")}
 
 
 def _decisive_first(op_name: str, cases: dict) -> dict:

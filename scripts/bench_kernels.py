@@ -48,7 +48,8 @@ _TUNE = flags.DEFINE_list("tune", [], "Ops whose Triton kernel is also timed at 
                           "benchmarks.harness.TUNING (chunk, value tile, warps), e.g. sanatan_p1,gated; "
                           "sanatan_p2 times the flash kernel at every FLASH_TUNING tiling, "
                           "sanatan_p1_fused the fused-chunk kernel at every FUSED_TUNING tiling, "
-                          "taylor_blocked the blocked Taylor kernels at every TAYLOR_BLOCKED_TUNING setting.")
+                          "taylor_blocked the blocked Taylor kernels at every TAYLOR_BLOCKED_TUNING setting, "
+                          "taylor_fused the fused-chunk Taylor kernels at every TAYLOR_FUSED_TUNING tiling.")
 _SHAPES = flags.DEFINE_list("shapes", ["default"], "Named sets of head shapes to time each op at: default, "
                             "preset (the paper presets' heads), wide (K, V up to 512); softmax and FLA keep "
                             "their default shapes.")

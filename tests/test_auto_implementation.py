@@ -75,21 +75,27 @@ def test_auto_is_xla_for_wide_heads_of_every_op_on_gpu(on, key_dim, value_dim):
 @pytest.mark.parametrize("key_dim,value_dim,expected", [
     (16, 64, "pallas_blocked"), (8, 32, "pallas_blocked"), (16, 112, "pallas_blocked"),
     (16, 256, "pallas_blocked"), (32, 128, "pallas_blocked"), (64, 128, "pallas_blocked"),
-    (16, 512, "pallas"), (16, 1024, "chunked"), (128, 64, "chunked")])
+    (16, 512, "pallas_fused"), (64, 512, "pallas"), (16, 1024, "chunked"), (128, 64, "chunked")])
 def test_taylor_auto_keeps_heads_wider_than_measured_on_xla_on_gpu(on, key_dim, value_dim, expected):
-  """At T = 2048 the blocked kernel beat XLA at d' up to 64 and dv up to 256 (BASED 1.3B's 112 among
-  them); at dv = 512 it does not fit in shared memory and the chunked kernel, which did beat XLA
-  there, runs; wider heads take XLA."""
+  """At T = 2048 the blocked kernel beat XLA and the other kernels at d' up to 64 and dv up to 256
+  (BASED 1.3B's 112 among them); at dv = 512 it does not fit in shared memory and the fused kernel
+  runs (1.69 against the chunked kernel's 3.19 ms), or, at key dims the fused kernel does not take,
+  the chunked one; wider heads take XLA."""
   on("gpu")
   assert taylor.resolve_implementation("auto", length=2048, key_dim=key_dim, value_dim=value_dim) == expected
 
 
-@pytest.mark.parametrize("key_dim,value_dim", [(16, 512), (32, 128), (64, 64)])
-def test_taylor_auto_runs_the_chunked_kernel_on_long_sequences_on_gpu(on, key_dim, value_dim):
-  """From T = 8192 the chunked kernel runs at every head "auto" gives the kernels (H200, T = 8192:
-  3.13 against XLA's 15.08 ms at 16 x 512, 10.83 against 28.13 at 32 x 128)."""
+@pytest.mark.parametrize("key_dim,value_dim,expected", [
+    (16, 64, "pallas_fused"), (16, 112, "pallas_fused"), (16, 512, "pallas_fused"),
+    (32, 128, "pallas_blocked"), (64, 64, "pallas_blocked"), (64, 512, "pallas")])
+def test_taylor_auto_on_long_sequences_on_gpu(on, key_dim, value_dim, expected):
+  """From T = 4096 the fused kernel runs at d' = 16 (H200, T = 8192: 2.25 / 3.34 / 2.27 ms at dv = 64 /
+  112 / 512 against the chunked kernel's 4.65 / 6.30 / 3.14); wider keys keep the blocked kernel (3.74
+  against the fused kernel's 5.89 at 32 x 128), past its value width the chunked one."""
   on("gpu")
-  assert taylor.resolve_implementation("auto", length=8192, key_dim=key_dim, value_dim=value_dim) == "pallas"
+  for length in (4096, 8192, 32768):
+    got = taylor.resolve_implementation("auto", length=length, key_dim=key_dim, value_dim=value_dim)
+    assert got == expected
 
 
 def _no_kernel(monkeypatch, module, *names):
@@ -114,7 +120,7 @@ def test_gated_auto_counts_the_normaliser_column_on_gpu(on, monkeypatch):
 def test_taylor_auto_runs_xla_for_wide_values_on_gpu(on, monkeypatch):
   """dv = 640 is wider than the kernels were measured to win at: "auto" runs XLA chunked on a GPU."""
   on("gpu")
-  _no_kernel(monkeypatch, taylor, "pallas", "pallas_blocked")
+  _no_kernel(monkeypatch, taylor, "pallas", "pallas_blocked", "pallas_fused")
   B, T, H, d, V = 1, 8, 1, 4, 640
   _same(taylor.taylor_linear_attention, "chunked", _normal(0, B, T, H, d), _normal(1, B, T, H, d),
         _normal(2, B, T, H, V), chunk_size=4)
@@ -161,7 +167,7 @@ def test_sanatan_auto_keeps_heads_wider_than_the_flash_tiles_on_xla_on_gpu(on, h
 
 @pytest.mark.parametrize("platform,length,decay,segments,expected", [
     ("gpu", 2048, False, False, "pallas_blocked"), ("gpu", 2048, False, True, "pallas_blocked"),
-    ("gpu", 8192, False, False, "pallas"), ("gpu", 8192, False, True, "pallas"),
+    ("gpu", 4096, False, False, "pallas_fused"), ("gpu", 8192, False, True, "pallas_fused"),
     ("gpu", 2048, True, False, "chunked"), ("gpu", 2048, True, True, "parallel"),
     ("cpu", 2048, False, False, "chunked"), ("cpu", 2048, False, True, "parallel"),
     ("tpu", 2048, False, False, "chunked"), ("tpu", 2048, True, True, "parallel"),

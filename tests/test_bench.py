@@ -94,6 +94,24 @@ def test_blocked_taylor_tuning_settings_compute_the_ops_function():
   assert bench.TUNED_OPS["taylor_blocked"] == "taylor"
 
 
+def test_fused_taylor_tuning_settings_compute_the_ops_function():
+  """Every TAYLOR_FUSED_TUNING tiling is named by its fields and credited the fused kernel's FLOPs; the
+  first is the kernel's default tiling and computes the XLA chunked path's output (T = 32); its rows go
+  to the op "taylor"."""
+  from based_jax.ops.taylor_attention.pallas_triton_fused import Tiles
+
+  args, cases, flops = bench.tuning_cases("taylor_fused", 1, 32, "float32")
+  _, defaults, default_flops = bench.OPS["taylor"](1, 32, "float32")
+  assert len(cases) == len(bench.TAYLOR_FUSED_TUNING) and Tiles(*bench.TAYLOR_FUSED_TUNING[0]) == Tiles()
+  for name, entry in zip(cases, bench.TAYLOR_FUSED_TUNING):
+    assert name.startswith(f"pallas_fused (C={entry[0]}, F={entry[1]}, BV={entry[2]}, fwd {entry[3][0]}w")
+    assert flops[name] == default_flops["pallas_fused"]
+  want = defaults["chunked (xla)"](*args)
+  got = next(iter(cases.values()))(*args)
+  assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5
+  assert bench.TUNED_OPS["taylor_fused"] == "taylor"
+
+
 def test_chunk_scan_benchmark_times_every_setting_and_appends_its_table(tmp_path):
   """scripts/bench_chunk_scan.py on CPU (interpreted): one row per setting, timed, then one dated block."""
   out = tmp_path / "BENCH.md"

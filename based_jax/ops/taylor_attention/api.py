@@ -27,6 +27,8 @@ Implementations (``IMPLEMENTATIONS``):
   (Mosaic) where ``pallas_utils.backend()`` is "tpu"; no decay ablation.
 * ``pallas_blocked``: the quadratic form block by block (``pallas_triton_blocked.py``, Triton;
   interpreted off GPU); no decay ablation.
+* ``pallas_fused``: the fused-chunk kernels (``pallas_triton_fused.py``, Triton; interpreted off
+  GPU): the state carried through the chunks in registers; no decay ablation.
 * ``auto``: see ``resolve_implementation`` (the kernels on GPUs for heads up to
   ``KERNEL_MAX_KEY_DIM`` x ``KERNEL_MAX_VALUE_DIM``, XLA otherwise).
 """
@@ -39,14 +41,16 @@ from typing import Literal
 
 import jax
 
-from based_jax.ops.taylor_attention import pallas_mosaic_tpu, pallas_triton, pallas_triton_blocked
+from based_jax.ops.taylor_attention import (pallas_mosaic_tpu, pallas_triton, pallas_triton_blocked,
+                                            pallas_triton_fused)
 from based_jax.ops.taylor_attention.base import BLOCKED_BELOW, TaylorState, check_args
 from based_jax.ops.taylor_attention.reference import parallel, recurrent
 from based_jax.ops.taylor_attention.xla import chunked
 from based_jax.taylor import Feature
 from lmcore.ops.common import implementations, pallas_utils, shard_map
 
-Implementation = Literal["parallel", "chunked", "recurrent", "pallas", "pallas_blocked", "auto"]
+Implementation = Literal["parallel", "chunked", "recurrent", "pallas", "pallas_blocked", "pallas_fused",
+                         "auto"]
 
 
 # Each array's leading dimensions for the kernels' shard_map (shard_map.run_sharded).
@@ -77,28 +81,41 @@ def _pallas_blocked(q, k, v, *, state, eps, feature, chunk_size, decay, dt, segm
                                _OUT_LAYOUTS)
 
 
+def _pallas_fused(q, k, v, *, state, eps, feature, chunk_size, decay, dt, segment_ids, kernel_precision):
+  """The fused-chunk Triton kernels at their own tiling (``pallas_triton_fused.Tiles``), per device
+  like ``_pallas``."""
+  del chunk_size, decay, dt  # check_args rejects decay and dt
+  kernel = functools.partial(pallas_triton_fused.taylor_fused_pallas, eps=eps, feature=feature,
+                             precision=kernel_precision)
+  return shard_map.run_sharded(kernel, dict(q=q, k=k, v=v, state=state, segment_ids=segment_ids), _LAYOUTS,
+                               _OUT_LAYOUTS)
+
+
 IMPLEMENTATIONS: dict[str, Callable[..., tuple[jax.Array, TaylorState]]] = {
     "parallel": parallel,
     "chunked": chunked,
     "recurrent": recurrent,
     "pallas": _pallas,
     "pallas_blocked": _pallas_blocked,
+    "pallas_fused": _pallas_fused,
 }
 
 
-# The widest heads "auto" gives the Triton kernels: the widest they were timed at against XLA (H200,
-# fwd+bwd, 16,384 tokens; resolve_implementation). At d' = 16 and T = 2048 the blocked kernel took
-# 1.54 / 2.58 / 1.17 / 1.67 ms at dv = 64 / 112 (BASED 1.3B) / 128 / 256 against XLA chunked's 9.34 /
-# 11.71 / 7.48 / 8.09 (the chunked kernel 4.40 / 6.61 / 4.37 / 3.40); at dv = 128 and d' = 32 / 64,
-# 1.24 / 1.39 against 18.48 / 55.54 (chunked kernel 10.70 / 29.56). The blocked kernels hold a head's
-# whole dv in shared memory: at dv = 512 they need 277 KiB of the chip's 227, so from
-# ``BLOCKED_MAX_VALUE_DIM`` on the chunked kernel runs (it tiles dv + 1 by 32): at d' = 16, dv = 512,
-# 3.41 ms against 6.35 at T = 2048 and 3.13 against 15.08 at T = 8192; at d' = 32, dv = 128, T = 8192,
-# 10.83 against 28.13. The chunked kernels carry d' + 1 groups of [d', 32] state tiles (the state grows
-# as d'²); d' = 64 was timed at T = 2048 only. Wider heads take XLA.
+# The heads "auto" gives the Triton kernels, from H200 fwd+bwd timings at 16,384 tokens
+# (docs/BENCHMARKS.md, resolve_implementation). d' = 16, T = 8192, ms of the fused-chunk / chunked /
+# blocked kernel: dv = 64: 2.25 / 4.65 / 4.81; dv = 112 (BASED 1.3B): 3.34 / 6.30 / 6.64; dv = 128, 256,
+# 512 (H dv = 1024): 2.21 / 4.23 / 3.61, 2.32 / 3.51 / 4.94, 2.27 / 3.14 / - (the blocked kernels hold a
+# head's whole dv in shared memory and exceed it from dv = 512, ``BLOCKED_MAX_VALUE_DIM``); XLA chunked
+# 15.0-20.4. Wider keys favour the blocked kernel, whose work grows with d' where the others' state
+# grows with d'²: at dv = 128, T = 8192, d' = 32: blocked 3.74, fused 5.89, chunked 10.66; d' = 64:
+# blocked 4.10, chunked 29.15 (the fused kernels take d' <= ``pallas_triton_fused.MAX_KEY_DIM``); XLA
+# 28.0 / 68.2. Wider heads take XLA.
 KERNEL_MAX_KEY_DIM = 64
 KERNEL_MAX_VALUE_DIM = 512
 BLOCKED_MAX_VALUE_DIM = 256
+# Key dims up to this take the fused-chunk kernels from ``BLOCKED_BELOW`` on; wider ones the blocked
+# kernels at every length.
+FUSED_MAX_KEY_DIM = 16
 
 
 def resolve_implementation(implementation: str | None, **problem) -> str:
@@ -107,23 +124,28 @@ def resolve_implementation(implementation: str | None, **problem) -> str:
   Reads ``length`` (T), ``decay`` (the decay ablation is on: ``decay`` or ``dt`` given),
   ``segments`` (``segment_ids`` given), ``key_dim`` (d') and ``value_dim`` (dv; unknown widths
   count as small). On a GPU without the decay ablation (which the kernels lack), for heads of at
-  most ``KERNEL_MAX_KEY_DIM`` x ``KERNEL_MAX_VALUE_DIM``, the Pallas kernels: "pallas_blocked" for
-  T < ``BLOCKED_BELOW`` and dv <= ``BLOCKED_MAX_VALUE_DIM``, else "pallas" (H200 fwd+bwd 2.05× /
-  3.71× / 5.97× XLA chunked at T = 2048 / 8192 / 32768; the blocked ones 5.9× at 2048). Otherwise XLA
-  (TPUs too: the Mosaic kernels, compiled by libtpu in the tests, have not been timed on a TPU):
-  "chunked", or with ``segments``, which chunked does not take, "parallel", the fastest XLA form that
-  does (0.86× chunked at T = 2048 on the H200, at the cost of
-  B H T² fp32 scores); "recurrent" is a T-step serial scan, the decode path.
+  most ``KERNEL_MAX_KEY_DIM`` x ``KERNEL_MAX_VALUE_DIM``, the Pallas kernels: for dv <=
+  ``BLOCKED_MAX_VALUE_DIM``, "pallas_blocked" below T = ``BLOCKED_BELOW`` or for d' >
+  ``FUSED_MAX_KEY_DIM``, else "pallas_fused"; for wider values "pallas_fused" (d' <=
+  ``pallas_triton_fused.MAX_KEY_DIM``) or "pallas". H200 fwd+bwd at d' = 16, dv = 64 against XLA
+  chunked: blocked 5.8× at T = 2048, fused 6.5× / 7.8× / 14.7× at 4096 / 8192 / 32768 (the chunked
+  kernel 2.1× / 2.8× / 3.8× / 5.7× at 2048 ... 32768). Otherwise XLA (TPUs too: the Mosaic kernels,
+  compiled by libtpu in the tests, have not been timed on a TPU): "chunked", or with ``segments``,
+  which chunked does not take, "parallel", the fastest XLA form that does (0.86× chunked at T = 2048
+  on the H200, at the cost of B H T² fp32 scores); "recurrent" is a T-step serial scan, the decode
+  path.
   """
-  value_dim = problem.get("value_dim", 0)
-  narrow = problem.get("key_dim", 0) <= KERNEL_MAX_KEY_DIM and value_dim <= KERNEL_MAX_VALUE_DIM
+  key_dim, value_dim = problem.get("key_dim", 0), problem.get("value_dim", 0)
+  narrow = key_dim <= KERNEL_MAX_KEY_DIM and value_dim <= KERNEL_MAX_VALUE_DIM
 
   def auto() -> str:
-    if pallas_utils.backend() == "gpu" and narrow and not problem.get("decay", False):
-      length = problem.get("length")
-      short = length is not None and length < BLOCKED_BELOW
-      return "pallas_blocked" if short and value_dim <= BLOCKED_MAX_VALUE_DIM else "pallas"
-    return "parallel" if problem.get("segments", False) else "chunked"
+    if pallas_utils.backend() != "gpu" or not narrow or problem.get("decay", False):
+      return "parallel" if problem.get("segments", False) else "chunked"
+    if value_dim > BLOCKED_MAX_VALUE_DIM:
+      return "pallas_fused" if key_dim <= pallas_triton_fused.MAX_KEY_DIM else "pallas"
+    length = problem.get("length")
+    short = length is not None and length < BLOCKED_BELOW
+    return "pallas_blocked" if short or key_dim > FUSED_MAX_KEY_DIM else "pallas_fused"
 
   return implementations.resolve("taylor_linear_attention", implementation, IMPLEMENTATIONS, auto)
 
@@ -145,7 +167,8 @@ def taylor_linear_attention(
     eps: added to the denominator.
     feature: ``compact`` (F = 153 at d' = 16) or ``full`` (F = 273): same function, different
       state width.
-    chunk_size: tokens per chunk of ``chunked`` and ``pallas``.
+    chunk_size: tokens per chunk of ``chunked`` and ``pallas`` (``pallas_fused`` has its own
+      tiling, ``pallas_triton_fused.Tiles``).
     decay: per-head rates gamma [H] (e.g. ``default_decay_rates(H)``), or None for no decay.
     dt: per-position, per-head query scale [B, T, H], or None for 1.
     segment_ids: packed-document ids [B, T] (all but ``chunked``).

@@ -22,13 +22,13 @@ import jax.numpy as jnp
 from based_jax.taylor import Feature, feature_width, taylor_features, taylor_kernel
 
 # The backends without the decay ablation (decay, dt) and those without packed documents.
-NO_DECAY: tuple[str, ...] = ("pallas", "pallas_blocked")
+NO_DECAY: tuple[str, ...] = ("pallas", "pallas_blocked", "pallas_fused")
 NO_SEGMENTS: tuple[str, ...] = ("chunked",)
 
-# "auto" on a GPU: the blocked (quadratic) kernels below this length, the chunked ones from it. H200
-# fwd+bwd (B T = 16,384, 16 heads, d' = 16, dv = 64): 1.59 against 4.43 ms at T = 2048, 2.97
-# against 4.31 at 4096, 4.80 against 4.74 at 8192, 33.5 against 10.7 at 32768.
-BLOCKED_BELOW = 8192
+# "auto" on a GPU: the blocked (quadratic) kernels below this length, the fused-chunk ones from it.
+# H200 fwd+bwd (B T = 16,384, 16 heads, d' = 16, dv = 64): blocked 1.58 against fused 1.68 ms at
+# T = 2048, 2.64 against 1.89 at 4096, 4.81 against 2.25 at 8192.
+BLOCKED_BELOW = 4096
 
 
 class TaylorState(NamedTuple):

@@ -1,0 +1,116 @@
+"""The fused-chunk Taylor kernels (``implementation="pallas_fused"``) compute taylor_linear_attention's
+function (MATH §2.1): the shared checks of ``test_base`` (rejecting the decay ablation), and outputs,
+final state and gradients (q, k, v, initial S and z) equal the materialised parallel form for partial
+chunks, a padded key dim, several value tiles and feature blocks, both state layouts and packed
+documents; the kernels lower to Triton for an H200 at the BASED head shape.
+
+Interpreted on CPU. Tolerance: relative L2 error 1e-5 at fp32 (summation order only; observed below
+3e-7).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from based_jax import TaylorState, taylor_features, taylor_linear_attention
+from based_jax.ops.taylor_attention.pallas_triton_fused import Tiles, taylor_fused_pallas
+from kernel_cases import assert_close, document_ids, normals, run_taylor, taylor_abstract_inputs
+from lmcore.numerics import relative_l2
+from lmcore.ops.common import pallas_utils
+
+from .test_base import TaylorAttentionTestBase
+
+
+_fused_jit = jax.jit(taylor_fused_pallas, static_argnames=("feature", "eps", "tiles"))
+
+
+class TestPallasFused(TaylorAttentionTestBase):
+  """The shared checks on the fused kernels (interpreted on CPU) at the cases' chunk of 16 and feature
+  blocks of 8 rows (d' = 4: two quadratic blocks and the linear one), so that states cross chunks
+  and blocks; ``implementation="pallas_fused"`` names them in the rejection checks."""
+
+  implementation = "pallas_fused"
+  decay = False
+  pieces = (33, 7, 1, 26)
+
+  def op(self, q, k, v, *, chunk_size, decay, dt, **options):
+    assert decay is None and dt is None
+    return _fused_jit(q, k, v, tiles=Tiles(chunk=chunk_size, features=8), **options)
+
+
+def _inputs(seed, T, *, B=2, H=2, d=8, dv=5):
+  return normals(np.random.default_rng(seed), (B, T, H, d), (B, T, H, d), (B, T, H, dv))
+
+
+def _prefix_state(seed, feature, *, d=8):
+  """A reachable state: sums of phi(k) v^T and phi(k) over a random 9-token prefix."""
+  _, k, v = _inputs(seed, 9, d=d)
+  phi = taylor_features(k, feature)
+  return TaylorState(jnp.einsum("bthf,bthv->bhfv", phi, v), phi.sum(1))
+
+
+def _run(fn, T, d, feature, segment_ids=None):
+  inputs, state = _inputs(T, T, d=d), _prefix_state(100 + T, feature, d=d)
+  projections = normals(np.random.default_rng(99), inputs[2].shape, *(x.shape for x in state))
+  options = {} if segment_ids is None else dict(segment_ids=segment_ids)
+  return run_taylor(fn, inputs, state, projections, feature=feature, **options)
+
+
+def _fused(tiles: Tiles):
+  """``taylor_fused_pallas`` at ``tiles`` with run_taylor's chunk."""
+  return lambda *args, chunk_size, **options: taylor_fused_pallas(
+      *args, tiles=tiles._replace(chunk=chunk_size), **options)
+
+
+_parallel = functools.partial(taylor_linear_attention, implementation="parallel")
+
+
+@pytest.mark.parametrize("T,d,feature,tiles,starts", [
+    # d' = 8: four quadratic blocks of 16 rows and the linear block; a partial chunk
+    (37, 8, "compact", Tiles(features=16), None),
+    # key dim padded 6 -> 8, two value tiles of 4 (dv = 5 -> 8), two quadratic blocks of 32 rows;
+    # row 1 packs documents starting mid-chunk, at a chunk start (16) and a one-token one
+    (37, 6, "full", Tiles(features=32, block_v=4), (5, 16, 17)),
+])
+def test_fused_equals_parallel_with_gradients(T, d, feature, tiles, starts):
+  segment_ids = None if starts is None else document_ids(2, T, starts)
+  got = _run(_fused(tiles), T, d, feature, segment_ids)
+  want = _run(_parallel, T, d, feature, segment_ids)
+  assert_close(got, want, f"T={T} d={d} {feature} {tiles} documents={starts}")
+
+
+def test_implementation_pallas_fused_runs_the_kernels_at_their_own_tiling():
+  """``implementation="pallas_fused"`` reaches the kernels, whatever ``chunk_size`` says."""
+  q, k, v = _inputs(4, 20)
+  got, state = taylor_linear_attention(q, k, v, implementation="pallas_fused", chunk_size=4)
+  want, want_state = _parallel(q, k, v)
+  assert relative_l2(got, want) < 1e-5 and relative_l2(state.S, want_state.S) < 1e-5
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+def test_kernels_lower_to_triton_for_an_h200_with_bfloat16_inputs():
+  """Forward (walk, intra) and backward (dq walk, dk/dv walk, intra) kernels pass the Pallas Triton
+  lowering for an abstract H200 at the BASED head shape (d' = 16, dv = 64), with a partial chunk and
+  packed documents."""
+  def loss(q, k, v, segment_ids):
+    o, new = taylor_fused_pallas(q, k, v, interpret=False, segment_ids=segment_ids)
+    return o.astype(jnp.float32).sum() + new.S.sum() + new.z.sum()
+
+  lowered = pallas_utils.lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2)), *taylor_abstract_inputs(T=200))
+  assert lowered.as_text().count("xla.gpu.triton") == 5
+
+
+def test_bad_options_raise_clear_errors():
+  q, k, v = _inputs(3, 9)
+  with pytest.raises(NotImplementedError, match="implementation='chunked'"):
+    taylor_fused_pallas(q, k, v, interpret=False)
+  with pytest.raises(ValueError, match="tiles.features must be a power of two"):
+    taylor_fused_pallas(q, k, v, tiles=Tiles(features=48))
+  wide = jnp.zeros((1, 16, 1, 64))
+  with pytest.raises(ValueError, match="use implementation='pallas_blocked'"):
+    pallas_utils.lower_for_gpu(lambda q: taylor_fused_pallas(q, q, q, interpret=False)[0], wide)
+  with pytest.raises(NotImplementedError, match="decay ablation"):
+    taylor_linear_attention(q, k, v, implementation="pallas_fused", decay=jnp.full((2,), 0.9))
