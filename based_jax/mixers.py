@@ -55,7 +55,7 @@ class TaylorLinearAttention(nnx.Module):
     feature_dim: int = 16
     feature: Literal["full", "compact"] = "compact"
     implementation: Literal["parallel", "chunked", "recurrent", "pallas", "pallas_blocked",
-                            "auto"] = "chunked"
+                            "pallas_fused", "auto"] = "chunked"
     chunk_size: int = 64
     kernel_precision: str = "input"  # Pallas kernels only: "tf32"/"float32" run them in fp32
     eps: float = 1e-12

@@ -59,7 +59,7 @@ def default_implementation() -> str:
 
   Measured on one H200 (docs/BENCHMARKS.md, 2026-11-29/30), fwd+bwd over our XLA path at
   T = 2048 / 8192 / 32768: SANATAN p = 1 1.64× / 2.62× / 3.98×, gated 2.95× / 3.72× / 3.59×
-  (Taylor 2.05× / 3.71× / 5.97×, SANATAN p = 2 blocked 1.21× / 2.59× / 4.73×). TPUs keep XLA:
+  (SANATAN p = 2 blocked 1.21× / 2.59× / 4.73×; Taylor has its own resolver). TPUs keep XLA:
   the Mosaic kernels have not been timed on a TPU yet.
   """
   return "pallas" if backend() == "gpu" else "chunked"

@@ -20,7 +20,8 @@ def test_zero_state_has_feature_width():
 
 
 def test_registry_holds_the_configured_names_and_unknown_names_list_them():
-  assert set(IMPLEMENTATIONS) == {"parallel", "chunked", "recurrent", "pallas", "pallas_blocked"}
+  assert set(IMPLEMENTATIONS) == {"parallel", "chunked", "recurrent", "pallas", "pallas_blocked",
+                                  "pallas_fused"}
   x = jnp.ones((1, 3, 1, 2))
   with pytest.raises(ValueError, match="pallas_blocked"):
     taylor_linear_attention(x, x, x, implementation="reference")
