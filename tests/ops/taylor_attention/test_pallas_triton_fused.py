@@ -68,15 +68,12 @@ def _fused(tiles: Tiles):
 _parallel = functools.partial(taylor_linear_attention, implementation="parallel")
 
 
-@pytest.mark.parametrize("T,d,feature,tiles,starts", [
-    # d' = 8: four quadratic blocks of 16 rows and the linear block; a partial chunk
-    (37, 8, "compact", Tiles(features=16), None),
-    # key dim padded 6 -> 8, two value tiles of 4 (dv = 5 -> 8), two quadratic blocks of 32 rows;
-    # row 1 packs documents starting mid-chunk, at a chunk start (16) and a one-token one
-    (37, 6, "full", Tiles(features=32, block_v=4), (5, 16, 17)),
-])
-def test_fused_equals_parallel_with_gradients(T, d, feature, tiles, starts):
-  segment_ids = None if starts is None else document_ids(2, T, starts)
+def test_fused_equals_parallel_with_gradients():
+  """Key dim padded 6 -> 8, two value tiles of 4 (dv = 5 -> 8), two quadratic blocks of 32 rows and the
+  linear one, a partial chunk; row 1 packs documents starting mid-chunk, at a chunk start (16) and a
+  one-token one (the shared checks cover the compact layout, one value tile and feature blocks of 8)."""
+  T, d, feature, tiles, starts = 37, 6, "full", Tiles(features=32, block_v=4), (5, 16, 17)
+  segment_ids = document_ids(2, T, starts)
   got = _run(_fused(tiles), T, d, feature, segment_ids)
   want = _run(_parallel, T, d, feature, segment_ids)
   assert_close(got, want, f"T={T} d={d} {feature} {tiles} documents={starts}")
