@@ -377,16 +377,16 @@ def flash_tuning_cases(batch: int, length: int, dtype) -> tuple[tuple, dict, dic
 
 
 # Tilings of the SANATAN p = 1 fused-chunk kernels tried by ``--tune=sanatan_p1_fused`` (forward,
-# dq, dk/dv), each (chunk, value tile, channels per program, warps, stages) as
+# dq, dk and dv walks), each (chunk, value tile, channels per program, warps, stages) as
 # ``pallas_triton_fused.Tiles``; the first is its bf16 default. Their rows are the op "sanatan_p1".
-FUSED_TUNING = [((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 1, 8, 2)),
-                ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 2, 8, 2)),
+FUSED_TUNING = [((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 1, 4, 3)),
+                ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 1, 4, 2)),
+                ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 1, 4, 4)),
+                ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 1, 8, 2)),
                 ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 2, 8, 3)),
-                ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 3, 8, 2)),
-                ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 32, 2, 4, 2)),
-                ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (32, 64, 2, 4, 2)),
-                ((64, 64, 1, 4, 4), (64, 64, 1, 4, 4), (64, 64, 2, 8, 2)),
-                ((64, 32, 3, 8, 3), (64, 64, 1, 4, 3), (64, 64, 2, 8, 2))]
+                ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 32, 1, 4, 3)),
+                ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (32, 64, 1, 4, 3)),
+                ((64, 64, 1, 4, 4), (64, 64, 1, 4, 4), (64, 64, 1, 4, 3))]
 # Settings of the blocked Taylor kernels tried by ``--tune=taylor_blocked`` (query block, key block,
 # warps, pipeline stages; ``taylor_sums_blocked``'s knobs); the first is its default, the fastest of
 # these on the H200 at 8 x 2048 (docs/BENCHMARKS.md). Their rows belong to the op "taylor".

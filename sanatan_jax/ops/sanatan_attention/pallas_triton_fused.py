@@ -37,11 +37,13 @@ visible pairs (p = 1: the weights are the scores):
 
 * ``_dq_kernel``, chunks in order, recomputing the state: d Phi(q_t) = sum_j ds_tj Phi(k_j)
   + [t reads the state] (S dN_t + z dD_t);
-* ``_dkv_kernel``, chunks in reverse order, carrying the gradient of the state after the chunk,
+* two walks in reverse chunk order, each carrying the gradient of the state after the chunk,
   (dS, dz) <- keep (dS, dz) + Phi(Q_n)ᵀ (dN, dD) over the chunk's readers (starting from the final
-  state's cotangent): d Phi(k_j) = sum_t ds_tj Phi(q_t) + [j writes] (dS v_j + dz),
-  dv_j = sum_t A_tj dN_t + [j writes] dSᵀ Phi(k_j). What is left at the start is the gradient of
-  the initial state.
+  state's cotangent): ``_dk_kernel``, d Phi(k_j) = sum_t ds_tj Phi(q_t) + [j writes] (dS v_j + dz),
+  which also writes what is left at the start, the gradient of the initial state; ``_dv_kernel``,
+  dv_j = sum_t A_tj dN_t + [j writes] dSᵀ Phi(k_j), which carries dS only. (One walk for both held
+  twice the live blocks: at 8 warps one program per SM, which waited on every chunk step; the two
+  fit two 4-warp programs per SM, for one more [C, d] x [C, dv] dot per channel and chunk.)
 
 Value tiles split dN and v; the terms in dD (which every tile sees whole) are taken in tile 0 only,
 and XLA sums the tiles' parts of d Phi(q), d Phi(k) and of the initial z's gradient.
@@ -93,7 +95,7 @@ class Tiles(NamedTuple):
 
 
 class FusedTiles(NamedTuple):
-  """The tilings of the forward kernel and of the two backward kernels."""
+  """The tilings of the forward walk, the dq walk and the dk and dv walks (one tiling for both)."""
 
   forward: Tiles
   dq: Tiles
@@ -104,36 +106,25 @@ class FusedTiles(NamedTuple):
 # inputs; 4: fp32 inputs or precision "tf32"/"float32"); benchmarks.harness.FUSED_TUNING lists the
 # tilings timed. bf16, 12 heads of 64, fwd+bwd on the H200 (docs/BENCHMARKS.md): three pipeline
 # stages in the forward and dq kernels beat two at every shape timed (B 1 × T 32768: 7.11 against 7.77
-# ms). At d = dv = 64 (T = 2048, 12 heads) an sm_90 compile of the lowered two-stage kernels (ptxas)
-# gives, without / with documents, 234 / 255 registers in the forward, 214 / 254 in dq (4 warps, one
-# warpgroup per 64-row chunk, wgmma) and 193 / 234 in dk/dv (8 warps; at 4 it spills), no spills,
+# ms); the dk and dv walks at 4 warps and three stages beat 8 warps, two stages and two channels per
+# program (1 × 32768: 5.72–5.82 against 7.40–8.02 ms; 32 × 2048: 5.92–5.97 against 6.79–8.62). At
+# d = dv = 64 (T = 2048, 12 heads) an sm_90 compile of the lowered two-stage kernels (ptxas) gives,
+# without / with documents, 234 / 255 registers in the forward, 214 / 254 in dq (4 warps, one
+# warpgroup per 64-row chunk, wgmma), 252 in the dv walk and 255 in the dk walk (4 bytes of spill),
 # 48-74 KiB of shared memory. The fp32 tiling compiles without spills with TF32 dots (at chunk 64
 # its kernels spill); with IEEE fp32 dots ("float32", a check of accuracy rather than a fast path)
 # they spill.
 TILES = {"default": {2: FusedTiles(forward=Tiles(64, 64, 1, 4, 3), dq=Tiles(64, 64, 1, 4, 3),
-                                   dkv=Tiles(64, 64, 1, 8, 2)),
+                                   dkv=Tiles(64, 64, 1, 4, 3)),
                      4: FusedTiles(forward=Tiles(32, 64, 1, 4, 2), dq=Tiles(32, 64, 1, 4, 2),
                                    dkv=Tiles(32, 64, 1, 8, 2))}}
-# From ``MANY_ROWS`` (row, head) pairs on, the dk/dv kernel takes two channels per program: half the
-# programs (still enough to fill the SMs) and half the dv parts written. H200, same shapes: B 2 × 8192
-# (24 pairs) 3.13 against 3.46 ms, B 8 × 2048 2.61 against 2.66, B 32 × 2048 (the 184M presets' batch)
-# 8.08 against 8.96; with 12 pairs (B 1 × 32768) it loses, 8.73 against 7.11.
-MANY_ROWS = 24
-TILES_MANY_ROWS = {"default": {2: TILES["default"][2]._replace(dkv=Tiles(64, 64, 2, 8, 2))}}
 DEFAULT_CHUNK = TILES["default"][2].forward.chunk
 
 
-def default_tiles(dtype, rows: int = 0) -> FusedTiles:
-  """The tiling for operands of ``dtype`` and ``rows`` (row, head) pairs: ``TILES_MANY_ROWS`` from
-  ``MANY_ROWS`` pairs on where it has an entry, else ``TILES``; each by the first device's kind
-  (else "default")."""
+def default_tiles(dtype) -> FusedTiles:
+  """The tiling for operands of ``dtype``, by the first device's kind (else "default")."""
   kind = getattr(jax.devices()[0], "device_kind", "")
-  size = jnp.dtype(dtype).itemsize
-  if rows >= MANY_ROWS:
-    wide = TILES_MANY_ROWS.get(kind, TILES_MANY_ROWS["default"])
-    if size in wide:
-      return wide[size]
-  return TILES.get(kind, TILES["default"])[size]
+  return TILES.get(kind, TILES["default"])[jnp.dtype(dtype).itemsize]
 
 
 def parse_tiles(spec: str, base: FusedTiles) -> FusedTiles:
@@ -200,10 +191,11 @@ class _Chunk(NamedTuple):
 
 def _phi(refs, start, cfg: KernelConfig) -> tuple | None:
   """The program's channels of Phi for rows ``start : start + C`` from ``refs`` = (one trig ref
-  per channel, the roots' ref, the program's first channel g·G; ``_operand``) (None: not read). Channel c = g·G + i of head dimension a is
-  U_a · W_a with U = (1, cos th, sin th)[c mod 3] and W = (1, r)[c div 3] (feature_map's order
-  1, cos, sin, r, r cos, r sin), formed in fp32 and rounded to the refs' dtype; the constant
-  channel is zero on time and head-dim padding (the factors are zero there already)."""
+  per channel, the roots' ref, the program's first channel g·G; ``_operand``) (None: not read).
+  Channel c = g·G + i of head dimension a is U_a · W_a with U = (1, cos th, sin th)[c mod 3] and
+  W = (1, r)[c div 3] (feature_map's order 1, cos, sin, r, r cos, r sin), formed in fp32 and rounded
+  to the refs' dtype; the constant channel is zero on time and head-dim padding (the factors are zero
+  there already)."""
   if refs is None:
     return None
   trig_refs, root_ref, first = refs
@@ -352,14 +344,52 @@ def _dq_kernel(*refs, cfg: KernelConfig):
   jax.lax.fori_loop(0, v_ref.shape[0] // C, step, init)
 
 
-def _dkv_kernel(*refs, cfg: KernelConfig):
-  """Refs: the factors of q and of k (``_phi``), v, runs, dN, dD, the final state's cotangent
-  channels; outputs: d Phi(k) channels, the dv part, the initial S and z channels' gradients."""
+def _reverse_runs(x: _Chunk, run_ref, n, cfg: KernelConfig):
+  """(keep, writes, reads) of chunk n for the reverse walks: the carried state's gradient is kept
+  across the chunk when its last run is the state's; ``writes`` marks the chunk's last run,
+  ``reads`` the state's run (1.0, None, None without documents)."""
+  if x.run is None:
+    return 1.0, None, None
+  state_run, last = _chunk_runs(run_ref, n, cfg)
+  return (last == state_run).astype(_F32), x.run == last, x.run == state_run
+
+
+def _dv_kernel(*refs, cfg: KernelConfig):
+  """Refs: the factors of q and of k (``_phi``), runs, dN, the final state's cotangent S channels;
+  output: the dv part. Chunks in reverse order, carrying the gradient dS of the state after the
+  chunk: dv_j = sum_t A_tj dN_t + [j writes] dSᵀ Phi(k_j)."""
   G = cfg.channels
-  (q_trig, (q_root,), k_trig, (k_root,), (v_ref,), (run_ref,), (dN_ref,), (dD_ref,), dS_refs,
-   dz_refs, dk_refs, (dv_ref,), dS0_refs, dz0_refs) = _split(refs, G, 1, G, 1, 1, 1, 1, 1, G, G, G,
-                                                             1, G, G)
+  (q_trig, (q_root,), k_trig, (k_root,), (run_ref,), (dN_ref,), dS_refs,
+   (dv_ref,)) = _split(refs, G, 1, G, 1, 1, 1, G, 1)
   q_refs, k_refs = _operand(q_trig, q_root, cfg), _operand(k_trig, k_root, cfg)
+  C = cfg.chunk
+  n_chunks = dN_ref.shape[0] // C
+
+  def step(i, dS):
+    n = n_chunks - 1 - i
+    run = pu.rows(run_ref, n * C, C) if cfg.documents else None
+    x = _Chunk(_phi(q_refs, n * C, cfg), _phi(k_refs, n * C, cfg), None, run)
+    dN = pu.rows(dN_ref, n * C, C)
+    keep, writes, reads = _reverse_runs(x, run_ref, n, cfg)
+    s = jnp.where(_visible(x.run, cfg, transposed=True), _scores(x.phi_k, x.phi_q), 0.0)
+    dv = pu.dot(s.astype(dN.dtype), dN)
+    for b, dS_c in zip(_only(writes, x.phi_k), dS):
+      dv += pu.dot(b, dS_c.astype(b.dtype))
+    pu.store_rows(dv_ref, n * C, dv)
+    return tuple(keep * dS_c + pu.dot(a, dN, trans_a=True) for a, dS_c in zip(_only(reads, x.phi_q), dS))
+
+  jax.lax.fori_loop(0, n_chunks, step, tuple(r[...] for r in dS_refs))
+
+
+def _dk_kernel(*refs, cfg: KernelConfig):
+  """Refs: the factors of q (``_phi``), v, runs, dN, dD, the final state's cotangent channels;
+  outputs: d Phi(k) channels, the initial S and z channels' gradients. Chunks in reverse order,
+  carrying (dS, dz) <- keep (dS, dz) + Phi(Q_n)ᵀ (dN, dD) over the chunk's readers:
+  d Phi(k_j) = sum_t ds_tj Phi(q_t) + [j writes] (dS v_j + dz)."""
+  G = cfg.channels
+  (q_trig, (q_root,), (v_ref,), (run_ref,), (dN_ref,), (dD_ref,), dS_refs, dz_refs, dk_refs, dS0_refs,
+   dz0_refs) = _split(refs, G, 1, 1, 1, 1, 1, G, G, G, G, G)
+  q_refs = _operand(q_trig, q_root, cfg)
   C = cfg.chunk
   n_chunks = v_ref.shape[0] // C
   tile0 = (pl.program_id(1) == 0).astype(_F32)
@@ -367,25 +397,14 @@ def _dkv_kernel(*refs, cfg: KernelConfig):
   def step(i, carry):
     dS, dz = carry  # the gradient of the state after chunk n
     n = n_chunks - 1 - i
-    x = _load(n, q_refs, k_refs, v_ref, run_ref, cfg)
+    x = _load(n, q_refs, None, v_ref, run_ref, cfg)
     dN, dD = pu.rows(dN_ref, n * C, C), tile0 * pu.rows(dD_ref, n * C, C)
     dt = x.v.dtype
-    keep, writes, reads = 1.0, None, None
-    if x.run is not None:
-      state_run, last = _chunk_runs(run_ref, n, cfg)
-      keep = (last == state_run).astype(_F32)
-      writes, reads = x.run == last, x.run == state_run
-    # dv first, then d Phi(k): fewer [C, C] and [C, BV] blocks are live at once.
+    keep, writes, reads = _reverse_runs(x, run_ref, n, cfg)
     visible = _visible(x.run, cfg, transposed=True)  # rows: keys
-    s = jnp.where(visible, _scores(x.phi_k, x.phi_q), 0.0)
-    dS_dt = tuple(dS_c.astype(dt) for dS_c in dS)
-    dv = pu.dot(s.astype(dt), dN)
-    for b, dS_c in zip(_only(writes, x.phi_k), dS_dt):
-      dv += pu.dot(b, dS_c)
-    pu.store_rows(dv_ref, n * C, dv)
     ds = jnp.where(visible, pu.dot(x.v, dN, trans_b=True) + dD[None, :], 0.0).astype(dt)
-    for ref, a, dS_c, dz_c in zip(dk_refs, x.phi_q, dS_dt, dz):
-      to_state = pu.dot(x.v, dS_c, trans_b=True) + dz_c[None, :]
+    for ref, a, dS_c, dz_c in zip(dk_refs, x.phi_q, dS, dz):
+      to_state = pu.dot(x.v, dS_c.astype(dt), trans_b=True) + dz_c[None, :]
       if writes is not None:
         to_state = jnp.where(writes[:, None], to_state, 0.0)
       pu.store_rows(ref, n * C, (pu.dot(ds, a) + to_state).astype(ref.dtype))
@@ -527,7 +546,7 @@ def _dq(fk: Factors, v, run, dN, dD, S0, z0, st: Static):
 
 
 def _dkv(fq: Factors, fk: Factors, v, run, dN, dD, dS, dz, st: Static):
-  """dk/dv kernel: d Phi(k) in the features' dtype, as G parts [B, Tp, H, 6 / G, dp]
+  """The dk and dv walks: d Phi(k) in the features' dtype, as G parts [B, Tp, H, 6 / G, dp]
   (``_feature_grads``), dv [B, Tp, H, Vp] and the initial state's gradients (S, z in kernel layout),
   fp32."""
   cfg = st.dkv
@@ -536,15 +555,17 @@ def _dkv(fq: Factors, fk: Factors, v, run, dN, dD, dS, dz, st: Static):
   groups, tiles = grid[:2]
   s = _specs(Tp, st.dp, cfg)
   each = lambda make: [make(i) for i in range(G)]
-  in_specs = _factor_specs(s, G) * 2 + [s.v, s.row, s.v, s.token] + each(s.S) + each(s.z)
-  out_specs = [s.tile_phi] * G + [s.group_v] + [s.group_S] * G + [s.tile_z] * G
+  dv = pu.call(_dv_kernel, cfg, grid, _factor_specs(s, G) * 2 + [s.row, s.v] + each(s.S), s.group_v,
+               _shape(groups, B, Tp, H, st.Vp), *_factor_args(fq, G), *_factor_args(fk, G), run, dN,
+               *[dS] * G)
+  in_specs = _factor_specs(s, G) + [s.v, s.row, s.v, s.token] + each(s.S) + each(s.z)
+  out_specs = [s.tile_phi] * G + [s.group_S] * G + [s.tile_z] * G
   dtype = fq.trig.dtype
   out_shape = ([_shape(tiles, B, Tp, H, groups, st.dp, dtype=dtype)] * G
-               + [_shape(groups, B, Tp, H, st.Vp)]
                + [_shape(groups, B, H, st.dp, st.Vp)] * G + [_shape(tiles, groups, B, H, st.dp)] * G)
-  out = pu.call(_dkv_kernel, cfg, grid, in_specs, out_specs, out_shape,
-                *_factor_args(fq, G), *_factor_args(fk, G), v, run, dN, dD, *[dS] * G, *[dz] * G)
-  dphi_k, dv, dS0, dz0 = out[:G], out[G], out[G + 1:2 * G + 1], out[2 * G + 1:]
+  out = pu.call(_dk_kernel, cfg, grid, in_specs, out_specs, out_shape,
+                *_factor_args(fq, G), v, run, dN, dD, *[dS] * G, *[dz] * G)
+  dphi_k, dS0, dz0 = out[:G], out[G:2 * G], out[2 * G:]
   return (_feature_grads(dphi_k, dtype), jnp.sum(dv, axis=0), _channels(dS0, 2),
           _channels([jnp.sum(x, axis=0) for x in dz0], 2))
 
@@ -552,8 +573,9 @@ def _dkv(fq: Factors, fk: Factors, v, run, dN, dD, dS, dz, st: Static):
 def _factors(q, k, omega, lam_raw, pos, st: Static) -> tuple[Factors, Factors]:
   """The factors of Phi(q) and of Phi(k) in the operands' dtype, padded (``factor_kernels.factors``):
   three d-wide arrays per operand where Phi is 6d wide, computed once per token."""
-  one = functools.partial(factor_kernels.factors, omega=omega, lam_raw=lam_raw, positions=pos, rotate=st.rotate,
-                          padded_length=st.padded_length, dp=st.dp, interpret=st.forward.interpret)
+  one = functools.partial(factor_kernels.factors, omega=omega, lam_raw=lam_raw, positions=pos,
+                          rotate=st.rotate, padded_length=st.padded_length, dp=st.dp,
+                          interpret=st.forward.interpret)
   return one(q), one(k)
 
 
@@ -578,9 +600,9 @@ def _fused_fwd(q, k, v, omega, lam_raw, pos, run, S0, z0, st: Static):
 
 
 def _fused_bwd(st: Static, residuals, cotangents):
-  """dN = do / (D + c eps) and dD = -(do · o) / (D + c eps) in XLA, the two kernels, then the factor
-  kernels' VJP (product rule and chain rule, ``factor_kernels.factor_grads``). The dq and dk/dv kernels read
-  the forward's factors when it kept them (``Static.keep_factors``), else factors recomputed here."""
+  """dN = do / (D + c eps) and dD = -(do · o) / (D + c eps) in XLA, the dq, dk and dv walks, then the
+  factor kernels' VJP (product rule and chain rule, ``factor_kernels.factor_grads``). The walks read the
+  forward's factors when it kept them (``Static.keep_factors``), else factors recomputed here."""
   q, k, v, omega, lam_raw, pos, run, S0, z0, o, den, kept = residuals
   do, dS, dz = cotangents
   q, k, omega, lam_raw = after_cotangent((q, k, omega, lam_raw), do)
@@ -648,8 +670,8 @@ def sanatan_fused_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
     state: a SanatanState to continue from; None means zeros.
     rotate: False drops the temporal rotation (the "no lambda" ablation).
     interpret: run the kernels interpreted; None means "unless on a GPU".
-    tiles: the kernels' tilings; None means ``default_tiles`` of the operands' dtype and B · H. Chunks are
-      capped at the next power of two >= T, value tiles at the padded dv.
+    tiles: the kernels' tilings; None means ``default_tiles`` of the operands' dtype. Chunks are capped
+      at the next power of two >= T, value tiles at the padded dv.
     tiles_spec: kernels whose tiling replaces that of ``tiles`` (``parse_tiles``), e.g.
       "forward=64x16x6x4x3".
     precision: "input" (dots take operands in the inputs' dtype), "tf32" or "float32" (the
@@ -666,7 +688,7 @@ def sanatan_fused_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
   pu.check_backend(interpret, op, "sanatan_attention(implementation='chunked')")
   pu.check_precision(precision, op)
   if tiles is None:
-    tiles = default_tiles(pu.operands(precision, q)[0].dtype, rows=q.shape[0] * q.shape[2])
+    tiles = default_tiles(pu.operands(precision, q)[0].dtype)
   tiles = parse_tiles(tiles_spec, tiles)
   _check(tiles, q, v, state, op)
   q, k, v = pu.operands(precision, q, k, v)

@@ -24,8 +24,7 @@ from lmcore.numerics import relative_l2
 from lmcore.ops.common import pallas_utils
 from sanatan_jax import SanatanState, sanatan_attention
 from sanatan_jax.ops.sanatan_attention import pallas_triton_fused
-from sanatan_jax.ops.sanatan_attention.pallas_triton_fused import (MANY_ROWS, TILES, FusedTiles, Tiles,
-                                                                   default_tiles, parse_tiles,
+from sanatan_jax.ops.sanatan_attention.pallas_triton_fused import (TILES, FusedTiles, Tiles, parse_tiles,
                                                                    sanatan_fused_pallas)
 from sanatan_jax.mixer import SanatanMixer
 
@@ -113,15 +112,15 @@ def test_bf16_inputs_are_no_less_accurate_than_the_xla_chunked_form_in_bf16():
   assert worst(functools.partial(sanatan_fused_pallas, tiles=tiles)) <= worst(chunked)
 
 
-# Triton calls of one forward and backward: forward, dq and dk/dv; the factor kernel for q and k in
-# the forward and again in the backward (recomputed); the factors' VJP kernel for q and k.
-KERNEL_CALLS = 9
+# Triton calls of one forward and backward: the forward, dq, dk and dv walks; the factor kernel for
+# q and k in the forward and again in the backward (recomputed); the factors' VJP kernel for q and k.
+KERNEL_CALLS = 10
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 @pytest.mark.parametrize("documents,precision", [(True, "input"), (False, "tf32")])
 def test_kernels_lower_to_triton_for_an_h200(documents, precision):
-  """Forward, dq, dk/dv and factor kernels pass the Pallas Triton lowering (power-of-two tiles, the 4-D
+  """The walks and the factor kernels pass the Pallas Triton lowering (power-of-two tiles, the 4-D
   grid, traced chunk loops, document masks) for an abstract H200 with bf16 inputs, padded head and
   value dims and a partial chunk, at the default tilings of bf16 and of fp32 operands."""
   def loss(q, k, v, omega, lam_raw, segment_ids):
@@ -143,7 +142,7 @@ def test_every_tuning_tiling_lowers_at_the_benchmark_shape():
   assert len(cases) == len(harness.FUSED_TUNING) == len(flops)
   assert FusedTiles(*(Tiles(*t) for t in harness.FUSED_TUNING[0])) == TILES["default"][2]
   assert next(iter(cases)) == ("pallas_fused (fwd 64x64 c1 4w 3s, dq 64x64 c1 4w 3s, "
-                               "dkv 64x64 c1 8w 2s)")
+                               "dkv 64x64 c1 4w 3s)")
   for entry in harness.FUSED_TUNING:
     tiles = FusedTiles(*(Tiles(*t) for t in entry))
 
@@ -153,15 +152,6 @@ def test_every_tuning_tiling_lowers_at_the_benchmark_shape():
 
     lowered = pallas_utils.lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *args)
     assert lowered.as_text().count("xla.gpu.triton") == KERNEL_CALLS, entry
-
-
-def test_default_tiles_take_two_channels_per_dkv_program_from_many_rows():
-  """bf16 at B · H >= MANY_ROWS: the dk/dv kernel's programs own two channels, the other kernels
-  keep the ``TILES`` tiling; fewer pairs and fp32 operands keep ``TILES`` whole."""
-  few, many = default_tiles(jnp.bfloat16, rows=MANY_ROWS - 1), default_tiles(jnp.bfloat16, rows=MANY_ROWS)
-  assert few == TILES["default"][2]
-  assert many.dkv.channels == 2 and many._replace(dkv=few.dkv) == few
-  assert default_tiles(jnp.float32, rows=10 * MANY_ROWS) == TILES["default"][4]
 
 
 def test_tile_specs_replace_the_named_kernels_and_bad_ones_say_the_format():
