@@ -140,10 +140,10 @@ def resolve_implementation(implementation: str | None, **problem) -> str:
   (default 1, 6 and unknown widths, which count as small; other problem facts are ignored); a name of
   ``IMPLEMENTATIONS`` passes through, any other raises ValueError.
 
-  Measured on one H200 (fwd+bwd, 12 heads of 64, bf16, 16,384 tokens; docs/BENCHMARKS.md): p = 1
-  with 6 channels, the fused-chunk kernels ("pallas_fused") 2.67 / 3.06 / 7.09 ms at T = 2048 / 8192 /
-  32768 against XLA "chunked" (C = 128) 4.17 / 4.30 / 8.13 and the chunk-parallel kernel ("pallas")
-  6.55 / 6.59 / 12.9, agreeing with XLA in fp32 to 1.2e-6 on the GPU (bf16: 6.5e-3, below XLA's own 8.4e-3); p = 2,
+  Measured on one H200 (fwd+bwd, 12 heads of 64, bf16; docs/BENCHMARKS.md): p = 1 with 6 channels,
+  the fused-chunk kernels ("pallas_fused") 2.11 / 5.62 ms at 8 × 2048 / 1 × 32768 against XLA
+  "chunked" (C = 128) 4.56 / 7.95 and the chunk-parallel kernel ("pallas") 6.54 / 12.7, agreeing with
+  XLA in fp32 to 1.2e-6 on the GPU (bf16: 6.5e-3, below XLA's own 8.4e-3); p = 2,
   the flash kernels ("pallas_flash") 3.69 ms at 8 × 2048 against XLA "parallel" 9.76, agreeing to
   1.5e-6. So on GPUs "auto" is "pallas_fused" for the constant-state case and "pallas_flash" for every
   other power and channel variant; elsewhere it is XLA "chunked" and XLA "parallel" (the Mosaic kernels
