@@ -54,6 +54,16 @@ run (the run of the token before its chunk; the incoming state's for chunk 0, ru
 hands on only its last run's writes, and keeps the carried state only when its last run is the
 state's (else the state restarts from those writes).
 
+Spans (``FusedTiles.spans``, ``lmcore.ops.common.spans``): with few (row, head) pairs a row of T
+tokens runs as G rows of T / G, each walked from the state entering its span. Forward:
+``_totals_kernel`` sums Phi(k)ᵀ (v, 1) over the last run of each part of a span (parts of at least
+``spans.PART_LENGTH`` tokens, side by side) and ``spans.entering`` makes the spans' entering states.
+Backward: ``_entry_grad_kernel`` sums Phi(q)ᵀ (dN, dD) over each span's run 0 (the gradient its own
+tokens give its entering state) and ``spans.leaving_grads`` turns those and the final state's
+cotangent into the gradients of the spans' leaving states, which the dk and dv walks start from. The
+totals need no backward of their own: a span's leaving state is its total plus what it keeps of the
+state entering it, so its total's gradient is its leaving state's, and the walks apply it.
+
 Matmul operands are in the inputs' dtype (bf16 in training; the states and their gradients are
 cast to it for the dots, as XLA "chunked" does), accumulations fp32. The feature gradients reach
 XLA in the features' dtype (halving their HBM traffic; XLA's own bf16 feature gradients are bf16
@@ -70,6 +80,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from lmcore.ops.common import pallas_utils as pu
+from lmcore.ops.common import spans
 from lmcore.ops.common.layout import default_positions
 from lmcore.ops.common.segments import document_index
 from sanatan_jax import features
@@ -95,11 +106,18 @@ class Tiles(NamedTuple):
 
 
 class FusedTiles(NamedTuple):
-  """The tilings of the forward walk, the dq walk and the dk and dv walks (one tiling for both)."""
+  """The tilings of the forward walk, the dq walk and the dk and dv walks (one tiling for both), and
+  ``spans``: how many spans each row is cut into (``lmcore.ops.common.spans``; 0: ``spans.count``'s
+  rule, 1: none)."""
 
   forward: Tiles
   dq: Tiles
   dkv: Tiles
+  spans: int = 0
+
+  @property
+  def kernels(self) -> tuple[Tiles, Tiles, Tiles]:
+    return self.forward, self.dq, self.dkv
 
 
 # Tilings per GPU (``device_kind``; "default" for any other) and operand width in bytes (2: bf16
@@ -130,14 +148,18 @@ def default_tiles(dtype) -> FusedTiles:
 def parse_tiles(spec: str, base: FusedTiles) -> FusedTiles:
   """``base`` with the kernels named in ``spec`` replaced: "forward=64x16x6x4x3;dkv=64x64x2x8x2" gives
   each named kernel (forward, dq, dkv) its chunk x value tile x channels per program x warps x stages
-  (``Tiles``); "" is ``base``. Raises ValueError naming the bad part."""
+  (``Tiles``), and "spans=8" the spans per row; "" is ``base``. Raises ValueError naming the bad part."""
   tiles = base._asdict()
   for part in filter(None, (x.strip() for x in spec.split(";"))):
     name, _, value = part.partition("=")
     fields = value.split("x")
+    if name == "spans" and value.isdigit():
+      tiles[name] = int(value)
+      continue
     if name not in tiles or len(fields) != len(Tiles._fields) or not all(f.isdigit() for f in fields):
       raise ValueError(f"fused tiles {part!r}: expected KERNEL=CHUNKxBLOCK_VxCHANNELSxWARPSxSTAGES with "
-                       f"KERNEL one of {', '.join(tiles)}, e.g. 'forward=64x16x6x4x3;dkv=64x64x2x8x2'")
+                       f"KERNEL one of forward, dq, dkv, or spans=N, e.g. "
+                       f"'forward=64x16x6x4x3;dkv=64x64x2x8x2;spans=8'")
     tiles[name] = Tiles(*map(int, fields))
   return FusedTiles(**tiles)
 
@@ -161,8 +183,8 @@ class KernelConfig(NamedTuple):
 
 class Static(NamedTuple):
   """What the custom VJP holds static: the three kernels' configs, the rotation flag, the real and
-  padded lengths, the padded head and value dims, c · eps and whether the forward keeps the
-  kernels' factors for the backward."""
+  padded lengths, the padded head and value dims, c · eps, whether the forward keeps the
+  kernels' factors for the backward, the spans per row and the parts per span (``spans.parts``)."""
 
   forward: KernelConfig
   dq: KernelConfig
@@ -174,6 +196,8 @@ class Static(NamedTuple):
   Vp: int
   c_eps: float
   keep_factors: bool
+  spans: int = 1
+  parts: int = 1
 
 
 # In-kernel pieces.
@@ -420,6 +444,48 @@ def _dk_kernel(*refs, cfg: KernelConfig):
     ref[...] = value
 
 
+def _totals_kernel(*refs, cfg: KernelConfig):
+  """Refs: the factors of k (``_phi``), v, runs; outputs: the S and z channels that a walk from zeros
+  leaves after the row's last chunk (its sums over the row's last run), with no outputs on the way."""
+  G = cfg.channels
+  (k_trig, (k_root,), (v_ref,), (run_ref,), S_refs, z_refs) = _split(refs, G, 1, 1, 1, G, G)
+  k_refs = _operand(k_trig, k_root, cfg)
+  C = cfg.chunk
+
+  def step(n, carry):
+    return _advance(_load(n, None, k_refs, v_ref, run_ref, cfg), *carry)
+
+  zeros = lambda refs: tuple(jnp.zeros(r.shape, _F32) for r in refs)
+  S, z, _ = jax.lax.fori_loop(0, v_ref.shape[0] // C, step, (zeros(S_refs), zeros(z_refs), jnp.int32(0)))
+  for ref, value in zip(S_refs + z_refs, S + z):
+    ref[...] = value
+
+
+def _entry_grad_kernel(*refs, cfg: KernelConfig):
+  """Refs: the factors of q (``_phi``), runs, dN, dD; outputs: the S and z channels of the gradient
+  that the row's tokens of run 0 give the state entering it, sum_t Phi(q_t)ᵀ (dN_t, dD_t) over them
+  (what the dk walk adds to its carry at those tokens), with no outputs on the way."""
+  G = cfg.channels
+  (q_trig, (q_root,), (run_ref,), (dN_ref,), (dD_ref,), S_refs, z_refs) = _split(refs, G, 1, 1, 1, 1, G, G)
+  q_refs = _operand(q_trig, q_root, cfg)
+  C = cfg.chunk
+
+  def step(n, carry):
+    dS, dz = carry
+    phi_q = _phi(q_refs, n * C, cfg)
+    if cfg.documents:
+      phi_q = _only(pu.rows(run_ref, n * C, C) == 0, phi_q)
+    dN, dD = pu.rows(dN_ref, n * C, C), pu.rows(dD_ref, n * C, C)
+    dS = tuple(dS_c + pu.dot(a, dN, trans_a=True) for a, dS_c in zip(phi_q, dS))
+    dz = tuple(dz_c + jnp.sum(a.astype(_F32) * dD[:, None], axis=0) for a, dz_c in zip(phi_q, dz))
+    return dS, dz
+
+  zeros = lambda refs: tuple(jnp.zeros(r.shape, _F32) for r in refs)
+  dS, dz = jax.lax.fori_loop(0, dN_ref.shape[0] // C, step, (zeros(S_refs), zeros(z_refs)))
+  for ref, value in zip(S_refs + z_refs, dS + dz):
+    ref[...] = value
+
+
 # Calls.
 
 class _Specs(NamedTuple):
@@ -570,6 +636,77 @@ def _dkv(fq: Factors, fk: Factors, v, run, dN, dD, dS, dz, st: Static):
           _channels([jnp.sum(x, axis=0) for x in dz0], 2))
 
 
+def _in_parts(x, st: Static):
+  """[B', Tp, ...] kernel rows -> [B'·K, Tp / K, ...]: each row as K = ``st.parts`` rows, one per part."""
+  return spans.to_rows(x, st.parts)
+
+
+def _part_config(st: Static) -> KernelConfig:
+  """The parts' kernels' config: the dk and dv walks' tiling over rows of one part."""
+  L = st.padded_length // st.parts
+  return st.dkv._replace(length=L, padded_length=L)
+
+
+def _totals(fk: Factors, v, run, st: Static):
+  """Each part's sums over its last run, (S [B·K, H, 6, dp, Vp], z [B·K, H, 6, dp]) fp32, by
+  ``_totals_kernel`` over rows of one part (``_in_parts``; runs counted from each part's first token)."""
+  parts = lambda x: _in_parts(x, st)
+  fk, v, run, cfg = jax.tree.map(parts, fk), parts(v), parts(run), _part_config(st)
+  run = run - run[:, :1]
+  B, Tp, H, _ = v.shape
+  G, grid = cfg.channels, _grid(v, st, cfg)
+  groups, tiles = grid[:2]
+  s = _specs(Tp, st.dp, cfg)
+  out_shape = [_shape(groups, B, H, st.dp, st.Vp)] * G + [_shape(tiles, groups, B, H, st.dp)] * G
+  state = pu.call(_totals_kernel, cfg, grid, _factor_specs(s, G) + [s.v, s.row],
+                  [s.group_S] * G + [s.tile_z] * G, out_shape, *_factor_args(fk, G), v, run)
+  return _channels(state[:G], 2), _channels([x[0] for x in state[G:]], 2)
+
+
+def _entry_grads(fq: Factors, run, dN, dD, st: Static):
+  """The gradients that each kernel row's own tokens give its entering state, (dS [B', H, 6, dp,
+  Vp], dz [B', H, 6, dp]) fp32: ``_entry_grad_kernel`` over rows of one part, summed over the parts."""
+  parts = lambda x: _in_parts(x, st)
+  fq, run, dN, dD, cfg = jax.tree.map(parts, fq), parts(run), parts(dN), parts(dD), _part_config(st)
+  B, Tp, H, _ = dN.shape
+  G, grid = cfg.channels, _grid(dN, st, cfg)
+  groups, tiles = grid[:2]
+  s = _specs(Tp, st.dp, cfg)
+  out_shape = [_shape(groups, B, H, st.dp, st.Vp)] * G + [_shape(tiles, groups, B, H, st.dp)] * G
+  grads = pu.call(_entry_grad_kernel, cfg, grid, _factor_specs(s, G) + [s.row, s.v, s.token],
+                  [s.group_S] * G + [s.tile_z] * G, out_shape, *_factor_args(fq, G), run, dN, dD)
+  whole = lambda x: jnp.sum(x.reshape(-1, st.parts, *x.shape[1:]), axis=1)
+  return whole(_channels(grads[:G], 2)), whole(_channels([x[0] for x in grads[G:]], 2))
+
+
+def _entering(fk: Factors, v, run, docs, S0, z0, st: Static):
+  """The states entering the kernels' rows: the rows' own (S0, z0) unless each row is cut into
+  ``st.spans`` spans (``lmcore.ops.common.spans``), whose entering states follow from the totals of
+  their parts (``docs``: the parts' ``spans.Documents``)."""
+  if st.spans == 1:
+    return S0, z0
+  by_row = lambda x: x.reshape(-1, st.spans * st.parts, *x.shape[1:])[:, :-1]
+  entering = spans.entering(tuple(by_row(x) for x in _totals(fk, v, run, st)), (S0, z0), docs)
+  return tuple(x[:, ::st.parts].reshape(-1, *x.shape[2:]) for x in entering)
+
+
+def _leaving_grads(fq: Factors, run, dN, dD, docs, dS, dz, st: Static):
+  """The gradients of the states leaving the kernels' rows, which the dk and dv walks start from: the
+  final state's cotangents (dS, dz), unless each row is cut into spans, whose leaving states' gradients
+  follow from those that each span's tokens give its entering state (``spans.leaving_grads``)."""
+  if st.spans == 1:
+    return dS, dz
+  by_row = lambda x: x.reshape(-1, st.spans, *x.shape[1:])
+  reads = tuple(by_row(x) for x in _entry_grads(fq, run, dN, dD, st))
+  leaving, _ = spans.leaving_grads(reads, (dS, dz), spans.merged(docs, st.parts))
+  return tuple(x.reshape(-1, *x.shape[2:]) for x in leaving)
+
+
+def _span(x, index: int, st: Static):
+  """Span ``index`` of each row, [B·G, ...] -> [B, ...]."""
+  return x.reshape(-1, st.spans, *x.shape[1:])[:, index]
+
+
 def _factors(q, k, omega, lam_raw, pos, st: Static) -> tuple[Factors, Factors]:
   """The factors of Phi(q) and of Phi(k) in the operands' dtype, padded (``factor_kernels.factors``):
   three d-wide arrays per operand where Phi is 6d wide, computed once per token."""
@@ -583,27 +720,31 @@ def _pad_tokens(x, st: Static):
   return pu.pad_axis(pu.pad_axis(x, 1, st.padded_length), 3, st.Vp)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
-def _fused(q, k, v, omega, lam_raw, pos, run, S0, z0, st: Static):
-  """(o [B, T, H, dv], S, z) of raw q, k [B, T, H, d], v, omega and lam_raw [H, d], positions
-  [B, T], padded run ids [B, Tp] and the initial state in kernel layout (S0 [B, H, 6, dp, Vp], z0
-  [B, H, 6, dp]); S and z are the final state in the same layout."""
-  return _fused_fwd(q, k, v, omega, lam_raw, pos, run, S0, z0, st)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _fused(q, k, v, omega, lam_raw, pos, run, docs, S0, z0, st: Static):
+  """(o [B', T, H, dv], S, z) of raw q, k [B', T, H, d], v, omega and lam_raw [H, d], positions
+  [B', T], padded run ids [B', Tp] and the initial state in kernel layout (S0 [B, H, 6, dp, Vp], z0
+  [B, H, 6, dp]); S and z are the final state in the same layout. B' = B: one row per row;
+  B' = B·G: each row cut into G = ``st.spans`` spans, with runs counted from each span's first
+  token and ``docs`` (``spans.documents``) saying how the spans' states pass on."""
+  return _fused_fwd(q, k, v, omega, lam_raw, pos, run, docs, S0, z0, st)[0]
 
 
-def _fused_fwd(q, k, v, omega, lam_raw, pos, run, S0, z0, st: Static):
+def _fused_fwd(q, k, v, omega, lam_raw, pos, run, docs, S0, z0, st: Static):
   fq, fk = _factors(q, k, omega, lam_raw, pos, st)
-  o, den, S, z = _forward(fq, fk, _pad_tokens(v, st), run, S0, z0, st)
-  out = (o[:, :st.length, :, :v.shape[-1]], S, z)
+  vp = _pad_tokens(v, st)
+  E_S, E_z = _entering(fk, vp, run, docs, S0, z0, st)
+  o, den, S, z = _forward(fq, fk, vp, run, E_S, E_z, st)
+  out = (o[:, :st.length, :, :v.shape[-1]], _span(S, -1, st), _span(z, -1, st))
   kept = (fq, fk) if st.keep_factors else None
-  return out, (q, k, v, omega, lam_raw, pos, run, S0, z0, o, den, kept)
+  return out, (q, k, v, omega, lam_raw, pos, run, docs, S0, z0, E_S, E_z, o, den, kept)
 
 
 def _fused_bwd(st: Static, residuals, cotangents):
   """dN = do / (D + c eps) and dD = -(do · o) / (D + c eps) in XLA, the dq, dk and dv walks, then the
   factor kernels' VJP (product rule and chain rule, ``factor_kernels.factor_grads``). The walks read the
   forward's factors when it kept them (``Static.keep_factors``), else factors recomputed here."""
-  q, k, v, omega, lam_raw, pos, run, S0, z0, o, den, kept = residuals
+  q, k, v, omega, lam_raw, pos, run, docs, S0, z0, E_S, E_z, o, den, kept = residuals
   do, dS, dz = cotangents
   q, k, omega, lam_raw = after_cotangent((q, k, omega, lam_raw), do)
   fq, fk = kept if kept is not None else _factors(q, k, omega, lam_raw, pos, st)
@@ -612,14 +753,16 @@ def _fused_bwd(st: Static, residuals, cotangents):
   dN = (do * inv_BxTxH[..., None]).astype(v.dtype)
   dD = -jnp.sum(do * o.astype(_F32), axis=-1) * inv_BxTxH
   vp = _pad_tokens(v, st)
-  dphi_q = _dq(fk, vp, run, dN, dD, S0, z0, st)
-  dphi_k, dv, dS0, dz0 = _dkv(fq, fk, vp, run, dN, dD, dS.astype(_F32), dz.astype(_F32), st)
+  dphi_q = _dq(fk, vp, run, dN, dD, E_S, E_z, st)
+  dS, dz = _leaving_grads(fq, run, dN, dD, docs, dS.astype(_F32), dz.astype(_F32), st)
+  dphi_k, dv, dS0, dz0 = _dkv(fq, fk, vp, run, dN, dD, dS, dz, st)
+  dS0, dz0 = _span(dS0, 0, st), _span(dz0, 0, st)
   grads = functools.partial(factor_kernels.factor_grads, omega=omega, lam_raw=lam_raw, positions=pos,
                             rotate=st.rotate, interpret=st.forward.interpret)
   dq, d_omega_q, d_lam_q = grads(q, dphi_parts=dphi_q)
   dk, d_omega_k, d_lam_k = grads(k, dphi_parts=dphi_k)
   dv = dv[:, :st.length, :, :v.shape[-1]].astype(v.dtype)
-  return dq, dk, dv, d_omega_q + d_omega_k, d_lam_q + d_lam_k, None, None, dS0, dz0
+  return dq, dk, dv, d_omega_q + d_omega_k, d_lam_q + d_lam_k, None, None, None, dS0, dz0
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -638,7 +781,7 @@ def _kernel_config(tiles: Tiles, T: int, d: int, Vp: int, documents: bool, inter
 
 
 def _check(tiles: FusedTiles, q, v, state, op: str) -> None:
-  for name, kernel in tiles._asdict().items():
+  for name, kernel in zip(("forward", "dq", "dkv"), tiles.kernels):
     for field in ("chunk", "block_v"):
       size = getattr(kernel, field)
       if size < 1 or size & (size - 1):
@@ -696,19 +839,27 @@ def sanatan_fused_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
   V = v.shape[-1]
   if positions is None:
     positions = default_positions(B, T, None if state is None else state.position)
+  count = spans.count(B, H, T, max(t.chunk for t in tiles.kernels), tiles.spans)
+  L = T // count  # tokens per kernel row
   Vp = pu.block_size(V, interpret)
-  make = functools.partial(_kernel_config, T=T, d=d, Vp=Vp, documents=segment_ids is not None,
+  make = functools.partial(_kernel_config, T=L, d=d, Vp=Vp, documents=segment_ids is not None,
                            interpret=interpret, precision=precision)
-  configs = [make(t) for t in tiles]
-  Tp = pu.round_up(T, max(c.chunk for c in configs))
-  forward, dq, dkv = (c._replace(padded_length=Tp) for c in configs)
-  st = Static(forward=forward, dq=dq, dkv=dkv, rotate=rotate, length=T, padded_length=Tp,
+  configs = [make(t) for t in tiles.kernels]
+  chunk = max(c.chunk for c in configs)
+  Lp = pu.round_up(L, chunk)
+  forward, dq, dkv = (c._replace(padded_length=Lp) for c in configs)
+  st = Static(forward=forward, dq=dq, dkv=dkv, rotate=rotate, length=L, padded_length=Lp,
               dp=forward.dp, Vp=Vp, c_eps=features.score_scale(CHANNELS, "clean", d) * EPS,
-              keep_factors=not remat)
+              keep_factors=not remat, spans=count, parts=spans.parts(T, count, chunk))
+  doc = document_index(segment_ids, B, T)
+  docs = spans.documents(doc, count * st.parts) if count > 1 else None
   # Edge-padding keeps padded (zero-feature) tokens in the last run: they neither reset the state
   # nor add to it.
-  run = pu.pad_axis(document_index(segment_ids, B, T), 1, st.padded_length, mode="edge")
+  run = pu.pad_axis(spans.renumbered(doc, count), 1, st.padded_length, mode="edge")
   S0, z0 = channel_major_state(state, B, H, d, st.dp, V, Vp)
-  o, S, z = _fused(q, k, v, omega, lam_raw, positions.astype(jnp.int32), run, S0, z0, st)
+  rows = lambda x: spans.to_rows(x, count)
+  o, S, z = _fused(rows(q), rows(k), rows(v), omega, lam_raw, rows(positions.astype(jnp.int32)), run,
+                   docs, S0, z0, st)
+  o = spans.from_rows(o, count)
   S, z = interleaved_state(S, z, d, V)
   return o, SanatanState(S, z, positions[:, -1].astype(jnp.int32) + 1)

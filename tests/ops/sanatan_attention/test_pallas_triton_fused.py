@@ -21,7 +21,7 @@ from benchmarks import harness, kernel_check
 from kernel_cases import (FAST_COMPILE, assert_close, normals, packed_documents, run_sanatan,
                           sanatan_abstract_inputs, sanatan_inputs)
 from lmcore.numerics import relative_l2
-from lmcore.ops.common import pallas_utils
+from lmcore.ops.common import pallas_utils, spans
 from sanatan_jax import SanatanState, sanatan_attention
 from sanatan_jax.ops.sanatan_attention import pallas_triton_fused
 from sanatan_jax.ops.sanatan_attention.pallas_triton_fused import (TILES, FusedTiles, Tiles, parse_tiles,
@@ -87,6 +87,33 @@ def test_fused_kernel_equals_recurrent_with_gradients(T, d, dv, with_state, docu
   want = _run(_recurrent, inputs, state, **options)
   assert_close(got, want, f"T={T} d={d} dv={dv} state={with_state} documents={documents} "
                           f"rotate={rotate} tiles={tiles} remat={remat}")
+
+
+@pytest.mark.parametrize("T,count,part_length,with_state,documents", [
+    # Four spans of two 8-token chunks, summed in one part each; row 1's documents start in span 0's
+    # last chunk (12), in span 1's first chunk (18: span 1 hands on only its last document, written
+    # across both chunks, to span 2), in span 2's first chunk (36) and at span 3's first token (48:
+    # span 3 starts from zeros).
+    (64, 4, 16, True, True),
+    # The same documents, each span summed in two one-chunk parts (part 0 of span 1 is two documents).
+    (64, 4, 8, True, True),
+    # Two spans of three chunks, summed in three parts, after an incoming state; one document.
+    (48, 2, 8, True, False),
+])
+def test_rows_cut_into_spans_equal_the_recurrent_form(monkeypatch, T, count, part_length, with_state,
+                                                      documents):
+  """Each row run as ``count`` rows from the states entering its spans (``lmcore.ops.common.spans``:
+  the totals and entry-gradient kernels over parts of ``part_length`` tokens): outputs, final state and
+  every gradient, the initial state's included, equal the recurrent form."""
+  monkeypatch.setattr(spans, "PART_LENGTH", part_length)
+  inputs = sanatan_inputs(T + count, T, d=4, dv=5)
+  state = _prefix_state(200 + T, d=4, dv=5) if with_state else None
+  options = packed_documents(2, T, (12, 18, 36, 48)) if documents else {}
+  tiles = _tiles((8, 8, 1), (8, 8, 2), (8, 8, 1))._replace(spans=count)
+  got = _run(functools.partial(sanatan_fused_pallas, tiles=tiles), inputs, state, **options)
+  want = _run(_recurrent, inputs, state, **options)
+  assert_close(got, want, f"T={T} spans={count} parts of {part_length} state={with_state} "
+                          f"documents={documents}")
 
 
 def test_bf16_inputs_are_no_less_accurate_than_the_xla_chunked_form_in_bf16():
@@ -159,7 +186,8 @@ def test_tile_specs_replace_the_named_kernels_and_bad_ones_say_the_format():
   tiles = parse_tiles("forward=64x16x6x4x3; dkv=32x64x2x8x2", base)
   assert tiles == base._replace(forward=Tiles(64, 16, 6, 4, 3), dkv=Tiles(32, 64, 2, 8, 2))
   assert parse_tiles("", base) == base
-  for bad in ("fwd=64x16x6x4x3", "forward=64x16x6x4", "forward=64x16x6x4xa"):
+  assert parse_tiles("spans=8", base) == base._replace(spans=8)
+  for bad in ("fwd=64x16x6x4x3", "forward=64x16x6x4", "forward=64x16x6x4xa", "spans=x"):
     with pytest.raises(ValueError, match="KERNEL=CHUNKxBLOCK_VxCHANNELSxWARPSxSTAGES"):
       parse_tiles(bad, base)
   with pytest.raises(ValueError, match="KERNEL=CHUNKx"):
@@ -197,6 +225,8 @@ def test_bad_options_raise_clear_errors():
     sanatan_fused_pallas(q, k, v, omega, lam_raw, tiles=_tiles((8, 8, 1), (12, 8, 1), (8, 8, 1)))
   with pytest.raises(ValueError, match="tiles.dkv.channels must divide 6"):
     sanatan_fused_pallas(q, k, v, omega, lam_raw, tiles=_tiles((8, 8, 1), (8, 8, 1), (8, 8, 4)))
+  with pytest.raises(ValueError, match="spans=3: expected a power of two"):
+    sanatan_fused_pallas(q, k, v, omega, lam_raw, tiles=TILES["default"][4]._replace(spans=3))
   wrong = SanatanState(jnp.zeros((2, 2, 48, 4)), jnp.zeros((2, 2, 48)), jnp.zeros((2,), jnp.int32))
   with pytest.raises(ValueError, match=r"state.S has shape"):
     sanatan_fused_pallas(q, k, v, omega, lam_raw, state=wrong)
