@@ -44,6 +44,14 @@ equal segment ids. A token reads the carried state only in the state's run (the 
 before its chunk; run 0 for the first chunk, which the incoming state continues); a chunk hands on
 only its last run's writes and keeps the carried state only when that run is the state's.
 
+Spans (``Tiles.spans``, ``lmcore.ops.common.spans``): a row of T tokens can run as G rows of
+T / G, each walked from the state entering its span. Forward: ``_totals_kernel`` sums phi(k)ᵀ (v, 1)
+over the last run of each part of a span (side by side) and ``spans.entering`` makes the spans'
+entering states. Backward: ``_entry_grad_kernel`` sums phi(q)ᵀ (dN, dD) over each span's run 0 and
+``spans.leaving_grads`` turns those and the final state's cotangent into the gradients of the spans'
+leaving states, which the dk/dv walk starts from (a span's leaving state is its total plus what it
+keeps of its entering state, so the totals' gradients need no kernel of their own).
+
 Precision: dots take operands in the inputs' dtype (bf16 in training; the fp32 states are cast for
 their dots, as in the chunked kernels), accumulation is fp32, the features and their gradients are
 fp32 until a dot takes them. Kernel state layout: ``full`` features, each row once; ``_rows`` maps
@@ -63,6 +71,7 @@ from jax.experimental import pallas as pl
 from based_jax import taylor
 from based_jax.ops.taylor_attention.base import TaylorState, as_state
 from lmcore.ops.common import pallas_utils as pu
+from lmcore.ops.common import spans
 from lmcore.ops.common.segments import document_index
 
 _F32 = jnp.float32
@@ -74,8 +83,9 @@ MAX_KEY_DIM = 32
 class Tiles(NamedTuple):
   """Tiling: ``chunk`` tokens per step (a power of two, >= 16 compiled), ``features`` rows of phi per
   walk program (a power of two; held between 2 dp and dp²), ``block_v`` value columns per program,
-  and Triton warps and pipeline stages of the forward walk, the dq walk, the dk/dv walk and the intra
-  kernels.
+  Triton warps and pipeline stages of the forward walk, the dq walk, the dk/dv walk and the intra
+  kernels, and ``spans``: how many spans each row is cut into (``lmcore.ops.common.spans``; 0:
+  ``spans.count``'s rule, 1: none).
 
   The defaults are the fastest tiling of ``benchmarks.harness.TAYLOR_FUSED_TUNING`` on the H200 at
   16 heads, d' = 16, dv = 64, bf16, fwd+bwd (docs/BENCHMARKS.md): 4.04 ms at 1 × 32768 against 4.63
@@ -90,6 +100,7 @@ class Tiles(NamedTuple):
   dq: tuple[int, int] = (8, 3)
   dkv: tuple[int, int] = (8, 3)
   intra: tuple[int, int] = (8, 2)
+  spans: int = 0
 
 
 class KernelConfig(NamedTuple):
@@ -117,6 +128,8 @@ class Static(NamedTuple):
   dkv: KernelConfig
   intra: KernelConfig
   eps: float
+  spans: int = 1
+  parts: int = 1
 
 
 # In-kernel pieces.
@@ -283,6 +296,49 @@ def _dkv_kernel(q_ref, k_ref, v_ref, run_ref, dN_ref, dD_ref, dS_ref, dz_ref, dk
   dz0_ref[...] = dz
 
 
+def _totals_kernel(k_ref, v_ref, run_ref, S_ref, z_ref, *, cfg: KernelConfig):
+  """The S and z blocks a walk from zeros leaves after the row's last chunk (its sums over the row's
+  last run), with no outputs on the way."""
+  C = cfg.chunk
+  sel = _selection(k_ref.dtype, cfg)
+
+  def step(n, carry):
+    S, z, state_run = carry
+    v = pu.rows(v_ref, n * C, C)
+    phi_k = _features(pu.rows(k_ref, n * C, C), sel, _valid(n, cfg))[0]
+    _, writes, keep, last = _runs(run_ref, n, state_run, cfg)
+    phi_k = _only(writes, phi_k)
+    return (keep * S + pu.dot(phi_k, v, trans_a=True), keep * z + jnp.sum(phi_k.astype(_F32), axis=0),
+            last)
+
+  zeros = (jnp.zeros(S_ref.shape, _F32), jnp.zeros(z_ref.shape, _F32), jnp.int32(0))
+  S, z, _ = jax.lax.fori_loop(0, cfg.padded_length // C, step, zeros)
+  S_ref[...] = S
+  z_ref[...] = z
+
+
+def _entry_grad_kernel(q_ref, run_ref, dN_ref, dD_ref, dS_ref, dz_ref, *, cfg: KernelConfig):
+  """The S and z blocks of the gradient that the row's tokens of run 0 give the state entering it,
+  sum_t phi(q_t)ᵀ (dN_t, dD_t) over them (what the dk/dv walk adds to its carry at those tokens), with
+  no outputs on the way."""
+  C = cfg.chunk
+  sel = _selection(q_ref.dtype, cfg)
+
+  def step(n, carry):
+    dS, dz = carry
+    phi_q = _features(pu.rows(q_ref, n * C, C), sel, _valid(n, cfg))[0]
+    if cfg.documents:
+      phi_q = _only((pu.rows(run_ref, n * C, C) == 0)[:, None], phi_q)
+    dN, dD = pu.rows(dN_ref, n * C, C), pu.rows(dD_ref, n * C, C)
+    return (dS + pu.dot(phi_q, dN, trans_a=True),
+            dz + jnp.sum(phi_q.astype(_F32) * dD[:, None], axis=0))
+
+  zeros = (jnp.zeros(dS_ref.shape, _F32), jnp.zeros(dz_ref.shape, _F32))
+  dS, dz = jax.lax.fori_loop(0, cfg.padded_length // C, step, zeros)
+  dS_ref[...] = dS
+  dz_ref[...] = dz
+
+
 def _intra_scores(q, k, run_ref, cfg: KernelConfig):
   """(s [C, C] fp32, A on visible pairs: j <= t in the same run)."""
   iota = functools.partial(jax.lax.broadcasted_iota, jnp.int32, (cfg.chunk, cfg.chunk))
@@ -408,32 +464,105 @@ def _forward(q, k, v, run, S0, z0, st: Static):
   return o.astype(v.dtype), D, S, z[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _fused(q, k, v, run, S0, z0, st: Static):
-  """(o [B, Tp, H, Vp], final S, z in kernel layout) of padded q, k, v, runs and the initial state."""
-  o, _, S, z = _forward(q, k, v, run, S0, z0, st)
-  return o, S, z
+def _in_parts(x, st: Static):
+  """[B', Tp, ...] kernel rows -> [B'·K, Tp / K, ...]: each row as K = ``st.parts`` rows, one per part."""
+  return spans.to_rows(x, st.parts)
 
 
-def _fused_fwd(q, k, v, run, S0, z0, st: Static):
-  o, D, S, z = _forward(q, k, v, run, S0, z0, st)
-  return (o, S, z), (q, k, v, run, S0, z0, o, D)
+def _part_config(st: Static) -> KernelConfig:
+  """The parts' kernels' config: the dk/dv walk's tiling over rows of one part."""
+  L = st.dkv.padded_length // st.parts
+  return st.dkv._replace(length=L, padded_length=L)
+
+
+def _totals(k, v, run, st: Static):
+  """Each part's sums over its last run, (S [B·K, H, P, F, Vp], z [B·K, H, P, F]) fp32, by
+  ``_totals_kernel`` over rows of one part (``_in_parts``; runs counted from each part's first token)."""
+  k, v, run, cfg = _in_parts(k, st), _in_parts(v, st), _in_parts(run, st), _part_config(st)
+  run = run - run[:, :1]
+  B, Tp, H, Vp = v.shape
+  grid = _walk_grid(v, cfg)
+  P, tiles = grid[:2]
+  w = _walk_specs(cfg)
+  S, z = pu.call(_totals_kernel, cfg, grid, [w.qk, w.v, w.row], [w.S, w.tile_z],
+                 [_shape(B, H, P, cfg.features, Vp), _shape(tiles, B, H, P, cfg.features)], k, v, run)
+  return S, z[0]
+
+
+def _entry_grads(q, run, dN, dD, st: Static):
+  """The gradients that each kernel row's own tokens give its entering state, (dS [B', H, P, F, Vp],
+  dz [B', H, P, F]) fp32: ``_entry_grad_kernel`` over rows of one part, summed over the parts."""
+  q, run, dN, dD = (_in_parts(x, st) for x in (q, run, dN, dD))
+  cfg = _part_config(st)
+  B, Tp, H, Vp = dN.shape
+  grid = _walk_grid(dN, cfg)
+  P, tiles = grid[:2]
+  w = _walk_specs(cfg)
+  dS, dz = pu.call(_entry_grad_kernel, cfg, grid, [w.qk, w.row, w.v, w.token], [w.S, w.tile_z],
+                   [_shape(B, H, P, cfg.features, Vp), _shape(tiles, B, H, P, cfg.features)], q, run, dN, dD)
+  whole = lambda x: jnp.sum(x.reshape(-1, st.parts, *x.shape[1:]), axis=1)
+  return whole(dS), whole(dz[0])
+
+
+def _entering(k, v, run, docs, S0, z0, st: Static):
+  """The states entering the kernels' rows: the rows' own (S0, z0) unless each row is cut into
+  ``st.spans`` spans (``lmcore.ops.common.spans``), whose entering states follow from the totals of
+  their parts (``docs``: the parts' ``spans.Documents``)."""
+  if st.spans == 1:
+    return S0, z0
+  by_row = lambda x: x.reshape(-1, st.spans * st.parts, *x.shape[1:])[:, :-1]
+  entering = spans.entering(tuple(by_row(x) for x in _totals(k, v, run, st)), (S0, z0), docs)
+  return tuple(x[:, ::st.parts].reshape(-1, *x.shape[2:]) for x in entering)
+
+
+def _leaving_grads(q, run, dN, dD, docs, dS, dz, st: Static):
+  """The gradients of the states leaving the kernels' rows, which the dk/dv walk starts from: the
+  final state's cotangents (dS, dz), unless each row is cut into spans, whose leaving states' gradients
+  follow from those that each span's tokens give its entering state (``spans.leaving_grads``)."""
+  if st.spans == 1:
+    return dS, dz
+  by_row = lambda x: x.reshape(-1, st.spans, *x.shape[1:])
+  reads = tuple(by_row(x) for x in _entry_grads(q, run, dN, dD, st))
+  leaving, _ = spans.leaving_grads(reads, (dS, dz), spans.merged(docs, st.parts))
+  return tuple(x.reshape(-1, *x.shape[2:]) for x in leaving)
+
+
+def _span(x, index: int, st: Static):
+  """Span ``index`` of each row, [B·G, ...] -> [B, ...]."""
+  return x.reshape(-1, st.spans, *x.shape[1:])[:, index]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _fused(q, k, v, run, docs, S0, z0, st: Static):
+  """(o [B', Tp, H, Vp], final S, z in kernel layout) of padded q, k, v [B', Tp, ...], runs and the
+  initial state [B, ...]. B' = B: one row per row; B' = B·G: each row cut into G = ``st.spans``
+  spans, with runs counted from each span's first token and ``docs`` (``spans.documents``) saying how
+  the spans' states pass on."""
+  return _fused_fwd(q, k, v, run, docs, S0, z0, st)[0]
+
+
+def _fused_fwd(q, k, v, run, docs, S0, z0, st: Static):
+  E_S, E_z = _entering(k, v, run, docs, S0, z0, st)
+  o, D, S, z = _forward(q, k, v, run, E_S, E_z, st)
+  out = (o, _span(S, -1, st), _span(z, -1, st))
+  return out, (q, k, v, run, docs, E_S, E_z, o, D)
 
 
 def _fused_bwd(st: Static, residuals, cotangents):
-  q, k, v, run, S0, z0, o, D = residuals
+  q, k, v, run, docs, E_S, E_z, o, D = residuals
   do, dS, dz = cotangents
   B, Tp, H, Vp = v.shape
   inv = 1.0 / (D + st.eps)
   do = do.astype(_F32)
   dN = (do * inv[..., None]).astype(v.dtype)
   dD = -jnp.sum(do * o.astype(_F32), axis=-1) * inv
+  dS, dz = _leaving_grads(q, run, dN, dD, docs, dS.astype(_F32), dz.astype(_F32), st)
   cfg = st.dq
   grid = _walk_grid(v, cfg)
   P, tiles = grid[:2]
   w = _walk_specs(cfg)
   dq = pu.call(_dq_kernel, cfg, grid, [w.qk, w.qk, w.v, w.row, w.v, w.token, w.S, w.z], w.tile_qk,
-               _shape(P, tiles, B, Tp, H, q.shape[-1]), q, k, v, run, dN, dD, S0, z0)
+               _shape(P, tiles, B, Tp, H, q.shape[-1]), q, k, v, run, dN, dD, E_S, E_z)
   cfg = st.dkv
   grid = _walk_grid(v, cfg)
   P, tiles = grid[:2]
@@ -441,9 +570,9 @@ def _fused_bwd(st: Static, residuals, cotangents):
   dk, dv, dS0, dz0 = pu.call(
       _dkv_kernel, cfg, grid, [w.qk, w.qk, w.v, w.row, w.v, w.token, w.S, w.z],
       [w.tile_qk, w.block_v, w.S, w.tile_z],
-      [_shape(P, tiles, B, Tp, H, q.shape[-1]), _shape(P, B, Tp, H, Vp), _shape(*S0.shape),
-       _shape(tiles, *z0.shape)],
-      q, k, v, run, dN, dD, dS.astype(_F32), dz.astype(_F32))
+      [_shape(P, tiles, B, Tp, H, q.shape[-1]), _shape(P, B, Tp, H, Vp), _shape(*E_S.shape),
+       _shape(tiles, *E_z.shape)],
+      q, k, v, run, dN, dD, dS, dz)
   icfg = st.intra
   i = _intra_specs(icfg)
   itiles = Vp // icfg.block_v
@@ -454,8 +583,8 @@ def _fused_bwd(st: Static, residuals, cotangents):
   dq = jnp.sum(dq, axis=(0, 1)) + jnp.sum(dq_i, axis=0)
   dk = jnp.sum(dk, axis=(0, 1)) + jnp.sum(dk_i, axis=0)
   dv = jnp.sum(dv, axis=0) + dv_i
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, dS0,
-          jnp.sum(dz0, axis=0))
+  dS0, dz0 = _span(dS0, 0, st), _span(jnp.sum(dz0, axis=0), 0, st)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dS0, dz0)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -566,21 +695,25 @@ def taylor_fused_pallas(
   B, T, H, d = q.shape
   V = v.shape[-1]
   state = as_state(state, q, v, feature)
+  count = spans.count(B, H, T, tiles.chunk, tiles.spans)
+  L = T // count  # tokens per kernel row
   dp, Vp = max(pu.block_size(d, interpret), 2), pu.block_size(V, interpret)
-  chunk = max(min(tiles.chunk, pl.next_power_of_2(T)), 1 if interpret else pu.MIN_DOT)
-  Tp = pu.round_up(T, chunk)
-  make = functools.partial(_kernel_config, tiles._replace(chunk=chunk), T=T, Tp=Tp, d=d, dp=dp, Vp=Vp,
+  chunk = max(min(tiles.chunk, pl.next_power_of_2(L)), 1 if interpret else pu.MIN_DOT)
+  Tp = pu.round_up(L, chunk)
+  make = functools.partial(_kernel_config, tiles._replace(chunk=chunk), T=L, Tp=Tp, d=d, dp=dp, Vp=Vp,
                            documents=segment_ids is not None, interpret=interpret, precision=precision)
   st = Static(forward=make(tiles.forward), dq=make(tiles.dq), dkv=make(tiles.dkv), intra=make(tiles.intra),
-              eps=eps)
+              eps=eps, spans=count, parts=spans.parts(T, count, chunk))
   F = st.forward.features
   P = dp * dp // F + 1
   row_full, M = _rows(d, dp, F, feature)
   S0 = pu.pad_axis(_to_kernel(state.S, row_full, M, P, F), 4, Vp)
   z0 = _to_kernel(state.z, row_full, M, P, F)
+  doc = document_index(segment_ids, B, T)
+  docs = spans.documents(doc, count * st.parts) if count > 1 else None
   # Edge padding keeps padded tokens in the last run; their features are zero (the constant masked).
-  run = pu.pad_axis(document_index(segment_ids, B, T), 1, Tp, mode="edge")
-  pad = lambda x, width: pu.pad_axis(pu.pad_axis(x, 1, Tp), 3, width)
-  o, S, z = _fused(pad(q, dp), pad(k, dp), pad(v, Vp), run, S0, z0, st)
+  run = pu.pad_axis(spans.renumbered(doc, count), 1, Tp, mode="edge")
+  pad = lambda x, width: pu.pad_axis(pu.pad_axis(spans.to_rows(x, count), 1, Tp), 3, width)
+  o, S, z = _fused(pad(q, dp), pad(k, dp), pad(v, Vp), run, docs, S0, z0, st)
   new = TaylorState(_from_kernel(S[..., :V], row_full, M), _from_kernel(z, row_full, M))
-  return o[:, :T, :, :V], new
+  return spans.from_rows(o[:, :L, :, :V], count), new

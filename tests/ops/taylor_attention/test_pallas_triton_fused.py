@@ -19,7 +19,7 @@ from based_jax import TaylorState, taylor_features, taylor_linear_attention
 from based_jax.ops.taylor_attention.pallas_triton_fused import Tiles, taylor_fused_pallas
 from kernel_cases import assert_close, document_ids, normals, run_taylor, taylor_abstract_inputs
 from lmcore.numerics import relative_l2
-from lmcore.ops.common import pallas_utils
+from lmcore.ops.common import pallas_utils, spans
 
 from .test_base import TaylorAttentionTestBase
 
@@ -79,6 +79,26 @@ def test_fused_equals_parallel_with_gradients():
   assert_close(got, want, f"T={T} d={d} {feature} {tiles} documents={starts}")
 
 
+@pytest.mark.parametrize("count,part_length,starts", [(4, 16, (12, 18, 36, 48)), (4, 8, (12, 18, 36, 48)),
+                                                     (2, 8, None)])
+def test_rows_cut_into_spans_equal_the_parallel_form(monkeypatch, count, part_length, starts):
+  """Each row run as ``count`` rows of 8-token chunks from the states entering its spans
+  (``lmcore.ops.common.spans``; the totals and entry-gradient kernels; T = 64). With four spans, row 1's
+  documents start in span 0's last chunk (12), in span 1's first chunk (18: span 1 hands on only its
+  last document, written across both chunks), in span 2's first chunk (36) and at span 3's first
+  token (48: span 3 starts from zeros); with two, one document. Outputs, final state and gradients,
+  the initial state's included, equal the parallel form; the totals summed over parts of
+  ``part_length`` tokens (one or two per span of four; four per span of two)."""
+  monkeypatch.setattr(spans, "PART_LENGTH", part_length)
+  T, d, feature = 64, 4, "compact"
+  segment_ids = None if starts is None else document_ids(2, T, starts)
+  split = lambda *args, chunk_size, **options: taylor_fused_pallas(
+      *args, tiles=Tiles(chunk=8, features=8, spans=count), **options)
+  got = _run(split, T, d, feature, segment_ids)
+  want = _run(_parallel, T, d, feature, segment_ids)
+  assert_close(got, want, f"T={T} spans={count} documents={starts}")
+
+
 def test_implementation_pallas_fused_runs_the_kernels_at_their_own_tiling():
   """``implementation="pallas_fused"`` reaches the kernels, whatever ``chunk_size`` says."""
   q, k, v = _inputs(4, 20)
@@ -106,6 +126,8 @@ def test_bad_options_raise_clear_errors():
     taylor_fused_pallas(q, k, v, interpret=False)
   with pytest.raises(ValueError, match="tiles.features must be a power of two"):
     taylor_fused_pallas(q, k, v, tiles=Tiles(features=48))
+  with pytest.raises(ValueError, match="spans=2: expected a power of two"):
+    taylor_fused_pallas(q, k, v, tiles=Tiles(chunk=8, spans=2))
   wide = jnp.zeros((1, 16, 1, 64))
   with pytest.raises(ValueError, match="use implementation='pallas_blocked'"):
     pallas_utils.lower_for_gpu(lambda q: taylor_fused_pallas(q, q, q, interpret=False)[0], wide)
