@@ -401,8 +401,15 @@ TAYLOR_FUSED_TUNING = [(128, 64, 64, (8, 3), (8, 3), (8, 3), (8, 2)),
                        (64, 64, 64, (4, 4), (4, 4), (8, 3), (4, 2)),
                        (128, 64, 64, (8, 4), (8, 4), (8, 3), (8, 2)),
                        (64, 32, 64, (4, 3), (4, 3), (8, 3), (4, 2))]
+# Spans per row tried by ``--tune=sanatan_p1_spans`` and ``--tune=taylor_spans``: the fused-chunk
+# kernels at their default tilings with each row cut into G spans (``lmcore.ops.common.spans``), for
+# every G here whose spans keep SPANS_MIN_LENGTH tokens and whole chunks. Rows "pallas_fused (spans=G)"
+# of the ops "sanatan_p1" and "taylor".
+SPANS_TUNING = (1, 2, 4, 8, 16)
+SPANS_MIN_LENGTH = 512
 # Tuning names whose rows belong to another op's table.
-TUNED_OPS = {"sanatan_p1_fused": "sanatan_p1", "taylor_blocked": "taylor", "taylor_fused": "taylor"}
+TUNED_OPS = {"sanatan_p1_fused": "sanatan_p1", "taylor_blocked": "taylor", "taylor_fused": "taylor",
+             "sanatan_p1_spans": "sanatan_p1", "taylor_spans": "taylor"}
 
 
 def _fused_name(tiles) -> str:
@@ -467,10 +474,32 @@ def taylor_fused_tuning_cases(batch: int, length: int, dtype) -> tuple[tuple, di
   return args, cases, {name: flops["pallas_fused"] for name in cases}
 
 
+def spans_tuning_cases(op_name: str, batch: int, length: int, dtype) -> tuple[tuple, dict, dict]:
+  """(args, cases, flops) of the fused-chunk kernels of "sanatan_p1_spans" or "taylor_spans" at every
+  SPANS_TUNING count that cuts ``length`` into spans of whole chunks, SPANS_MIN_LENGTH or longer."""
+  from based_jax.ops.taylor_attention import pallas_triton_fused as taylor_fused
+  from sanatan_jax.ops.sanatan_attention import pallas_triton_fused as fused
+
+  if op_name == "sanatan_p1_spans":
+    args, _, flops = sanatan_cases(batch, length, dtype)
+    chunk = fused.DEFAULT_CHUNK
+    run = lambda count: lambda q, k, v, w, l: fused.sanatan_fused_pallas(
+        q, k, v, w, l, tiles_spec=f"spans={count}")[0]
+  else:
+    args, _, flops = taylor_cases(batch, length, dtype)
+    chunk = taylor_fused.Tiles().chunk
+    run = lambda count: lambda q, k, v: taylor_fused.taylor_fused_pallas(
+        q, k, v, tiles=taylor_fused.Tiles(spans=count))[0]
+  counts = [G for G in SPANS_TUNING if length % (G * chunk) == 0 and length // G >= SPANS_MIN_LENGTH]
+  cases = {f"pallas_fused (spans={G})": run(G) for G in counts}
+  return args, cases, {name: flops["pallas_fused"] for name in cases}
+
+
 def tuning_cases(op_name: str, batch: int, length: int, dtype) -> tuple[tuple, dict, dict]:
   """(args, cases, flops) of the Triton kernel of ``op_name`` at every TUNING setting; for
   "sanatan_p2", the flash kernel at every FLASH_TUNING tiling; for "sanatan_p1_fused", the
-  fused-chunk kernel at every FUSED_TUNING tiling."""
+  fused-chunk kernel at every FUSED_TUNING tiling; for "sanatan_p1_spans" and "taylor_spans", the
+  fused-chunk kernels at every SPANS_TUNING count (``spans_tuning_cases``)."""
   from lmcore.ops.gated_linear_attention import pallas_triton as pallas
   from sanatan_jax.ops.sanatan_attention.pallas_triton_p1 import sanatan_p1_pallas
 
@@ -482,6 +511,8 @@ def tuning_cases(op_name: str, batch: int, length: int, dtype) -> tuple[tuple, d
     return taylor_blocked_tuning_cases(batch, length, dtype)
   if op_name == "taylor_fused":
     return taylor_fused_tuning_cases(batch, length, dtype)
+  if op_name in ("sanatan_p1_spans", "taylor_spans"):
+    return spans_tuning_cases(op_name, batch, length, dtype)
   if op_name not in TUNING:
     raise ValueError(f"no tuning settings for op {op_name!r}; tunable: "
                      f"{', '.join([*TUNING, 'sanatan_p2', 'sanatan_p1_fused', *TUNED_OPS])}")
