@@ -510,9 +510,7 @@ def _entering(k, v, run, docs, S0, z0, st: Static):
   their parts (``docs``: the parts' ``spans.Documents``)."""
   if st.spans == 1:
     return S0, z0
-  by_row = lambda x: x.reshape(-1, st.spans * st.parts, *x.shape[1:])[:, :-1]
-  entering = spans.entering(tuple(by_row(x) for x in _totals(k, v, run, st)), (S0, z0), docs)
-  return tuple(x[:, ::st.parts].reshape(-1, *x.shape[2:]) for x in entering)
+  return spans.entering_rows(_totals(k, v, run, st), (S0, z0), docs, st.spans, st.parts)
 
 
 def _leaving_grads(q, run, dN, dD, docs, dS, dz, st: Static):
@@ -521,15 +519,7 @@ def _leaving_grads(q, run, dN, dD, docs, dS, dz, st: Static):
   follow from those that each span's tokens give its entering state (``spans.leaving_grads``)."""
   if st.spans == 1:
     return dS, dz
-  by_row = lambda x: x.reshape(-1, st.spans, *x.shape[1:])
-  reads = tuple(by_row(x) for x in _entry_grads(q, run, dN, dD, st))
-  leaving, _ = spans.leaving_grads(reads, (dS, dz), spans.merged(docs, st.parts))
-  return tuple(x.reshape(-1, *x.shape[2:]) for x in leaving)
-
-
-def _span(x, index: int, st: Static):
-  """Span ``index`` of each row, [B·G, ...] -> [B, ...]."""
-  return x.reshape(-1, st.spans, *x.shape[1:])[:, index]
+  return spans.leaving_row_grads(_entry_grads(q, run, dN, dD, st), (dS, dz), docs, st.spans, st.parts)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -544,7 +534,7 @@ def _fused(q, k, v, run, docs, S0, z0, st: Static):
 def _fused_fwd(q, k, v, run, docs, S0, z0, st: Static):
   E_S, E_z = _entering(k, v, run, docs, S0, z0, st)
   o, D, S, z = _forward(q, k, v, run, E_S, E_z, st)
-  out = (o, _span(S, -1, st), _span(z, -1, st))
+  out = (o, spans.span(S, -1, st.spans), spans.span(z, -1, st.spans))
   return out, (q, k, v, run, docs, E_S, E_z, o, D)
 
 
@@ -583,7 +573,7 @@ def _fused_bwd(st: Static, residuals, cotangents):
   dq = jnp.sum(dq, axis=(0, 1)) + jnp.sum(dq_i, axis=0)
   dk = jnp.sum(dk, axis=(0, 1)) + jnp.sum(dk_i, axis=0)
   dv = jnp.sum(dv, axis=0) + dv_i
-  dS0, dz0 = _span(dS0, 0, st), _span(jnp.sum(dz0, axis=0), 0, st)
+  dS0, dz0 = spans.span(dS0, 0, st.spans), spans.span(jnp.sum(dz0, axis=0), 0, st.spans)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dS0, dz0)
 
 

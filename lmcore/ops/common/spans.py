@@ -161,3 +161,26 @@ def leaving_grads(reads_BxG, final_B, docs: Documents):
   initial = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), final_B)
   transpose = jax.linear_transpose(lambda L, E: states(L, E, docs), totals, initial)
   return transpose((reads_BxG, final_B))
+
+
+def entering_rows(part_totals, initial_B, docs: Documents, G: int, K: int):
+  """The states entering a kernel's rows, [B·G, ...] per leaf (span g of row b is row b·G + g), from
+  the totals of every part of those rows (K parts per span, [B·G·K, ...]; the last part's unread), the
+  rows' incoming state [B, ...] and the parts' ``Documents``."""
+  by_row = lambda x: x.reshape(-1, G * K, *x.shape[1:])[:, :-1]
+  states = entering(jax.tree.map(by_row, part_totals), initial_B, docs)
+  return jax.tree.map(lambda x: x[:, ::K].reshape(-1, *x.shape[2:]), states)
+
+
+def leaving_row_grads(reads, final_B, docs: Documents, G: int, K: int):
+  """The gradients of the states leaving a kernel's rows, [B·G, ...] per leaf, from the gradients each
+  row's tokens give its entering state ([B·G, ...]), the final state's cotangent [B, ...] and the
+  ``Documents`` of the rows' K parts per span (``leaving_grads``)."""
+  by_row = lambda x: x.reshape(-1, G, *x.shape[1:])
+  leaving, _ = leaving_grads(jax.tree.map(by_row, reads), final_B, merged(docs, K))
+  return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), leaving)
+
+
+def span(x_BGx: jax.Array, index: int, G: int) -> jax.Array:
+  """Span ``index`` of each row: [B·G, ...] -> [B, ...]."""
+  return x_BGx.reshape(-1, G, *x_BGx.shape[1:])[:, index]

@@ -685,9 +685,7 @@ def _entering(fk: Factors, v, run, docs, S0, z0, st: Static):
   their parts (``docs``: the parts' ``spans.Documents``)."""
   if st.spans == 1:
     return S0, z0
-  by_row = lambda x: x.reshape(-1, st.spans * st.parts, *x.shape[1:])[:, :-1]
-  entering = spans.entering(tuple(by_row(x) for x in _totals(fk, v, run, st)), (S0, z0), docs)
-  return tuple(x[:, ::st.parts].reshape(-1, *x.shape[2:]) for x in entering)
+  return spans.entering_rows(_totals(fk, v, run, st), (S0, z0), docs, st.spans, st.parts)
 
 
 def _leaving_grads(fq: Factors, run, dN, dD, docs, dS, dz, st: Static):
@@ -696,15 +694,7 @@ def _leaving_grads(fq: Factors, run, dN, dD, docs, dS, dz, st: Static):
   follow from those that each span's tokens give its entering state (``spans.leaving_grads``)."""
   if st.spans == 1:
     return dS, dz
-  by_row = lambda x: x.reshape(-1, st.spans, *x.shape[1:])
-  reads = tuple(by_row(x) for x in _entry_grads(fq, run, dN, dD, st))
-  leaving, _ = spans.leaving_grads(reads, (dS, dz), spans.merged(docs, st.parts))
-  return tuple(x.reshape(-1, *x.shape[2:]) for x in leaving)
-
-
-def _span(x, index: int, st: Static):
-  """Span ``index`` of each row, [B·G, ...] -> [B, ...]."""
-  return x.reshape(-1, st.spans, *x.shape[1:])[:, index]
+  return spans.leaving_row_grads(_entry_grads(fq, run, dN, dD, st), (dS, dz), docs, st.spans, st.parts)
 
 
 def _factors(q, k, omega, lam_raw, pos, st: Static) -> tuple[Factors, Factors]:
@@ -735,7 +725,7 @@ def _fused_fwd(q, k, v, omega, lam_raw, pos, run, docs, S0, z0, st: Static):
   vp = _pad_tokens(v, st)
   E_S, E_z = _entering(fk, vp, run, docs, S0, z0, st)
   o, den, S, z = _forward(fq, fk, vp, run, E_S, E_z, st)
-  out = (o[:, :st.length, :, :v.shape[-1]], _span(S, -1, st), _span(z, -1, st))
+  out = (o[:, :st.length, :, :v.shape[-1]], spans.span(S, -1, st.spans), spans.span(z, -1, st.spans))
   kept = (fq, fk) if st.keep_factors else None
   return out, (q, k, v, omega, lam_raw, pos, run, docs, S0, z0, E_S, E_z, o, den, kept)
 
@@ -756,7 +746,7 @@ def _fused_bwd(st: Static, residuals, cotangents):
   dphi_q = _dq(fk, vp, run, dN, dD, E_S, E_z, st)
   dS, dz = _leaving_grads(fq, run, dN, dD, docs, dS.astype(_F32), dz.astype(_F32), st)
   dphi_k, dv, dS0, dz0 = _dkv(fq, fk, vp, run, dN, dD, dS, dz, st)
-  dS0, dz0 = _span(dS0, 0, st), _span(dz0, 0, st)
+  dS0, dz0 = spans.span(dS0, 0, st.spans), spans.span(dz0, 0, st.spans)
   grads = functools.partial(factor_kernels.factor_grads, omega=omega, lam_raw=lam_raw, positions=pos,
                             rotate=st.rotate, interpret=st.forward.interpret)
   dq, d_omega_q, d_lam_q = grads(q, dphi_parts=dphi_q)
