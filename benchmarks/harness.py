@@ -405,7 +405,7 @@ TAYLOR_FUSED_TUNING = [(128, 64, 64, (8, 3), (8, 3), (8, 3), (8, 2)),
 # kernels at their default tilings with each row cut into G spans (``lmcore.ops.common.spans``), for
 # every G here whose spans keep SPANS_MIN_LENGTH tokens and whole chunks. Rows "pallas_fused (spans=G)"
 # of the ops "sanatan_p1" and "taylor".
-SPANS_TUNING = (1, 2, 4, 8, 16)
+SPANS_TUNING = (1, 2, 4, 8, 16, 32)
 SPANS_MIN_LENGTH = 512
 # Tuning names whose rows belong to another op's table.
 TUNED_OPS = {"sanatan_p1_fused": "sanatan_p1", "taylor_blocked": "taylor", "taylor_fused": "taylor",
