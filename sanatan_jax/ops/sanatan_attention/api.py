@@ -200,7 +200,8 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
       "pallas_fused": its backward recomputes the factors of Phi instead of keeping them (3d
       values per token, head and operand in the inputs' dtype).
     fused_tiles: "pallas_fused" only: tilings replacing the kernels' defaults
-      (``pallas_triton_fused.parse_tiles``), e.g. "forward=64x16x6x4x3"; "" keeps the defaults.
+      (``pallas_triton_fused.parse_tiles``), e.g. "forward=64x16x6x4x3", and the spans per row,
+      e.g. "spans=8" ("spans=1": rows whole; ``lmcore.ops.common.spans``); "" keeps the defaults.
     flash_features: "pallas_flash" only: where its feature channels come from, "xla" or "kernels"
       (6 channels; ``pallas_triton_flash.FEATURE_SOURCES``).
 
