@@ -224,18 +224,20 @@ def factors(u: jax.Array, omega: jax.Array, lam_raw: jax.Array, positions: jax.A
 
 
 def factor_grads(u: jax.Array, omega: jax.Array, lam_raw: jax.Array, positions: jax.Array,
-                 dphi_parts: list[jax.Array], *, rotate: bool, interpret: bool
+                 dphi_parts: list[jax.Array], *, rotate: bool, interpret: bool, first_channel: int = 0
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(du [B, T, H, d] in u's dtype, d omega, d lam_raw [H, d] in their dtypes) from the cotangent of
-  Phi given as ``dphi_parts``: G arrays [B, Tp, H, 6 / G, dp], channel c = g·G + i in part i at
-  group g (one array [B, Tp, H, 6, dp] for G = 1)."""
+  Phi given as ``dphi_parts``: G arrays [B, Tp, H, groups, dp] holding channels ``first_channel`` to
+  5, channel c = first_channel + g·G + i in part i at group g (one array [B, Tp, H, 6, dp] for G = 1
+  from channel 0; ``first_channel`` 1 leaves out the constant channel, which has no gradient)."""
   G = len(dphi_parts)
 
   def spec(block_t: int, dp: int, c: int) -> pl.BlockSpec:
-    return pl.BlockSpec((None, block_t, None, None, dp), lambda h, t, b: (b, t, h, c // G, 0))
+    group = (c - first_channel) // G
+    return pl.BlockSpec((None, block_t, None, None, dp), lambda h, t, b: (b, t, h, group, 0))
 
-  return _grads(u, omega, lam_raw, positions, [dphi_parts[c % G] for c in range(1, 6)], spec,
-                rotate=rotate, interpret=interpret)
+  return _grads(u, omega, lam_raw, positions, [dphi_parts[(c - first_channel) % G] for c in range(1, 6)],
+                spec, rotate=rotate, interpret=interpret)
 
 
 def channel_grads(u: jax.Array, omega: jax.Array, lam_raw: jax.Array, positions: jax.Array,

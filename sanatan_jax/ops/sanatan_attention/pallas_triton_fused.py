@@ -14,10 +14,13 @@ r [B, T, H, d], three d-wide arrays where Phi is 6d wide. Channel c of head dime
 U = (1, cos, sin)[c mod 3] and W = (1, r)[c div 3]; each program forms its channels from them in
 registers (fp32 products rounded to the operands' dtype; the constant channel zero on padding), so
 all six channels, their states and their gradients are handled alike (at the price of a sixth of the
-kernels' work on a channel whose scores are the count d). The kernels write d Phi channel-major
-[B, T, H, 6, d] (in channel groups); the factor kernels' VJP takes it through the product rule to
-dq, dk, d omega and d lam_raw. The custom VJP keeps no features: its backward recomputes the
-factors from q and k (unless asked to keep them).
+forward's and the dv walk's work on a channel whose scores are the count d). The constant channel has
+no gradient, so with one channel per program the dq and dk walks run the other five only; the one
+thing its dk programs would give, channel 0 of the initial state's gradient (the sums of dN and dD
+over each row's first document), XLA adds. The kernels write d Phi channel-major [B, T, H, 6 or 5,
+d] (in channel groups); the factor kernels' VJP takes it through the product rule to dq, dk, d omega
+and d lam_raw. The custom VJP keeps no features: its backward recomputes the factors from q and k
+(unless asked to keep them).
 
 Programs. Grid (channel group, value tile, batch, head): a program owns ``Tiles.channels`` of the
 six channels and ``block_v`` value columns, so 6 / channels x dv / block_v programs share a
@@ -179,6 +182,7 @@ class KernelConfig(NamedTuple):
   head_dim: int
   padded_length: int
   dp: int
+  first_group: int = 0  # the grid's channel groups start here (1: the constant channel skipped)
 
 
 class Static(NamedTuple):
@@ -240,7 +244,7 @@ def _phi(refs, start, cfg: KernelConfig) -> tuple | None:
 
 def _operand(trig_refs, root_ref, cfg: KernelConfig) -> tuple:
   """``_phi``'s refs of one operand; the program id is read here, outside the chunk loop."""
-  return trig_refs, root_ref, pl.program_id(0) * cfg.channels
+  return trig_refs, root_ref, (pl.program_id(0) + cfg.first_group) * cfg.channels
 
 
 def _load(n, q_refs, k_refs, v_ref, run_ref, cfg: KernelConfig) -> _Chunk:
@@ -513,17 +517,19 @@ def _trig_index(c):
 
 
 def _specs(Tp: int, dp: int, cfg: KernelConfig) -> _Specs:
-  G, BV = cfg.channels, cfg.block_v
+  """The specs over the grid; inputs read channel group g + ``cfg.first_group``, outputs are indexed by
+  the grid's own g."""
+  G, BV, first = cfg.channels, cfg.block_v, cfg.first_group
   spec = pl.BlockSpec
   return _Specs(
       trig=lambda i: spec((None, Tp, None, None, dp),
-                          lambda g, j, b, h: (b, 0, h, _trig_index(g * G + i), 0)),
+                          lambda g, j, b, h: (b, 0, h, _trig_index((g + first) * G + i), 0)),
       root=spec((None, Tp, None, dp), lambda g, j, b, h: (b, 0, h, 0)),
       v=spec((None, Tp, None, BV), lambda g, j, b, h: (b, 0, h, j)),
       row=spec((None, Tp), lambda g, j, b, h: (b, 0)),
       token=spec((None, Tp, None), lambda g, j, b, h: (b, 0, h)),
-      S=lambda i: spec((None, None, None, dp, BV), lambda g, j, b, h: (b, h, g * G + i, 0, j)),
-      z=lambda i: spec((None, None, None, dp), lambda g, j, b, h: (b, h, g * G + i, 0)),
+      S=lambda i: spec((None, None, None, dp, BV), lambda g, j, b, h: (b, h, (g + first) * G + i, 0, j)),
+      z=lambda i: spec((None, None, None, dp), lambda g, j, b, h: (b, h, (g + first) * G + i, 0)),
       group_v=spec((None, None, Tp, None, BV), lambda g, j, b, h: (g, b, 0, h, j)),
       tile_token=spec((None, None, None, Tp, None), lambda g, j, b, h: (j, g, b, 0, h)),
       group_S=spec((None, None, None, dp, BV), lambda g, j, b, h: (g, b, h, 0, j)),
@@ -532,10 +538,10 @@ def _specs(Tp: int, dp: int, cfg: KernelConfig) -> _Specs:
 
 
 def _grid(v, st: Static, cfg: KernelConfig):
-  """(channel groups, value tiles, B, H). The Triton launch runs the first two fastest, so the
-  programs of one (row, head), which read the same values, run side by side."""
+  """(channel groups from ``cfg.first_group``, value tiles, B, H). The Triton launch runs the first two
+  fastest, so the programs of one (row, head), which read the same values, run side by side."""
   B, _, H, _ = v.shape
-  return CHANNELS // cfg.channels, st.Vp // cfg.block_v, B, H
+  return CHANNELS // cfg.channels - cfg.first_group, st.Vp // cfg.block_v, B, H
 
 
 def _channels(parts, axis: int):
@@ -595,9 +601,18 @@ def _forward(fq: Factors, fk: Factors, v, run, S0, z0, st: Static):
   return o.astype(v.dtype), den, S, z
 
 
+def _without_constant(cfg: KernelConfig) -> KernelConfig:
+  """``cfg`` without the programs of Phi's constant channel where it is a group of its own (one channel
+  per program): its feature gradients are never used (the channel has no parameters), so the dq and dk
+  walks skip it, and the one thing its dk programs give, the initial state's channel 0, is
+  ``_constant_entry_grads``."""
+  return cfg._replace(first_group=1) if cfg.channels == 1 else cfg
+
+
 def _dq(fk: Factors, v, run, dN, dD, S0, z0, st: Static):
-  """dq kernel: d Phi(q) in the features' dtype, as G parts [B, Tp, H, 6 / G, dp] (``_feature_grads``)."""
-  cfg = st.dq
+  """dq kernel: d Phi(q) in the features' dtype, as G parts [B, Tp, H, groups, dp] (``_feature_grads``)
+  from channel ``first`` on, and ``first``."""
+  cfg = _without_constant(st.dq)
   B, Tp, H, _ = v.shape
   G, grid = cfg.channels, _grid(v, st, cfg)
   groups, tiles = grid[:2]
@@ -608,22 +623,40 @@ def _dq(fk: Factors, v, run, dN, dD, S0, z0, st: Static):
   parts = pu.call(_dq_kernel, cfg, grid, in_specs, [s.tile_phi] * G,
                   [_shape(tiles, B, Tp, H, groups, st.dp, dtype=dtype)] * G,
                   *_factor_args(fk, G), v, run, dN, dD, *[S0] * G, *[z0] * G)
-  return _feature_grads(parts, dtype)
+  return _feature_grads(parts, dtype), cfg.first_group * G
+
+
+def _constant_entry_grads(run, dN, dD, dS, dz, st: Static):
+  """Channel 0 of the gradients of the states entering the kernel rows ([B', H, dp, Vp] and [B', H,
+  dp], fp32), which the dk walk would carry: Phi's constant channel is 1 on the real head dims, so it is
+  sum_t (dN_t, dD_t) over the row's run-0 tokens on each of them, plus the leaving state's gradient
+  (dS, dz channel 0) where the row is one run."""
+  first_BxTp = run == 0
+  whole_B = run[:, -1] == 0
+  dims = (jnp.arange(st.dp) < st.dq.head_dim).astype(_F32)
+  dN_BxHxV = jnp.sum(jnp.where(first_BxTp[:, :, None, None], dN.astype(_F32), 0.0), axis=1)
+  dD_BxH = jnp.sum(jnp.where(first_BxTp[:, :, None], dD, 0.0), axis=1)
+  S = dims[:, None] * dN_BxHxV[:, :, None, :] + jnp.where(whole_B[:, None, None, None], dS[:, :, 0], 0.0)
+  z = dims * dD_BxH[:, :, None] + jnp.where(whole_B[:, None, None], dz[:, :, 0], 0.0)
+  return S, z
 
 
 def _dkv(fq: Factors, fk: Factors, v, run, dN, dD, dS, dz, st: Static):
-  """The dk and dv walks: d Phi(k) in the features' dtype, as G parts [B, Tp, H, 6 / G, dp]
-  (``_feature_grads``), dv [B, Tp, H, Vp] and the initial state's gradients (S, z in kernel layout),
-  fp32."""
-  cfg = st.dkv
+  """The dk and dv walks: d Phi(k) in the features' dtype, as G parts [B, Tp, H, groups, dp]
+  (``_feature_grads``) from channel ``first`` on, ``first``, dv [B, Tp, H, Vp] and the initial state's
+  gradients (S, z in kernel layout), fp32."""
   B, Tp, H, _ = v.shape
+  cfg = st.dkv
   G, grid = cfg.channels, _grid(v, st, cfg)
-  groups, tiles = grid[:2]
   s = _specs(Tp, st.dp, cfg)
   each = lambda make: [make(i) for i in range(G)]
   dv = pu.call(_dv_kernel, cfg, grid, _factor_specs(s, G) * 2 + [s.row, s.v] + each(s.S), s.group_v,
-               _shape(groups, B, Tp, H, st.Vp), *_factor_args(fq, G), *_factor_args(fk, G), run, dN,
+               _shape(grid[0], B, Tp, H, st.Vp), *_factor_args(fq, G), *_factor_args(fk, G), run, dN,
                *[dS] * G)
+  cfg = _without_constant(cfg)
+  grid = _grid(v, st, cfg)
+  groups, tiles = grid[:2]
+  s = _specs(Tp, st.dp, cfg)
   in_specs = _factor_specs(s, G) + [s.v, s.row, s.v, s.token] + each(s.S) + each(s.z)
   out_specs = [s.tile_phi] * G + [s.group_S] * G + [s.tile_z] * G
   dtype = fq.trig.dtype
@@ -631,9 +664,11 @@ def _dkv(fq: Factors, fk: Factors, v, run, dN, dD, dS, dz, st: Static):
                + [_shape(groups, B, H, st.dp, st.Vp)] * G + [_shape(tiles, groups, B, H, st.dp)] * G)
   out = pu.call(_dk_kernel, cfg, grid, in_specs, out_specs, out_shape,
                 *_factor_args(fq, G), v, run, dN, dD, *[dS] * G, *[dz] * G)
-  dphi_k, dS0, dz0 = out[:G], out[G:2 * G], out[2 * G:]
-  return (_feature_grads(dphi_k, dtype), jnp.sum(dv, axis=0), _channels(dS0, 2),
-          _channels([jnp.sum(x, axis=0) for x in dz0], 2))
+  dphi_k, dS0, dz0 = out[:G], _channels(out[G:2 * G], 2), _channels([jnp.sum(x, axis=0) for x in out[2 * G:]], 2)
+  if cfg.first_group:
+    S_c, z_c = _constant_entry_grads(run, dN, dD, dS, dz, st)
+    dS0, dz0 = jnp.concatenate([S_c[:, :, None], dS0], 2), jnp.concatenate([z_c[:, :, None], dz0], 2)
+  return _feature_grads(dphi_k, dtype), cfg.first_group * G, jnp.sum(dv, axis=0), dS0, dz0
 
 
 def _in_parts(x, st: Static):
@@ -743,14 +778,14 @@ def _fused_bwd(st: Static, residuals, cotangents):
   dN = (do * inv_BxTxH[..., None]).astype(v.dtype)
   dD = -jnp.sum(do * o.astype(_F32), axis=-1) * inv_BxTxH
   vp = _pad_tokens(v, st)
-  dphi_q = _dq(fk, vp, run, dN, dD, E_S, E_z, st)
+  dphi_q, first_q = _dq(fk, vp, run, dN, dD, E_S, E_z, st)
   dS, dz = _leaving_grads(fq, run, dN, dD, docs, dS.astype(_F32), dz.astype(_F32), st)
-  dphi_k, dv, dS0, dz0 = _dkv(fq, fk, vp, run, dN, dD, dS, dz, st)
+  dphi_k, first_k, dv, dS0, dz0 = _dkv(fq, fk, vp, run, dN, dD, dS, dz, st)
   dS0, dz0 = spans.span(dS0, 0, st.spans), spans.span(dz0, 0, st.spans)
   grads = functools.partial(factor_kernels.factor_grads, omega=omega, lam_raw=lam_raw, positions=pos,
                             rotate=st.rotate, interpret=st.forward.interpret)
-  dq, d_omega_q, d_lam_q = grads(q, dphi_parts=dphi_q)
-  dk, d_omega_k, d_lam_k = grads(k, dphi_parts=dphi_k)
+  dq, d_omega_q, d_lam_q = grads(q, dphi_parts=dphi_q, first_channel=first_q)
+  dk, d_omega_k, d_lam_k = grads(k, dphi_parts=dphi_k, first_channel=first_k)
   dv = dv[:, :st.length, :, :v.shape[-1]].astype(v.dtype)
   return dq, dk, dv, d_omega_q + d_omega_k, d_lam_q + d_lam_k, None, None, None, dS0, dz0
 
