@@ -17,8 +17,10 @@ import pytest
 from lmcore.numerics import relative_l2
 from lmcore.ops.common import pallas_utils
 from sanatan_jax.ops.sanatan_attention.base import rotated_angles_and_roots
+import numpy as np
+
 from sanatan_jax.ops.sanatan_attention.pallas_triton_factors import (channel_grads, factor_grads,
-                                                                     factors)
+                                                                     factors, reduced)
 
 TOL = 1e-5
 CHANNELS = 6
@@ -100,10 +102,34 @@ def test_channel_grads_equal_factor_grads_of_the_same_channels():
     _close(a, b, name)
 
 
+def test_factor_grads_without_the_constant_channel_equal_those_with_it():
+  """d Phi given from channel 1 on (``first_channel=1``, the dq and dk walks' layout when they skip
+  the constant channel) gives the same gradients as the whole six channels."""
+  B, T, H, d, Tp, dp = 1, 20, 2, 6, 24, 8
+  u, omega, lam_raw, positions, key = _inputs(B, T, H, d)
+  dphi = jax.random.normal(key, (B, Tp, H, CHANNELS, dp))
+  common = dict(rotate=True, interpret=True)
+  want = factor_grads(u, omega, lam_raw, positions, [dphi], **common)
+  got = factor_grads(u, omega, lam_raw, positions, [dphi[..., 1:, :]], first_channel=1, **common)
+  for name, a, b in zip(("du", "d_omega", "d_lam_raw"), got, want):
+    _close(a, b, name)
+
+
+def test_the_fast_paths_angle_reduction_keeps_sine_and_cosine():
+  """``reduced`` (before the GPU's approximate sine and cosine, accurate near [-pi, pi]) lands within
+  1e-3 of [-pi, pi] (k is rounded in fp32) and keeps sin and cos within 2e-6 of float64's, up to
+  |x| = 1e4 (rotations reach 0.01 t)."""
+  x = np.linspace(-1e4, 1e4, 200_001, dtype=np.float32)
+  y = np.asarray(reduced(jnp.asarray(x)), np.float64)
+  assert np.all(np.abs(y) <= np.pi + 1e-3)
+  for fn in (np.sin, np.cos):
+    assert np.max(np.abs(fn(y) - fn(x.astype(np.float64)))) <= 2e-6
+
+
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 def test_factor_kernels_lower_to_triton_for_an_h200():
   """Both kernels pass the Pallas Triton lowering for bf16 inputs with a partial block and padded
-  head dims."""
+  head dims, with the GPU's approximate sine, cosine and division; fp32 inputs keep the exact ones."""
   B, T, H, d, Tp, dp = 1, 200, 2, 24, 256, 32
   u = jax.ShapeDtypeStruct((B, T, H, d), jnp.bfloat16)
   param = jax.ShapeDtypeStruct((H, d), jnp.float32)
@@ -115,5 +141,9 @@ def test_factor_kernels_lower_to_triton_for_an_h200():
     g = factor_grads(u, omega, lam_raw, positions, [dphi], rotate=True, interpret=False)
     return f, g
 
-  lowered = pallas_utils.lower_for_gpu(both, u, param, param, pos, dphi)
-  assert lowered.as_text().count("xla.gpu.triton") == 2
+  text = pallas_utils.lower_for_gpu(both, u, param, param, pos, dphi).as_text()
+  assert text.count("xla.gpu.triton") == 2
+  assert "sin.approx" in text and "div.full" in text
+  u32, dphi32 = (jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (u, dphi))
+  text = pallas_utils.lower_for_gpu(both, u32, param, param, pos, dphi32).as_text()
+  assert "sin.approx" not in text and "div.full" not in text
