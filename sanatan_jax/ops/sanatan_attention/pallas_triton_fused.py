@@ -17,8 +17,7 @@ all six channels, their states and their gradients are handled alike (at the pri
 forward's and the dv walk's work on a channel whose scores are the count d). The constant channel has
 no gradient, so with one channel per program the dq and dk walks run the other five only; the one
 thing its dk programs would give, channel 0 of the initial state's gradient (the sums of dN and dD
-over each row's first document), XLA adds, and likewise the totals and entry-gradient kernels of
-spans (below) leave channel 0 to XLA's sums of (v, 1) and of (dN, dD). The kernels write d Phi channel-major [B, T, H, 6 or 5,
+over each row's first document), XLA adds. The kernels write d Phi channel-major [B, T, H, 6 or 5,
 d] (in channel groups); the factor kernels' VJP takes it through the product rule to dq, dk, d omega
 and d lam_raw. The custom VJP keeps no features: its backward recomputes the factors from q and k
 (unless asked to keep them).
@@ -627,30 +626,19 @@ def _dq(fk: Factors, v, run, dN, dD, S0, z0, st: Static):
   return _feature_grads(parts, dtype), cfg.first_group * G
 
 
-def _constant_sums(mask_BxT, x_BxTxHxV, y_BxTxH, st: Static):
-  """Channel 0 of sum_t Phi(u_t)ᵀ (x_t, y_t) over the tokens of ``mask_BxT``, ([B, H, 1, dp, V],
-  [B, H, 1, dp]) fp32: Phi's constant channel is 1 on the real head dims, so the sums of x and y on
-  each of them (what the constant channel's programs would carry)."""
-  dims = (jnp.arange(st.dp) < st.dq.head_dim).astype(_F32)
-  x_BxHxV = jnp.sum(jnp.where(mask_BxT[:, :, None, None], x_BxTxHxV.astype(_F32), 0.0), axis=1)
-  y_BxH = jnp.sum(jnp.where(mask_BxT[:, :, None], y_BxTxH.astype(_F32), 0.0), axis=1)
-  return dims[:, None] * x_BxHxV[:, :, None, None, :], dims * y_BxH[:, :, None, None]
-
-
-def _with_constant(constant: tuple, rest: tuple) -> tuple:
-  """(S, z) channel 0 from ``constant`` and channels 1-5 from ``rest`` (kernel layout, channels at axis
-  2)."""
-  return tuple(jnp.concatenate([a, b], axis=2) for a, b in zip(constant, rest))
-
-
 def _constant_entry_grads(run, dN, dD, dS, dz, st: Static):
-  """Channel 0 of the gradients of the states entering the kernel rows ([B', H, 1, dp, Vp] and [B', H,
-  1, dp], fp32), which the dk walk would carry: the sums of (dN_t, dD_t) over the row's run-0 tokens
-  (``_constant_sums``), plus the leaving state's gradient (dS, dz channel 0) where the row is one run."""
-  S, z = _constant_sums(run == 0, dN, dD, st)
+  """Channel 0 of the gradients of the states entering the kernel rows ([B', H, dp, Vp] and [B', H,
+  dp], fp32), which the dk walk would carry: Phi's constant channel is 1 on the real head dims, so it is
+  sum_t (dN_t, dD_t) over the row's run-0 tokens on each of them, plus the leaving state's gradient
+  (dS, dz channel 0) where the row is one run."""
+  first_BxTp = run == 0
   whole_B = run[:, -1] == 0
-  S = S + jnp.where(whole_B[:, None, None, None, None], dS[:, :, :1], 0.0)
-  return S, z + jnp.where(whole_B[:, None, None, None], dz[:, :, :1], 0.0)
+  dims = (jnp.arange(st.dp) < st.dq.head_dim).astype(_F32)
+  dN_BxHxV = jnp.sum(jnp.where(first_BxTp[:, :, None, None], dN.astype(_F32), 0.0), axis=1)
+  dD_BxH = jnp.sum(jnp.where(first_BxTp[:, :, None], dD, 0.0), axis=1)
+  S = dims[:, None] * dN_BxHxV[:, :, None, :] + jnp.where(whole_B[:, None, None, None], dS[:, :, 0], 0.0)
+  z = dims * dD_BxH[:, :, None] + jnp.where(whole_B[:, None, None], dz[:, :, 0], 0.0)
+  return S, z
 
 
 def _dkv(fq: Factors, fk: Factors, v, run, dN, dD, dS, dz, st: Static):
@@ -678,7 +666,8 @@ def _dkv(fq: Factors, fk: Factors, v, run, dN, dD, dS, dz, st: Static):
                 *_factor_args(fq, G), v, run, dN, dD, *[dS] * G, *[dz] * G)
   dphi_k, dS0, dz0 = out[:G], _channels(out[G:2 * G], 2), _channels([jnp.sum(x, axis=0) for x in out[2 * G:]], 2)
   if cfg.first_group:
-    dS0, dz0 = _with_constant(_constant_entry_grads(run, dN, dD, dS, dz, st), (dS0, dz0))
+    S_c, z_c = _constant_entry_grads(run, dN, dD, dS, dz, st)
+    dS0, dz0 = jnp.concatenate([S_c[:, :, None], dS0], 2), jnp.concatenate([z_c[:, :, None], dz0], 2)
   return _feature_grads(dphi_k, dtype), cfg.first_group * G, jnp.sum(dv, axis=0), dS0, dz0
 
 
@@ -695,10 +684,9 @@ def _part_config(st: Static) -> KernelConfig:
 
 def _totals(fk: Factors, v, run, st: Static):
   """Each part's sums over its last run, (S [B·K, H, 6, dp, Vp], z [B·K, H, 6, dp]) fp32, by
-  ``_totals_kernel`` over rows of one part (``_in_parts``; runs counted from each part's first token),
-  channel 0 (``_constant_sums`` over the last run) in XLA where the kernel skips it."""
+  ``_totals_kernel`` over rows of one part (``_in_parts``; runs counted from each part's first token)."""
   parts = lambda x: _in_parts(x, st)
-  fk, v, run, cfg = jax.tree.map(parts, fk), parts(v), parts(run), _without_constant(_part_config(st))
+  fk, v, run, cfg = jax.tree.map(parts, fk), parts(v), parts(run), _part_config(st)
   run = run - run[:, :1]
   B, Tp, H, _ = v.shape
   G, grid = cfg.channels, _grid(v, st, cfg)
@@ -707,30 +695,23 @@ def _totals(fk: Factors, v, run, st: Static):
   out_shape = [_shape(groups, B, H, st.dp, st.Vp)] * G + [_shape(tiles, groups, B, H, st.dp)] * G
   state = pu.call(_totals_kernel, cfg, grid, _factor_specs(s, G) + [s.v, s.row],
                   [s.group_S] * G + [s.tile_z] * G, out_shape, *_factor_args(fk, G), v, run)
-  totals = _channels(state[:G], 2), _channels([x[0] for x in state[G:]], 2)
-  if not cfg.first_group:
-    return totals
-  # Spans are whole chunks: no padded tokens here.
-  return _with_constant(_constant_sums(run == run[:, -1:], v, jnp.ones(v.shape[:3], _F32), st), totals)
+  return _channels(state[:G], 2), _channels([x[0] for x in state[G:]], 2)
 
 
 def _entry_grads(fq: Factors, run, dN, dD, st: Static):
   """The gradients that each kernel row's own tokens give its entering state, (dS [B', H, 6, dp,
-  Vp], dz [B', H, 6, dp]) fp32: ``_entry_grad_kernel`` over rows of one part, summed over the parts,
-  channel 0 (``_constant_sums`` over each row's run-0 tokens) in XLA where the kernel skips it."""
+  Vp], dz [B', H, 6, dp]) fp32: ``_entry_grad_kernel`` over rows of one part, summed over the parts."""
   parts = lambda x: _in_parts(x, st)
-  cfg = _without_constant(_part_config(st))
-  fq_p, run_p, dN_p, dD_p = jax.tree.map(parts, fq), parts(run), parts(dN), parts(dD)
-  B, Tp, H, _ = dN_p.shape
-  G, grid = cfg.channels, _grid(dN_p, st, cfg)
+  fq, run, dN, dD, cfg = jax.tree.map(parts, fq), parts(run), parts(dN), parts(dD), _part_config(st)
+  B, Tp, H, _ = dN.shape
+  G, grid = cfg.channels, _grid(dN, st, cfg)
   groups, tiles = grid[:2]
   s = _specs(Tp, st.dp, cfg)
   out_shape = [_shape(groups, B, H, st.dp, st.Vp)] * G + [_shape(tiles, groups, B, H, st.dp)] * G
   grads = pu.call(_entry_grad_kernel, cfg, grid, _factor_specs(s, G) + [s.row, s.v, s.token],
-                  [s.group_S] * G + [s.tile_z] * G, out_shape, *_factor_args(fq_p, G), run_p, dN_p, dD_p)
+                  [s.group_S] * G + [s.tile_z] * G, out_shape, *_factor_args(fq, G), run, dN, dD)
   whole = lambda x: jnp.sum(x.reshape(-1, st.parts, *x.shape[1:]), axis=1)
-  grads = whole(_channels(grads[:G], 2)), whole(_channels([x[0] for x in grads[G:]], 2))
-  return _with_constant(_constant_sums(run == 0, dN, dD, st), grads) if cfg.first_group else grads
+  return whole(_channels(grads[:G], 2)), whole(_channels([x[0] for x in grads[G:]], 2))
 
 
 def _entering(fk: Factors, v, run, docs, S0, z0, st: Static):
