@@ -317,7 +317,8 @@ def _grads(u, omega, lam_raw, positions, channels: list[jax.Array], channel_spec
   grid = _grid(up, cfg)
   sums = spec((None, None, None, dp), lambda h, t, b: (b, t, h, 0))
   out_specs = [spec((None, BT, None, dp), lambda h, t, b: (b, t, h, 0)), sums, sums]
-  out_shape = [jax.ShapeDtypeStruct(up.shape, u.dtype)] + [jax.ShapeDtypeStruct((B, grid[1], H, dp), _F32)] * 2
+  sums_shape = jax.ShapeDtypeStruct((B, grid[1], H, dp), _F32)
+  out_shape = [jax.ShapeDtypeStruct(up.shape, u.dtype), sums_shape, sums_shape]
   du, g_sum, t_sum = pu.call(_grads_kernel, cfg, grid, in_specs, out_specs, out_shape, up, pos, omega_p,
                              lam_p, *channels)
   d_omega = jnp.sum(g_sum, axis=(0, 1))[:, :d]

@@ -664,7 +664,8 @@ def _dkv(fq: Factors, fk: Factors, v, run, dN, dD, dS, dz, st: Static):
                + [_shape(groups, B, H, st.dp, st.Vp)] * G + [_shape(tiles, groups, B, H, st.dp)] * G)
   out = pu.call(_dk_kernel, cfg, grid, in_specs, out_specs, out_shape,
                 *_factor_args(fq, G), v, run, dN, dD, *[dS] * G, *[dz] * G)
-  dphi_k, dS0, dz0 = out[:G], _channels(out[G:2 * G], 2), _channels([jnp.sum(x, axis=0) for x in out[2 * G:]], 2)
+  dphi_k, dS0 = out[:G], _channels(out[G:2 * G], 2)
+  dz0 = _channels([jnp.sum(x, axis=0) for x in out[2 * G:]], 2)
   if cfg.first_group:
     S_c, z_c = _constant_entry_grads(run, dN, dD, dS, dz, st)
     dS0, dz0 = jnp.concatenate([S_c[:, :, None], dS0], 2), jnp.concatenate([z_c[:, :, None], dz0], 2)
