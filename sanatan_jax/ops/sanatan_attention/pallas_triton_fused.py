@@ -13,18 +13,21 @@ inside, written in the operands' dtype): (cos th_rot, sin th_rot) [B, T, H, 2, d
 r [B, T, H, d], three d-wide arrays where Phi is 6d wide. Channel c of head dimension a is U_a W_a with
 U = (1, cos, sin)[c mod 3] and W = (1, r)[c div 3]; each program forms its channels from them in
 registers (fp32 products rounded to the operands' dtype; the constant channel zero on padding), so
-all six channels, their states and their gradients are handled alike (at the price of a sixth of the
-forward's and the dv walk's work on a channel whose scores are the count d). The constant channel has
-no gradient, so with one channel per program the dq and dk walks run the other five only; the one
-thing its dk programs would give, channel 0 of the initial state's gradient (the sums of dN and dD
-over each row's first document), XLA adds. The kernels write d Phi channel-major [B, T, H, 6 or 5,
-d] (in channel groups); the factor kernels' VJP takes it through the product rule to dq, dk, d omega
-and d lam_raw. The custom VJP keeps no features: its backward recomputes the factors from q and k
-(unless asked to keep them).
+the channels, their states and their gradients are handled alike. With one channel per program the
+constant channel (1 on every real head dim) has no program of its own: its score is the count d on
+every visible pair and its state's rows move alike, so the forward and dv walks' first program (channel
+1) adds d to its scores and carries the channel's state as a few sums (``_constant_flag``); it has no
+gradient, so the dq and dk walks leave it out, and the one thing its dk programs would give, channel 0
+of the initial state's gradient (the sums of dN and dD over each row's first document), XLA adds, as it
+does channel 0 of the final state. The kernels write d Phi channel-major [B, T, H, 6 or 5, d] (in
+channel groups); the factor kernels' VJP takes it through the product rule to dq, dk, d omega and
+d lam_raw. The custom VJP keeps no features: its backward recomputes the factors from q and k (unless
+asked to keep them).
 
 Programs. Grid (channel group, value tile, batch, head): a program owns ``Tiles.channels`` of the
 six channels and ``block_v`` value columns, so 6 / channels x dv / block_v programs share a
-(row, head). Its state is one fp32 [d, BV] block and one [d] normaliser per owned channel, in
+(row, head) (5 x dv / block_v at one channel per program: the constant channel rides with
+channel 1). Its state is one fp32 [d, BV] block and one [d] normaliser per owned channel, in
 registers for the whole walk. A score is a sum over channels, so each program computes its
 channels' part of A_n, N_n and D_n; the parts (fp32) are summed and divided in XLA. (Splitting the
 6d-wide key axis keeps a program's state small and gives 6x the programs of one per (row, head,
@@ -284,18 +287,57 @@ def _reads(run, state_run):
   return None if run is None else run == state_run
 
 
+def _chunk_end(x: _Chunk, state_run):
+  """(keep, writes, last) of chunk ``x`` in a forward walk: its last run, the [C] tokens in it (None
+  without documents) and whether the carried state is kept across the chunk (that run is the
+  state's)."""
+  if x.run is None:
+    return 1.0, None, state_run
+  last = jnp.max(x.run)
+  return (last == state_run).astype(_F32), x.run == last, last
+
+
 def _advance(x: _Chunk, S: tuple, z: tuple, state_run):
   """The carried state after chunk ``x``: S keep + Phi(K)ᵀ V and z keep + Phi(K)ᵀ 1 over the
   chunk's last run (keep: that run is the state's), and that run."""
-  keep, last, writes = 1.0, state_run, None
-  if x.run is not None:
-    last = jnp.max(x.run)
-    keep = (last == state_run).astype(_F32)
-    writes = x.run == last
+  keep, writes, last = _chunk_end(x, state_run)
   phi_k = _only(writes, x.phi_k)
   S = tuple(keep * S_c + pu.dot(a, x.v, trans_a=True) for a, S_c in zip(phi_k, S))
   z = tuple(keep * z_c + jnp.sum(a.astype(_F32), axis=0) for a, z_c in zip(phi_k, z))
   return S, z, last
+
+
+# Phi's constant channel where the grid leaves it out (``first_group`` 1). On the real head dims it is
+# 1, so its score is the count d on every visible pair of real tokens and its state S_0 (z_0) has one
+# row per real dim, all moving alike. The grid's first program (channel 1) carries it: it adds d to
+# its scores and keeps (K, w, n): whether the initial state is still kept, and the sums of v and of
+# real tokens over the carried state's run since then, so that sum_a S_0[a] = K sum_a S0_0[a] + d w
+# (and z_0 alike with n). The other programs carry the same with a zero flag. Padded tokens come after
+# every real one and are read by none (their outputs and gradients are dropped), so the walks need not
+# tell them apart here; the final state's channel 0 is ``_constant_final_state``'s.
+
+def _constant_flag(cfg: KernelConfig):
+  """1.0 in the program that carries the constant channel, 0.0 in the others; None when the grid keeps
+  the channel (``first_group`` 0)."""
+  if not cfg.first_group:
+    return None
+  return (pl.program_id(0) == 0).astype(_F32)
+
+
+def _real_rows(x, size: int):
+  """sum over the first ``size`` rows of ``x`` (the real head dims of a [dp, ...] block), fp32."""
+  dim = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+  return jnp.sum(jnp.where(dim < size, x.astype(_F32), 0.0), axis=0)
+
+
+def _advance_constant(x: _Chunk, carry, state_run, cfg: KernelConfig):
+  """(K, w, n) after chunk ``x``."""
+  K, w, n = carry
+  keep, writes, _ = _chunk_end(x, state_run)
+  v, count = x.v.astype(_F32), jnp.float32(cfg.chunk)
+  if writes is not None:
+    v, count = jnp.where(writes[:, None], v, 0.0), jnp.sum(writes.astype(_F32))
+  return keep * K, keep * w + jnp.sum(v, axis=0), keep * n + count
 
 
 def _chunk_runs(run_ref, n, cfg: KernelConfig):
@@ -317,29 +359,45 @@ def _split(refs, *counts) -> list[tuple]:
 
 
 def _forward_kernel(*refs, cfg: KernelConfig):
-  """Refs: the factors of q and of k (``_phi``), v, runs, initial S and z channels; outputs: the
-  numerator and denominator parts, final S and z channels."""
+  """Refs: the factors of q and of k (``_phi``), v, runs, initial S and z channels (then channel 0's
+  where the grid leaves it out); outputs: the numerator and denominator parts, final S and z
+  channels."""
   G = cfg.channels
-  (q_trig, (q_root,), k_trig, (k_root,), (v_ref,), (run_ref,), S0_refs, z0_refs, (num_ref,),
-   (den_ref,), S_refs, z_refs) = _split(refs, G, 1, G, 1, 1, 1, G, G, 1, 1, G, G)
+  flag = _constant_flag(cfg)
+  (q_trig, (q_root,), k_trig, (k_root,), (v_ref,), (run_ref,), S0_refs, z0_refs, constant_refs,
+   (num_ref,), (den_ref,), S_refs, z_refs) = _split(refs, G, 1, G, 1, 1, 1, G, G, 0 if flag is None else 2,
+                                                    1, 1, G, G)
   q_refs, k_refs = _operand(q_trig, q_root, cfg), _operand(k_trig, k_root, cfg)
-  C = cfg.chunk
+  C, d = cfg.chunk, float(cfg.head_dim)
+  if flag is not None:
+    S0_sum, z0_sum = (_real_rows(r[...], cfg.head_dim) for r in constant_refs)
 
   def step(n, carry):
-    S, z, state_run = carry
+    S, z, state_run, constant = carry
     x = _load(n, q_refs, k_refs, v_ref, run_ref, cfg)
-    s = jnp.where(_visible(x.run, cfg), _scores(x.phi_q, x.phi_k), 0.0)
+    s = _scores(x.phi_q, x.phi_k)
+    if flag is not None:
+      s += flag * d
+    s = jnp.where(_visible(x.run, cfg), s, 0.0)
     num = pu.dot(s.astype(x.v.dtype), x.v)
     den = jnp.sum(s, axis=1)
-    for a, S_c, z_c in zip(_only(_reads(x.run, state_run), x.phi_q), S, z):
+    reads = _reads(x.run, state_run)
+    if flag is not None:
+      K, w, count = constant
+      from_v, from_z = flag * (K * S0_sum + d * w), flag * (K * z0_sum + d * count)
+      num += from_v[None, :] if reads is None else jnp.where(reads[:, None], from_v[None, :], 0.0)
+      den += from_z if reads is None else jnp.where(reads, from_z, 0.0)
+      constant = _advance_constant(x, constant, state_run, cfg)
+    for a, S_c, z_c in zip(_only(reads, x.phi_q), S, z):
       num += pu.dot(a, S_c.astype(a.dtype))
       den += jnp.sum(a.astype(_F32) * z_c[None, :], axis=1)
     pu.store_rows(num_ref, n * C, num)
     pu.store_rows(den_ref, n * C, den)
-    return _advance(x, S, z, state_run)
+    return *_advance(x, S, z, state_run), constant
 
-  init = (tuple(r[...] for r in S0_refs), tuple(r[...] for r in z0_refs), jnp.int32(0))
-  S, z, _ = jax.lax.fori_loop(0, v_ref.shape[0] // C, step, init)
+  constant = () if flag is None else (jnp.float32(1.0), jnp.zeros((cfg.block_v,), _F32), jnp.float32(0.0))
+  init = (tuple(r[...] for r in S0_refs), tuple(r[...] for r in z0_refs), jnp.int32(0), constant)
+  S, z, _, _ = jax.lax.fori_loop(0, v_ref.shape[0] // C, step, init)
   for ref, value in zip(S_refs + z_refs, S + z):
     ref[...] = value
 
@@ -383,30 +441,43 @@ def _reverse_runs(x: _Chunk, run_ref, n, cfg: KernelConfig):
 
 
 def _dv_kernel(*refs, cfg: KernelConfig):
-  """Refs: the factors of q and of k (``_phi``), runs, dN, the final state's cotangent S channels;
-  output: the dv part. Chunks in reverse order, carrying the gradient dS of the state after the
-  chunk: dv_j = sum_t A_tj dN_t + [j writes] dSᵀ Phi(k_j)."""
+  """Refs: the factors of q and of k (``_phi``), runs, dN, the final state's cotangent S channels (then
+  channel 0's where the grid leaves it out); output: the dv part. Chunks in reverse order, carrying
+  the gradient dS of the state after the chunk: dv_j = sum_t A_tj dN_t + [j writes] dSᵀ Phi(k_j).
+  The constant channel's dS_0 rows move alike: the program that carries it keeps u = sum_a dS_0[a]
+  (u <- keep u + d sum_t dN_t over the readers) and adds d to its scores (dN is zero on padding)."""
   G = cfg.channels
-  (q_trig, (q_root,), k_trig, (k_root,), (run_ref,), (dN_ref,), dS_refs,
-   (dv_ref,)) = _split(refs, G, 1, G, 1, 1, 1, G, 1)
+  flag = _constant_flag(cfg)
+  (q_trig, (q_root,), k_trig, (k_root,), (run_ref,), (dN_ref,), dS_refs, constant_refs,
+   (dv_ref,)) = _split(refs, G, 1, G, 1, 1, 1, G, 0 if flag is None else 1, 1)
   q_refs, k_refs = _operand(q_trig, q_root, cfg), _operand(k_trig, k_root, cfg)
-  C = cfg.chunk
+  C, d = cfg.chunk, float(cfg.head_dim)
   n_chunks = dN_ref.shape[0] // C
 
-  def step(i, dS):
+  def step(i, carry):
+    dS, u = carry
     n = n_chunks - 1 - i
     run = pu.rows(run_ref, n * C, C) if cfg.documents else None
     x = _Chunk(_phi(q_refs, n * C, cfg), _phi(k_refs, n * C, cfg), None, run)
     dN = pu.rows(dN_ref, n * C, C)
     keep, writes, reads = _reverse_runs(x, run_ref, n, cfg)
-    s = jnp.where(_visible(x.run, cfg, transposed=True), _scores(x.phi_k, x.phi_q), 0.0)
+    s = _scores(x.phi_k, x.phi_q)
+    if flag is not None:
+      s += flag * d
+    s = jnp.where(_visible(x.run, cfg, transposed=True), s, 0.0)
     dv = pu.dot(s.astype(dN.dtype), dN)
     for b, dS_c in zip(_only(writes, x.phi_k), dS):
       dv += pu.dot(b, dS_c.astype(b.dtype))
+    if flag is not None:
+      dv += flag * (u[None, :] if writes is None else jnp.where(writes[:, None], u[None, :], 0.0))
+      readers = dN.astype(_F32) if reads is None else jnp.where(reads[:, None], dN.astype(_F32), 0.0)
+      u = keep * u + d * jnp.sum(readers, axis=0)
     pu.store_rows(dv_ref, n * C, dv)
-    return tuple(keep * dS_c + pu.dot(a, dN, trans_a=True) for a, dS_c in zip(_only(reads, x.phi_q), dS))
+    dS = tuple(keep * dS_c + pu.dot(a, dN, trans_a=True) for a, dS_c in zip(_only(reads, x.phi_q), dS))
+    return dS, u
 
-  jax.lax.fori_loop(0, n_chunks, step, tuple(r[...] for r in dS_refs))
+  u = () if flag is None else _real_rows(constant_refs[0][...], cfg.head_dim)
+  jax.lax.fori_loop(0, n_chunks, step, (tuple(r[...] for r in dS_refs), u))
 
 
 def _dk_kernel(*refs, cfg: KernelConfig):
@@ -508,6 +579,8 @@ class _Specs(NamedTuple):
   group_S: object  # [groups, B, H, dp, Vp]: channel i of each group
   tile_z: object  # [tiles, groups, B, H, dp]
   tile_phi: object  # [tiles, B, Tp, H, groups, dp]: channel g·G + i of each group
+  S_constant: object  # [B, H, 6, dp, Vp]: channel 0
+  z_constant: object  # [B, H, 6, dp]: channel 0
 
 
 def _trig_index(c):
@@ -534,7 +607,9 @@ def _specs(Tp: int, dp: int, cfg: KernelConfig) -> _Specs:
       tile_token=spec((None, None, None, Tp, None), lambda g, j, b, h: (j, g, b, 0, h)),
       group_S=spec((None, None, None, dp, BV), lambda g, j, b, h: (g, b, h, 0, j)),
       tile_z=spec((None, None, None, None, dp), lambda g, j, b, h: (j, g, b, h, 0)),
-      tile_phi=spec((None, None, Tp, None, None, dp), lambda g, j, b, h: (j, b, 0, h, g, 0)))
+      tile_phi=spec((None, None, Tp, None, None, dp), lambda g, j, b, h: (j, b, 0, h, g, 0)),
+      S_constant=spec((None, None, None, dp, BV), lambda g, j, b, h: (b, h, 0, 0, j)),
+      z_constant=spec((None, None, None, dp), lambda g, j, b, h: (b, h, 0, 0)))
 
 
 def _grid(v, st: Static, cfg: KernelConfig):
@@ -581,31 +656,51 @@ def _factor_args(factors: Factors, G: int) -> list:
 
 def _forward(fq: Factors, fk: Factors, v, run, S0, z0, st: Static):
   """Forward kernel: o [B, Tp, H, Vp] in v's dtype, D [B, Tp, H] and the final (S, z), fp32."""
-  cfg = st.forward
+  cfg = _without_constant(st.forward)
   B, Tp, H, _ = v.shape
   G, grid = cfg.channels, _grid(v, st, cfg)
   groups, tiles = grid[:2]
   s = _specs(Tp, st.dp, cfg)
   each = lambda make: [make(i) for i in range(G)]
-  in_specs = _factor_specs(s, G) * 2 + [s.v, s.row] + each(s.S) + each(s.z)
+  constant = [s.S_constant, s.z_constant] if cfg.first_group else []
+  in_specs = _factor_specs(s, G) * 2 + [s.v, s.row] + each(s.S) + each(s.z) + constant
   out_specs = [s.group_v, s.tile_token] + [s.group_S] * G + [s.tile_z] * G
   out_shape = ([_shape(groups, B, Tp, H, st.Vp), _shape(tiles, groups, B, Tp, H)]
                + [_shape(groups, B, H, st.dp, st.Vp)] * G + [_shape(tiles, groups, B, H, st.dp)] * G)
   num, den, *state = pu.call(_forward_kernel, cfg, grid, in_specs, out_specs, out_shape,
                              *_factor_args(fq, G), *_factor_args(fk, G), v, run, *[S0] * G,
-                             *[z0] * G)
+                             *[z0] * G, *[S0, z0][:len(constant)])
   den = jnp.sum(den[0], axis=0)
   o = jnp.sum(num, axis=0) / (den[..., None] + st.c_eps)
   S = _channels(state[:G], 2)
   z = _channels([x[0] for x in state[G:]], 2)
+  if cfg.first_group:
+    S_c, z_c = _constant_final_state(v, run, S0, z0, st)
+    S, z = jnp.concatenate([S_c[:, :, None], S], 2), jnp.concatenate([z_c[:, :, None], z], 2)
   return o.astype(v.dtype), den, S, z
+
+
+def _constant_final_state(v, run, S0, z0, st: Static):
+  """Channel 0 of the state after each kernel row ([B', H, dp, Vp] and [B', H, dp], fp32), where the
+  forward's grid leaves it out: on each real head dim, the initial state's row where the row is one
+  run, plus the sums of v and of the real tokens over the row's last run."""
+  last_BxTp = run == run[:, -1:]
+  whole_B = run[:, -1] == 0
+  dims = (jnp.arange(st.dp) < st.forward.head_dim).astype(_F32)
+  real_BxTp = last_BxTp & (jnp.arange(run.shape[1]) < st.length)
+  v_BxHxV = jnp.sum(jnp.where(last_BxTp[:, :, None, None], v.astype(_F32), 0.0), axis=1)
+  count_B = jnp.sum(real_BxTp.astype(_F32), axis=1)
+  S = jnp.where(whole_B[:, None, None, None], S0[:, :, 0], 0.0) + dims[:, None] * v_BxHxV[:, :, None, :]
+  z = jnp.where(whole_B[:, None, None], z0[:, :, 0], 0.0) + dims * count_B[:, None, None]
+  return S, z
 
 
 def _without_constant(cfg: KernelConfig) -> KernelConfig:
   """``cfg`` without the programs of Phi's constant channel where it is a group of its own (one channel
-  per program): its feature gradients are never used (the channel has no parameters), so the dq and dk
-  walks skip it, and the one thing its dk programs give, the initial state's channel 0, is
-  ``_constant_entry_grads``."""
+  per program). Its scores are the count d and its state's rows move alike, so the forward and dv walks
+  fold it into the grid's first program (``_constant_flag``); its feature gradients are never used (the
+  channel has no parameters), so the dq and dk walks skip it, and the one thing its dk programs give,
+  the initial state's channel 0, is ``_constant_entry_grads``."""
   return cfg._replace(first_group=1) if cfg.channels == 1 else cfg
 
 
@@ -646,17 +741,15 @@ def _dkv(fq: Factors, fk: Factors, v, run, dN, dD, dS, dz, st: Static):
   (``_feature_grads``) from channel ``first`` on, ``first``, dv [B, Tp, H, Vp] and the initial state's
   gradients (S, z in kernel layout), fp32."""
   B, Tp, H, _ = v.shape
-  cfg = st.dkv
+  cfg = _without_constant(st.dkv)
   G, grid = cfg.channels, _grid(v, st, cfg)
-  s = _specs(Tp, st.dp, cfg)
-  each = lambda make: [make(i) for i in range(G)]
-  dv = pu.call(_dv_kernel, cfg, grid, _factor_specs(s, G) * 2 + [s.row, s.v] + each(s.S), s.group_v,
-               _shape(grid[0], B, Tp, H, st.Vp), *_factor_args(fq, G), *_factor_args(fk, G), run, dN,
-               *[dS] * G)
-  cfg = _without_constant(cfg)
-  grid = _grid(v, st, cfg)
   groups, tiles = grid[:2]
   s = _specs(Tp, st.dp, cfg)
+  each = lambda make: [make(i) for i in range(G)]
+  constant = [s.S_constant] if cfg.first_group else []
+  dv = pu.call(_dv_kernel, cfg, grid, _factor_specs(s, G) * 2 + [s.row, s.v] + each(s.S) + constant,
+               s.group_v, _shape(groups, B, Tp, H, st.Vp), *_factor_args(fq, G), *_factor_args(fk, G),
+               run, dN, *[dS] * (G + len(constant)))
   in_specs = _factor_specs(s, G) + [s.v, s.row, s.v, s.token] + each(s.S) + each(s.z)
   out_specs = [s.tile_phi] * G + [s.group_S] * G + [s.tile_z] * G
   dtype = fq.trig.dtype

@@ -68,8 +68,9 @@ def _run(fn, inputs, state, **options):
 
 
 @pytest.mark.parametrize("T,d,dv,with_state,documents,rotate,tiles,remat", [
-    # Partial last chunk, one channel per program, dv = 5 padded to one value tile of 8.
-    (37, 8, 5, False, False, True, _tiles((8, 8, 1), (8, 8, 1), (8, 8, 1)), True),
+    # Partial last chunk, one channel per program (the constant channel in the first program's walks),
+    # dv = 5 padded to one value tile of 8, documents after an incoming state.
+    (37, 8, 5, True, True, True, _tiles((8, 8, 1), (8, 8, 1), (8, 8, 1)), True),
     # Head dim padded 6 -> 8; four documents (starts mid-chunk at 12 and 20, at a chunk start at 32)
     # after the incoming state's; two value tiles; channel groups of 2, 3 and 6; the forward's
     # factors kept for the backward.
