@@ -9,7 +9,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHORT = ["--stage1_steps=12", "--stage2_steps=6"]
+SHORT = ["--stage1_steps=4", "--stage2_steps=2"]
 
 
 def run(cmd):
@@ -31,15 +31,15 @@ def test_two_stage_quickstart_prints_the_table_and_resumes(tmp_path):
   assert "paired_skipped" not in stage2
   assert stage2["loss_recurrent"] == pytest.approx(stage2["loss_parallel"], abs=1e-4)
   assert stage2["paired_diff"] == pytest.approx(stage2["loss_recurrent"] - stage2["loss_parallel"], abs=1e-7)
-  assert os.path.exists(workdir / "stage1_p2" / "eval_12.json")
-  assert os.path.exists(workdir / "stage1_p2" / "readout_p1" / "eval_12.json")
-  gate_layers = [json.loads(l) for l in open(workdir / "stage2_p1" / "gate_stats_6.jsonl")]
+  assert os.path.exists(workdir / "stage1_p2" / "eval_4.json")
+  assert os.path.exists(workdir / "stage1_p2" / "readout_p1" / "eval_4.json")
+  gate_layers = [json.loads(l) for l in open(workdir / "stage2_p1" / "gate_stats_2.jsonl")]
   assert len(gate_layers) == 4 and all(0 <= g["mismatch_fraction"] <= 1 for g in gate_layers)
 
   again = run([sys.executable, "scripts/quickstart.py", f"--workdir={workdir}", *SHORT])
-  assert "Resumed from step 12" in again and "Resumed from step 6" in again
+  assert "Resumed from step 4" in again and "Resumed from step 2" in again
 
   sample = run([sys.executable, "eval.py", "--config=configs/sanatan.py:tiny_p1_adapt",
                 f"--workdir={workdir / 'stage2_p1'}", "--prompt=def ", "--max_new_tokens=8",
                 f"--out_dir={tmp_path / 'eval_out'}"])
-  assert "--- sample ---" in sample and os.path.exists(tmp_path / "eval_out" / "eval_6.json")
+  assert "--- sample ---" in sample and os.path.exists(tmp_path / "eval_out" / "eval_2.json")

@@ -45,7 +45,8 @@ def test_every_mosaic_kernel_compiles_for_a_v4_slice_under_shard_map(tmp_path, p
 
 @pytest.mark.slow
 def test_a_step_too_large_for_the_slice_does_not_fit_and_exits_1():
-  proc = aot("--config=tests/scale/aot_presets.py:blocked", "--topology=v4-8", "--config.model.mlp_hidden=8388608",
+  # 2^22 hidden units: over a v4 chip's 30.75 GiB by about 23 GiB (2^21 fits with room to spare).
+  proc = aot("--config=tests/scale/aot_presets.py:blocked", "--topology=v4-8", "--config.model.mlp_hidden=4194304",
              "--config.model.mixers.sanatan.implementation=blocked", "--config.mesh.data=4", "--config.mesh.fsdp=1")
   assert proc.returncode == 1, proc.stderr[-3000:]
   assert re.search(r"does not fit by [\d.]+ GiB", proc.stdout), proc.stdout

@@ -86,7 +86,7 @@ TRAIN = ["--config.model.d_model=32", "--config.model.n_layers=2", "--config.mod
          "--config.train.steps=4", "--config.train.checkpoint_every=2", "--config.train.warmup_steps=1",
          "--config.train.log_every=1", "--config.data.heldout.num_sequences=8", "--config.eval.batch_size=8",
          "--config.eval.paired=False", "--config.eval.gate_stats=False", "--config.wandb.mode=disabled",
-         "--config.train.compilation_cache=False", "--config.mesh.data=2", "--config.mesh.fsdp=4"]
+         "--config.mesh.data=2", "--config.mesh.fsdp=4"]
 
 
 def _train_cmd(workdir, script="train.py"):
@@ -107,20 +107,23 @@ def _losses(workdir):
 def test_train_py_on_a_data_fsdp_mesh_resumes_bitwise_and_restores_onto_another_mesh(tmp_path):
   """train.py on (data 2, fsdp 4): 4 steps straight == 2 steps, SIGKILL, resume for 2 (same losses,
   bitwise-equal checkpoints); the final checkpoint then restores onto (4, 2, 1) with every parameter and
-  optimizer array bitwise equal, each sharded for that mesh."""
+  optimizer array bitwise equal, each sharded for that mesh. The processes share a persistent
+  compilation cache of their own (every program, however quick to compile): the later ones load the
+  programs the first compiled, as train.py's compilation cache does when a run restarts."""
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  _run(_train_cmd(straight), env=EIGHT_DEVICES)
-  killed = _run(_train_cmd(resumed, "tests/fault_train.py"), env={**EIGHT_DEVICES, "KILL_AFTER_STEP": "2"},
-                check=False)
+  env = {**EIGHT_DEVICES, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+  _run(_train_cmd(straight), env=env)
+  killed = _run(_train_cmd(resumed, "tests/fault_train.py"), env={**env, "KILL_AFTER_STEP": "2"}, check=False)
   assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-  second = _run(_train_cmd(resumed), env=EIGHT_DEVICES)
+  second = _run(_train_cmd(resumed), env=env)
   assert "Resumed from step 2" in second.stdout
   assert _losses(straight) == _losses(resumed) and len(_losses(straight)) == 4
 
   out = tmp_path / "restore.json"
   overrides = [a.removeprefix("--config.") for a in TRAIN if not a.startswith("--config.mesh")]
   _run([sys.executable, "tests/scale/restore_worker.py", "configs/sanatan.py:tiny", str(resumed), str(straight),
-        str(out), "4x2x1", *overrides], env=EIGHT_DEVICES)
+        str(out), "4x2x1", *overrides], env=env)
   restored = json.loads(out.read_text())
   assert restored["step"] == restored["stored_step"] == 4 and restored["arrays"] > 20
   assert restored["reference_differs"] == []  # resumed == straight, bitwise
