@@ -681,17 +681,22 @@ def _forward(fq: Factors, fk: Factors, v, run, S0, z0, st: Static):
 
 
 def _constant_final_state(v, run, S0, z0, st: Static):
-  """Channel 0 of the state after each kernel row ([B', H, dp, Vp] and [B', H, dp], fp32), where the
-  forward's grid leaves it out: on each real head dim, the initial state's row where the row is one
-  run, plus the sums of v and of the real tokens over the row's last run."""
-  last_BxTp = run == run[:, -1:]
+  """Channel 0 of the state after each kernel row, where the forward's grid leaves it out: the sums of
+  (v, 1) over the row's last run (real tokens), after the initial state's where the row is one run."""
+  real_BxTpxH = jnp.broadcast_to((jnp.arange(run.shape[1]) < st.length)[None, :, None], v.shape[:3])
+  return _constant_channel(run == run[:, -1:], run, v, real_BxTpxH, S0, z0, st)
+
+
+def _constant_channel(tokens_BxTp, run, x_BxTpxHxV, y_BxTpxH, S, z, st: Static):
+  """Channel 0 ([B', H, dp, Vp] and [B', H, dp], fp32) of a state, or state gradient, of the kernel
+  rows to which Phi's constant channel (1 on the real head dims) adds sum_t (x_t, y_t) over ``tokens``
+  on each real dim, kept on top of (S, z)'s channel 0 where the row is one run."""
   whole_B = run[:, -1] == 0
   dims = (jnp.arange(st.dp) < st.forward.head_dim).astype(_F32)
-  real_BxTp = last_BxTp & (jnp.arange(run.shape[1]) < st.length)
-  v_BxHxV = jnp.sum(jnp.where(last_BxTp[:, :, None, None], v.astype(_F32), 0.0), axis=1)
-  count_B = jnp.sum(real_BxTp.astype(_F32), axis=1)
-  S = jnp.where(whole_B[:, None, None, None], S0[:, :, 0], 0.0) + dims[:, None] * v_BxHxV[:, :, None, :]
-  z = jnp.where(whole_B[:, None, None], z0[:, :, 0], 0.0) + dims * count_B[:, None, None]
+  x_BxHxV = jnp.sum(jnp.where(tokens_BxTp[:, :, None, None], x_BxTpxHxV.astype(_F32), 0.0), axis=1)
+  y_BxH = jnp.sum(jnp.where(tokens_BxTp[:, :, None], y_BxTpxH.astype(_F32), 0.0), axis=1)
+  S = dims[:, None] * x_BxHxV[:, :, None, :] + jnp.where(whole_B[:, None, None, None], S[:, :, 0], 0.0)
+  z = dims * y_BxH[:, :, None] + jnp.where(whole_B[:, None, None], z[:, :, 0], 0.0)
   return S, z
 
 
@@ -722,18 +727,10 @@ def _dq(fk: Factors, v, run, dN, dD, S0, z0, st: Static):
 
 
 def _constant_entry_grads(run, dN, dD, dS, dz, st: Static):
-  """Channel 0 of the gradients of the states entering the kernel rows ([B', H, dp, Vp] and [B', H,
-  dp], fp32), which the dk walk would carry: Phi's constant channel is 1 on the real head dims, so it is
-  sum_t (dN_t, dD_t) over the row's run-0 tokens on each of them, plus the leaving state's gradient
-  (dS, dz channel 0) where the row is one run."""
-  first_BxTp = run == 0
-  whole_B = run[:, -1] == 0
-  dims = (jnp.arange(st.dp) < st.dq.head_dim).astype(_F32)
-  dN_BxHxV = jnp.sum(jnp.where(first_BxTp[:, :, None, None], dN.astype(_F32), 0.0), axis=1)
-  dD_BxH = jnp.sum(jnp.where(first_BxTp[:, :, None], dD, 0.0), axis=1)
-  S = dims[:, None] * dN_BxHxV[:, :, None, :] + jnp.where(whole_B[:, None, None, None], dS[:, :, 0], 0.0)
-  z = dims * dD_BxH[:, :, None] + jnp.where(whole_B[:, None, None], dz[:, :, 0], 0.0)
-  return S, z
+  """Channel 0 of the gradients of the states entering the kernel rows, which the dk walk would carry:
+  sum_t (dN_t, dD_t) over the row's run-0 tokens, plus the leaving state's gradient (dS, dz channel 0)
+  where the row is one run (``_constant_channel``)."""
+  return _constant_channel(run == 0, run, dN, dD, dS, dz, st)
 
 
 def _dkv(fq: Factors, fk: Factors, v, run, dN, dD, dS, dz, st: Static):
