@@ -16,8 +16,9 @@ registers (fp32 products rounded to the operands' dtype; the constant channel ze
 the channels, their states and their gradients are handled alike. With one channel per program the
 constant channel (1 on every real head dim) has no program of its own: its score is the count d on
 every visible pair and its state's rows move alike, so the forward and dv walks' first program (channel
-1) adds d to its scores and carries the channel's state as a few sums (``_constant_flag``); it has no
-gradient, so the dq and dk walks leave it out, and the one thing its dk programs would give, channel 0
+1) adds d to its scores and carries the channel's state as a few sums (``_constant_flag``); the
+spans' totals and entry-gradient kernels' first program sums v and dN alike and writes channel 0. It
+has no gradient, so the dq and dk walks leave it out, and the one thing its dk programs would give, channel 0
 of the initial state's gradient (the sums of dN and dD over each row's first document), XLA adds, as it
 does channel 0 of the final state. The kernels write d Phi channel-major [B, T, H, 6 or 5, d] (in
 channel groups); the factor kernels' VJP takes it through the product rule to dq, dk, d omega and
@@ -63,7 +64,8 @@ state's (else the state restarts from those writes).
 Spans (``FusedTiles.spans``, ``lmcore.ops.common.spans``): with few (row, head) pairs a row of T
 tokens runs as G rows of T / G, each walked from the state entering its span. Forward:
 ``_totals_kernel`` sums Phi(k)ᵀ (v, 1) over the last run of each part of a span (parts of at least
-``spans.PART_LENGTH`` tokens, side by side) and ``spans.entering`` makes the spans' entering states.
+``spans.PART_LENGTH`` tokens, side by side; one program per channel group and value tile, five groups at
+one channel per program) and ``spans.entering`` makes the spans' entering states.
 Backward: ``_entry_grad_kernel`` sums Phi(q)ᵀ (dN, dD) over each span's run 0 (the gradient its own
 tokens give its entering state) and ``spans.leaving_grads`` turns those and the final state's
 cotangent into the gradients of the spans' leaving states, which the dk and dv walks start from. The
@@ -519,46 +521,83 @@ def _dk_kernel(*refs, cfg: KernelConfig):
     ref[...] = value
 
 
+def _store_constant(refs, x, y, cfg: KernelConfig) -> None:
+  """Channel 0 of a state (or state gradient) whose rows all hold ``x`` [BV] and ``y`` on the real
+  head dims, written by the program that carries the constant channel (``_constant_flag``) into
+  ``refs`` = ([dp, BV] block, [dp] block)."""
+  S_ref, z_ref = refs
+  real = jax.lax.broadcasted_iota(jnp.int32, z_ref.shape, 0) < cfg.head_dim
+
+  @pl.when(pl.program_id(0) == 0)
+  def _():
+    S_ref[...] = jnp.where(real[:, None], x[None, :], 0.0)
+    z_ref[...] = jnp.where(real, y, 0.0)
+
+
 def _totals_kernel(*refs, cfg: KernelConfig):
   """Refs: the factors of k (``_phi``), v, runs; outputs: the S and z channels that a walk from zeros
-  leaves after the row's last chunk (its sums over the row's last run), with no outputs on the way."""
+  leaves after the row's last chunk (its sums over the row's last run), with no outputs on the way;
+  where the grid leaves the constant channel out, its channel 0 ([dp, BV] and [dp]) from the first
+  program, which sums v and the tokens over the last run (``_advance_constant``)."""
   G = cfg.channels
-  (k_trig, (k_root,), (v_ref,), (run_ref,), S_refs, z_refs) = _split(refs, G, 1, 1, 1, G, G)
+  flag = _constant_flag(cfg)
+  (k_trig, (k_root,), (v_ref,), (run_ref,), S_refs, z_refs, constant_refs) = _split(
+      refs, G, 1, 1, 1, G, G, 0 if flag is None else 2)
   k_refs = _operand(k_trig, k_root, cfg)
   C = cfg.chunk
 
   def step(n, carry):
-    return _advance(_load(n, None, k_refs, v_ref, run_ref, cfg), *carry)
+    S, z, state_run, constant = carry
+    x = _load(n, None, k_refs, v_ref, run_ref, cfg)
+    if flag is not None:
+      constant = _advance_constant(x, constant, state_run, cfg)
+    return *_advance(x, S, z, state_run), constant
 
   zeros = lambda refs: tuple(jnp.zeros(r.shape, _F32) for r in refs)
-  S, z, _ = jax.lax.fori_loop(0, v_ref.shape[0] // C, step, (zeros(S_refs), zeros(z_refs), jnp.int32(0)))
+  constant = () if flag is None else (jnp.float32(0.0), jnp.zeros((cfg.block_v,), _F32), jnp.float32(0.0))
+  S, z, _, constant = jax.lax.fori_loop(0, v_ref.shape[0] // C, step,
+                                        (zeros(S_refs), zeros(z_refs), jnp.int32(0), constant))
   for ref, value in zip(S_refs + z_refs, S + z):
     ref[...] = value
+  if flag is not None:
+    _store_constant(constant_refs, *constant[1:], cfg)
 
 
 def _entry_grad_kernel(*refs, cfg: KernelConfig):
   """Refs: the factors of q (``_phi``), runs, dN, dD; outputs: the S and z channels of the gradient
   that the row's tokens of run 0 give the state entering it, sum_t Phi(q_t)ᵀ (dN_t, dD_t) over them
-  (what the dk walk adds to its carry at those tokens), with no outputs on the way."""
+  (what the dk walk adds to its carry at those tokens), with no outputs on the way; where the grid
+  leaves the constant channel out, its channel 0 from the first program: (sum_t dN_t, sum_t dD_t) on
+  each real head dim."""
   G = cfg.channels
-  (q_trig, (q_root,), (run_ref,), (dN_ref,), (dD_ref,), S_refs, z_refs) = _split(refs, G, 1, 1, 1, 1, G, G)
+  flag = _constant_flag(cfg)
+  (q_trig, (q_root,), (run_ref,), (dN_ref,), (dD_ref,), S_refs, z_refs, constant_refs) = _split(
+      refs, G, 1, 1, 1, 1, G, G, 0 if flag is None else 2)
   q_refs = _operand(q_trig, q_root, cfg)
   C = cfg.chunk
 
   def step(n, carry):
-    dS, dz = carry
+    dS, dz, constant = carry
     phi_q = _phi(q_refs, n * C, cfg)
-    if cfg.documents:
-      phi_q = _only(pu.rows(run_ref, n * C, C) == 0, phi_q)
     dN, dD = pu.rows(dN_ref, n * C, C), pu.rows(dD_ref, n * C, C)
-    dS = tuple(dS_c + pu.dot(a, dN, trans_a=True) for a, dS_c in zip(phi_q, dS))
-    dz = tuple(dz_c + jnp.sum(a.astype(_F32) * dD[:, None], axis=0) for a, dz_c in zip(phi_q, dz))
-    return dS, dz
+    first = pu.rows(run_ref, n * C, C) == 0 if cfg.documents else None
+    dS = tuple(dS_c + pu.dot(a, dN, trans_a=True) for a, dS_c in zip(_only(first, phi_q), dS))
+    dz = tuple(dz_c + jnp.sum(a.astype(_F32) * dD[:, None], axis=0)
+               for a, dz_c in zip(_only(first, phi_q), dz))
+    if flag is not None:
+      readers = dN.astype(_F32) if first is None else jnp.where(first[:, None], dN.astype(_F32), 0.0)
+      dD = dD if first is None else jnp.where(first, dD, 0.0)
+      constant = (constant[0] + jnp.sum(readers, axis=0), constant[1] + jnp.sum(dD))
+    return dS, dz, constant
 
   zeros = lambda refs: tuple(jnp.zeros(r.shape, _F32) for r in refs)
-  dS, dz = jax.lax.fori_loop(0, dN_ref.shape[0] // C, step, (zeros(S_refs), zeros(z_refs)))
+  constant = () if flag is None else (jnp.zeros((cfg.block_v,), _F32), jnp.float32(0.0))
+  dS, dz, constant = jax.lax.fori_loop(0, dN_ref.shape[0] // C, step,
+                                       (zeros(S_refs), zeros(z_refs), constant))
   for ref, value in zip(S_refs + z_refs, dS + dz):
     ref[...] = value
+  if flag is not None:
+    _store_constant(constant_refs, *constant, cfg)
 
 
 # Calls.
@@ -581,6 +620,8 @@ class _Specs(NamedTuple):
   tile_phi: object  # [tiles, B, Tp, H, groups, dp]: channel g·G + i of each group
   S_constant: object  # [B, H, 6, dp, Vp]: channel 0
   z_constant: object  # [B, H, 6, dp]: channel 0
+  out_S0: object  # [B, H, dp, Vp]: channel 0 written by the first program (``_store_constant``)
+  out_z0: object  # [tiles, B, H, dp]: likewise
 
 
 def _trig_index(c):
@@ -609,7 +650,9 @@ def _specs(Tp: int, dp: int, cfg: KernelConfig) -> _Specs:
       tile_z=spec((None, None, None, None, dp), lambda g, j, b, h: (j, g, b, h, 0)),
       tile_phi=spec((None, None, Tp, None, None, dp), lambda g, j, b, h: (j, b, 0, h, g, 0)),
       S_constant=spec((None, None, None, dp, BV), lambda g, j, b, h: (b, h, 0, 0, j)),
-      z_constant=spec((None, None, None, dp), lambda g, j, b, h: (b, h, 0, 0)))
+      z_constant=spec((None, None, None, dp), lambda g, j, b, h: (b, h, 0, 0)),
+      out_S0=spec((None, None, dp, BV), lambda g, j, b, h: (b, h, 0, j)),
+      out_z0=spec((None, None, None, dp), lambda g, j, b, h: (j, b, h, 0)))
 
 
 def _grid(v, st: Static, cfg: KernelConfig):
@@ -675,8 +718,7 @@ def _forward(fq: Factors, fk: Factors, v, run, S0, z0, st: Static):
   S = _channels(state[:G], 2)
   z = _channels([x[0] for x in state[G:]], 2)
   if cfg.first_group:
-    S_c, z_c = _constant_final_state(v, run, S0, z0, st)
-    S, z = jnp.concatenate([S_c[:, :, None], S], 2), jnp.concatenate([z_c[:, :, None], z], 2)
+    S, z = _with_constant(*_constant_final_state(v, run, S0, z0, st), S, z)
   return o.astype(v.dtype), den, S, z
 
 
@@ -703,7 +745,8 @@ def _constant_channel(tokens_BxTp, run, x_BxTpxHxV, y_BxTpxH, S, z, st: Static):
 def _without_constant(cfg: KernelConfig) -> KernelConfig:
   """``cfg`` without the programs of Phi's constant channel where it is a group of its own (one channel
   per program). Its scores are the count d and its state's rows move alike, so the forward and dv walks
-  fold it into the grid's first program (``_constant_flag``); its feature gradients are never used (the
+  and the spans' totals and entry-gradient kernels fold it into the grid's first program
+  (``_constant_flag``); its feature gradients are never used (the
   channel has no parameters), so the dq and dk walks skip it, and the one thing its dk programs give,
   the initial state's channel 0, is ``_constant_entry_grads``."""
   return cfg._replace(first_group=1) if cfg.channels == 1 else cfg
@@ -757,8 +800,7 @@ def _dkv(fq: Factors, fk: Factors, v, run, dN, dD, dS, dz, st: Static):
   dphi_k, dS0 = out[:G], _channels(out[G:2 * G], 2)
   dz0 = _channels([jnp.sum(x, axis=0) for x in out[2 * G:]], 2)
   if cfg.first_group:
-    S_c, z_c = _constant_entry_grads(run, dN, dD, dS, dz, st)
-    dS0, dz0 = jnp.concatenate([S_c[:, :, None], dS0], 2), jnp.concatenate([z_c[:, :, None], dz0], 2)
+    dS0, dz0 = _with_constant(*_constant_entry_grads(run, dN, dD, dS, dz, st), dS0, dz0)
   return _feature_grads(dphi_k, dtype), cfg.first_group * G, jnp.sum(dv, axis=0), dS0, dz0
 
 
@@ -768,9 +810,35 @@ def _in_parts(x, st: Static):
 
 
 def _part_config(st: Static) -> KernelConfig:
-  """The parts' kernels' config: the dk and dv walks' tiling over rows of one part."""
+  """The parts' kernels' config: the dk and dv walks' tiling over rows of one part, without the
+  constant channel's programs where it is a group of its own (the first program carries it)."""
   L = st.padded_length // st.parts
-  return st.dkv._replace(length=L, padded_length=L)
+  return _without_constant(st.dkv._replace(length=L, padded_length=L))
+
+
+def _state_outputs(s: _Specs, grid, B: int, st: Static, cfg: KernelConfig) -> tuple[list, list]:
+  """(out_specs, out_shape) of a kernel that writes one state per program (``_totals_kernel``,
+  ``_entry_grad_kernel``): G S channels, G z channels per value tile, then channel 0's where the grid
+  leaves it out."""
+  G, (groups, tiles, _, H) = cfg.channels, grid
+  specs = [s.group_S] * G + [s.tile_z] * G + ([s.out_S0, s.out_z0] if cfg.first_group else [])
+  shape = ([_shape(groups, B, H, st.dp, st.Vp)] * G + [_shape(tiles, groups, B, H, st.dp)] * G
+           + ([_shape(B, H, st.dp, st.Vp), _shape(tiles, B, H, st.dp)] if cfg.first_group else []))
+  return specs, shape
+
+
+def _states(out, cfg: KernelConfig):
+  """``_state_outputs``' arrays -> (S [B, H, 6, dp, Vp], z [B, H, 6, dp]) fp32 (value tile 0's z)."""
+  G = cfg.channels
+  S, z = _channels(out[:G], 2), _channels([x[0] for x in out[G:2 * G]], 2)
+  if cfg.first_group:
+    S, z = _with_constant(out[2 * G], out[2 * G + 1][0], S, z)
+  return S, z
+
+
+def _with_constant(S_c, z_c, S, z):
+  """(S, z) of channels 1..5 [B, H, 5, ...] with channel 0 (S_c, z_c) [B, H, ...] put first."""
+  return jnp.concatenate([S_c[:, :, None], S], 2), jnp.concatenate([z_c[:, :, None], z], 2)
 
 
 def _totals(fk: Factors, v, run, st: Static):
@@ -779,14 +847,13 @@ def _totals(fk: Factors, v, run, st: Static):
   parts = lambda x: _in_parts(x, st)
   fk, v, run, cfg = jax.tree.map(parts, fk), parts(v), parts(run), _part_config(st)
   run = run - run[:, :1]
-  B, Tp, H, _ = v.shape
-  G, grid = cfg.channels, _grid(v, st, cfg)
-  groups, tiles = grid[:2]
+  B, Tp, _, _ = v.shape
+  grid = _grid(v, st, cfg)
   s = _specs(Tp, st.dp, cfg)
-  out_shape = [_shape(groups, B, H, st.dp, st.Vp)] * G + [_shape(tiles, groups, B, H, st.dp)] * G
-  state = pu.call(_totals_kernel, cfg, grid, _factor_specs(s, G) + [s.v, s.row],
-                  [s.group_S] * G + [s.tile_z] * G, out_shape, *_factor_args(fk, G), v, run)
-  return _channels(state[:G], 2), _channels([x[0] for x in state[G:]], 2)
+  out_specs, out_shape = _state_outputs(s, grid, B, st, cfg)
+  out = pu.call(_totals_kernel, cfg, grid, _factor_specs(s, cfg.channels) + [s.v, s.row], out_specs,
+                out_shape, *_factor_args(fk, cfg.channels), v, run)
+  return _states(out, cfg)
 
 
 def _entry_grads(fq: Factors, run, dN, dD, st: Static):
@@ -794,15 +861,14 @@ def _entry_grads(fq: Factors, run, dN, dD, st: Static):
   Vp], dz [B', H, 6, dp]) fp32: ``_entry_grad_kernel`` over rows of one part, summed over the parts."""
   parts = lambda x: _in_parts(x, st)
   fq, run, dN, dD, cfg = jax.tree.map(parts, fq), parts(run), parts(dN), parts(dD), _part_config(st)
-  B, Tp, H, _ = dN.shape
-  G, grid = cfg.channels, _grid(dN, st, cfg)
-  groups, tiles = grid[:2]
+  B, Tp, _, _ = dN.shape
+  grid = _grid(dN, st, cfg)
   s = _specs(Tp, st.dp, cfg)
-  out_shape = [_shape(groups, B, H, st.dp, st.Vp)] * G + [_shape(tiles, groups, B, H, st.dp)] * G
-  grads = pu.call(_entry_grad_kernel, cfg, grid, _factor_specs(s, G) + [s.row, s.v, s.token],
-                  [s.group_S] * G + [s.tile_z] * G, out_shape, *_factor_args(fq, G), run, dN, dD)
+  out_specs, out_shape = _state_outputs(s, grid, B, st, cfg)
+  out = pu.call(_entry_grad_kernel, cfg, grid, _factor_specs(s, cfg.channels) + [s.row, s.v, s.token],
+                out_specs, out_shape, *_factor_args(fq, cfg.channels), run, dN, dD)
   whole = lambda x: jnp.sum(x.reshape(-1, st.parts, *x.shape[1:]), axis=1)
-  return whole(_channels(grads[:G], 2)), whole(_channels([x[0] for x in grads[G:]], 2))
+  return jax.tree.map(whole, _states(out, cfg))
 
 
 def _entering(fk: Factors, v, run, docs, S0, z0, st: Static):

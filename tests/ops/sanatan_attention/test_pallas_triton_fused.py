@@ -90,19 +90,20 @@ def test_fused_kernel_equals_recurrent_with_gradients(T, d, dv, with_state, docu
                           f"rotate={rotate} tiles={tiles} remat={remat}")
 
 
-@pytest.mark.parametrize("T,count,part_length,with_state,documents", [
+@pytest.mark.parametrize("T,count,part_length,with_state,documents,block_v", [
     # Four spans of two 8-token chunks, summed in one part each; row 1's documents start in span 0's
     # last chunk (12), in span 1's first chunk (18: span 1 hands on only its last document, written
     # across both chunks, to span 2), in span 2's first chunk (36) and at span 3's first token (48:
     # span 3 starts from zeros).
-    (64, 4, 16, True, True),
-    # The same documents, each span summed in two one-chunk parts (part 0 of span 1 is two documents).
-    (64, 4, 8, True, True),
+    (64, 4, 16, True, True, 8),
+    # The same documents, each span summed in two one-chunk parts (part 0 of span 1 is two documents),
+    # two value tiles in the parts' kernels and the walks.
+    (64, 4, 8, True, True, 4),
     # Two spans of three chunks, summed in three parts, after an incoming state; one document.
-    (48, 2, 8, True, False),
+    (48, 2, 8, True, False, 8),
 ])
 def test_rows_cut_into_spans_equal_the_recurrent_form(monkeypatch, T, count, part_length, with_state,
-                                                      documents):
+                                                      documents, block_v):
   """Each row run as ``count`` rows from the states entering its spans (``lmcore.ops.common.spans``:
   the totals and entry-gradient kernels over parts of ``part_length`` tokens): outputs, final state and
   every gradient, the initial state's included, equal the recurrent form."""
@@ -110,11 +111,11 @@ def test_rows_cut_into_spans_equal_the_recurrent_form(monkeypatch, T, count, par
   inputs = sanatan_inputs(T + count, T, d=4, dv=5)
   state = _prefix_state(200 + T, d=4, dv=5) if with_state else None
   options = packed_documents(2, T, (12, 18, 36, 48)) if documents else {}
-  tiles = _tiles((8, 8, 1), (8, 8, 2), (8, 8, 1))._replace(spans=count)
+  tiles = _tiles((8, 8, 1), (8, 8, 2), (8, block_v, 1))._replace(spans=count)
   got = _run(functools.partial(sanatan_fused_pallas, tiles=tiles), inputs, state, **options)
   want = _run(_recurrent, inputs, state, **options)
   assert_close(got, want, f"T={T} spans={count} parts of {part_length} state={with_state} "
-                          f"documents={documents}")
+                          f"documents={documents} block_v={block_v}")
 
 
 def test_bf16_inputs_are_no_less_accurate_than_the_xla_chunked_form_in_bf16():
@@ -146,19 +147,23 @@ KERNEL_CALLS = 10
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
-@pytest.mark.parametrize("documents,precision", [(True, "input"), (False, "tf32")])
-def test_kernels_lower_to_triton_for_an_h200(documents, precision):
+@pytest.mark.parametrize("documents,precision,T,count", [(True, "input", 200, 1), (False, "tf32", 200, 1),
+                                                         (True, "input", 256, 2)])
+def test_kernels_lower_to_triton_for_an_h200(documents, precision, T, count):
   """The walks and the factor kernels pass the Pallas Triton lowering (power-of-two tiles, the 4-D
   grid, traced chunk loops, document masks) for an abstract H200 with bf16 inputs, padded head and
-  value dims and a partial chunk, at the default tilings of bf16 and of fp32 operands."""
+  value dims and a partial chunk, at the default tilings of bf16 and of fp32 operands; cut into two
+  spans, the totals and entry-gradient kernels too."""
+  tiles = TILES["default"][2]._replace(spans=count) if count > 1 else None
+
   def loss(q, k, v, omega, lam_raw, segment_ids):
     o, new = sanatan_fused_pallas(q, k, v, omega, lam_raw, interpret=False, precision=precision,
-                                  segment_ids=segment_ids if documents else None)
+                                  segment_ids=segment_ids if documents else None, tiles=tiles)
     return o.astype(jnp.float32).sum() + new.S.sum() + new.z.sum()
 
   lowered = pallas_utils.lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2, 3, 4)),
-                                       *sanatan_abstract_inputs(T=200))
-  assert lowered.as_text().count("xla.gpu.triton") == KERNEL_CALLS
+                                       *sanatan_abstract_inputs(T=T))
+  assert lowered.as_text().count("xla.gpu.triton") == KERNEL_CALLS + 2 * (count > 1)
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
