@@ -30,8 +30,10 @@ import jax.numpy as jnp
 PAIRS = 128
 MIN_LENGTH = 2048
 # The totals are summed over rows of this many tokens ("parts" of a span; ``parts``), whose programs
-# run side by side: a walk over a whole span would take as long as the kernels' own walks.
-PART_LENGTH = 512
+# run side by side. Measured on the H200 (docs/BENCHMARKS.md, fwd+bwd, 1 × 32768, one process): parts of
+# 512 / 1024 / 2048 tokens took 3.44 / 3.35 / 3.32 ms (SANATAN p = 1, spans of 2048) and 3.73 / 3.64 /
+# 3.59 (Taylor, spans of 4096); so the auto rule's spans of 2048 are summed whole.
+PART_LENGTH = 2048
 
 
 def count(batch: int, heads: int, length: int, chunk: int, requested: int = 0) -> int:

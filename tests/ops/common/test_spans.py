@@ -60,6 +60,8 @@ def test_count_and_parts():
   assert spans.count(1, 12, 32768, 64, requested=2) == 2
   with pytest.raises(ValueError, match="spans=3"):
     spans.count(1, 12, 32768, 64, requested=3)
-  assert spans.parts(32768, 16, 64) == 2048 // spans.PART_LENGTH
+  assert spans.parts(32768, 16, 64) == max(1, 2048 // spans.PART_LENGTH)
+  assert spans.parts(1 << 20, 16, 64) == (1 << 16) // spans.PART_LENGTH  # spans of 65536 tokens
+  assert spans.parts(3 * 2048, 1, 512) == 3 * 2048 // max(spans.PART_LENGTH, 512)
   assert spans.parts(7, 1, 8) == 1  # a row shorter than one chunk
   assert spans.parts(3 * 64, 1, 64) == 1
