@@ -93,9 +93,14 @@ def test_training_seconds_and_loss_curve_follow_a_resumed_run():
   assert chain.loss_curve(rows, "eval/loss")[1].tolist() == [3.9]
 
 
-def run_script(*args, expect: int = 0):
+def run_script(*args, expect: int = 0, cache=None):
+  """``cache``: a persistent compilation cache of the run's own that keeps every program, however quick
+  to compile (the chain's evaluations at each read-out step compile the same programs)."""
+  env = {**os.environ, "WANDB_MODE": "disabled"}
+  if cache is not None:
+    env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=REPO, capture_output=True, text=True, timeout=600,
-                        env={**os.environ, "WANDB_MODE": "disabled"})
+                        env=env)
   assert proc.returncode == expect, f"STDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
   return proc
 
@@ -122,7 +127,7 @@ def test_tiny_chain_writes_table_readouts_and_plot_and_a_rerun_trains_nothing(tm
   # Every run; stage 2 from half of stage 1 (through a view of a kept step), readouts at 0.5 and 1.
   args = ["--tiny", f"--workdir={workdir}", "--lengths=0.5,1", "--adapt_lengths=0.5",
           "--override=wandb.mode=disabled"]
-  first = run_script(*args).stdout
+  first = run_script(*args, cache=tmp_path / "jax_cache").stdout
   results = json.load(open(workdir / "results.json"))
   table = (workdir / "results.md").read_text()
   runs = results["runs"]
@@ -145,7 +150,7 @@ def test_tiny_chain_writes_table_readouts_and_plot_and_a_rerun_trains_nothing(tm
   assert "Initialised parameters from step 4" in first
 
   metrics = {p: p.read_bytes() for p in workdir.glob("*/metrics.jsonl")}
-  again = run_script(*args).stdout
+  again = run_script(*args, cache=tmp_path / "jax_cache").stdout
   assert again.count("(finished: read back)") == 5 and "step 1/" not in again and "Resumed" not in again
   assert (workdir / "results.md").read_text() == table
   assert {p: p.read_bytes() for p in workdir.glob("*/metrics.jsonl")} == metrics
