@@ -1,5 +1,7 @@
 """Every model family trains from its ``tiny`` preset on the embedded corpus with falling loss and
-finishes with a held-out evaluation (shortened: fewer steps, shorter windows)."""
+finishes with a held-out evaluation (shortened: fewer steps, shorter windows). The runs leave the
+persistent compilation cache off: they share this process with the tests that follow them, and no
+later test loads its compiled programs from a cache that these runs switched on."""
 
 import dataclasses
 import importlib
@@ -20,7 +22,7 @@ def short(config: cfg_lib.ExperimentConfig) -> cfg_lib.ExperimentConfig:
   return dataclasses.replace(
       config,
       train=dataclasses.replace(config.train, steps=30, batch_size=8, warmup_steps=5, learning_rate=1e-2,
-                                log_every=10, checkpoint_every=30),
+                                log_every=10, checkpoint_every=30, compilation_cache=False),
       data=dataclasses.replace(config.data, seq_len=64,
                                heldout=dataclasses.replace(config.data.heldout, num_sequences=8)),
       model=dataclasses.replace(config.model, max_positions=64 if config.model.max_positions else 0),
