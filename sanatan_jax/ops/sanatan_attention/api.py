@@ -148,9 +148,9 @@ def resolve_implementation(implementation: str | None, **problem) -> str:
   1.5e-6. So on GPUs "auto" is "pallas_fused" for the constant-state case and "pallas_flash" for every
   other power and channel variant; elsewhere it is XLA "chunked" and XLA "parallel" (the Mosaic kernels
   have not been timed on a TPU; compiled for a TPU v4 at 8 × 2048 per chip, "parallel"'s roofline
-  time is 14.9 ms against "blocked"'s 95.3 in 1.1 against 1.6 GiB of temporaries). Heads wider than ``FLASH_MAX_HEAD_DIM`` /
-  ``FLASH_MAX_VALUE_DIM`` (flash) or ``FUSED_MAX_HEAD_DIM`` / ``FUSED_MAX_VALUE_DIM`` (fused) take the
-  XLA form ("parallel", "chunked") on GPUs.
+  time is 14.9 ms against "blocked"'s 95.3 in 1.1 against 1.6 GiB of temporaries). Heads wider than
+  ``FLASH_MAX_HEAD_DIM`` / ``FLASH_MAX_VALUE_DIM`` (flash) or ``FUSED_MAX_HEAD_DIM`` /
+  ``FUSED_MAX_VALUE_DIM`` (fused) take the XLA form ("parallel", "chunked") on GPUs.
   """
   p, channels = problem.get("p", 1), problem.get("channels", 6)
   d, dv = problem.get("head_dim", 0), problem.get("value_dim", 0)
