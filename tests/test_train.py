@@ -76,16 +76,20 @@ def test_loss_falls_and_eval_json_is_written(tmp_path):
 
 @pytest.mark.slow
 def test_exact_resume_after_sigkill(tmp_path):
-  """2N steps in one run == N steps, SIGKILL, resume for N more: same losses, bitwise-equal params."""
+  """2N steps in one run == N steps, SIGKILL, resume for N more: same losses, bitwise-equal params. The
+  processes share a persistent compilation cache of their own (every program, however quick to compile):
+  the later ones load the programs the first compiled, as train.py's compilation cache does when a run
+  restarts."""
   n = 4
   common = ["--config.train.steps=8", f"--config.train.checkpoint_every={n}"]
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  run(train_cmd(straight, *common))
+  cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+  run(train_cmd(straight, *common), env=cache)
   killed = run(train_cmd(resumed, *common, script="tests/fault_train.py"),
-               env={"KILL_AFTER_STEP": str(n)}, check=False)
+               env={**cache, "KILL_AFTER_STEP": str(n)}, check=False)
   assert killed.returncode == -signal.SIGKILL
   assert sorted(os.listdir(resumed / "checkpoints")) == [str(n)]
-  second = run(train_cmd(resumed, *common))
+  second = run(train_cmd(resumed, *common), env=cache)
   assert f"Resumed from step {n}" in second.stdout
   assert losses(straight) == losses(resumed)
   step_a, params_a = final_params(straight)
