@@ -83,7 +83,8 @@ def test_exact_resume_after_sigkill(tmp_path):
   n = 4
   common = ["--config.train.steps=8", f"--config.train.checkpoint_every={n}"]
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+  cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
   run(train_cmd(straight, *common), env=cache)
   killed = run(train_cmd(resumed, *common, script="tests/fault_train.py"),
                env={**cache, "KILL_AFTER_STEP": str(n)}, check=False)
