@@ -332,14 +332,20 @@ def _real_rows(x, size: int):
   return jnp.sum(jnp.where(dim < size, x.astype(_F32), 0.0), axis=0)
 
 
+def _row_sum(x, rows):
+  """sum over the [C] rows of ``x`` ([C] or [C, BV]) in fp32, only ``rows`` ([C] bool; None: all)."""
+  x = x.astype(_F32)
+  if rows is not None:
+    x = jnp.where(rows if x.ndim == 1 else rows[:, None], x, 0.0)
+  return jnp.sum(x, axis=0)
+
+
 def _advance_constant(x: _Chunk, carry, state_run, cfg: KernelConfig):
   """(K, w, n) after chunk ``x``."""
   K, w, n = carry
   keep, writes, _ = _chunk_end(x, state_run)
-  v, count = x.v.astype(_F32), jnp.float32(cfg.chunk)
-  if writes is not None:
-    v, count = jnp.where(writes[:, None], v, 0.0), jnp.sum(writes.astype(_F32))
-  return keep * K, keep * w + jnp.sum(v, axis=0), keep * n + count
+  count = jnp.float32(cfg.chunk) if writes is None else _row_sum(writes, None)
+  return keep * K, keep * w + _row_sum(x.v, writes), keep * n + count
 
 
 def _chunk_runs(run_ref, n, cfg: KernelConfig):
@@ -472,8 +478,7 @@ def _dv_kernel(*refs, cfg: KernelConfig):
       dv += pu.dot(b, dS_c.astype(b.dtype))
     if flag is not None:
       dv += flag * (u[None, :] if writes is None else jnp.where(writes[:, None], u[None, :], 0.0))
-      readers = dN.astype(_F32) if reads is None else jnp.where(reads[:, None], dN.astype(_F32), 0.0)
-      u = keep * u + d * jnp.sum(readers, axis=0)
+      u = keep * u + d * _row_sum(dN, reads)
     pu.store_rows(dv_ref, n * C, dv)
     dS = tuple(keep * dS_c + pu.dot(a, dN, trans_a=True) for a, dS_c in zip(_only(reads, x.phi_q), dS))
     return dS, u
@@ -585,9 +590,7 @@ def _entry_grad_kernel(*refs, cfg: KernelConfig):
     dz = tuple(dz_c + jnp.sum(a.astype(_F32) * dD[:, None], axis=0)
                for a, dz_c in zip(_only(first, phi_q), dz))
     if flag is not None:
-      readers = dN.astype(_F32) if first is None else jnp.where(first[:, None], dN.astype(_F32), 0.0)
-      dD = dD if first is None else jnp.where(first, dD, 0.0)
-      constant = (constant[0] + jnp.sum(readers, axis=0), constant[1] + jnp.sum(dD))
+      constant = (constant[0] + _row_sum(dN, first), constant[1] + _row_sum(dD, first))
     return dS, dz, constant
 
   zeros = lambda refs: tuple(jnp.zeros(r.shape, _F32) for r in refs)

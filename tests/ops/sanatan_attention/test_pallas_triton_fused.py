@@ -90,32 +90,35 @@ def test_fused_kernel_equals_recurrent_with_gradients(T, d, dv, with_state, docu
                           f"rotate={rotate} tiles={tiles} remat={remat}")
 
 
-@pytest.mark.parametrize("T,count,part_length,with_state,documents,block_v", [
+@pytest.mark.parametrize("T,count,part_length,with_state,starts,block_v", [
     # Four spans of two 8-token chunks, summed in one part each; row 1's documents start in span 0's
     # last chunk (12), in span 1's first chunk (18: span 1 hands on only its last document, written
     # across both chunks, to span 2), in span 2's first chunk (36) and at span 3's first token (48:
     # span 3 starts from zeros).
-    (64, 4, 16, True, True, 8),
+    (64, 4, 16, True, (12, 18, 36, 48), 8),
     # The same documents, each span summed in two one-chunk parts (part 0 of span 1 is two documents),
     # two value tiles in the parts' kernels and the walks.
-    (64, 4, 8, True, True, 4),
+    (64, 4, 8, True, (12, 18, 36, 48), 4),
+    # Row 1's one document start in span 1 (18): span 0 is one document, so what span 1's first two
+    # tokens give the state entering it reaches the incoming state's gradient, and its other tokens' must not.
+    (64, 4, 16, True, (18,), 8),
     # Two spans of three chunks, summed in three parts, after an incoming state; one document.
-    (48, 2, 8, True, False, 8),
+    (48, 2, 8, True, (), 8),
 ])
 def test_rows_cut_into_spans_equal_the_recurrent_form(monkeypatch, T, count, part_length, with_state,
-                                                      documents, block_v):
+                                                      starts, block_v):
   """Each row run as ``count`` rows from the states entering its spans (``lmcore.ops.common.spans``:
   the totals and entry-gradient kernels over parts of ``part_length`` tokens): outputs, final state and
   every gradient, the initial state's included, equal the recurrent form."""
   monkeypatch.setattr(spans, "PART_LENGTH", part_length)
   inputs = sanatan_inputs(T + count, T, d=4, dv=5)
   state = _prefix_state(200 + T, d=4, dv=5) if with_state else None
-  options = packed_documents(2, T, (12, 18, 36, 48)) if documents else {}
+  options = packed_documents(2, T, starts) if starts else {}
   tiles = _tiles((8, 8, 1), (8, 8, 2), (8, block_v, 1))._replace(spans=count)
   got = _run(functools.partial(sanatan_fused_pallas, tiles=tiles), inputs, state, **options)
   want = _run(_recurrent, inputs, state, **options)
   assert_close(got, want, f"T={T} spans={count} parts of {part_length} state={with_state} "
-                          f"documents={documents} block_v={block_v}")
+                          f"documents starting at {starts} block_v={block_v}")
 
 
 def test_bf16_inputs_are_no_less_accurate_than_the_xla_chunked_form_in_bf16():
