@@ -10,13 +10,14 @@ import sys
 
 import pytest
 
+from process_cases import compilation_cache_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT = ["--stage1_steps=4", "--stage2_steps=2"]
 
 
 def run(cmd, cache):
-  env = {**os.environ, "WANDB_MODE": "disabled", "JAX_COMPILATION_CACHE_DIR": str(cache),
-         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+  env = {**os.environ, "WANDB_MODE": "disabled", **compilation_cache_env(cache)}
   proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
   assert proc.returncode == 0, f"STDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-5000:]}"
   return proc.stdout

@@ -16,6 +16,7 @@ from lmcore import config as cfg_lib
 from lmcore.errors import ConfigError
 from lmcore.model import abstract_param_count
 from lmcore.train import chain
+from process_cases import compilation_cache_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "reproduce.py")
@@ -98,7 +99,7 @@ def run_script(*args, expect: int = 0, cache=None):
   to compile (the chain's evaluations at each read-out step compile the same programs)."""
   env = {**os.environ, "WANDB_MODE": "disabled"}
   if cache is not None:
-    env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env.update(compilation_cache_env(cache))
   proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=REPO, capture_output=True, text=True, timeout=600,
                         env=env)
   assert proc.returncode == expect, f"STDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"

@@ -14,6 +14,8 @@ import time
 import numpy as np
 import pytest
 
+from process_cases import compilation_cache_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--config.model.d_model=32", "--config.model.n_layers=2", "--config.model.pattern=softmax*2",
          "--config.model.mlp_hidden=64", "--config.model.mixers.softmax.n_heads=2", "--config.data.seq_len=32",
@@ -83,8 +85,7 @@ def test_exact_resume_after_sigkill(tmp_path):
   n = 4
   common = ["--config.train.steps=8", f"--config.train.checkpoint_every={n}"]
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+  cache = compilation_cache_env(tmp_path / "jax_cache")
   run(train_cmd(straight, *common), env=cache)
   killed = run(train_cmd(resumed, *common, script="tests/fault_train.py"),
                env={**cache, "KILL_AFTER_STEP": str(n)}, check=False)
