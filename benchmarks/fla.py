@@ -2,7 +2,8 @@
 
 Imported only by ``benchmarks.harness`` when torch and fla are installed (the GPU machine, wheels carried).
 Inputs are random bf16 tensors in FLA's [B, T, H, D] layout; times are medians of CUDA-event timings
-after warm-up (FLA autotunes on first calls).
+after warm-up (FLA autotunes on first calls), each over ``queue`` calls launched back to back (divided
+by ``queue``), as ``rows.time_fn`` does for the JAX rows.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ HEADS, HEAD_DIM, SANATAN_FEATURES = 12, 64, 384
 TAYLOR_HEADS, TAYLOR_DIM = 16, 16
 
 
-def _time(torch, fn, repeats: int) -> float:
+def _time(torch, fn, repeats: int, queue: int) -> float:
   for _ in range(5):
     fn()
   torch.cuda.synchronize()
@@ -23,14 +24,15 @@ def _time(torch, fn, repeats: int) -> float:
   for _ in range(repeats):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    fn()
+    for _ in range(queue):
+      fn()
     end.record()
     torch.cuda.synchronize()
-    times.append(start.elapsed_time(end))
+    times.append(start.elapsed_time(end) / queue)
   return statistics.median(times)
 
 
-def _fwd_bwd(torch, op, tensors, repeats):
+def _fwd_bwd(torch, op, tensors, repeats, queue):
   def forward():
     with torch.no_grad():
       op(*tensors)
@@ -43,13 +45,13 @@ def _fwd_bwd(torch, op, tensors, repeats):
     for g in grads:
       g.grad = None
 
-  return _time(torch, forward, repeats), _time(torch, forward_backward, repeats)
+  return _time(torch, forward, repeats, queue), _time(torch, forward_backward, repeats, queue)
 
 
-def run(log, ops, length, tokens, repeats, lock=""):
+def run(log, ops, length, tokens, repeats, lock="", queue=1):
   """Times FLA's kernels for ``ops`` (of "sanatan_p1", "gated", "taylor") into ``log``
-  (``benchmarks.rows.RowLog``); rows it already has are skipped before any tensor is made. Warm-up
-  (FLA's autotuning) and timing hold ``lock`` (``benchmarks.rows.exclusive``)."""
+  (``benchmarks.rows.RowLog``), ``queue`` calls per timing; rows it already has are skipped before any
+  tensor is made. Warm-up (FLA's autotuning) and timing hold ``lock`` (``benchmarks.rows.exclusive``)."""
   import torch
   from fla.ops.based import fused_chunk_based, parallel_based
   from fla.ops.gla import chunk_gla
@@ -64,11 +66,11 @@ def run(log, ops, length, tokens, repeats, lock=""):
   def add(op_name, impl, op, make_tensors, flops):
     if op_name in ops:
       rows.measure(log, op_name, impl, length, batch, op,
-                    lambda op: timed(op, make_tensors()), flops)
+                   lambda op: timed(op, make_tensors()), flops, queue=queue)
 
   def timed(op, tensors):
     with rows.exclusive(lock):
-      return _fwd_bwd(torch, op, tensors, repeats)
+      return _fwd_bwd(torch, op, tensors, repeats, queue)
 
   # SANATAN p = 1 on precomputed 6d features (K = 384): FLA cannot fuse the feature map.
   phi_shape = (batch, length, HEADS, SANATAN_FEATURES)

@@ -105,9 +105,14 @@ def _dims(op_name: str, shape: HeadShape | None) -> tuple[int, int, int]:
   return shape.heads, shape.key, shape.value
 
 
-def _fwd_and_fwdbwd(op: Callable, args: tuple, repeats: int, lock: str = "") -> tuple[float, float]:
-  """Times ``op(*args) -> o`` and the gradient of sum(o · do) w.r.t. every array argument; both are
-  compiled first, outside ``lock``, which is held while timing."""
+_LAST_COMPILED: list = []  # [(op, args, forward, backward)] of the last case timed
+
+
+def _compiled(op: Callable, args: tuple) -> tuple[Callable, Callable, jax.Array]:
+  """``op`` and the gradient of sum(o · do) w.r.t. every array argument, compiled, and do; the last
+  case's are reused when timed again at another queue depth."""
+  if _LAST_COMPILED and _LAST_COMPILED[0][0] is op and _LAST_COMPILED[0][1] is args:
+    return _LAST_COMPILED[0][2:]
   do = jax.random.normal(jax.random.key(1), jax.eval_shape(op, *args).shape, args[0].dtype)
 
   def loss(do, *a):  # do is an argument, not a closure constant, so XLA does not fold it
@@ -115,8 +120,18 @@ def _fwd_and_fwdbwd(op: Callable, args: tuple, repeats: int, lock: str = "") -> 
 
   forward = jax.jit(op).lower(*args).compile()
   backward = jax.jit(jax.grad(loss, argnums=tuple(range(1, len(args) + 1)))).lower(do, *args).compile()
+  _LAST_COMPILED[:] = [(op, args, forward, backward, do)]
+  return forward, backward, do
+
+
+def _fwd_and_fwdbwd(op: Callable, args: tuple, repeats: int, lock: str = "", queue: int = 1
+                    ) -> tuple[float, float]:
+  """Times ``op(*args) -> o`` and the gradient of sum(o · do) w.r.t. every array argument, ``queue``
+  calls per wait (``time_fn``); both are compiled first, outside ``lock``, which is held while timing."""
+  forward, backward, do = _compiled(op, args)
   with exclusive(lock):
-    return time_fn(forward, *args, repeats=repeats), time_fn(backward, do, *args, repeats=repeats)
+    return (time_fn(forward, *args, repeats=repeats, queue=queue),
+            time_fn(backward, do, *args, repeats=repeats, queue=queue))
 
 
 def _randn(key, shape, dtype, scale=1.0):
@@ -567,31 +582,36 @@ def _op_cases(op_name: str, batch: int, length: int, dtype, shape: HeadShape | N
 
 def run_op(log: RowLog, op_name: str, length: int, tokens: int, dtype: str, repeats: int,
            lock: str = "", tune: bool = False, shape: HeadShape | None = None,
-           auto_only: bool = False, only: tuple[str, ...] = ()) -> None:
+           auto_only: bool = False, only: tuple[str, ...] = (), queues: tuple[int, ...] = (1,)) -> None:
   """Times every case of ``op_name`` (``tune``: its TUNING settings instead; ``auto_only``: its
   AUTO_CASES; ``only``: the cases of those names) at one length and head ``shape`` (None: the
-  default)."""
+  default), a row per queue depth of ``queues`` (calls per wait, ``time_fn``)."""
   batch = max(1, tokens // length)
   args, cases, flops = _op_cases(op_name, batch, length, jnp.dtype(dtype), shape, tune, auto_only,
                                  only)
   label = shape_label(op_name, shape)
   for impl, fn in cases.items():
-    measure(log, TUNED_OPS.get(op_name, op_name), impl, length, batch, fn,
-            lambda fn: _fwd_and_fwdbwd(fn, args, repeats, lock), flops[impl], shape=label)
+    for queue in queues:
+      measure(log, TUNED_OPS.get(op_name, op_name), impl, length, batch, fn,
+              lambda fn, queue=queue: _fwd_and_fwdbwd(fn, args, repeats, lock, queue=queue), flops[impl],
+              shape=label, queue=queue)
 
 
-def fla_rows(log: RowLog, ops: list[str], length: int, tokens: int, repeats: int, lock: str = "") -> None:
-  """flash-linear-attention on the same shapes, for ``ops`` (torch + fla importable, CUDA only)."""
+def fla_rows(log: RowLog, ops: list[str], length: int, tokens: int, repeats: int, lock: str = "",
+             queues: tuple[int, ...] = (1,)) -> None:
+  """flash-linear-attention on the same shapes, for ``ops`` (torch + fla importable, CUDA only), a row
+  per queue depth."""
   from benchmarks import fla as bench_fla  # torch-side code kept apart from the JAX ops
 
-  bench_fla.run(log, ops, length, tokens, repeats, lock)
+  for queue in queues:
+    bench_fla.run(log, ops, length, tokens, repeats, lock, queue=queue)
 
 
 def _reference_row(by_key: dict, row: Row) -> Row | None:
   """The row ``row`` is compared with: its op's REFERENCE case, else the XLA form of its AUTO_CASES, at
   the same length and head shape."""
   for impl in (REFERENCE.get(row.op), AUTO_CASES.get(row.op, (None,))[0]):
-    ref = by_key.get((row.op, impl, row.length, row.shape))
+    ref = by_key.get((row.op, impl, row.length, row.shape, row.queue))
     if ref is not None:
       return ref
   return None
@@ -601,13 +621,13 @@ def with_ratios(rows: list[Row]) -> list[Row]:
   """Ratio of each row's fwd+bwd time to the reference implementation of its op, length and head shape,
   and of every op to cuDNN softmax (its default shape) at the same length."""
   by_key = {r.key: r for r in rows}
-  softmax = {r.length: r for r in rows if r.op == "softmax" and not r.shape}
+  softmax = {(r.length, r.queue): r for r in rows if r.op == "softmax" and not r.shape}
   for r in rows:
-    ref = _reference_row(by_key, r) or softmax.get(r.length)
+    ref = _reference_row(by_key, r) or softmax.get((r.length, r.queue))
     if ref is not None and ref is not r and r.fwdbwd_ms and ref.fwdbwd_ms:
       r.reference = f"{ref.op}/{ref.impl}"
       r.ratio_fwdbwd = ref.fwdbwd_ms / r.fwdbwd_ms
-    sm = softmax.get(r.length)
+    sm = softmax.get((r.length, r.queue))
     if sm is not None and r.op != "softmax" and r.fwdbwd_ms and sm.fwdbwd_ms:
       r.vs_softmax = sm.fwdbwd_ms / r.fwdbwd_ms
   return rows
@@ -616,24 +636,25 @@ def with_ratios(rows: list[Row]) -> list[Row]:
 def run_all(*, ops: list[str], lengths: list[int], tokens: int, dtype: str, repeats: int,
             fla_ops: list[str], jsonl: str = "", lock: str = "", tune: list[str] = (),
             shapes: list[str] = ("default",), auto_only: bool = False,
-            only: tuple[str, ...] = ()) -> list[Row]:
+            only: tuple[str, ...] = (), queues: tuple[int, ...] = (1,)) -> list[Row]:
   """Every op at every length and head shape of the sets ``shapes`` (``shapes_for``; ``auto_only``:
   only the forms "auto" chooses between, AUTO_CASES; ``only``: only the cases of those names), the
   TUNING settings of the ops in ``tune``, then
-  FLA's kernels for ``fla_ops`` (default shapes); rows already in ``jsonl`` are kept and not measured
-  again. Timing holds ``lock`` (see ``exclusive``)."""
+  FLA's kernels for ``fla_ops`` (default shapes), a row per queue depth of ``queues`` (calls per wait,
+  ``time_fn``); rows already in ``jsonl`` are kept and not measured again. Timing holds ``lock`` (see
+  ``exclusive``)."""
   plan = {op_name: shapes_for(op_name, shapes) for op_name in ops}  # bad set names fail before timing
   log = RowLog(jsonl)
   for length in lengths:
     for op_name in ops:
       for shape in plan[op_name]:
         run_op(log, op_name, length, tokens, dtype, repeats, lock, shape=shape, auto_only=auto_only,
-               only=only)
+               only=only, queues=queues)
     for op_name in tune:
-      run_op(log, op_name, length, tokens, dtype, repeats, lock, tune=True)
+      run_op(log, op_name, length, tokens, dtype, repeats, lock, tune=True, queues=queues)
     if fla_ops:
       try:
-        fla_rows(log, fla_ops, length, tokens, repeats, lock)
+        fla_rows(log, fla_ops, length, tokens, repeats, lock, queues)
       except ImportError as e:
         print(f"  FLA skipped at T={length}: {e}", flush=True)
   return with_ratios([r for r in log.rows if r.length in lengths])
@@ -646,21 +667,25 @@ def _heads(row: Row) -> str:
 
 
 def format_table(rows: list[Row]) -> str:
-  """The rows as a markdown table; with a "heads" column when any row has a non-default head shape."""
+  """The rows as a markdown table; with a "heads" column when any row has a non-default head shape and
+  a "calls per wait" column when any row was timed with calls queued (``time_fn``)."""
   def ms(x):
     return "—" if x is None else f"{x:.3f}"
 
-  shaped = any(r.shape for r in rows)
+  shaped, queued = any(r.shape for r in rows), any(r.queue > 1 for r in rows)
   heads = lambda r: f" {_heads(r)} |" if shaped else ""
-  lines = ["| op | implementation |" + (" heads |" if shaped else "") + " T | B | fwd ms | fwd+bwd ms | "
+  queue = lambda r: f" {r.queue} |" if queued else ""
+  lines = ["| op | implementation |" + (" heads |" if shaped else "") + " T | B |"
+           + (" calls per wait |" if queued else "") + " fwd ms | fwd+bwd ms | "
            "tok/s (fwd+bwd) | TFLOP/s (fwd+bwd) | speed-up vs | vs softmax | note |",
-           "|---|---|" + ("---|" if shaped else "") + "---|---|---|---|---|---|---|---|---|"]
+           "|---|---|" + ("---|" if shaped else "") + "---|---|" + ("---|" if queued else "")
+           + "---|---|---|---|---|---|---|"]
   for r in rows:
     tokens_per_s = "—" if not r.fwdbwd_ms else f"{r.batch * r.length / r.fwdbwd_ms * 1e3:,.0f}"
     tflops = "—" if not r.fwdbwd_ms or not r.flops_fwd else f"{3 * r.flops_fwd / r.fwdbwd_ms / 1e9:.1f}"
     ratio = "" if r.ratio_fwdbwd is None else f"{r.ratio_fwdbwd:.2f}× {r.reference}"
     vs_softmax = "" if r.vs_softmax is None else f"{r.vs_softmax:.2f}×"
-    lines.append(f"| {r.op} | {r.impl} |{heads(r)} {r.length} | {r.batch} | {ms(r.fwd_ms)} | "
+    lines.append(f"| {r.op} | {r.impl} |{heads(r)} {r.length} | {r.batch} |{queue(r)} {ms(r.fwd_ms)} | "
                  f"{ms(r.fwdbwd_ms)} | {tokens_per_s} | {tflops} | {ratio} | {vs_softmax} | {r.note} |")
   return "\n".join(lines)
 
@@ -673,9 +698,10 @@ def _file_order(path: str) -> tuple:
 
 def load_rows(directory: str, skip: tuple[str, ...] = ("agreement.jsonl",)) -> list[Row]:
   """Every Row of the ``*.jsonl`` files in ``directory`` (those named in ``skip`` aside), the last row of
-  each (op, implementation, length, shape) winning, sorted by length, then op (softmax first, then as in
-  ``OPS``), then head shape (the default first, then in order of first appearance), then implementation
-  in order of first appearance. Ratios are cleared (see ``with_ratios``)."""
+  each (op, implementation, length, shape, queue depth) winning, sorted by length, then op (softmax first,
+  then as in ``OPS``), then head shape (the default first, then in order of first appearance), then
+  implementation in order of first appearance, then queue depth. Ratios are cleared (see
+  ``with_ratios``)."""
   merged = {}
   paths = [p for p in glob.glob(os.path.join(directory, "*.jsonl")) if os.path.basename(p) not in skip]
   for path in sorted(paths, key=_file_order):
@@ -689,7 +715,7 @@ def load_rows(directory: str, skip: tuple[str, ...] = ("agreement.jsonl",)) -> l
 
   def key(row):
     op_rank = op_order.index(row.op) if row.op in op_order else len(op_order)
-    return row.length, op_rank, row.op, shape_order[row.shape], impl_order[row.op, row.impl]
+    return row.length, op_rank, row.op, shape_order[row.shape], impl_order[row.op, row.impl], row.queue
 
   return sorted(merged.values(), key=key)
 

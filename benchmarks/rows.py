@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import json
 import os
 import statistics
@@ -26,7 +27,8 @@ def fmt(x, spec: str, scale: float = 1.0) -> str:
 @dataclasses.dataclass
 class Row:
   """One timed case. ``shape`` names its head shape ("H=4 K=96 V=192", ``harness.HeadShape.label``);
-  "" is the op's default shape (``harness.DEFAULT_SHAPES``), as in every row written before it existed."""
+  "" is the op's default shape (``harness.DEFAULT_SHAPES``), as in every row written before it existed.
+  ``queue``: calls enqueued per wait when timed (``time_fn``; 1 in every row written before it existed)."""
 
   op: str
   impl: str
@@ -40,10 +42,11 @@ class Row:
   ratio_fwdbwd: float | None = None
   vs_softmax: float | None = None
   shape: str = ""
+  queue: int = 1
 
   @property
-  def key(self) -> tuple[str, str, int, str]:
-    return self.op, self.impl, self.length, self.shape
+  def key(self) -> tuple[str, str, int, str, int]:
+    return self.op, self.impl, self.length, self.shape, self.queue
 
 
 def device_name() -> str:
@@ -66,15 +69,22 @@ def exclusive(lock_path: str = ""):
       fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def time_fn(fn: Callable, *args, repeats: int = 10) -> float:
-  """Median wall time in ms of ``fn(*args)`` (compiled already) after 4 warm-up calls."""
+def time_fn(fn: Callable, *args, repeats: int = 10, queue: int = 1) -> float:
+  """Median wall time in ms of one call of ``fn(*args)`` (compiled already) after 4 warm-up calls.
+
+  ``queue`` 1: each call is waited on alone, so a sample holds the host's dispatch and its wake-up at
+  the end as well as the device's work. ``queue`` > 1: a sample enqueues that many calls back to back
+  and waits once, then divides; the host dispatches while the device works, so the time per call is
+  the device's (what the op costs inside a compiled step), as long as dispatching a call is quicker
+  than running it."""
   for _ in range(4):
     jax.block_until_ready(fn(*args))
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - start) * 1e3)
+    out = [fn(*args) for _ in range(queue)]
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - start) * 1e3 / queue)
   return statistics.median(times)
 
 
@@ -107,14 +117,15 @@ class RowLog:
   def rows(self) -> list[Row]:
     return list(self._rows.values())
 
-  def has(self, op: str, impl: str, length: int, shape: str = "") -> bool:
-    row = self._rows.get((op, impl, length, shape))
+  def has(self, op: str, impl: str, length: int, shape: str = "", queue: int = 1) -> bool:
+    row = self._rows.get((op, impl, length, shape, queue))
     return row is not None and row.fwdbwd_ms is not None
 
   def add(self, row: Row) -> None:
     self._rows[row.key] = row
     heads = f" [{row.shape}]" if row.shape else ""
-    print(f"  {row.op} {row.impl}{heads} T={row.length}: {row.fwd_ms} / {row.fwdbwd_ms} ms {row.note}",
+    queued = f" ({row.queue} calls per wait)" if row.queue > 1 else ""
+    print(f"  {row.op} {row.impl}{heads} T={row.length}: {row.fwd_ms} / {row.fwdbwd_ms} ms{queued} {row.note}",
           flush=True)
     if self.path:
       os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
@@ -124,17 +135,18 @@ class RowLog:
 
 def measure(log: RowLog, op_name: str, impl: str, length: int, batch: int, fn: Callable | str,
             time_fwd_and_fwdbwd: Callable[[Callable], tuple[float, float]], flops: float,
-            shape: str = "") -> None:
+            shape: str = "", queue: int = 1) -> None:
   """Times ``fn`` (a string is a reason it cannot run) unless ``log`` has the row; errors become notes.
-  ``shape``: the row's head-shape label ("" for the op's default shape)."""
-  if log.has(op_name, impl, length, shape):
+  ``shape``: the row's head-shape label ("" for the op's default shape); ``queue``: the calls per wait
+  ``time_fwd_and_fwdbwd`` uses, recorded in the row."""
+  if log.has(op_name, impl, length, shape, queue):
     return
+  row = functools.partial(Row, op_name, impl, length, batch, shape=shape, queue=queue)
   if isinstance(fn, str):
-    log.add(Row(op_name, impl, length, batch, None, None, 0.0, note=fn, shape=shape))
+    log.add(row(None, None, 0.0, note=fn))
     return
   try:
     fwd, fwdbwd = time_fwd_and_fwdbwd(fn)
-    log.add(Row(op_name, impl, length, batch, fwd, fwdbwd, flops, shape=shape))
+    log.add(row(fwd, fwdbwd, flops))
   except Exception as e:  # An OOM or a backend without the kernel: report it, keep going.
-    log.add(Row(op_name, impl, length, batch, None, None, 0.0, note=f"{type(e).__name__}: {str(e)[:80]}",
-                shape=shape))
+    log.add(row(None, None, 0.0, note=f"{type(e).__name__}: {str(e)[:80]}"))

@@ -10,13 +10,18 @@ and appends the rows to docs/BENCHMARKS.md with the date, device and command.
 
     python scripts/bench_kernels.py [--lengths=2048,8192,32768] [--tokens=16384] [--dtype=bfloat16] \
         [--jsonl=runs/bench/kernels.jsonl] [--fla_ops=sanatan_p1,gated,taylor] [--lock=/tmp/bench.lock] \
-        [--tune=sanatan_p1] [--shapes=default,preset,wide] [--auto_only]
+        [--tune=sanatan_p1] [--shapes=default,preset,wide] [--auto_only] [--queue=8]
 
 Head shapes (``benchmarks.harness.SHAPE_SETS``): "default" (the shapes of the tables, 12 heads of 64;
 Taylor 16 × d' 16 × dv 64), "preset" (the heads of every paper preset of configs/ that runs the op),
 "wide" (K, V in 128 / 256 / 512 at H · V = 1024). Rows record their shape; ``--auto_only`` times only
 the forms ``implementation="auto"`` chooses between (``AUTO_CASES``: the kernels it may pick and its
 XLA form).
+
+Timing (``--queue``): each sample enqueues 8 calls back to back and waits once, so a row is the time the
+op costs on the device (inside a compiled train step nothing waits between ops); ``--queue=1,8`` adds a
+row per case that waits on every call alone (the host's dispatch and wake-up included: 0.2-0.7 ms more
+per call on the H200 in docs/BENCHMARKS.md, more for ops of many kernels). FLA's rows time the same number of calls between two CUDA events.
 
 Compilation (Triton kernels, FLA autotuning) can take minutes per case: give ``--jsonl`` so that a run
 stopped by a time limit continues where it stopped. Several processes (one per T, say) can share one
@@ -58,12 +63,23 @@ _AUTO_ONLY = flags.DEFINE_bool("auto_only", False, "Time only the forms implemen
                                "form), not every precision variant and reference.")
 _CASE = flags.DEFINE_multi_string("case", [], "Time only the cases of this name (repeatable), e.g. "
                                   "--case='chunked (xla)' --case='plain chunked (baseline)'; none = all.")
+_QUEUE = flags.DEFINE_list("queue", ["8"], "Calls enqueued per wait when timing (benchmarks.rows.time_fn), "
+                           "one row per depth: 8 hides the host's dispatch and wake-up behind the device's "
+                           "work (the time an op costs inside a compiled step); 1 waits on every call alone "
+                           "(the host round trip included, as every table before 2026-12-03 was timed).")
 _LOCK = flags.DEFINE_string("lock", "", "A lock file shared by benchmark processes on one device: each "
                             "compiles freely but times only while holding it (runs per T side by side).")
 
 
+def _queues() -> list[int]:
+  if not all(x.isdigit() and int(x) > 0 for x in _QUEUE.value):
+    raise app.UsageError(f"--queue={','.join(_QUEUE.value)}: expected positive integers, e.g. --queue=1,8")
+  return [int(x) for x in _QUEUE.value]
+
+
 def main(argv):
   del argv
+  queues = _queues()
   unknown = [op for op in _OPS.value if op not in bench.OPS]
   if unknown:
     raise app.UsageError(f"unknown op {unknown[0]!r} in --ops; valid: {', '.join(bench.OPS)}")
@@ -75,7 +91,7 @@ def main(argv):
   rows = bench.run_all(ops=_OPS.value, lengths=[int(x) for x in _LENGTHS.value], tokens=_TOKENS.value,
                        dtype=_DTYPE.value, repeats=_REPEATS.value, fla_ops=_FLA_OPS.value, jsonl=_JSONL.value,
                        lock=_LOCK.value, tune=_TUNE.value, shapes=_SHAPES.value, auto_only=_AUTO_ONLY.value,
-                       only=tuple(_CASE.value))
+                       only=tuple(_CASE.value), queues=tuple(queues))
   table = bench.format_table(rows)
   print(table, flush=True)
   if _OUT.value:

@@ -219,7 +219,7 @@ def test_rows_record_their_head_shape_and_compare_within_it(tmp_path, monkeypatc
   a row per form and shape, the shape in the row, ratios against the same shape's XLA form, a heads
   column in the table; rows written before shapes existed read as default-shape rows."""
   monkeypatch.setattr(bench, "_fwd_and_fwdbwd",
-                      lambda fn, args, repeats, lock="": (1.0, float(args[0].shape[-1] + args[2].shape[-1])))
+                      lambda fn, args, repeats, lock="", queue=1: (1.0, float(args[0].shape[-1] + args[2].shape[-1])))
   jsonl = tmp_path / "kernels_16.jsonl"
   rows = bench.run_all(ops=["softmax", "gated"], lengths=[16], tokens=16, dtype="float32", repeats=1,
                        fla_ops=[], jsonl=str(jsonl), shapes=["default", "preset"], auto_only=True)
@@ -244,7 +244,7 @@ def test_rows_record_their_head_shape_and_compare_within_it(tmp_path, monkeypatc
 def test_only_the_named_cases_are_timed(tmp_path, monkeypatch):
   """``--case`` keeps the cases of those names (here XLA chunked at C = 64 beside the plain
   baseline), on CPU with the timer replaced."""
-  monkeypatch.setattr(bench, "_fwd_and_fwdbwd", lambda fn, args, repeats, lock="": (1.0, 2.0))
+  monkeypatch.setattr(bench, "_fwd_and_fwdbwd", lambda fn, args, repeats, lock="", queue=1: (1.0, 2.0))
   only = ("chunked (xla)", "plain chunked (baseline)")
   rows = bench.run_all(ops=["sanatan_p1"], lengths=[16], tokens=16, dtype="float32", repeats=1,
                        fla_ops=[], jsonl=str(tmp_path / "rows.jsonl"), only=only)
@@ -253,10 +253,36 @@ def test_only_the_named_cases_are_timed(tmp_path, monkeypatch):
 
 def test_the_forms_auto_chooses_between_are_timed_first(tmp_path, monkeypatch):
   """Each op's AUTO_CASES, then its REFERENCE, then the rest: a time limit cuts the least needed rows."""
-  monkeypatch.setattr(bench, "_fwd_and_fwdbwd", lambda fn, args, repeats, lock="": (1.0, 2.0))
+  monkeypatch.setattr(bench, "_fwd_and_fwdbwd", lambda fn, args, repeats, lock="", queue=1: (1.0, 2.0))
   rows = bench.run_all(ops=["sanatan_p2"], lengths=[16], tokens=16, dtype="float32", repeats=1,
                        fla_ops=[], jsonl=str(tmp_path / "rows.jsonl"))
   impls = [r.impl for r in rows]
   first = [*bench.AUTO_CASES["sanatan_p2"], bench.REFERENCE["sanatan_p2"]]
   assert impls[:len(first)] == first and len(impls) > len(first), impls
   assert "pallas" in impls[len(first):]  # the blocked kernel: after the decisive forms
+
+
+def test_time_fn_queues_calls_and_divides():
+  """``queue`` calls are enqueued per sample, and the sample is divided by ``queue``."""
+  calls = []
+  assert bench.time_fn(lambda x: calls.append(x) or x, jnp.ones(2), repeats=3, queue=5) >= 0.0
+  assert len(calls) == 4 + 3 * 5
+
+
+def test_rows_per_queue_depth_compare_within_their_depth(tmp_path, monkeypatch):
+  """``--queue=1,8``: a row per case and depth, each compared with softmax timed at its own depth (a
+  softmax case "takes" 1 / queue ms, a gated one 4 / queue), a "calls per wait" column in the table;
+  the second depth times the first one's compiled functions."""
+  fake = lambda fn, args, repeats, lock="", queue=1: (1.0, (1.0 if len(args) == 3 else 4.0) / queue)
+  monkeypatch.setattr(bench, "_fwd_and_fwdbwd", fake)
+  rows = bench.run_all(ops=["softmax", "gated"], lengths=[16], tokens=16, dtype="float32", repeats=1,
+                       fla_ops=[], jsonl=str(tmp_path / "rows.jsonl"), queues=(1, 8),
+                       only=("softmax (xla)", "chunked (xla)"))
+  assert [(r.op, r.queue) for r in rows] == [("softmax", 1), ("softmax", 8), ("gated", 1), ("gated", 8)]
+  assert [r.vs_softmax for r in rows if r.op == "gated"] == [0.25, 0.25]
+  table = bench.format_table(rows)
+  assert "calls per wait" in table and "| gated | chunked (xla) | 16 | 1 | 8 | 1.000 | 0.500 |" in table
+  assert len(bench.load_rows(str(tmp_path))) == 4
+  op, args = (lambda x: 2.0 * x), (jnp.ones(4),)
+  first, again = bench._compiled(op, args), bench._compiled(op, args)
+  assert all(a is b for a, b in zip(first, again))
