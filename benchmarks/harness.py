@@ -362,20 +362,31 @@ TUNING = {
 }
 
 
-# Tilings of the SANATAN flash kernels tried by ``--tune=sanatan_p2`` (forward, backward), each
-# (block, loop, warps, stages) as ``pallas_triton_flash.Tiles``; the first is its default. Measured
+# Tilings of the SANATAN flash kernels tried by ``--tune=sanatan_p2`` (forward, dk/dv[, dq]), each
+# (block, loop, warps, stages) as ``pallas_triton_flash.Tiles`` (dq: the dk/dv tiling when left out);
+# the first is its default, the second the one tiling of both backward kernels it replaced. Measured
 # slower on the H200 (8 x 2048, docs/BENCHMARKS.md) and no longer tried: backward blocks of 64 (4 or 8
-# warps) and loops of 16; four forward stages, and forward loops of 128 at two, exceed its shared memory.
-FLASH_TUNING = [((128, 64, 8, 3), (128, 32, 8, 3)),
+# warps), loops of 16, and dk/dv loops of 64; four forward stages, forward loops of 128 at two and dq
+# loops of 64 at three stages exceed its shared memory.
+FLASH_TUNING = [((128, 64, 4, 3), (128, 32, 8, 4), (128, 64, 8, 2)),
+                ((128, 64, 8, 3), (128, 32, 8, 3)),
+                ((128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 2)),
                 ((128, 64, 8, 2), (128, 32, 8, 2)),
-                ((128, 128, 8, 1), (128, 32, 8, 3)),
-                ((128, 64, 8, 3), (128, 32, 8, 4))]
+                ((128, 128, 8, 1), (128, 32, 8, 3))]
+
+
+def flash_tiles(entry):
+  """A FLASH_TUNING entry as ``pallas_triton_flash.FlashTiles``."""
+  from sanatan_jax.ops.sanatan_attention import pallas_triton_flash as flash
+
+  return flash.FlashTiles(*(flash.Tiles(*t) for t in entry))
 
 
 def _tiles_name(tiles) -> str:
-  """"pallas_flash (fwd 128x64 8w 2s, bwd 128x32 8w 2s)" for a FLASH_TUNING entry."""
+  """"pallas_flash (fwd 128x64 8w 2s, bwd 128x32 8w 2s[, dq 128x64 8w 2s])" for a FLASH_TUNING entry."""
   part = lambda t: f"{t[0]}x{t[1]} {t[2]}w {t[3]}s"
-  return f"pallas_flash (fwd {part(tiles[0])}, bwd {part(tiles[1])})"
+  dq = f", dq {part(tiles[2])}" if len(tiles) > 2 else ""
+  return f"pallas_flash (fwd {part(tiles[0])}, bwd {part(tiles[1])}{dq})"
 
 
 def flash_tuning_cases(batch: int, length: int, dtype) -> tuple[tuple, dict, dict]:
@@ -384,10 +395,10 @@ def flash_tuning_cases(batch: int, length: int, dtype) -> tuple[tuple, dict, dic
 
   args, _, flops = sanatan_p2_cases(batch, length, dtype)
   cases = {}
-  for forward, backward in FLASH_TUNING:
-    tiles = flash.FlashTiles(flash.Tiles(*forward), flash.Tiles(*backward))
-    cases[_tiles_name((forward, backward))] = (
-        lambda q, k, v, w, l, tiles=tiles: flash.sanatan_flash_pallas(q, k, v, w, l, p=2, tiles=tiles))
+  for entry in FLASH_TUNING:
+    cases[_tiles_name(entry)] = (
+        lambda q, k, v, w, l, tiles=flash_tiles(entry): flash.sanatan_flash_pallas(q, k, v, w, l, p=2,
+                                                                                   tiles=tiles))
   return args, cases, {name: flops["pallas_flash"] for name in cases}
 
 

@@ -31,7 +31,8 @@ v's dtype) and n (fp32); no T x T array exists.
 
 Backward (``jax.custom_vjp``; the residuals are the inputs, o and n). With dN = do / (n + eps) and
 dn = -(do · o) / (n + eps) (XLA), dw_tj = dN_t · v_j + dn_t and ds_tj = dw_tj p u_tj^(p-1) / c on
-visible pairs (the VJP of the weight function). Two kernels, recomputing the scores:
+visible pairs (the VJP of the weight function). Two kernels, recomputing the scores, each with a
+tiling of its own (``FlashTiles``):
 
 * dq, grid (query block, batch, head): d Phi(q_t) = sum_j ds_tj Phi(k_j) over the same key blocks
   as the forward;
@@ -79,22 +80,32 @@ class Tiles(NamedTuple):
 
 
 class FlashTiles(NamedTuple):
-  """The forward kernel's tiling and the backward kernels' (dq and dk/dv share it)."""
+  """The forward kernel's tiling, the dk/dv kernel's (``backward``) and the dq kernel's (None: the
+  dk/dv kernel's)."""
 
   forward: Tiles
   backward: Tiles
+  dq: Tiles | None = None
+
+  @property
+  def dq_tiles(self) -> Tiles:
+    return self.backward if self.dq is None else self.dq
 
 
 # Tilings per GPU (``device_kind``; "default" for any other) and operand width in bytes (2: bf16
 # inputs; 4: fp32 inputs or precision "tf32"/"float32"). H200, bf16, 8 x 2048, 12 heads of 64, fwd+bwd
 # in one process (docs/BENCHMARKS.md): three pipeline stages in both kernels 3.45 ms against 3.89 at
-# two; backward blocks of 64 rows 4.0-5.7 ms. At d = dv = 64 an sm_90 Triton compile of the bf16
+# two; backward blocks of 64 rows 4.0-5.7 ms. Tiled apart (device time, eight rounds): dq loops of 64
+# keys at two stages, dk/dv at four and a 4-warp forward 3.04 ms against 3.11 for one backward tiling
+# (dq loops of 64 at three stages exceed the shared memory; dk/dv loops of 64 3.34). At d = dv = 64 an
+# sm_90 Triton compile of the bf16
 # two-stage tiling keeps the forward at 127 registers and 176 KiB of shared memory, dq at 236
 # registers and dk/dv at 255 with a 16-byte spill (both 144 KiB): the backward kernels hold 5 fp32
 # [block, d] accumulators, and 128-row blocks give each of 8 warps' two warpgroups its own 64 rows.
 # fp32 operands take twice the shared memory; the fp32 tiling compiles without spills (TF32 and IEEE
 # dots) within 104 KiB. benchmarks.harness.FLASH_TUNING lists the tilings timed.
-TILES = {"default": {2: FlashTiles(forward=Tiles(128, 64, 8, 3), backward=Tiles(128, 32, 8, 3)),
+TILES = {"default": {2: FlashTiles(forward=Tiles(128, 64, 4, 3), backward=Tiles(128, 32, 8, 4),
+                                   dq=Tiles(128, 64, 8, 2)),
                      4: FlashTiles(forward=Tiles(32, 32, 4, 2), backward=Tiles(32, 32, 8, 2))}}
 
 
@@ -127,12 +138,13 @@ class KernelConfig(NamedTuple):
 
 
 class Static(NamedTuple):
-  """What the custom VJP holds static: the forward kernel's config and the backward kernels' (dq
-  and dk/dv), the rotation flag, the real and padded lengths, the padded head dims, and whether the
-  features come from the factor kernels (``features="kernels"``)."""
+  """What the custom VJP holds static: the forward kernel's config, the dk/dv kernel's
+  (``backward``) and the dq kernel's, the rotation flag, the real and padded lengths, the padded head
+  dims, and whether the features come from the factor kernels (``features="kernels"``)."""
 
   forward: KernelConfig
   backward: KernelConfig
+  dq: KernelConfig
   rotate: bool
   length: int
   padded_length: int
@@ -372,15 +384,16 @@ def _forward(phi_q, phi_k, v, run, first, st: Static):
 
 def _backward(phi_q, phi_k, v, run, first, last, dN, dn, st: Static):
   """The feature gradients of q and of k (fp32 channel tuples) and dv [B, Tp, H, Vp] (fp32)."""
-  cfg = st.backward
   B, Tp, H, _ = v.shape
   nf = len(phi_q)
   grads = lambda width, count: tuple(jax.ShapeDtypeStruct((B, Tp, H, width), _F32)
                                      for _ in range(count))
+  cfg = st.dq
   s = _specs(Tp, st.dp, st.Vp, cfg.block, reverse=True)
   dphi_q = pu.call(_dq_kernel, cfg, (Tp // cfg.block, B, H),
                    _input_specs(s, nf, st.dp, st.Vp, True), [s["block"](st.dp)] * nf,
                    grads(st.dp, nf), *phi_q, *phi_k, v, run, first, dN, dn)
+  cfg = st.backward
   s = _specs(Tp, st.dp, st.Vp, cfg.block, reverse=False)
   *dphi_k, dv = pu.call(_dkv_kernel, cfg, (Tp // cfg.block, B, H),
                         _input_specs(s, nf, st.dp, st.Vp, True),
@@ -477,6 +490,8 @@ def check_features(features: str, channels: int, op: str, name: str = "features"
 
 def _check_tiles(tiles: FlashTiles, op: str) -> None:
   for name, kernel in tiles._asdict().items():
+    if kernel is None:
+      continue
     for field in ("block", "loop"):
       size = getattr(kernel, field)
       if size < 1 or size & (size - 1):
@@ -501,8 +516,8 @@ def sanatan_flash_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
     p, channels, three_channel: the kernel (MATH §1.1 steps 5-6); any positive integer p.
     rotate: False drops the temporal rotation (the "no lambda" ablation).
     interpret: run the kernels interpreted; None means "unless on a GPU".
-    tiles: the kernels' tiling; None means ``default_tiles`` of the operands' dtype. Blocks are
-      capped at the next power of two >= T.
+    tiles: the kernels' tiling (``FlashTiles``: forward, dk/dv and dq); None means ``default_tiles``
+      of the operands' dtype. Blocks are capped at the next power of two >= T.
     precision: "input" (dots take operands in the inputs' dtype), "tf32" or "float32" (the
       kernels run on fp32 copies and return fp32; ``pu.PRECISIONS``).
     features: where the feature channels come from (``FEATURE_SOURCES``): "xla" (the feature map in
@@ -527,9 +542,10 @@ def sanatan_flash_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
     positions = default_positions(B, T)
   common = dict(head_dim=d, p=p, channels=channels, three_channel=three_channel,
                 documents=segment_ids is not None, precision=precision)
-  forward, backward = (_kernel_config(t, T, interpret, **common) for t in tiles)
-  largest = max(forward.block, forward.loop, backward.block, backward.loop)
-  st = Static(forward=forward, backward=backward, rotate=rotate, length=T,
+  forward, backward, dq = (_kernel_config(t, T, interpret, **common)
+                           for t in (tiles.forward, tiles.backward, tiles.dq_tiles))
+  largest = max(max(c.block, c.loop) for c in (forward, backward, dq))
+  st = Static(forward=forward, backward=backward, dq=dq, rotate=rotate, length=T,
               padded_length=pu.round_up(T, largest), dp=pu.block_size(d, interpret),
               Vp=pu.block_size(v.shape[-1], interpret), feature_kernels=features == "kernels")
   # Edge-padding keeps padded tokens in the last run; causality hides them from real queries.

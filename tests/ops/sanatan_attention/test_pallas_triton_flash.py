@@ -42,13 +42,17 @@ def _parallel(*args, **options):
   return sanatan_attention(*args, implementation="parallel", **options)[0]
 
 
-def _tiles(forward, backward, warps=4, stages=2):
-  return FlashTiles(Tiles(*forward, warps, stages), Tiles(*backward, warps, stages))
+def _tiles(forward, backward, dq=None, warps=4, stages=2):
+  """Tiles of (block, loop) pairs; ``dq`` None: the dq kernel takes the dk/dv kernel's."""
+  return FlashTiles(Tiles(*forward, warps, stages), Tiles(*backward, warps, stages),
+                    None if dq is None else Tiles(*dq, warps, stages))
 
 
 @pytest.mark.parametrize("p,channels,three_channel,T,d,forward,backward", [
     # Partial last block; query blocks longer than key blocks forward, keys longer backward.
     (2, 6, "clean", 37, 8, (16, 8), (8, 16)),
+    # The dq kernel tiled apart: query blocks of 16 over key loops of 8, dk/dv key blocks of 8.
+    (2, 6, "clean", 37, 8, (16, 8), ((8, 16), (16, 8))),
     (4, 6, "clean", 16, 8, (8, 16), (16, 8)),  # key blocks longer than query blocks forward
     (3, 6, "clean", 61, 16, (16, 16), (16, 32)),  # d = 16, four query blocks of 16
     (2, 4, "clean", 29, 4, (8, 8), (8, 8)),  # d = 4: some total scores are negative, clipped at 0
@@ -60,7 +64,8 @@ def test_flash_kernel_equals_parallel_with_gradients(p, channels, three_channel,
                                                      backward):
   inputs = sanatan_inputs(10 * p + channels + T, T, d=d)
   options = dict(p=p, channels=channels, three_channel=three_channel)
-  kernel = functools.partial(sanatan_flash_pallas, tiles=_tiles(forward, backward))
+  dkv, dq = backward if isinstance(backward[0], tuple) else (backward, None)
+  kernel = functools.partial(sanatan_flash_pallas, tiles=_tiles(forward, dkv, dq))
   got = run_blocked(kernel, inputs, **options)
   want = run_blocked(_parallel, inputs, **options)
   assert_close(got, want, f"p={p} {channels}ch {three_channel} T={T} d={d} tiles={forward, backward}")
@@ -178,17 +183,16 @@ def test_every_tuning_tiling_lowers_at_the_benchmark_shape():
   args = sanatan_abstract_inputs(B=1, T=2048, H=12, d=64, dv=64)[:5]
   _, cases, _ = harness.flash_tuning_cases(1, 64, jnp.float32)
   assert len(cases) == len(harness.FLASH_TUNING)
-  forward, backward = harness.FLASH_TUNING[0]
-  assert FlashTiles(Tiles(*forward), Tiles(*backward)) == TILES["default"][2]
-  assert next(iter(cases)) == "pallas_flash (fwd 128x64 8w 3s, bwd 128x32 8w 3s)"
-  for forward, backward in harness.FLASH_TUNING:
-    tiles = FlashTiles(Tiles(*forward), Tiles(*backward))
+  assert harness.flash_tiles(harness.FLASH_TUNING[0]) == TILES["default"][2]
+  assert next(iter(cases)) == "pallas_flash (fwd 128x64 4w 3s, bwd 128x32 8w 4s, dq 128x64 8w 2s)"
+  for entry in harness.FLASH_TUNING:
+    tiles = harness.flash_tiles(entry)
 
     def loss(*a, tiles=tiles):
       return sanatan_flash_pallas(*a, p=2, tiles=tiles, interpret=False).astype(jnp.float32).sum()
 
     lowered = pallas_utils.lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *args)
-    assert lowered.as_text().count("xla.gpu.triton") == 3, (forward, backward)
+    assert lowered.as_text().count("xla.gpu.triton") == 3, entry
 
 
 def test_bad_options_raise_clear_errors():
@@ -197,6 +201,8 @@ def test_bad_options_raise_clear_errors():
     sanatan_flash_pallas(q, k, v, omega, lam_raw, interpret=False)
   with pytest.raises(ValueError, match="tiles.backward.loop must be a power of two"):
     sanatan_flash_pallas(q, k, v, omega, lam_raw, tiles=_tiles((16, 16), (16, 24)))
+  with pytest.raises(ValueError, match="tiles.dq.block must be a power of two"):
+    sanatan_flash_pallas(q, k, v, omega, lam_raw, tiles=_tiles((16, 16), (16, 16), (12, 16)))
   with pytest.raises(ValueError, match="p must be a positive integer"):
     sanatan_flash_pallas(q, k, v, omega, lam_raw, p=0)
   with pytest.raises(ValueError, match="channels must be one of"):
