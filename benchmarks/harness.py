@@ -416,7 +416,7 @@ FUSED_TUNING = [((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 1, 4, 3)),
 # Settings of the blocked Taylor kernels tried by ``--tune=taylor_blocked`` (query block, key block,
 # warps, pipeline stages; ``taylor_sums_blocked``'s knobs); the first is its default, the fastest of
 # these on the H200 at 8 x 2048 (docs/BENCHMARKS.md). Their rows belong to the op "taylor".
-TAYLOR_BLOCKED_TUNING = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (128, 64, 8, 3)]
+TAYLOR_BLOCKED_TUNING = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 3), (128, 64, 8, 3)]
 # Tilings of the fused-chunk Taylor kernels tried by ``--tune=taylor_fused``, as
 # ``pallas_triton_fused.Tiles`` fields (chunk, features, block_v, then (warps, stages) of the forward,
 # dq, dk/dv and intra kernels); the first is its default. Their rows belong to the op "taylor".

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from based_jax.ops.taylor_attention import pallas_triton_blocked as taylor_blocked
 from benchmarks import harness as bench
 
 
@@ -85,6 +86,7 @@ def test_blocked_taylor_tuning_settings_compute_the_ops_function():
   args, cases, flops = bench.tuning_cases("taylor_blocked", 1, 32, "float32")
   _, defaults, default_flops = bench.OPS["taylor"](1, 32, "float32")
   assert len(cases) == len(bench.TAYLOR_BLOCKED_TUNING)
+  assert bench.TAYLOR_BLOCKED_TUNING[0] == (64, 64, 4, taylor_blocked.STAGES[2])  # the bf16 default
   for name, (block_q, block_k, warps, stages) in zip(cases, bench.TAYLOR_BLOCKED_TUNING):
     assert name == f"pallas_blocked ({block_q}x{block_k} {warps}w {stages}s)"
     assert flops[name] == default_flops["pallas_blocked"]

@@ -193,9 +193,15 @@ def _sums_bwd(cfg, residuals, cotangents):
 _sums.defvjp(_sums_fwd, _sums_bwd)
 
 
+# Triton pipeline stages by operand width in bytes. H200, bf16, 8 x 2048, 16 heads of d' 16, dv 64, 64 x 64
+# blocks on 4 warps, device time in three processes (docs/BENCHMARKS.md): three stages 1.27-1.29 ms,
+# two 1.33-1.34, four 1.28-1.29. fp32 operands (twice the shared memory per stage) keep two.
+STAGES = {2: 3, 4: 2}
+
+
 def taylor_sums_blocked(q: jax.Array, k: jax.Array, v: jax.Array, run: jax.Array, *,
                         interpret: bool | None = None, block_q: int = 64, block_k: int = 64,
-                        num_warps: int = 4, num_stages: int = 2, precision: str = "input"
+                        num_warps: int = 4, num_stages: int | None = None, precision: str = "input"
                         ) -> tuple[jax.Array, jax.Array]:
   """N [B, T, H, dv] and D [B, T, H] (fp32) of the module docstring by the blocked kernels.
 
@@ -206,7 +212,7 @@ def taylor_sums_blocked(q: jax.Array, k: jax.Array, v: jax.Array, run: jax.Array
     interpret: run the kernels interpreted; None means "unless on a GPU".
     block_q, block_k: query and key block lengths, powers of two (>= 16 when compiled; capped at
       the next power of two >= T).
-    num_warps, num_stages: Triton tuning knobs.
+    num_warps, num_stages: Triton tuning knobs; num_stages None: ``STAGES`` for the operands' width.
     precision: "input" (dots take operands in the inputs' dtype), "tf32" or "float32" (the
       kernels run on fp32 copies; ``pu.PRECISIONS``).
   """
@@ -219,6 +225,8 @@ def taylor_sums_blocked(q: jax.Array, k: jax.Array, v: jax.Array, run: jax.Array
       raise ValueError(f"taylor_linear_attention(implementation='pallas_blocked'): {name} must "
                        f"be a power of two, got {size}")
   q, k, v = pu.operands(precision, q, k, v)
+  if num_stages is None:
+    num_stages = STAGES[jnp.dtype(q.dtype).itemsize]
   B, T, H, d = q.shape
   V = v.shape[-1]
   smallest = 1 if interpret else pu.MIN_DOT
