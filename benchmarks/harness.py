@@ -220,12 +220,12 @@ def _sanatan_pallas() -> dict:
   return {_pallas_name(): lambda q, k, v, w, l: kernel(q, k, v, w, l)[0]}
 
 
-FLASH_FACTOR_CASE = "pallas_flash (factor kernels)"
+FLASH_XLA_FEATURES_CASE = "pallas_flash (xla features)"
 
 
 def sanatan_p2_cases(batch, length, dtype, shape: HeadShape | None = None):
   """SANATAN p = 2 (no recurrence): the blocked Pallas kernel and the flash one ("pallas_flash",
-  Triton only; also with the factor kernels' features, ``flash_features="kernels"``) vs XLA blocked
+  Triton only, its default features; also with XLA's, ``flash_features="xla"``) vs XLA blocked
   vs the XLA parallel form (query blocks, custom VJP) vs the materialised reference (autodiff), each
   credited the causal half of the scores and mixing, 2·T²·(F + V)/2 per head with F = 6d."""
   from lmcore.ops.common import pallas_utils
@@ -241,7 +241,7 @@ def sanatan_p2_cases(batch, length, dtype, shape: HeadShape | None = None):
   on_tpu = pallas_utils.backend() == "tpu"
   flash = lambda **options: "a Triton (GPU) kernel" if on_tpu else op("pallas_flash", **options)
   cases = {_pallas_name(): op("pallas"), **_precision_cases(kernel, dtype), "pallas_flash": flash(),
-           FLASH_FACTOR_CASE: flash(flash_features="kernels"),
+           FLASH_XLA_FEATURES_CASE: flash(flash_features="xla"),
            "blocked (xla)": op("blocked"), "parallel (xla)": op("parallel")}
   if batch * H * length * length <= PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = _sanatan_reference(p=2)
@@ -562,7 +562,7 @@ REFERENCE = {"sanatan_p1": "chunked (xla)", "sanatan_p2": "blocked (xla)", "gate
 # case was not timed), then the kernels it may pick (SANATAN p = 2: the flash kernels with either
 # feature source, ``flash_features``). Ops not listed keep every case.
 AUTO_CASES = {"sanatan_p1": ("chunked (xla, C=128)", "pallas_fused"),
-              "sanatan_p2": ("parallel (xla)", "pallas_flash", FLASH_FACTOR_CASE),
+              "sanatan_p2": ("parallel (xla)", "pallas_flash", FLASH_XLA_FEATURES_CASE),
               "gated": ("chunked (xla)", "pallas"),
               "taylor": ("chunked (xla)", "pallas", "pallas_blocked", "pallas_fused")}
 

@@ -59,9 +59,10 @@ class SanatanMixer(nnx.Module):
     # dkv=64x64x2x8x2" (chunk x value tile x channels per program x warps x stages; '' = the defaults,
     # chosen by problem size).
     fused_tiles: str = ""
-    # "pallas_flash" (p >= 2 on GPUs) only: its feature channels from XLA's feature map ("xla") or
-    # from the factor kernels that also feed "pallas_fused" ("kernels"; 6 channels).
-    flash_features: str = "xla"
+    # "pallas_flash" (p >= 2 on GPUs) only: its feature channels from XLA's feature map ("xla"), from
+    # the factor kernels that also feed "pallas_fused" ("kernels"; 6 channels), or "auto" (the factor
+    # kernels for 6 channels, else XLA).
+    flash_features: str = "auto"
     learn_omega: bool = True
     rotate: bool = True
     decode_implementation: str = "recurrent"

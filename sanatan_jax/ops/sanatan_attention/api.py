@@ -17,8 +17,8 @@ with ``s_tj = Phi(q_t).Phi(k_j)`` (sanatan_jax.features; 4ch clips ``s`` at 0, 3
   ``chunk_size``; on a TPU the Mosaic kernels of pallas_mosaic_tpu_p1.py). Every other p and
   channel variant: the blocked, flash-style kernels (pallas_triton_blocked.py; their own blocks,
   not ``block_size``), no state; on a TPU their Mosaic form (pallas_mosaic_tpu_blocked.py).
-* ``pallas_flash``: ``pallas`` with the flash kernels of pallas_triton_flash.py (features from XLA, or
-  with ``flash_features="kernels"`` from the factor kernels; causal and document block skipping, their
+* ``pallas_flash``: ``pallas`` with the flash kernels of pallas_triton_flash.py (features from the
+  factor kernels for 6 channels, else from XLA; ``flash_features``; causal and document block skipping, their
   own tiles) wherever ``pallas`` runs the blocked ones;
   GPUs (Triton) only, interpreted on a CPU.
 * ``pallas_fused`` (p = 1, 6ch): the fused-chunk Triton kernels of pallas_triton_fused.py (the features'
@@ -176,7 +176,7 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
                       state: SanatanState | None = None, chunk_size: int = 64,
                       block_size: int = 128, rotate: bool = True,
                       kernel_precision: str = "input", chunked_remat: bool = True,
-                      fused_tiles: str = "", flash_features: str = "xla"
+                      fused_tiles: str = "", flash_features: str = "auto"
                       ) -> tuple[jax.Array, SanatanState | None]:
   """SANATAN attention of MATH §1.1 (steps 2-6) for every head.
 
@@ -203,8 +203,9 @@ def sanatan_attention(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array
     fused_tiles: "pallas_fused" only: tilings replacing the kernels' defaults
       (``pallas_triton_fused.parse_tiles``), e.g. "forward=64x16x6x4x3", and the spans per row,
       e.g. "spans=8" ("spans=1": rows whole; ``lmcore.ops.common.spans``); "" keeps the defaults.
-    flash_features: "pallas_flash" only: where its feature channels come from, "xla" or "kernels"
-      (6 channels; ``pallas_triton_flash.FEATURE_SOURCES``).
+    flash_features: "pallas_flash" only: where its feature channels come from, "xla", "kernels"
+      (6 channels) or "auto" ("kernels" for 6 channels, else "xla";
+      ``pallas_triton_flash.FEATURE_SOURCES``).
 
   Returns:
     o [B, T, H, dv] in v's dtype (fp32 from the kernels at kernel_precision "tf32"/"float32"),

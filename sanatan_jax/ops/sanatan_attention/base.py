@@ -58,7 +58,7 @@ class Options(NamedTuple):
   kernel_precision: str = "input"
   chunked_remat: bool = True
   fused_tiles: str = ""
-  flash_features: str = "xla"
+  flash_features: str = "auto"
 
 
 def has_constant_state(p: int, channels: int) -> bool:

@@ -6,8 +6,9 @@ Per head, the function of ``reference.parallel``::
     w_tj = [j <= t, same run] u_tj^p,  u_tj = (s_tj + shift) / c,  s_tj = Phi(q_t) · Phi(k_j)
     (4ch: max(s, 0)),  N_t = sum_j w_tj v_j,  n_t = sum_j w_tj,  o_t = N_t / (n_t + eps).
 
-Features. XLA computes Phi(q), Phi(k) once per token (``base.sanatan_features``: the angles,
-roots and rotation in fp32, as the reference does) and hands the kernels its non-constant channels,
+Features (``features``; "auto": the factor kernels below for 6 channels, else XLA). XLA computes
+Phi(q), Phi(k) once per token (``base.sanatan_features``: the angles, roots and rotation in fp32, as
+the reference does) and hands the kernels its non-constant channels,
 each a [B, T, H, d] array in the operands' dtype (5 for 6ch, 3 for 4ch, 2 for 3ch); the constant
 channel adds d to every score, as a number. Every score is a sum of per-channel dots
 [rows, d] x [d, cols] accumulated in fp32, so every block is a power of two wide (the 5d-wide
@@ -109,8 +110,18 @@ TILES = {"default": {2: FlashTiles(forward=Tiles(128, 64, 4, 3), backward=Tiles(
                      4: FlashTiles(forward=Tiles(32, 32, 4, 2), backward=Tiles(32, 32, 8, 2))}}
 
 
-# Where the feature channels come from: XLA's feature map, or the factor kernels (6 channels).
-FEATURE_SOURCES = ("xla", "kernels")
+# Where the feature channels come from: XLA's feature map, or the factor kernels (6 channels); "auto":
+# the factor kernels for 6 channels, else XLA. H200, bf16, 8 x 2048, 12 heads of 64, device time in two
+# processes (docs/BENCHMARKS.md): 2.92-2.93 ms against 3.01-3.02 from XLA; the 184M p = 2 step 207.3K
+# against 203.1K tok/s in 1.3 GiB less.
+FEATURE_SOURCES = ("auto", "xla", "kernels")
+
+
+def resolve_features(features: str, channels: int) -> str:
+  """The source ``features`` names: "auto" is "kernels" for 6 channels, else "xla"."""
+  if features != "auto":
+    return features
+  return "kernels" if channels == 6 else "xla"
 
 
 def default_tiles(dtype) -> FlashTiles:
@@ -503,7 +514,7 @@ def sanatan_flash_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
                          segment_ids: jax.Array | None = None, p: int = 2, channels: int = 6,
                          three_channel: str = "clean", rotate: bool = True,
                          interpret: bool | None = None, tiles: FlashTiles | None = None,
-                         precision: str = "input", features: str = "xla") -> jax.Array:
+                         precision: str = "input", features: str = "auto") -> jax.Array:
   """SANATAN attention at any power p and channel variant (MATH §1.1) by the flash Pallas
   kernels; the output of ``sanatan_attention(..., implementation="parallel")``. No state (p >= 2
   and the 4/3-channel ablations have no constant-size state).
@@ -521,9 +532,9 @@ def sanatan_flash_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
     precision: "input" (dots take operands in the inputs' dtype), "tf32" or "float32" (the
       kernels run on fp32 copies and return fp32; ``pu.PRECISIONS``).
     features: where the feature channels come from (``FEATURE_SOURCES``): "xla" (the feature map in
-      fp32, rounded to the operands' dtype; its VJP by XLA) or "kernels" (6 channels only: the factor
+      fp32, rounded to the operands' dtype; its VJP by XLA), "kernels" (6 channels only: the factor
       kernels of pallas_triton_factors.py, the products r cos and r sin by XLA, and the VJP by the
-      factor kernels).
+      factor kernels) or "auto" ("kernels" for 6 channels, else "xla"; ``resolve_features``).
 
   Returns:
     o [B, T, H, dv] in v's dtype (fp32 unless ``precision`` is "input").
@@ -547,7 +558,8 @@ def sanatan_flash_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
   largest = max(max(c.block, c.loop) for c in (forward, backward, dq))
   st = Static(forward=forward, backward=backward, dq=dq, rotate=rotate, length=T,
               padded_length=pu.round_up(T, largest), dp=pu.block_size(d, interpret),
-              Vp=pu.block_size(v.shape[-1], interpret), feature_kernels=features == "kernels")
+              Vp=pu.block_size(v.shape[-1], interpret),
+              feature_kernels=resolve_features(features, channels) == "kernels")
   # Edge-padding keeps padded tokens in the last run; causality hides them from real queries.
   run = pu.pad_axis(document_index(segment_ids, B, T), 1, st.padded_length, mode="edge")
   first, last = _document_bounds(run)

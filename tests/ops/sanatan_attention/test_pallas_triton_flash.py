@@ -23,7 +23,7 @@ from lmcore.numerics import relative_l2
 from lmcore.ops.common import pallas_utils
 from sanatan_jax import sanatan_attention
 from sanatan_jax.ops.sanatan_attention.pallas_triton_flash import (TILES, FlashTiles, Tiles,
-                                                                   sanatan_flash_pallas)
+                                                                   resolve_features, sanatan_flash_pallas)
 
 from .test_base import SanatanAttentionTestBase
 
@@ -179,7 +179,7 @@ def test_kernels_lower_to_triton_for_an_h200_with_bfloat16_inputs(p, channels, t
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 def test_every_tuning_tiling_lowers_at_the_benchmark_shape():
   """Each ``harness.FLASH_TUNING`` tiling (the first is the kernel's default) lowers forward and
-  backward for an H200 at T = 2048, 12 heads of 64, bf16."""
+  backward for an H200 at T = 2048, 12 heads of 64, bf16, with the default features."""
   args = sanatan_abstract_inputs(B=1, T=2048, H=12, d=64, dv=64)[:5]
   _, cases, _ = harness.flash_tuning_cases(1, 64, jnp.float32)
   assert len(cases) == len(harness.FLASH_TUNING)
@@ -192,7 +192,9 @@ def test_every_tuning_tiling_lowers_at_the_benchmark_shape():
       return sanatan_flash_pallas(*a, p=2, tiles=tiles, interpret=False).astype(jnp.float32).sum()
 
     lowered = pallas_utils.lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), *args)
-    assert lowered.as_text().count("xla.gpu.triton") == 3, entry
+    # Forward, dq and dk/dv kernels, and the default features' factor kernels (q and k forward, again
+    # backward) and their VJP.
+    assert lowered.as_text().count("xla.gpu.triton") == 3 + 6, entry
 
 
 def test_bad_options_raise_clear_errors():
@@ -207,7 +209,7 @@ def test_bad_options_raise_clear_errors():
     sanatan_flash_pallas(q, k, v, omega, lam_raw, p=0)
   with pytest.raises(ValueError, match="channels must be one of"):
     sanatan_flash_pallas(q, k, v, omega, lam_raw, channels=5)
-  with pytest.raises(ValueError, match="features must be one of xla, kernels, got 'triton'"):
+  with pytest.raises(ValueError, match="features must be one of auto, xla, kernels, got 'triton'"):
     sanatan_flash_pallas(q, k, v, omega, lam_raw, features="triton")
   with pytest.raises(ValueError, match="flash_features='kernels' needs channels=6"):
     sanatan_attention(q, k, v, omega, lam_raw, p=2, channels=4, implementation="pallas_flash",
@@ -233,7 +235,8 @@ def test_the_mixer_counts_the_flash_kernel_as_the_form_it_runs():
 
 def test_flash_features_reach_the_kernels_through_the_mixer():
   """``SanatanMixer.Config.flash_features`` reaches the op: "kernels" adds the factor kernels (q and
-  k) to the forward's kernel calls, and a 4-channel config asking for them is refused at once."""
+  k) to the forward's kernel calls, "auto" (the default) is "kernels" at 6 channels and "xla" at 4 or
+  3, and a 4-channel config asking for the factor kernels is refused at once."""
   from flax import nnx
 
   from sanatan_jax.mixer import SanatanMixer
@@ -246,5 +249,8 @@ def test_flash_features_reach_the_kernels_through_the_mixer():
     return str(jaxpr).count("pallas_call")
 
   assert kernel_calls("kernels") == kernel_calls("xla") + 2
+  assert kernel_calls("auto") == kernel_calls("kernels")  # the default: the factor kernels at 6 channels
+  assert SanatanMixer.Config().flash_features == "auto"
+  assert resolve_features("auto", 4) == resolve_features("auto", 3) == "xla"
   with pytest.raises(ValueError, match="SANATAN: flash_features='kernels' needs channels=6"):
     SanatanMixer.Config(p=2, channels=4, flash_features="kernels")
