@@ -125,8 +125,8 @@ class RowLog:
     self._rows[row.key] = row
     heads = f" [{row.shape}]" if row.shape else ""
     queued = f" ({row.queue} calls per wait)" if row.queue > 1 else ""
-    print(f"  {row.op} {row.impl}{heads} T={row.length}: {row.fwd_ms} / {row.fwdbwd_ms} ms{queued} {row.note}",
-          flush=True)
+    print(f"  {row.op} {row.impl}{heads} T={row.length}: {row.fwd_ms} / {row.fwdbwd_ms} ms{queued} "
+          f"{row.note}", flush=True)
     if self.path:
       os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
       with open(self.path, "a") as f:

@@ -21,7 +21,8 @@ XLA form).
 Timing (``--queue``): each sample enqueues 8 calls back to back and waits once, so a row is the time the
 op costs on the device (inside a compiled train step nothing waits between ops); ``--queue=1,8`` adds a
 row per case that waits on every call alone (the host's dispatch and wake-up included: 0.2-0.7 ms more
-per call on the H200 in docs/BENCHMARKS.md, more for ops of many kernels). FLA's rows time the same number of calls between two CUDA events.
+per call on the H200 in docs/BENCHMARKS.md, more for ops of many kernels). FLA's rows time the same
+number of calls between two CUDA events.
 
 Compilation (Triton kernels, FLA autotuning) can take minutes per case: give ``--jsonl`` so that a run
 stopped by a time limit continues where it stopped. Several processes (one per T, say) can share one

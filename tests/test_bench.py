@@ -221,7 +221,8 @@ def test_rows_record_their_head_shape_and_compare_within_it(tmp_path, monkeypatc
   a row per form and shape, the shape in the row, ratios against the same shape's XLA form, a heads
   column in the table; rows written before shapes existed read as default-shape rows."""
   monkeypatch.setattr(bench, "_fwd_and_fwdbwd",
-                      lambda fn, args, repeats, lock="", queue=1: (1.0, float(args[0].shape[-1] + args[2].shape[-1])))
+                      lambda fn, args, repeats, lock="", queue=1: (1.0, float(args[0].shape[-1]
+                                                                             + args[2].shape[-1])))
   jsonl = tmp_path / "kernels_16.jsonl"
   rows = bench.run_all(ops=["softmax", "gated"], lengths=[16], tokens=16, dtype="float32", repeats=1,
                        fla_ops=[], jsonl=str(jsonl), shapes=["default", "preset"], auto_only=True)
