@@ -194,7 +194,7 @@ _sums.defvjp(_sums_fwd, _sums_bwd)
 
 
 # Triton pipeline stages by operand width in bytes. H200, bf16, 8 x 2048, 16 heads of d' 16, dv 64, 64 x 64
-# blocks on 4 warps, device time in three processes (docs/BENCHMARKS.md): three stages 1.27-1.29 ms,
+# blocks on 4 warps, GPU time in three processes (docs/BENCHMARKS.md): three stages 1.27-1.29 ms,
 # two 1.33-1.34, four 1.28-1.29. fp32 operands (twice the shared memory per stage) keep two.
 STAGES = {2: 3, 4: 2}
 

@@ -141,11 +141,11 @@ def resolve_implementation(implementation: str | None, **problem) -> str:
   ``IMPLEMENTATIONS`` passes through, any other raises ValueError.
 
   Measured on one H200 (fwd+bwd, 12 heads of 64, bf16, one call at a time; docs/BENCHMARKS.md also has
-  device times): p = 1 with 6 channels,
+  GPU times): p = 1 with 6 channels,
   the fused-chunk kernels ("pallas_fused") 1.61 / 3.29 ms at 8 × 2048 / 1 × 32768 against XLA
   "chunked" (C = 128) 4.56 / 7.95 and the chunk-parallel kernel ("pallas") 6.54 / 12.7, agreeing with
   XLA in fp32 to 1.2e-6 on the GPU (bf16: 6.5e-3, below XLA's own 8.4e-3); p = 2,
-  the flash kernels ("pallas_flash") 3.40 ms at 8 × 2048 (with XLA's features; 2.92 ms of device time
+  the flash kernels ("pallas_flash") 3.40 ms at 8 × 2048 (with XLA's features; 2.92 ms of GPU time
   with the factor kernels', their default) against XLA "parallel" 9.76, agreeing to
   1.5e-6. So on GPUs "auto" is "pallas_fused" for the constant-state case and "pallas_flash" for every
   other power and channel variant; elsewhere it is XLA "chunked" and XLA "parallel" (the Mosaic kernels

@@ -96,7 +96,7 @@ class FlashTiles(NamedTuple):
 # Tilings per GPU (``device_kind``; "default" for any other) and operand width in bytes (2: bf16
 # inputs; 4: fp32 inputs or precision "tf32"/"float32"). H200, bf16, 8 x 2048, 12 heads of 64, fwd+bwd
 # in one process (docs/BENCHMARKS.md): three pipeline stages in both kernels 3.45 ms against 3.89 at
-# two; backward blocks of 64 rows 4.0-5.7 ms. Tiled apart (device time, eight rounds): dq loops of 64
+# two; backward blocks of 64 rows 4.0-5.7 ms. Tiled apart (GPU time, eight rounds): dq loops of 64
 # keys at two stages, dk/dv at four and a 4-warp forward 3.04 ms against 3.11 for one backward tiling
 # (dq loops of 64 at three stages exceed the shared memory; dk/dv loops of 64 3.34). At d = dv = 64 an
 # sm_90 Triton compile of the bf16
@@ -111,7 +111,7 @@ TILES = {"default": {2: FlashTiles(forward=Tiles(128, 64, 4, 3), backward=Tiles(
 
 
 # Where the feature channels come from: XLA's feature map, or the factor kernels (6 channels); "auto":
-# the factor kernels for 6 channels, else XLA. H200, bf16, 8 x 2048, 12 heads of 64, device time in two
+# the factor kernels for 6 channels, else XLA. H200, bf16, 8 x 2048, 12 heads of 64, GPU time in two
 # processes (docs/BENCHMARKS.md): 2.92-2.93 ms against 3.01-3.02 from XLA; the 184M p = 2 step 207.3K
 # against 203.1K tok/s in 1.3 GiB less.
 FEATURE_SOURCES = ("auto", "xla", "kernels")
