@@ -105,7 +105,7 @@ def _dims(op_name: str, shape: HeadShape | None) -> tuple[int, int, int]:
   return shape.heads, shape.key, shape.value
 
 
-_LAST_COMPILED: list = []  # [(op, args, forward, backward)] of the last case timed
+_LAST_COMPILED: list = []  # [(op, args, forward, backward, do)] of the last case compiled
 
 
 def _compiled(op: Callable, args: tuple) -> tuple[Callable, Callable, jax.Array]:
