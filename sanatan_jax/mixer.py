@@ -11,7 +11,7 @@ from flax import nnx
 
 from lmcore.ops.common import pallas_utils
 from lmcore.mixers import flops
-from lmcore.mixers.base import InitSpec, dense, float_bytes
+from lmcore.mixers.base import InitSpec, dense, float_bytes, scaled_linear
 from sanatan_jax import features, gate_stats
 from sanatan_jax.ops.sanatan_attention import pallas_triton_flash, pallas_triton_fused, pallas_triton_p1
 from sanatan_jax.ops.sanatan_attention.api import (IMPLEMENTATIONS, resolve_implementation,
@@ -96,12 +96,13 @@ class SanatanMixer(nnx.Module):
     self.lam_raw = nnx.Param(jax.random.normal(rngs.params(), (H, d), jnp.float32))
 
   def _project(self, x_BxTxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q = x Wq / sqrt(d), k = x Wk / sqrt(d), v = x Wv, split into heads (MATH §1.1 step 1)."""
+    """q = x Wq / sqrt(d), k = x Wk / sqrt(d), v = x Wv, split into heads (MATH §1.1 step 1); the
+    1 / sqrt(d) scales the kernels (``scaled_linear``)."""
     B, T, _ = x_BxTxD.shape
     H, d = self.config.n_heads, self.config.head_dim
     scale = 1.0 / math.sqrt(d)
-    q_BxTxHxd = (self.wq(x_BxTxD) * scale).reshape(B, T, H, d)
-    k_BxTxHxd = (self.wk(x_BxTxD) * scale).reshape(B, T, H, d)
+    q_BxTxHxd = scaled_linear(self.wq, x_BxTxD, scale).reshape(B, T, H, d)
+    k_BxTxHxd = scaled_linear(self.wk, x_BxTxD, scale).reshape(B, T, H, d)
     return q_BxTxHxd, k_BxTxHxd, self.wv(x_BxTxD).reshape(B, T, H, self.config.dv)
 
   def _omega(self) -> jax.Array:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lmcore.mixers.base import InitSpec
+from lmcore.mixers.base import InitSpec, dense, scaled_linear
 from lmcore.numerics import relative_l2
 from sanatan_jax import SanatanMixer, sanatan_attention
 from sanatan_jax import features
@@ -93,6 +93,31 @@ def test_mixer_follows_spec_data_flow():
   assert state is None
   weights = [layer.kernel[...] for layer in (mixer.wq, mixer.wk, mixer.wv, mixer.wo)]
   assert relative_l2(y, by_hand(x, *weights, mixer.omega[...], mixer.lam_raw[...])) <= OUT_TOL
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_scaled_linear_is_the_scaled_layer_bit_for_bit_at_power_of_two_scales(dtype):
+  """x (s W) + s b == (x W + b) s for s = 2^-3, values and gradients (the mixer's 1 / sqrt(64));
+  any other s agrees to rounding."""
+  layer = nnx.Linear(D, 8, use_bias=True, dtype=dtype, param_dtype=jnp.float32,
+                     bias_init=nnx.initializers.normal(1.0), rngs=nnx.Rngs(0))
+  x = _x(4).astype(dtype)
+
+  graphdef, params = nnx.split(layer)
+
+  def loss(params, fn, scale):
+    return jnp.sum(jnp.sin(fn(nnx.merge(graphdef, params), x, scale).astype(jnp.float32)))
+
+  plain = lambda layer, x, scale: layer(x) * scale
+  by_grad = lambda fn, scale: jax.value_and_grad(loss)(params, fn, scale)
+  got, want = jax.tree.leaves(by_grad(scaled_linear, 0.125)), jax.tree.leaves(by_grad(plain, 0.125))
+  assert len(got) == 3  # the loss, the kernel's and the bias's gradients
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(a, b)
+  # Another scale rounds s W to the compute dtype first: within that dtype's rounding (bf16: 2^-8).
+  tol = 1e-2 if dtype == jnp.bfloat16 else 1e-6
+  assert relative_l2(scaled_linear(layer, x, 0.3), layer(x) * 0.3) <= tol
+  assert scaled_linear(dense(D, 8, std=1.0, rngs=nnx.Rngs(1), dtype=dtype), x, 0.5).dtype == dtype
 
 
 @pytest.mark.parametrize("config,frozen", [({"learn_omega": False}, "omega"),

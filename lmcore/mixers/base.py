@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -56,6 +57,17 @@ def dense(in_features: int, out_features: int, *, std: float, rngs: nnx.Rngs, dt
   """A Linear layer with N(0, std) kernel, zero bias, fp32 parameters and ``dtype`` compute."""
   return nnx.Linear(in_features, out_features, use_bias=use_bias, dtype=dtype,
                     param_dtype=jnp.float32, kernel_init=nnx.initializers.normal(std), rngs=rngs)
+
+
+def scaled_linear(layer: nnx.Linear, x: jax.Array, scale: float) -> jax.Array:
+  """``layer(x) * scale`` as ``x (scale W) + scale b``: the [in, out] kernel is scaled before the dot,
+  so no pass over the [..., out] result is left for XLA, forward or backward (a power-of-two scale
+  gives the same bits as scaling the result)."""
+  kernel = layer.kernel[...] * scale
+  bias = None if layer.bias is None else layer.bias[...] * scale
+  x, kernel, bias = layer.promote_dtype((x, kernel, bias), dtype=layer.dtype)
+  y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=layer.precision)
+  return y if bias is None else y + bias.reshape((1,) * (y.ndim - 1) + (-1,))
 
 
 def float_bytes(*shapes: tuple[int, ...], itemsize: int = 4) -> int:
