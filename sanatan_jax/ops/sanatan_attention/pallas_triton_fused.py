@@ -922,6 +922,9 @@ def _fused_fwd(q, k, v, omega, lam_raw, pos, run, docs, S0, z0, st: Static):
   o, den, S, z = _forward(fq, fk, vp, run, E_S, E_z, st)
   out = (o[:, :st.length, :, :v.shape[-1]], spans.span(S, -1, st.spans), spans.span(z, -1, st.spans))
   kept = (fq, fk) if st.keep_factors else None
+  # The barrier keeps o in v's dtype for the backward: without it XLA drops the round trip through
+  # bf16 and keeps the fp32 quotient, twice the bytes to write, hold and read.
+  o = jax.lax.optimization_barrier(o)
   return out, (q, k, v, omega, lam_raw, pos, run, docs, S0, z0, E_S, E_z, o, den, kept)
 
 
