@@ -13,15 +13,19 @@ needed. The work is T² (d' + dv) per head against the chunked kernels' T (d'+1)
 traffic: at d' = 16 the quadratic form is the cheaper one up to a few thousand tokens
 (``pallas_triton.py`` is the other).
 
-``taylor_linear_attention_blocked`` (``implementation="pallas_blocked"``) adds what a prefix state
-contributes to N and D and divides, so the kernels take no state. Backward: the cotangents of
-N and D arrive directly; with dA_tj = dN_t · v_j + dD_t on visible pairs and dA/ds = 1 + s,
+``taylor_linear_attention_blocked`` (``implementation="pallas_blocked"``): without a prefix state the
+forward kernel also divides, writing o = N / (D + eps) in v's dtype and D (fp32), and the backward
+forms dN = do / (D + eps) and dD = -(do · o) / (D + eps) in XLA; with one it adds what the state
+contributes to N and D and divides in XLA, so the kernels take no state. Backward: with the
+cotangents dN (passed in the operands' dtype) and dD, dA_tj = dN_t · v_j + dD_t on visible pairs
+and dA/ds = 1 + s,
 
     dq_t = sum_j dA_tj (1 + s_tj) k_j / sqrt(d'),   dk_j = sum_t dA_tj (1 + s_tj) q_t / sqrt(d'),
     dv_j = sum_t A_tj dN_t,
 
 a query-block kernel for dq (looping over key blocks j <= its block) and a key-block kernel for
-dk, dv (looping over the query blocks that see it). The forward saves only its inputs.
+dk, dv (looping over the query blocks that see it), each writing its gradients in the operands'
+dtype. The forward saves its inputs (and o and D where it divides).
 
 Padding: time is padded to whole blocks with the last run id, so padded keys sit after every real
 query (causality hides them); padded queries are sliced off.
@@ -46,7 +50,8 @@ _F32 = jnp.float32
 
 
 class KernelConfig(NamedTuple):
-  """Static kernel parameters: query and key blocks, the real key dim d', Triton knobs."""
+  """Static kernel parameters: query and key blocks, the real key dim d', Triton knobs, and ``eps``:
+  None, the forward writes N (fp32); a number, it writes o = N / (D + eps) in v's dtype."""
 
   block_q: int
   block_k: int
@@ -55,6 +60,7 @@ class KernelConfig(NamedTuple):
   num_warps: int
   num_stages: int
   precision: str
+  eps: float | None = None
 
 
 def _scores(q, k, q_start, k_start, run_q, run_k, d: int):
@@ -88,7 +94,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, run_ref, N_ref, D_ref, *, cfg: KernelCo
     return N + pu.dot(A.astype(v.dtype), v), D + jnp.sum(A, axis=1)
 
   init = (jnp.zeros((BQ, v_ref.shape[1]), _F32), jnp.zeros((BQ,), _F32))
-  N_ref[...], D_ref[...] = jax.lax.fori_loop(0, _key_blocks_upto(i, cfg), key_block, init)
+  N, D = jax.lax.fori_loop(0, _key_blocks_upto(i, cfg), key_block, init)
+  N_ref[...] = N if cfg.eps is None else (N / (D[:, None] + cfg.eps)).astype(N_ref.dtype)
+  D_ref[...] = D
 
 
 def _score_grads(q, k, v, dN, dD, q_start, k_start, run_q, run_k, d: int):
@@ -112,7 +120,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, run_ref, dN_ref, dD_ref, dq_ref, *, cfg: Ker
     return dq + pu.dot(ds.astype(k.dtype), k)
 
   dq = jax.lax.fori_loop(0, _key_blocks_upto(i, cfg), key_block, jnp.zeros(q.shape, _F32))
-  dq_ref[...] = dq * (d ** -0.5)
+  dq_ref[...] = (dq * (d ** -0.5)).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, run_ref, dN_ref, dD_ref, dk_ref, dv_ref, *,
@@ -133,8 +141,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, run_ref, dN_ref, dD_ref, dk_ref, dv_ref, *,
   first = jax.lax.div(j * BK, BQ)  # the first query block holding a query at or after key j * BK
   init = (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
   dk, dv = jax.lax.fori_loop(first, q_ref.shape[0] // BQ, query_block, init)
-  dk_ref[...] = dk * (d ** -0.5)
-  dv_ref[...] = dv
+  dk_ref[...] = (dk * (d ** -0.5)).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def _specs(Tp, dp, Vp, size: int):
@@ -150,12 +158,13 @@ def _specs(Tp, dp, Vp, size: int):
 
 
 def _forward(q, k, v, run, cfg: KernelConfig):
-  """(N [B, Tp, H, Vp], D [B, Tp, H]), fp32."""
+  """(N [B, Tp, H, Vp], D [B, Tp, H]), fp32; with ``cfg.eps``, (o = N / (D + eps) in v's dtype, D)."""
   B, Tp, H, dp = q.shape
   Vp, count = v.shape[-1], Tp // cfg.block_q
   s = _specs(Tp, dp, Vp, cfg.block_q)
   reverse = lambda n: count - 1 - n
-  out_shape = (jax.ShapeDtypeStruct((B, Tp, H, Vp), _F32), jax.ShapeDtypeStruct((B, Tp, H), _F32))
+  first = _F32 if cfg.eps is None else v.dtype
+  out_shape = (jax.ShapeDtypeStruct((B, Tp, H, Vp), first), jax.ShapeDtypeStruct((B, Tp, H), _F32))
   return pu.call(_forward_kernel, cfg, (count, B, H), [s["qk"], s["qk"], s["v"], s["row"]],
                  [s["block"](Vp, reverse), s["block_token"](reverse)], out_shape, q, k, v, run)
 
@@ -170,32 +179,62 @@ def _sums_fwd(q, k, v, run, cfg):
 
 
 def _sums_bwd(cfg, residuals, cotangents):
-  q, k, v, run = residuals
-  dN, dD = cotangents
+  return (*_grads(*residuals, *cotangents, cfg), None)
+
+
+def _grads(q, k, v, run, dN, dD, cfg: KernelConfig):
+  """dq, dk, dv (the operands' dtypes) from the cotangents of N and D, by the dq and dk/dv kernels."""
   B, Tp, H, dp = q.shape
   Vp = v.shape[-1]
-  args = (q, k, v, run, dN.astype(_F32), dD.astype(_F32))
+  # dN in the operands' dtype: the kernels round it to that dtype before every dot anyway, so this
+  # only halves its reads. The gradients leave the kernels in the operands' dtype.
+  args = (q, k, v, run, dN.astype(v.dtype), dD.astype(_F32))
   count_q, count_k = Tp // cfg.block_q, Tp // cfg.block_k
   s = _specs(Tp, dp, Vp, cfg.block_q)
   in_specs = [s["qk"], s["qk"], s["v"], s["row"], s["v"], s["token"]]
   dq = pu.call(_dq_kernel, cfg, (count_q, B, H), in_specs,
                s["block"](dp, lambda n: count_q - 1 - n),
-               jax.ShapeDtypeStruct(q.shape, _F32), *args)
+               jax.ShapeDtypeStruct(q.shape, q.dtype), *args)
   s = _specs(Tp, dp, Vp, cfg.block_k)
   identity = lambda n: n
   dk, dv = pu.call(_dkv_kernel, cfg, (count_k, B, H), in_specs,
                    [s["block"](dp, identity), s["block"](Vp, identity)],
-                   (jax.ShapeDtypeStruct(k.shape, _F32), jax.ShapeDtypeStruct(v.shape, _F32)),
+                   (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
                    *args)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+  return dq, dk, dv
 
 
 _sums.defvjp(_sums_fwd, _sums_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _normalised(q, k, v, run, cfg):
+  """o = N / (D + cfg.eps) in v's dtype, divided in the forward kernel (no prefix state to add)."""
+  return _forward(q, k, v, run, cfg)[0]
+
+
+def _normalised_fwd(q, k, v, run, cfg):
+  o, D = _forward(q, k, v, run, cfg)
+  return o, (q, k, v, run, o, D)
+
+
+def _normalised_bwd(cfg, residuals, do):
+  """dN = do / (D + eps) and dD = -(do · o) / (D + eps), then the kernels of ``_sums``."""
+  q, k, v, run, o, D = residuals
+  inv_BxTpxH = 1.0 / (D + cfg.eps)
+  do = do.astype(_F32)
+  dN = do * inv_BxTpxH[..., None]
+  dD = -jnp.sum(do * o.astype(_F32), axis=-1) * inv_BxTpxH
+  return (*_grads(q, k, v, run, dN, dD, cfg), None)
+
+
+_normalised.defvjp(_normalised_fwd, _normalised_bwd)
+
+
 # Triton pipeline stages by operand width in bytes. H200, bf16, 8 x 2048, 16 heads of d' 16, dv 64, 64 x 64
-# blocks on 4 warps, GPU time in three processes (docs/BENCHMARKS.md): three stages 1.27-1.29 ms,
-# two 1.33-1.34, four 1.28-1.29. fp32 operands (twice the shared memory per stage) keep two.
+# blocks on 4 warps, GPU time in three processes (docs/BENCHMARKS.md), when dN was read and the
+# gradients written in fp32: three stages 1.27-1.29 ms, two 1.33-1.34, four 1.28-1.29 (0.94 now, at
+# three). fp32 operands (twice the shared memory per stage) keep two.
 STAGES = {2: 3, 4: 2}
 
 
@@ -216,19 +255,36 @@ def taylor_sums_blocked(q: jax.Array, k: jax.Array, v: jax.Array, run: jax.Array
     precision: "input" (dots take operands in the inputs' dtype), "tf32" or "float32" (the
       kernels run on fp32 copies; ``pu.PRECISIONS``).
   """
+  args, cfg = _prepare(q, k, v, run, interpret=interpret, block_q=block_q, block_k=block_k,
+                       num_warps=num_warps, num_stages=num_stages, precision=precision)
+  N, D = _sums(*args, cfg)
+  T, V = q.shape[1], v.shape[-1]
+  return N[:, :T, :, :V], D[:, :T]
+
+
+def taylor_normalised_blocked(q: jax.Array, k: jax.Array, v: jax.Array, run: jax.Array, *,
+                              eps: float, **options) -> jax.Array:
+  """o = N / (D + eps) [B, T, H, dv] in the kernels' operand dtype (v's for "input" precision, else
+  fp32), divided in the forward kernel; ``options`` and the gradients as ``taylor_sums_blocked``'s,
+  whose sums it normalises (a prefix state's reads cannot be added: they go through those sums)."""
+  args, cfg = _prepare(q, k, v, run, **options)
+  return _normalised(*args, cfg._replace(eps=eps))[:, :q.shape[1], :, :v.shape[-1]]
+
+
+def _prepare(q, k, v, run, *, interpret: bool | None = None, block_q: int = 64, block_k: int = 64,
+             num_warps: int = 4, num_stages: int | None = None, precision: str = "input"):
+  """The kernels' padded operands (q, k, v, run) and their ``KernelConfig``; checks the options."""
+  op = "taylor_linear_attention(implementation='pallas_blocked')"
   interpret = pu.resolve_interpret(interpret)
-  pu.check_backend(interpret, "taylor_linear_attention(implementation='pallas_blocked')",
-                   "implementation='parallel'")
-  pu.check_precision(precision, "taylor_linear_attention(implementation='pallas_blocked')")
+  pu.check_backend(interpret, op, "implementation='parallel'")
+  pu.check_precision(precision, op)
   for name, size in (("block_q", block_q), ("block_k", block_k)):
     if size < 1 or size & (size - 1):
-      raise ValueError(f"taylor_linear_attention(implementation='pallas_blocked'): {name} must "
-                       f"be a power of two, got {size}")
+      raise ValueError(f"{op}: {name} must be a power of two, got {size}")
   q, k, v = pu.operands(precision, q, k, v)
   if num_stages is None:
     num_stages = STAGES[jnp.dtype(q.dtype).itemsize]
-  B, T, H, d = q.shape
-  V = v.shape[-1]
+  T, d, V = q.shape[1], q.shape[3], v.shape[-1]
   smallest = 1 if interpret else pu.MIN_DOT
   BQ, BK = (max(min(size, pl.next_power_of_2(T)), smallest) for size in (block_q, block_k))
   dp, Vp = pu.block_size(d, interpret), pu.block_size(V, interpret)
@@ -236,30 +292,32 @@ def taylor_sums_blocked(q: jax.Array, k: jax.Array, v: jax.Array, run: jax.Array
   cfg = KernelConfig(block_q=BQ, block_k=BK, key_dim=d, interpret=interpret, num_warps=num_warps,
                      num_stages=num_stages, precision=precision)
   pad_qk = lambda x: pu.pad_axis(pu.pad_axis(x, 1, Tp), 3, dp)
-  N, D = _sums(pad_qk(q), pad_qk(k), pu.pad_axis(pu.pad_axis(v, 1, Tp), 3, Vp),
-               pu.pad_axis(run.astype(jnp.int32), 1, Tp, mode="edge"), cfg)
-  return N[:, :T, :, :V], D[:, :T]
+  args = (pad_qk(q), pad_qk(k), pu.pad_axis(pu.pad_axis(v, 1, Tp), 3, Vp),
+          pu.pad_axis(run.astype(jnp.int32), 1, Tp, mode="edge"))
+  return args, cfg
 
 
 def taylor_linear_attention_blocked(
     q: jax.Array, k: jax.Array, v: jax.Array, *, state: TaylorState | None = None,
     eps: float = 1e-12, feature: taylor.Feature = "compact", segment_ids: jax.Array | None = None,
     precision: str = "input", **kernel_options) -> tuple[jax.Array, TaylorState]:
-  """``taylor_linear_attention`` (no decay ablation) by the blocked kernels: their sums N, D, plus
-  a prefix state's read for document 0's tokens; o in v's dtype ("input") or fp32; the final
+  """``taylor_linear_attention`` (no decay ablation) by the blocked kernels: without a prefix state o
+  straight from the forward kernel (``taylor_normalised_blocked``), with one their sums N, D plus the
+  state's read for document 0's tokens, divided in XLA; o in v's dtype ("input") or fp32; the final
   state by ``base.parallel_final_state`` (XLA, dropped by jit when unused). ``kernel_options``
   go to ``taylor_sums_blocked`` (interpret, block sizes, Triton knobs)."""
   doc_BxT = document_index(segment_ids, q.shape[0], q.shape[1])
+  zero_decay_H = jnp.zeros(q.shape[2:3], _F32)
+  out_dtype = pu.output_dtype(v.dtype, precision)
+  final = lambda state: parallel_final_state(k, v, state, zero_decay_H, doc_BxT, feature=feature)
+  if state is None:  # nothing to add to the sums: the forward kernel divides
+    o_BxTxHxV = taylor_normalised_blocked(q, k, v, doc_BxT, eps=eps, precision=precision,
+                                          **kernel_options)
+    return o_BxTxHxV.astype(out_dtype), final(as_state(None, q, v, feature))
   num_BxTxHxV, den_BxTxH = taylor_sums_blocked(q, k, v, doc_BxT, precision=precision,
                                                **kernel_options)
-  zero_decay_H = jnp.zeros(q.shape[2:3], _F32)
-  has_prefix = state is not None
-  state = as_state(state, q, v, feature)
-  if has_prefix:  # a zero state reads zeros: skip its reads
-    first_BxTx1, (read_S_BxTxHxV, read_z_BxTxH) = state_reads(q, state, doc_BxT, feature)
-    num_BxTxHxV += first_BxTx1[..., None] * read_S_BxTxHxV
-    den_BxTxH += first_BxTx1 * read_z_BxTxH
+  first_BxTx1, (read_S_BxTxHxV, read_z_BxTxH) = state_reads(q, state, doc_BxT, feature)
+  num_BxTxHxV += first_BxTx1[..., None] * read_S_BxTxHxV
+  den_BxTxH += first_BxTx1 * read_z_BxTxH
   o_BxTxHxV = num_BxTxHxV / (den_BxTxH[..., None] + eps)
-  out_dtype = pu.output_dtype(v.dtype, precision)
-  return o_BxTxHxV.astype(out_dtype), parallel_final_state(k, v, state, zero_decay_H, doc_BxT,
-                                                           feature=feature)
+  return o_BxTxHxV.astype(out_dtype), final(as_state(state, q, v, feature))

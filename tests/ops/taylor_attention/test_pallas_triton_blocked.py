@@ -66,6 +66,35 @@ def test_sums_and_gradients_equal_the_materialised_form(block_q, block_k):
   assert max(errors.values()) < RTOL, errors
 
 
+def test_normalised_output_and_gradients_equal_the_materialised_form():
+  """o = N / (D + eps) divided in the forward kernel, and its gradients, for partial and unequal
+  blocks, padded dims and documents."""
+  rng = np.random.default_rng(4)
+  B, T, H, d, dv = 2, 77, 2, 12, 5
+  q, k, v, do = normals(rng, (B, T, H, d), (B, T, H, d), (B, T, H, dv), (B, T, H, dv))
+  q, k = 0.6 * q, 0.6 * k
+  run = document_index(document_ids(B, T, (20, 33, 64)), B, T)
+  eps = 1e-3  # large enough to matter in D + eps
+
+  def materialised(q, k, v):
+    N, D = _sums_reference(q, k, v, run)
+    return N / (D[..., None] + eps)
+
+  kernel = lambda q, k, v: pallas_taylor_blocked.taylor_normalised_blocked(
+      q, k, v, run, eps=eps, interpret=True, block_q=16, block_k=32)
+
+  def outputs_and_grads(fn):
+    loss = lambda q, k, v: (jnp.sum(fn(q, k, v) * do), fn(q, k, v))
+    (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True),
+                            compiler_options=FAST_COMPILE)(q, k, v)
+    return (o, *grads)
+
+  names = ("o", "dq", "dk", "dv")
+  errors = {n: relative_l2(a, b) for n, a, b in zip(names, outputs_and_grads(kernel),
+                                                     outputs_and_grads(materialised))}
+  assert max(errors.values()) < RTOL, errors
+
+
 @pytest.mark.parametrize("feature", ["compact", "full"])
 def test_op_equals_parallel_with_documents_and_a_prefix_state(feature):
   rng = np.random.default_rng(1)
@@ -95,14 +124,19 @@ def test_op_equals_parallel_with_documents_and_a_prefix_state(feature):
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 def test_kernels_lower_to_triton_for_an_h200_with_bfloat16_inputs():
   """Forward, dq and dk/dv kernels pass the Pallas Triton lowering for an abstract H200 at the
-  BASED head shape with a partial block."""
+  BASED head shape with a partial block, for the sums and for o divided in the forward kernel."""
   def loss(q, k, v, run):
     N, D = pallas_taylor_blocked.taylor_sums_blocked(q, k, v, run, interpret=False)
     return N.sum() + D.sum()
 
-  lowered = pallas_utils.lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2)),
-                                       *taylor_abstract_inputs(T=100))
-  assert lowered.as_text().count("xla.gpu.triton") == 3
+  def normalised_loss(q, k, v, run):
+    o = pallas_taylor_blocked.taylor_normalised_blocked(q, k, v, run, eps=1e-12, interpret=False)
+    assert o.dtype == jnp.bfloat16
+    return o.astype(jnp.float32).sum()
+
+  for fn in (loss, normalised_loss):
+    lowered = pallas_utils.lower_for_gpu(jax.grad(fn, argnums=(0, 1, 2)), *taylor_abstract_inputs(T=100))
+    assert lowered.as_text().count("xla.gpu.triton") == 3
 
 
 def test_precision_and_bad_options():
