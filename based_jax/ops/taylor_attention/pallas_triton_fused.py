@@ -90,7 +90,8 @@ class Tiles(NamedTuple):
   The defaults are the fastest tiling of ``benchmarks.harness.TAYLOR_FUSED_TUNING`` on the H200 at
   16 heads, d' = 16, dv = 64, bf16, fwd+bwd (docs/BENCHMARKS.md): 4.04 ms at 1 × 32768 against 4.63
   with chunks of 64 (4 warps, 3 stages), 2.23 against 2.14-2.29 at 2 × 8192; 32-row feature blocks
-  and 32-column value tiles (more programs) were slower, as were two pipeline stages.
+  and 32-column value tiles (more programs) were slower, as were two pipeline stages. Operands of 4
+  bytes run at most ``FP32_MAX_STAGES`` stages, whatever the tiling asks.
   """
 
   chunk: int = 128
@@ -101,6 +102,12 @@ class Tiles(NamedTuple):
   dkv: tuple[int, int] = (8, 3)
   intra: tuple[int, int] = (8, 2)
   spans: int = 0
+
+
+# Pipeline stages of any kernel with 4-byte operands (fp32 inputs, or the "tf32" and "float32"
+# precisions' copies), which need twice the shared memory per stage: at three stages the 128-token
+# chunks ask the H200 for 237,568 bytes of its 232,448.
+FP32_MAX_STAGES = 2
 
 
 class KernelConfig(NamedTuple):
@@ -633,13 +640,15 @@ def _from_kernel(x_BxHxPxF, row_full, M):
 
 
 def _kernel_config(tiles: Tiles, warps_stages: tuple[int, int], T: int, Tp: int, d: int, dp: int,
-                   Vp: int, documents: bool, interpret: bool, precision: str) -> KernelConfig:
+                   Vp: int, documents: bool, interpret: bool, precision: str, itemsize: int
+                   ) -> KernelConfig:
   smallest = 1 if interpret else pu.MIN_DOT
+  stages = warps_stages[1] if itemsize < 4 else min(warps_stages[1], FP32_MAX_STAGES)
   return KernelConfig(
       chunk=tiles.chunk, features=min(max(tiles.features, 2 * dp), dp * dp),
       block_v=max(min(tiles.block_v, Vp), smallest), key_dim=d, dp=dp, length=T, padded_length=Tp,
       documents=documents, interpret=interpret, num_warps=warps_stages[0],
-      num_stages=warps_stages[1], precision=precision)
+      num_stages=stages, precision=precision)
 
 
 def _check(tiles: Tiles, op: str) -> None:
@@ -691,7 +700,8 @@ def taylor_fused_pallas(
   chunk = max(min(tiles.chunk, pl.next_power_of_2(L)), 1 if interpret else pu.MIN_DOT)
   Tp = pu.round_up(L, chunk)
   make = functools.partial(_kernel_config, tiles._replace(chunk=chunk), T=L, Tp=Tp, d=d, dp=dp, Vp=Vp,
-                           documents=segment_ids is not None, interpret=interpret, precision=precision)
+                           documents=segment_ids is not None, interpret=interpret, precision=precision,
+                           itemsize=jnp.dtype(q.dtype).itemsize)
   st = Static(forward=make(tiles.forward), dq=make(tiles.dq), dkv=make(tiles.dkv), intra=make(tiles.intra),
               eps=eps, spans=count, parts=spans.parts(T, count, chunk))
   F = st.forward.features

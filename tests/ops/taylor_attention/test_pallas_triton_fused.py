@@ -9,6 +9,7 @@ Interpreted on CPU. Tolerance: relative L2 error 1e-5 at fp32 (summation order o
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -118,6 +119,20 @@ def test_kernels_lower_to_triton_for_an_h200_with_bfloat16_inputs():
 
   lowered = pallas_utils.lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2)), *taylor_abstract_inputs(T=200))
   assert lowered.as_text().count("xla.gpu.triton") == 5
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("precision,stages", [("input", {2, 3}), ("float32", {2})])
+def test_four_byte_operands_run_at_most_two_pipeline_stages(precision, stages):
+  """Three stages of 128-token fp32 chunks overflow the H200's shared memory: the kernels on 4-byte
+  operands cap the default tiling's stages, bf16 ones keep them."""
+  def loss(q, k, v, segment_ids):
+    return taylor_fused_pallas(q, k, v, interpret=False, precision=precision)[0].astype(jnp.float32).sum()
+
+  grad = jax.grad(loss, argnums=(0, 1, 2))
+  text = pallas_utils.lower_for_gpu(grad, *taylor_abstract_inputs(T=512)).as_text()
+  assert text.count("xla.gpu.triton") == 5
+  assert {int(n) for n in re.findall(r"num_stages = (\d+) : i32", text)} == stages
 
 
 def test_bad_options_raise_clear_errors():
