@@ -128,12 +128,12 @@ def resolve_implementation(implementation: str | None, **problem) -> str:
   ``BLOCKED_MAX_VALUE_DIM``, "pallas_blocked" below T = ``BLOCKED_BELOW`` or for d' >
   ``FUSED_MAX_KEY_DIM``, else "pallas_fused"; for wider values "pallas_fused" (d' <=
   ``pallas_triton_fused.MAX_KEY_DIM``) or "pallas". H200 fwd+bwd at d' = 16, dv = 64 against XLA
-  chunked: blocked 5.8× at T = 2048, fused 6.5× / 7.8× / 14.7× at 4096 / 8192 / 32768 (the chunked
-  kernel 2.1× / 2.8× / 3.8× / 5.7× at 2048 ... 32768). Otherwise XLA (TPUs too: the Mosaic kernels,
-  compiled by libtpu in the tests, have not been timed on a TPU): "chunked", or with ``segments``,
-  which chunked does not take, "parallel", the fastest XLA form that does (0.86× chunked at T = 2048
-  on the H200, at the cost of B H T² fp32 scores); "recurrent" is a T-step serial scan, the decode
-  path.
+  chunked: blocked 9.5× at T = 2048 (GPU time; it beats the fused kernels up to T = 4096, ``base.py``),
+  fused 7.8× / 14.7× at 8192 / 32768 (the chunked kernel 2.1× / 2.8× / 3.8× / 5.7× at 2048 ...
+  32768). Otherwise XLA (TPUs too: the Mosaic kernels, compiled by libtpu in the tests, have not been
+  timed on a TPU): "chunked", or with ``segments``, which chunked does not take, "parallel", the
+  fastest XLA form that does (0.86× chunked at T = 2048 on the H200, at the cost of B H T² fp32
+  scores); "recurrent" is a T-step serial scan, the decode path.
   """
   key_dim, value_dim = problem.get("key_dim", 0), problem.get("value_dim", 0)
   narrow = key_dim <= KERNEL_MAX_KEY_DIM and value_dim <= KERNEL_MAX_VALUE_DIM

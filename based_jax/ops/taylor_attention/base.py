@@ -26,9 +26,10 @@ NO_DECAY: tuple[str, ...] = ("pallas", "pallas_blocked", "pallas_fused")
 NO_SEGMENTS: tuple[str, ...] = ("chunked",)
 
 # "auto" on a GPU: the blocked (quadratic) kernels below this length, the fused-chunk ones from it.
-# H200 fwd+bwd (B T = 16,384, 16 heads, d' = 16, dv = 64): blocked 1.58 against fused 1.68 ms at
-# T = 2048, 2.64 against 1.89 at 4096, 4.81 against 2.25 at 8192.
-BLOCKED_BELOW = 4096
+# H200 fwd+bwd, GPU time (B T = 16,384, 16 heads, d' = 16), blocked against fused ms: dv = 64: 0.93
+# against 1.43 at T = 2048, 1.68 against 1.76 at 4096, 3.22 against 1.74 at 8192; dv = 112 (BASED
+# 1.3B): 1.22 / 2.85, 2.15 / 3.43, 3.97 / 3.41.
+BLOCKED_BELOW = 8192
 
 
 class TaylorState(NamedTuple):
