@@ -15,6 +15,7 @@ from lmcore.eval.generate import Generator, Sampling, generate, sample_logits
 from lmcore.mixers.base import InitSpec
 from lmcore.mixers.softmax import SoftmaxAttention
 from lmcore.model import LanguageModel
+from lmcore.numerics import relative_l2
 
 VOCAB = 61
 # Every mixer family, hybrids where a family is small; untied heads and a larger init make the argmax
@@ -114,7 +115,10 @@ def test_eos_stops_each_row_at_its_first_eos_and_top_k_1_sampling_is_greedy():
 
 
 def test_decode_returns_the_state_after_the_fed_tokens():
-  """The loop's final state equals a prefill of the prompt and every recorded token but the last."""
+  """The loop's final state equals a prefill of the prompt and every recorded token but the last:
+  positions exactly, S and z to fp32 rounding (relative L2 1e-5; the two layers' one-token and
+  chunked forms round differently, and layer 2's root gates, tanh(10 ·), amplify layer 1's rounding
+  in a few elements to ~1e-5 absolute; one token too few or too many moves them by 14-40%)."""
   model = make_model(*FAMILIES["sanatan_p1"])
   gen = Generator(model)
   prompt = jnp.asarray([PROMPTS[0]], jnp.int32)
@@ -124,7 +128,10 @@ def test_decode_returns_the_state_after_the_fed_tokens():
   fed = jnp.concatenate([prompt, out[:, :3]], axis=1)
   _, expected = gen.prefill(fed, gen.init_state(1, 16))
   for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(expected)):
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    if jnp.issubdtype(got.dtype, jnp.integer):
+      np.testing.assert_array_equal(got, want)
+    else:
+      assert relative_l2(got, want) <= 1e-5
 
 
 def _draws(logits_V, sampling, n=4000, seed=0):
