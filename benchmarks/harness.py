@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 # The rows' bookkeeping is part of this module's API for the scripts (``bench.Row``, ``bench.time_fn`` ...).
-from benchmarks.rows import (CHUNK, Row, RowLog, chunked_flops, device_name, exclusive,  # noqa: F401
+from benchmarks.rows import (CHUNK, Row, RowLog, chunked_flops, device_name, exclusive, shared,  # noqa: F401
                              measure, parallel_flops, time_fn)
 
 HEADS, HEAD_DIM = 12, 64  # the 184M SANATAN model's head shape (also GLA's reference shape)
@@ -108,9 +108,10 @@ def _dims(op_name: str, shape: HeadShape | None) -> tuple[int, int, int]:
 _LAST_COMPILED: list = []  # [(op, args, forward, backward, do)] of the last case compiled
 
 
-def _compiled(op: Callable, args: tuple) -> tuple[Callable, Callable, jax.Array]:
-  """``op`` and the gradient of sum(o · do) w.r.t. every array argument, compiled, and do; the last
-  case's are reused when timed again at another queue depth."""
+def _compiled(op: Callable, args: tuple, lock: str = "") -> tuple[Callable, Callable, jax.Array]:
+  """``op`` and the gradient of sum(o · do) w.r.t. every array argument, compiled holding ``lock``
+  shared (``rows.shared``), and do; the last case's are reused when timed again at another queue
+  depth."""
   if _LAST_COMPILED and _LAST_COMPILED[0][0] is op and _LAST_COMPILED[0][1] is args:
     return _LAST_COMPILED[0][2:]
   do = jax.random.normal(jax.random.key(1), jax.eval_shape(op, *args).shape, args[0].dtype)
@@ -118,8 +119,9 @@ def _compiled(op: Callable, args: tuple) -> tuple[Callable, Callable, jax.Array]
   def loss(do, *a):  # do is an argument, not a closure constant, so XLA does not fold it
     return jnp.sum(op(*a).astype(jnp.float32) * do.astype(jnp.float32))
 
-  forward = jax.jit(op).lower(*args).compile()
-  backward = jax.jit(jax.grad(loss, argnums=tuple(range(1, len(args) + 1)))).lower(do, *args).compile()
+  with shared(lock):
+    forward = jax.jit(op).lower(*args).compile()
+    backward = jax.jit(jax.grad(loss, argnums=tuple(range(1, len(args) + 1)))).lower(do, *args).compile()
   _LAST_COMPILED[:] = [(op, args, forward, backward, do)]
   return forward, backward, do
 
@@ -127,8 +129,9 @@ def _compiled(op: Callable, args: tuple) -> tuple[Callable, Callable, jax.Array]
 def _fwd_and_fwdbwd(op: Callable, args: tuple, repeats: int, lock: str = "", queue: int = 1
                     ) -> tuple[float, float]:
   """Times ``op(*args) -> o`` and the gradient of sum(o · do) w.r.t. every array argument, ``queue``
-  calls per wait (``time_fn``); both are compiled first, outside ``lock``, which is held while timing."""
-  forward, backward, do = _compiled(op, args)
+  calls per wait (``time_fn``); both are compiled first, holding ``lock`` shared, then timed holding it
+  exclusively."""
+  forward, backward, do = _compiled(op, args, lock)
   with exclusive(lock):
     return (time_fn(forward, *args, repeats=repeats, queue=queue),
             time_fn(backward, do, *args, repeats=repeats, queue=queue))

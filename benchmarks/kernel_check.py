@@ -123,15 +123,18 @@ def load_latest(path: str) -> list[Agreement]:
   return list(rows.values())
 
 
-def run(*, ops: list[str], dtypes: list[str], length: int, batch: int, jsonl: str = "") -> list[Agreement]:
-  """All checks; (op, dtype) pairs already in ``jsonl`` are kept, new rows appended as made."""
+def run(*, ops: list[str], dtypes: list[str], length: int, batch: int, jsonl: str = "",
+        lock: str = "") -> list[Agreement]:
+  """All checks; (op, dtype) pairs already in ``jsonl`` are kept, new rows appended as made. Each
+  (op, dtype) holds ``lock`` shared (``rows.shared``): benchmark processes on the device wait to time."""
   rows = load(jsonl)
   done = {(r.op, r.dtype, r.length, r.batch) for r in rows}
   for dtype in dtypes:
     for op_name in ops:
       if (op_name, dtype, length, batch) in done:
         continue
-      new = check_op(op_name, length, batch, dtype)
+      with bench.shared(lock):
+        new = check_op(op_name, length, batch, dtype)
       for row in new:
         print(f"  {row.op} {row.impl} {row.dtype}: worst {row.worst} (limit {row.limit}) {row.note}",
               flush=True)

@@ -55,18 +55,29 @@ def device_name() -> str:
 
 
 @contextlib.contextmanager
-def exclusive(lock_path: str = ""):
-  """Holds an exclusive ``flock`` on ``lock_path`` (nothing when empty), so that benchmark processes
-  sharing one device compile side by side but time one at a time."""
+def _flock(lock_path: str, operation: int):
   if not lock_path:
     yield
     return
   with open(lock_path, "a") as f:
-    fcntl.flock(f, fcntl.LOCK_EX)
+    fcntl.flock(f, operation)
     try:
       yield
     finally:
       fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def exclusive(lock_path: str = ""):
+  """Holds an exclusive ``flock`` on ``lock_path`` (nothing when empty) while timing: benchmark
+  processes sharing one device time one at a time, and never while another holds it ``shared``."""
+  return _flock(lock_path, fcntl.LOCK_EX)
+
+
+def shared(lock_path: str = ""):
+  """Holds a shared ``flock`` on ``lock_path`` (nothing when empty) around device work that is not
+  timing: compiling (XLA's GPU autotuner runs candidate kernels on the device) and checking kernels.
+  Any number of processes hold it together; a process that times waits until none does."""
+  return _flock(lock_path, fcntl.LOCK_SH)
 
 
 def time_fn(fn: Callable, *args, repeats: int = 10, queue: int = 1) -> float:

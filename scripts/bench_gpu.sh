@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The kernels' GPU evidence in one call: the compiled-kernel agreement check and the kernel benchmark.
 # One process per sequence length, one for FLA's kernels and one for the check run side by side; they
-# compile in parallel (compilation dominates) and take turns timing (`--lock`). Every process writes
+# compile in parallel (compilation dominates) and take turns timing (`--lock`: compiling and checking
+# hold it shared, timing exclusively, since XLA's autotuner and the checks run kernels on the device). Every process writes
 # its rows to a JSONL in DIR as it measures them, and a rerun with the same DIR measures only what is
 # missing, so a time limit loses nothing measured.
 #
@@ -29,7 +30,7 @@ until_end() {  # runs "$@" with whatever is left of the budget
 }
 
 until_end python3 scripts/check_kernels.py --length=1000 --batch=2 --ops="$check_ops" \
-  --jsonl="$dir/agreement.jsonl" --out= > "$dir/agreement.log" 2>&1 &
+  --jsonl="$dir/agreement.jsonl" --out= --lock="$lock" > "$dir/agreement.log" 2>&1 &
 for length in 2048 8192 32768; do
   until_end python3 scripts/bench_kernels.py --lengths="$length" --ops="$ops" \
     --fla_ops= --repeats=20 --lock="$lock" --jsonl="$dir/kernels_$length.jsonl" --out= > "$dir/kernels_$length.log" 2>&1 &

@@ -26,7 +26,9 @@ number of calls between two CUDA events.
 
 Compilation (Triton kernels, FLA autotuning) can take minutes per case: give ``--jsonl`` so that a run
 stopped by a time limit continues where it stopped. Several processes (one per T, say) can share one
-device when given the same ``--lock``: they compile in parallel and take turns timing.
+device when given the same ``--lock``: they compile in parallel and take turns timing, never while
+another compiles (XLA's GPU autotuner runs kernels on the device; a row timed beside it can come out
+slower: 3.59 against 2.92 ms for one p = 2 row, docs/BENCHMARKS.md).
 """
 
 import datetime
@@ -69,7 +71,8 @@ _QUEUE = flags.DEFINE_list("queue", ["8"], "Calls enqueued per wait when timing 
                            "work (the time an op costs inside a compiled step); 1 waits on every call alone "
                            "(the host round trip included, as every table before 2026-12-03 was timed).")
 _LOCK = flags.DEFINE_string("lock", "", "A lock file shared by benchmark processes on one device: each "
-                            "compiles freely but times only while holding it (runs per T side by side).")
+                            "compiles holding it shared and times holding it exclusively (runs per T "
+                            "side by side).")
 
 
 def _queues() -> list[int]:

@@ -1,7 +1,7 @@
 """Compiled Pallas kernels vs the XLA paths, outputs and gradients: one table, one command.
 
     python scripts/check_kernels.py [--length=1024] [--batch=2] [--dtypes=float32,bfloat16] \
-        [--jsonl=runs/bench/agreement.jsonl] [--out=docs/BENCHMARKS.md]
+        [--jsonl=runs/bench/agreement.jsonl] [--out=docs/BENCHMARKS.md] [--lock=/tmp/bench.lock]
 
 Rows already in ``--jsonl`` are not checked again (Triton compiles take minutes; a run stopped by a time
 limit continues). The table is printed and appended to ``--out`` with the date, device and command.
@@ -26,12 +26,14 @@ _LENGTH = flags.DEFINE_integer("length", 1024, "Sequence length T (not a multipl
 _BATCH = flags.DEFINE_integer("batch", 2, "Batch size B.")
 _JSONL = flags.DEFINE_string("jsonl", "", "Rows are appended here as they are made; rows in it are kept.")
 _OUT = flags.DEFINE_string("out", "", "Markdown file the table is appended to ('' = none).")
+_LOCK = flags.DEFINE_string("lock", "", "A lock file shared with benchmark processes on the device: the "
+                            "checks hold it shared, so that no process times while they run.")
 
 
 def main(argv):
   del argv
   rows = kernel_check.run(ops=_OPS.value, dtypes=_DTYPES.value, length=_LENGTH.value, batch=_BATCH.value,
-                          jsonl=_JSONL.value)
+                          jsonl=_JSONL.value, lock=_LOCK.value)
   table = kernel_check.format_table(rows)
   print(table, flush=True)
   if _OUT.value:

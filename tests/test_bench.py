@@ -58,6 +58,16 @@ def test_exclusive_holds_the_lock_only_inside(tmp_path):
     fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
+def test_shared_holders_overlap_and_keep_the_timer_out(tmp_path):
+  lock = str(tmp_path / "bench.lock")
+  with bench.shared(lock), bench.shared(lock), open(lock) as timer:  # two compiling processes at once
+    with pytest.raises(BlockingIOError):  # a timing process has to wait for both
+      fcntl.flock(timer, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  with bench.exclusive(lock), open(lock) as compiler:
+    with pytest.raises(BlockingIOError):  # and a compile waits while one times
+      fcntl.flock(compiler, fcntl.LOCK_SH | fcntl.LOCK_NB)
+
+
 def test_tuning_settings_compute_the_default_kernels_function():
   """Every TUNING setting is a valid call of its kernel (chunk, value tile and warps change only how
   it runs), named by its setting and credited FLOPs at its own chunk; checked on one length-64 case per
