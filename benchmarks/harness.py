@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import glob
+import json
 import os
 import re
 from typing import Callable
@@ -710,15 +711,25 @@ def _file_order(path: str) -> tuple:
   return (not name.startswith("kernels_"), [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)])
 
 
+def holds_timing_rows(path: str) -> bool:
+  """Whether the first row of the JSONL file ``path`` is a kernel timing row (``Row``'s fields), not,
+  say, a train-step or agreement row kept in the same directory; an empty file counts as one."""
+  with open(path) as f:
+    first = next((line for line in f if line.strip()), None)
+  fields = {field.name for field in dataclasses.fields(Row)}
+  return first is None or set(json.loads(first)) <= fields
+
+
 def load_rows(directory: str, skip: tuple[str, ...] = ("agreement.jsonl",)) -> list[Row]:
-  """Every Row of the ``*.jsonl`` files in ``directory`` (those named in ``skip`` aside), the last row of
+  """Every Row of the ``*.jsonl`` files in ``directory`` that hold timing rows (``holds_timing_rows``;
+  those named in ``skip`` aside), the last row of
   each (op, implementation, length, shape, queue depth) winning, sorted by length, then op (softmax first,
   then as in ``OPS``), then head shape (the default first, then in order of first appearance), then
   implementation in order of first appearance, then queue depth. Ratios are cleared (see
   ``with_ratios``)."""
   merged = {}
   paths = [p for p in glob.glob(os.path.join(directory, "*.jsonl")) if os.path.basename(p) not in skip]
-  for path in sorted(paths, key=_file_order):
+  for path in sorted(filter(holds_timing_rows, paths), key=_file_order):
     for row in RowLog(path).rows:
       merged[row.key] = dataclasses.replace(row, reference="", ratio_fwdbwd=None, vs_softmax=None)
   op_order = ["softmax", *(op for op in OPS if op != "softmax")]

@@ -4,11 +4,13 @@ docs/BENCHMARKS.md as one dated block, and plotted (fwd+bwd tokens/s vs T, one p
     python scripts/bench_report.py DIR [--out=docs/BENCHMARKS.md] [--device="NVIDIA H200"] \
         [--date=YYYY-MM-DD] [--plot=docs/bench_kernels.png]
 
-Every ``*.jsonl`` of DIR but agreement.jsonl holds timing rows (``benchmarks.harness.Row``); agreement.jsonl holds
+Every ``*.jsonl`` of DIR but agreement.jsonl whose rows are kernel timings (``benchmarks.harness.Row``)
+is read (others, such as train-step rows, are named and skipped); agreement.jsonl holds
 ``benchmarks.kernel_check.Agreement`` rows. In both, the last row of a key wins (a rerun's retry).
 """
 
 import datetime
+import glob
 import os
 import sys
 
@@ -33,6 +35,11 @@ def main(argv):
   if len(argv) != 2:
     raise app.UsageError("usage: python scripts/bench_report.py DIR [--out=...] [--device=...] [--date=...]")
   directory = argv[1]
+  if not os.path.isdir(directory):
+    raise app.UsageError(f"{directory} is not a directory; give the DIR of `bash scripts/bench_gpu.sh DIR`")
+  for path in sorted(glob.glob(os.path.join(directory, "*.jsonl"))):
+    if os.path.basename(path) != "agreement.jsonl" and not bench.holds_timing_rows(path):
+      print(f"skipped {path}: not kernel timing rows")
   rows = bench.with_ratios(bench.load_rows(directory))
   agreement = sorted(kernel_check.load_latest(os.path.join(directory, "agreement.jsonl")),
                      key=lambda r: (r.dtype != "float32", kernel_check.CHECKED_OPS.index(r.op)))

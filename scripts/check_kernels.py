@@ -30,8 +30,18 @@ _LOCK = flags.DEFINE_string("lock", "", "A lock file shared with benchmark proce
                             "checks hold it shared, so that no process times while they run.")
 
 
+def _check_flags() -> None:
+  """Exits with one line naming the first unknown op or dtype."""
+  for flag, given, valid in (("--ops", _OPS.value, kernel_check.CHECKED_OPS),
+                             ("--dtypes", _DTYPES.value, kernel_check.LIMITS)):
+    unknown = [x for x in given if x not in valid]
+    if unknown:
+      sys.exit(f"error: {flag}: unknown {unknown[0]!r}; use some of {', '.join(valid)}")
+
+
 def main(argv):
   del argv
+  _check_flags()
   rows = kernel_check.run(ops=_OPS.value, dtypes=_DTYPES.value, length=_LENGTH.value, batch=_BATCH.value,
                           jsonl=_JSONL.value, lock=_LOCK.value)
   table = kernel_check.format_table(rows)

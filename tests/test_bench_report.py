@@ -36,6 +36,7 @@ def _bench_dir(tmp_path):
                kernel_check.Agreement("gated", "pallas (split)", "chunked (xla)", "bfloat16", 1000, 2, 1e-4,
                                       {"d_arg0": 5e-4}, 2e-3, xla_worst=3e-3)]
   _write(tmp_path / "agreement.jsonl", agreement)
+  (tmp_path / "train_step.jsonl").write_text(json.dumps({"preset": "softmax_184m", "tok_s": 1.0}) + "\n")
   return tmp_path
 
 
@@ -65,6 +66,7 @@ def test_script_appends_one_block_with_both_tables_and_writes_the_plot(tmp_path)
                            f"--out={out}", "--date=2030-01-02", "--device=NVIDIA H200"],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
   assert result.returncode == 0, result.stderr
+  assert f"skipped {directory / 'train_step.jsonl'}: not kernel timing rows" in result.stdout
   text = out.read_text()
   assert text.startswith("# Benchmarks\n\nearlier blocks\n") and text.count("\n## ") == 1
   block = text.split("\n## ", 1)[1]

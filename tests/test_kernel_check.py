@@ -1,6 +1,12 @@
 """The kernel agreement check on CPU (kernels interpreted): rows, limits, resumable JSONL, table."""
 
+import os
+import subprocess
+import sys
+
 from benchmarks import kernel_check
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_gated_kernels_agree_with_xla_and_rows_are_not_checked_twice(tmp_path, monkeypatch):
@@ -41,3 +47,11 @@ def test_the_rounding_floor_is_what_bf16_rounding_alone_costs():
   x = jax.random.normal(jax.random.key(0), (4096,))
   floor = kernel_check.rounding_floor(exact, (x,), "bfloat16")
   assert 1e-3 < floor < 2.5e-3  # bf16 keeps 8 significant bits: about 2^-9 relative, on average
+
+
+def test_an_unknown_dtype_is_one_line_not_a_traceback():
+  result = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "check_kernels.py"), "--ops=taylor",
+                           "--dtypes=bfloat16,float16"], capture_output=True, text=True, cwd=REPO, timeout=120)
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+  assert result.stderr.strip().splitlines()[-1] == ("error: --dtypes: unknown 'float16'; use some of float32, "
+                                                   "bfloat16"), result.stderr
