@@ -11,11 +11,12 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from lmcore import cli  # noqa: E402
 from lmcore import config as cfg_lib  # noqa: E402
 from lmcore import model_card  # noqa: E402
 
@@ -32,4 +33,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -7,12 +7,12 @@ Runs already in ``--out`` are skipped; the table of every run and of the best le
 is printed at the end. The budget of the default grid is in ``configs/mqar.py``.
 """
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from lmcore.mqar import config as mqar_config
 from lmcore.mqar import sweep
-from lmcore import xla_flags
+from lmcore import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/mqar.py:sweep", "MQAR config file and preset.",
                                           lock_config=True)
@@ -38,5 +38,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  xla_flags.apply_defaults()  # before JAX starts
-  app.run(main)
+  cli.run(main)  # the project's XLA flags first, then one line for a bad --config
