@@ -7,6 +7,7 @@ Then train on them with ``data.sources[i].kind='array_record'`` and ``path='data
 
 import argparse
 
+from lmcore import cli
 from lmcore.data.convert import CONVERTIBLE_KINDS, DEFAULT_WRITER_OPTIONS, convert_to_array_record
 
 
@@ -26,9 +27,10 @@ def main(argv: list[str] | None = None) -> None:
                       help="ArrayRecord writer options; 'group_size:1,uncompressed' leaves compression to "
                            "an external tool (xz shrinks source code ~2x more than the default zstd)")
   args = parser.parse_args(argv)
-  shards = convert_to_array_record(args.input, args.output_dir, kind=args.kind, text_key=args.text_key,
-                                   docs_per_shard=args.docs_per_shard, prefix=args.prefix,
-                                   shuffle_seed=args.shuffle_seed, writer_options=args.writer_options)
+  with cli.user_errors():
+    shards = convert_to_array_record(args.input, args.output_dir, kind=args.kind, text_key=args.text_key,
+                                     docs_per_shard=args.docs_per_shard, prefix=args.prefix,
+                                     shuffle_seed=args.shuffle_seed, writer_options=args.writer_options)
   print(f"Wrote {len(shards)} shard(s) to {args.output_dir}")
 
 

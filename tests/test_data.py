@@ -238,6 +238,10 @@ def test_prepare_data_script_writes_shards_that_read_back(tmp_path, capsys, monk
   assert "5/5 docs" in capsys.readouterr().err
   shards = SourceConfig(name="out", kind="array_record", path=f"{tmp_path}/out/*.array_record")
   assert documents_of(sources.make_source(shards, "train"), 5) == DOCS
+  with pytest.raises(SystemExit) as exit_info:  # a glob that matches nothing: one line, no folder made
+    prepare_data.main([f"--input={tmp_path}/nothing*.txt", f"--output_dir={tmp_path}/none", "--kind=text"])
+  assert exit_info.value.code == 2 and not (tmp_path / "none").exists()
+  assert capsys.readouterr().err.strip().startswith("MissingFileError: Conversion of text files: no files match")
 
 
 def test_prepare_data_shuffle_seed_spreads_files_over_shards_in_a_fixed_order(tmp_path):
