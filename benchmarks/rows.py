@@ -69,7 +69,7 @@ def _flock(lock_path: str, operation: int):
 
 def exclusive(lock_path: str = ""):
   """Holds an exclusive ``flock`` on ``lock_path`` (nothing when empty) while timing: benchmark
-  processes sharing one device time one at a time, and never while another holds it ``shared``."""
+  processes on one device take turns timing, and none times while another holds it ``shared``."""
   return _flock(lock_path, fcntl.LOCK_EX)
 
 
