@@ -720,16 +720,21 @@ def holds_timing_rows(path: str) -> bool:
   return first is None or set(json.loads(first)) <= fields
 
 
-def load_rows(directory: str, skip: tuple[str, ...] = ("agreement.jsonl",)) -> list[Row]:
+def load_rows(directory: str, skip: tuple[str, ...] = ("agreement.jsonl",),
+              on_skipped: Callable[[str], None] | None = None) -> list[Row]:
   """Every Row of the ``*.jsonl`` files in ``directory`` that hold timing rows (``holds_timing_rows``;
-  those named in ``skip`` aside), the last row of
+  those named in ``skip`` aside; ``on_skipped`` is called with the path of every other file), the last row of
   each (op, implementation, length, shape, queue depth) winning, sorted by length, then op (softmax first,
   then as in ``OPS``), then head shape (the default first, then in order of first appearance), then
   implementation in order of first appearance, then queue depth. Ratios are cleared (see
   ``with_ratios``)."""
   merged = {}
   paths = [p for p in glob.glob(os.path.join(directory, "*.jsonl")) if os.path.basename(p) not in skip]
-  for path in sorted(filter(holds_timing_rows, paths), key=_file_order):
+  for path in sorted(paths, key=_file_order):
+    if not holds_timing_rows(path):
+      if on_skipped:
+        on_skipped(path)
+      continue
     for row in RowLog(path).rows:
       merged[row.key] = dataclasses.replace(row, reference="", ratio_fwdbwd=None, vs_softmax=None)
   op_order = ["softmax", *(op for op in OPS if op != "softmax")]

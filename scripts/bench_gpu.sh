@@ -2,9 +2,9 @@
 # The kernels' GPU evidence in one call: the compiled-kernel agreement check and the kernel benchmark.
 # One process per sequence length, one for FLA's kernels and one for the check run side by side; they
 # compile in parallel (compilation dominates) and take turns timing (`--lock`: compiling and checking
-# hold it shared, timing exclusively, since XLA's autotuner and the checks run kernels on the device). Every process writes
-# its rows to a JSONL in DIR as it measures them, and a rerun with the same DIR measures only what is
-# missing, so a time limit loses nothing measured.
+# hold it shared, timing exclusively, since XLA's autotuner and the checks run kernels on the device).
+# Every process writes its rows to a JSONL in DIR as it measures them, and a rerun with the same DIR
+# measures only what is missing, so a time limit loses nothing measured.
 #
 #   bash scripts/bench_gpu.sh DIR [SECONDS]      # SECONDS: the wall-clock budget (default 540)
 #

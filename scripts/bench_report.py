@@ -10,7 +10,6 @@ is read (others, such as train-step rows, are named and skipped); agreement.json
 """
 
 import datetime
-import glob
 import os
 import sys
 
@@ -37,10 +36,8 @@ def main(argv):
   directory = argv[1]
   if not os.path.isdir(directory):
     raise app.UsageError(f"{directory} is not a directory; give the DIR of `bash scripts/bench_gpu.sh DIR`")
-  for path in sorted(glob.glob(os.path.join(directory, "*.jsonl"))):
-    if os.path.basename(path) != "agreement.jsonl" and not bench.holds_timing_rows(path):
-      print(f"skipped {path}: not kernel timing rows")
-  rows = bench.with_ratios(bench.load_rows(directory))
+  rows = bench.with_ratios(bench.load_rows(
+      directory, on_skipped=lambda path: print(f"skipped {path}: not kernel timing rows")))
   agreement = sorted(kernel_check.load_latest(os.path.join(directory, "agreement.jsonl")),
                      key=lambda r: (r.dtype != "float32", kernel_check.CHECKED_OPS.index(r.op)))
   if not rows and not agreement:

@@ -87,7 +87,7 @@ def test_train_py_answers_an_unknown_key_in_one_line_and_creates_nothing(tmp_pat
   assert "Valid keys under 'config.train'" in lines[0] and not workdir.exists()
 
 
-def test_the_scripts_that_take_a_config_file_answer_a_bad_preset_in_one_line():
+def test_model_card_answers_a_bad_preset_in_one_line():
   proc = subprocess.run([sys.executable, str(REPO / "scripts" / "model_card.py"), "--config=configs/mqar.py:nope"],
                         cwd=REPO, capture_output=True, text=True, timeout=300)
   lines = proc.stderr.strip().splitlines()
