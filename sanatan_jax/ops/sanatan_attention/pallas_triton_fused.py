@@ -133,11 +133,12 @@ class FusedTiles(NamedTuple):
 # tilings timed. bf16, 12 heads of 64, fwd+bwd on the H200 (docs/BENCHMARKS.md): three pipeline
 # stages in the forward and dq kernels beat two at every shape timed (B 1 × T 32768: 7.11 against 7.77
 # ms); the dk and dv walks at 4 warps and three stages beat 8 warps, two stages and two channels per
-# program (1 × 32768: 5.72–5.82 against 7.40–8.02 ms; 32 × 2048: 5.92–5.97 against 6.79–8.62). At
-# d = dv = 64 (T = 2048, 12 heads) an sm_90 compile of the lowered two-stage kernels (ptxas) gives,
-# without / with documents, 234 / 255 registers in the forward, 214 / 254 in dq (4 warps, one
-# warpgroup per 64-row chunk, wgmma), 252 in the dv walk and 255 in the dk walk (4 bytes of spill),
-# 48-74 KiB of shared memory. The fp32 tiling compiles without spills with TF32 dots (at chunk 64
+# program (1 × 32768: 5.72–5.82 against 7.40–8.02 ms; 32 × 2048: 5.92–5.97 against 6.79–8.62); chunks
+# of 128 (4 or 8 warps) or of 32 (2 warps) in any one kernel were slower at 32 × 2048 (4.90 against
+# 5.05–10.24 ms) and at 8 × 2048. At d = dv = 64 (T = 2048, 12 heads) an sm_90 compile of the
+# lowered two-stage kernels (ptxas) gives, without / with documents, 234 / 255 registers in the
+# forward, 214 / 254 in dq (4 warps, one warpgroup per 64-row chunk, wgmma), 252 in the dv walk and
+# 255 in the dk walk (4 bytes of spill), 48-74 KiB of shared memory. The fp32 tiling compiles without spills with TF32 dots (at chunk 64
 # its kernels spill); with IEEE fp32 dots ("float32", a check of accuracy rather than a fast path)
 # they spill.
 TILES = {"default": {2: FusedTiles(forward=Tiles(64, 64, 1, 4, 3), dq=Tiles(64, 64, 1, 4, 3),
