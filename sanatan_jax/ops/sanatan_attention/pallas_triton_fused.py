@@ -165,7 +165,7 @@ def parse_tiles(spec: str, base: FusedTiles) -> FusedTiles:
     if name == "spans" and value.isdigit():
       tiles[name] = int(value)
       continue
-    if name not in tiles or len(fields) != len(Tiles._fields) or not all(f.isdigit() for f in fields):
+    if name not in FusedTiles._fields[:3] or len(fields) != len(Tiles._fields) or not all(f.isdigit() for f in fields):
       raise ValueError(f"fused tiles {part!r}: expected KERNEL=CHUNKxBLOCK_VxCHANNELSxWARPSxSTAGES with "
                        f"KERNEL one of forward, dq, dkv, or spans=N, e.g. "
                        f"'forward=64x16x6x4x3;dkv=64x64x2x8x2;spans=8'")

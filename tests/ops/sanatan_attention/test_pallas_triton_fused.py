@@ -196,7 +196,7 @@ def test_tile_specs_replace_the_named_kernels_and_bad_ones_say_the_format():
   assert tiles == base._replace(forward=Tiles(64, 16, 6, 4, 3), dkv=Tiles(32, 64, 2, 8, 2))
   assert parse_tiles("", base) == base
   assert parse_tiles("spans=8", base) == base._replace(spans=8)
-  for bad in ("fwd=64x16x6x4x3", "forward=64x16x6x4", "forward=64x16x6x4xa", "spans=x"):
+  for bad in ("fwd=64x16x6x4x3", "forward=64x16x6x4", "forward=64x16x6x4xa", "spans=x", "spans=64x64x1x4x3"):
     with pytest.raises(ValueError, match="KERNEL=CHUNKxBLOCK_VxCHANNELSxWARPSxSTAGES"):
       parse_tiles(bad, base)
   with pytest.raises(ValueError, match="KERNEL=CHUNKx"):
