@@ -30,7 +30,7 @@ six channels and ``block_v`` value columns, so 6 / channels x dv / block_v progr
 (row, head) (5 x dv / block_v at one channel per program: the constant channel rides with
 channel 1). Its state is one fp32 [d, BV] block and one [d] normaliser per owned channel, in
 registers for the whole walk. A score is a sum over channels, so each program computes its
-channels' part of A_n, N_n and D_n; the parts (fp32) are summed and divided in XLA. (Splitting the
+channels' part of A_n, N_n and D_n; XLA sums the parts in fp32 and divides. (Splitting the
 6d-wide key axis keeps a program's state small and gives 6x the programs of one per (row, head,
 value tile): 96 (row, head) pairs at B = 8, H = 12 would fill fewer than the H200's 132 SMs, and only
 12 at B = 1. The cost is the per-group copies of A_n V_n and of the value dots of the backward.)
@@ -75,7 +75,7 @@ state entering it, so its total's gradient is its leaving state's, and the walks
 Matmul operands are in the inputs' dtype (bf16 in training; the states and their gradients are
 cast to it for the dots, as XLA "chunked" does), accumulations fp32. The feature gradients reach
 XLA in the features' dtype (halving their HBM traffic; XLA's own bf16 feature gradients are bf16
-too), the numerator, denominator and dv parts in fp32.
+too), the numerator and dv parts in it as well (``NARROW_PARTS``), the denominator parts in fp32.
 """
 
 from __future__ import annotations
@@ -146,6 +146,10 @@ TILES = {"default": {2: FusedTiles(forward=Tiles(64, 64, 1, 4, 3), dq=Tiles(64, 
                      4: FusedTiles(forward=Tiles(32, 64, 1, 4, 2), dq=Tiles(32, 64, 1, 4, 2),
                                    dkv=Tiles(32, 64, 1, 8, 2))}}
 DEFAULT_CHUNK = TILES["default"][2].forward.chunk
+# The forward's numerator parts and the dv walk's parts (one [B, T, H, dv] array per channel group,
+# summed by XLA) are written in the operands' dtype, not fp32: bf16 halves the walks' largest writes
+# and the sums' reads.
+NARROW_PARTS = True
 
 
 def default_tiles(dtype) -> FusedTiles:
@@ -400,7 +404,7 @@ def _forward_kernel(*refs, cfg: KernelConfig):
     for a, S_c, z_c in zip(_only(reads, x.phi_q), S, z):
       num += pu.dot(a, S_c.astype(a.dtype))
       den += jnp.sum(a.astype(_F32) * z_c[None, :], axis=1)
-    pu.store_rows(num_ref, n * C, num)
+    pu.store_rows(num_ref, n * C, num.astype(num_ref.dtype))
     pu.store_rows(den_ref, n * C, den)
     return *_advance(x, S, z, state_run), constant
 
@@ -480,7 +484,7 @@ def _dv_kernel(*refs, cfg: KernelConfig):
     if flag is not None:
       dv += flag * (u[None, :] if writes is None else jnp.where(writes[:, None], u[None, :], 0.0))
       u = keep * u + d * _row_sum(dN, reads)
-    pu.store_rows(dv_ref, n * C, dv)
+    pu.store_rows(dv_ref, n * C, dv.astype(dv_ref.dtype))
     dS = tuple(keep * dS_c + pu.dot(a, dN, trans_a=True) for a, dS_c in zip(_only(reads, x.phi_q), dS))
     return dS, u
 
@@ -687,8 +691,14 @@ def _shape(*shape, dtype=_F32):
   return jax.ShapeDtypeStruct(shape, dtype)
 
 
+def _parts_dtype(v):
+  """The dtype of the channel groups' parts of the numerator and of dv: v's (the operands') when
+  ``NARROW_PARTS``, else fp32. XLA sums the parts in fp32 either way."""
+  return v.dtype if NARROW_PARTS else _F32
+
+
 def _tile_sum(x):
-  """The sum of the value tiles' parts [tiles, ...] in fp32."""
+  """The sum of parts [parts, ...] (value tiles or channel groups) in fp32."""
   return jnp.sum(x.astype(_F32), axis=0)
 
 
@@ -712,13 +722,13 @@ def _forward(fq: Factors, fk: Factors, v, run, S0, z0, st: Static):
   constant = [s.S_constant, s.z_constant] if cfg.first_group else []
   in_specs = _factor_specs(s, G) * 2 + [s.v, s.row] + each(s.S) + each(s.z) + constant
   out_specs = [s.group_v, s.tile_token] + [s.group_S] * G + [s.tile_z] * G
-  out_shape = ([_shape(groups, B, Tp, H, st.Vp), _shape(tiles, groups, B, Tp, H)]
+  out_shape = ([_shape(groups, B, Tp, H, st.Vp, dtype=_parts_dtype(v)), _shape(tiles, groups, B, Tp, H)]
                + [_shape(groups, B, H, st.dp, st.Vp)] * G + [_shape(tiles, groups, B, H, st.dp)] * G)
   num, den, *state = pu.call(_forward_kernel, cfg, grid, in_specs, out_specs, out_shape,
                              *_factor_args(fq, G), *_factor_args(fk, G), v, run, *[S0] * G,
                              *[z0] * G, *[S0, z0][:len(constant)])
   den = jnp.sum(den[0], axis=0)
-  o = jnp.sum(num, axis=0) / (den[..., None] + st.c_eps)
+  o = _tile_sum(num) / (den[..., None] + st.c_eps)
   S = _channels(state[:G], 2)
   z = _channels([x[0] for x in state[G:]], 2)
   if cfg.first_group:
@@ -792,7 +802,8 @@ def _dkv(fq: Factors, fk: Factors, v, run, dN, dD, dS, dz, st: Static):
   each = lambda make: [make(i) for i in range(G)]
   constant = [s.S_constant] if cfg.first_group else []
   dv = pu.call(_dv_kernel, cfg, grid, _factor_specs(s, G) * 2 + [s.row, s.v] + each(s.S) + constant,
-               s.group_v, _shape(groups, B, Tp, H, st.Vp), *_factor_args(fq, G), *_factor_args(fk, G),
+               s.group_v, _shape(groups, B, Tp, H, st.Vp, dtype=_parts_dtype(v)), *_factor_args(fq, G),
+               *_factor_args(fk, G),
                run, dN, *[dS] * (G + len(constant)))
   in_specs = _factor_specs(s, G) + [s.v, s.row, s.v, s.token] + each(s.S) + each(s.z)
   out_specs = [s.tile_phi] * G + [s.group_S] * G + [s.tile_z] * G
@@ -805,7 +816,7 @@ def _dkv(fq: Factors, fk: Factors, v, run, dN, dD, dS, dz, st: Static):
   dz0 = _channels([jnp.sum(x, axis=0) for x in out[2 * G:]], 2)
   if cfg.first_group:
     dS0, dz0 = _with_constant(*_constant_entry_grads(run, dN, dD, dS, dz, st), dS0, dz0)
-  return _feature_grads(dphi_k, dtype), cfg.first_group * G, jnp.sum(dv, axis=0), dS0, dz0
+  return _feature_grads(dphi_k, dtype), cfg.first_group * G, _tile_sum(dv), dS0, dz0
 
 
 def _in_parts(x, st: Static):
