@@ -25,7 +25,10 @@ def document_starts(segment_ids_BxT: jax.Array | None, batch_size: int, length: 
 
 def document_index(segment_ids_BxT: jax.Array | None, batch_size: int, length: int) -> jax.Array:
   """int32 [B, T]: 0 for the first document of each row, +1 at every start. Two tokens are in the
-  same document exactly when their indices are equal; None (one document) gives zeros."""
+  same document exactly when their indices are equal; None (one document) gives zeros, built as
+  zeros: a cumulative sum of constants is folded by XLA at compile time, seconds per call site."""
+  if segment_ids_BxT is None:
+    return jnp.zeros((batch_size, length), jnp.int32)
   starts_BxT = document_starts(segment_ids_BxT, batch_size, length)
   return jnp.cumsum(starts_BxT, axis=1, dtype=jnp.int32)
 
