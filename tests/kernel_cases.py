@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from based_jax import TaylorState
-from lmcore.ops.gated_linear_attention import LinearAttentionState
+from lmcore.ops.common.backend import ChunkTiles
+from lmcore.ops.gated_linear_attention import LinearAttentionState, gated_linear_attention
 from lmcore.numerics import relative_l2
 from sanatan_jax import SanatanState
 from sanatan_jax.ops.sanatan_attention.base import sanatan_features
@@ -78,15 +79,17 @@ def gated_inputs(rng, T, gate, normalize, *, B, H, K, V, decay=(0.01, 0.3)):
 
 
 def run_gated(fn, inputs, projections, **options):
-  """Outputs, final state and gradients of a random projection of both w.r.t. every input."""
+  """Outputs, final state and gradients of a random projection of both w.r.t. every input; a kernel's
+  own entry point ``fn`` runs at chunks of ``CHUNK``."""
+  if getattr(fn, "func", None) is not gated_linear_attention:
+    options = dict(options, chunk_size=CHUNK)
   q, k, v, log_forget, state = inputs
   B, T, H, K = q.shape
   state = state or LinearAttentionState.zeros(B, H, K, v.shape[-1])
   gate = jnp.zeros((B, T, H)) if log_forget is None else log_forget
 
   def loss(q, k, v, gate, state):
-    o, new = fn(q, k, v, None if log_forget is None else gate, state=state, chunk_size=CHUNK,
-                **options)
+    o, new = fn(q, k, v, None if log_forget is None else gate, state=state, **options)
     do, dS, dz = projections
     return (o * do).sum() + (new.S * dS).sum() + (new.z * dz).sum(), (o, new)
 
@@ -101,8 +104,6 @@ def gated_bf16_gradient_errors(kernel, kernel_split_off) -> dict[str, np.ndarray
   of 32, per-key gates drawn as the benchmarks draw them) against the fp32 scan on the same values:
   for XLA chunked ("xla"), ``kernel`` ("split": its default) and ``kernel_split_off`` ("one": its state
   dots with one rounding)."""
-  from lmcore.ops.gated_linear_attention import gated_linear_attention
-
   B, T, H, K = 1, 64, 2, 32
   keys = jax.random.split(jax.random.key(0), 5)
   q, k, v = (jax.random.normal(key, (B, T, H, K)) * scale for key, scale in zip(keys, (K ** -0.5, K ** -0.5, 1)))
@@ -119,7 +120,7 @@ def gated_bf16_gradient_errors(kernel, kernel_split_off) -> dict[str, np.ndarray
                  *(x.astype(jnp.float32) for x in (q, k, v)), gate)
   errors = lambda fn: np.array([relative_l2(g.astype(jnp.float32), w)
                                 for g, w in zip(grads(fn, q, k, v, gate), want)])
-  xla = lambda *a: gated_linear_attention(*a, implementation="chunked", chunk_size=CHUNK)
+  xla = lambda *a: gated_linear_attention(*a, implementation="chunked", tiles=ChunkTiles(CHUNK))
   return {"xla": errors(xla), "split": errors(kernel), "one": errors(kernel_split_off)}
 
 

@@ -19,7 +19,7 @@ from lmcore.numerics import relative_l2
 
 B, T, D = 2, 11, 32
 # V = 2 K (FLA's expand_v) so that a K/V mix-up cannot pass; chunk 4 leaves a partial last chunk.
-CONFIG = GatedDeltaNet.Config(n_heads=2, head_dim=8, expand_v=2.0, chunk_size=4)
+CONFIG = GatedDeltaNet.Config(n_heads=2, head_dim=8, expand_v=2.0, tiles={"chunk": 4})
 FP32_TOL = 1e-5
 
 
@@ -32,7 +32,8 @@ def _full_precision_matmuls():
 
 
 def _mixer(implementation: str = "chunked", dtype=jnp.float32, seed: int = 0) -> GatedDeltaNet:
-  config = GatedDeltaNet.Config(**{**CONFIG.__dict__, "implementation": implementation})
+  tiles = CONFIG.tiles if implementation == "chunked" else None
+  config = GatedDeltaNet.Config(**{**CONFIG.__dict__, "implementation": implementation, "tiles": tiles})
   return GatedDeltaNet(config, d_model=D, dtype=dtype, rngs=nnx.Rngs(seed))
 
 
@@ -141,8 +142,12 @@ def test_state_bytes_counts_recurrent_state_and_conv_windows():
 
 
 def test_invalid_config_raises_with_the_valid_choices():
-  with pytest.raises(ValueError, match="valid: recurrent, chunked, xla"):
+  with pytest.raises(ValueError, match="valid: recurrent, chunked or 'auto'"):
     GatedDeltaNet(GatedDeltaNet.Config(implementation="pallas"), d_model=D, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="ChunkTiles has no field 'chunk_size'; valid: chunk"):
+    GatedDeltaNet.Config(tiles={"chunk_size": 8})
+  with pytest.raises(ValueError, match="'recurrent' has no tiles"):
+    GatedDeltaNet.Config(implementation="recurrent", tiles={"chunk": 8})
   with pytest.raises(ValueError, match="not an integer"):
     GatedDeltaNet(GatedDeltaNet.Config(head_dim=5, expand_v=1.5), d_model=D, rngs=nnx.Rngs(0))
 

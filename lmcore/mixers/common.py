@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lmcore.mixers import flops
 from lmcore.mixers.base import float_bytes
-from lmcore.ops.gated_linear_attention import pallas_triton, resolve_implementation, xla
+from lmcore.ops.common import pallas_utils
+from lmcore.ops.gated_linear_attention import REGISTRY, Problem
 
 
 class HeadRMSNorm(nnx.Module):
@@ -55,22 +55,24 @@ def linear_state_bytes(batch_size: int, n_heads: int, key_dim: int, value_dim: i
   return float_bytes((batch_size, n_heads, key_dim, value_dim), (batch_size, n_heads, key_dim))
 
 
-def linear_attention_flops(implementation: str, chunk_size: int | None, n_heads: int, features: int,
-                           values: int, seq_len: int) -> float:
+def linear_attention_flops(implementation: str, tiles, n_heads: int, features: int, values: int,
+                           seq_len: int) -> float:
   """Sequence-mixing FLOPs per token of ``gated_linear_attention`` over ``n_heads`` heads of key width
-  F = ``features`` and V = ``values`` mixed columns (V + 1 for a normalised form), conventions of
-  ``lmcore.mixers.flops``, "auto" resolved as on a GPU:
+  F = ``features`` and V = ``values`` mixed columns (V + 1 for a normalised form): the count of the
+  backend ``implementation`` resolves to on a GPU (``Backend.flops_per_head``, conventions of
+  ``lmcore.mixers.flops``)."""
+  problem = Problem("gpu", features, values, seq_len)
+  return n_heads * REGISTRY.resolve(implementation, problem).flops_per_head(problem, tiles)
 
-  * ``parallel``: per head 2 · (F + V) · (T + 1) / 2 (the causal half);
-  * ``recurrent``: per head 4 · F · V;
-  * ``chunked`` / ``xla`` / ``pallas``: per head 2 · C' · (F + V) + 4 · F · V with C' = min(C, T),
-    C = ``chunk_size`` or the implementation's default (XLA 64, the Triton kernel 16).
-  """
-  name = flops.on_gpu(resolve_implementation, implementation, key_dim=features, value_dim=values)
-  if name == "parallel":
-    return n_heads * flops.quadratic(features, values, seq_len)
-  if name == "recurrent":
-    return n_heads * flops.recurrent(features, values)
-  default = pallas_triton.CHUNK if name == "pallas" else xla.CHUNK
-  chunk = default if chunk_size is None else chunk_size
-  return n_heads * flops.chunked(features, values, chunk, seq_len)
+
+def check_linear_attention(config, name: str) -> None:
+  """Checks a linear-attention mixer config's ``implementation`` and ``kernel_precision`` and makes its
+  ``tiles`` the named backend's typed tiling (``Registry.tiles``); ``config`` is a frozen dataclass."""
+  REGISTRY.check_name(config.implementation)
+  pallas_utils.check_precision(config.kernel_precision, f"{name} kernel_precision")
+  object.__setattr__(config, "tiles", REGISTRY.tiles(config.implementation, config.tiles, f"{name} tiles"))
+
+
+def decode_tiles(tiles, length: int):
+  """The tiles of a call: none for a one-token call, which runs ``recurrent`` (``implementation_for``)."""
+  return None if length == 1 else tiles

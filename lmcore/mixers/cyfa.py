@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +37,9 @@ from lmcore.ops.gated_linear_attention import LinearAttentionState
 
 from lmcore.ops.gated_linear_attention import gated_linear_attention
 
-from lmcore.ops.common import pallas_utils
 from lmcore.mixers.base import InitSpec, dense
 from lmcore.mixers import flops
-from lmcore.mixers.common import (HeadRMSNorm, implementation_for, linear_attention_flops,
+from lmcore.mixers.common import (HeadRMSNorm, check_linear_attention, decode_tiles, implementation_for, linear_attention_flops,
                                   linear_state_bytes, merge_heads, split_heads)
 
 
@@ -77,14 +76,14 @@ class CyFA(nnx.Module):
     forget_bias_max: float = 4.0
     norm_eps: float = 1e-5
     implementation: str = "chunked"
-    chunk_size: int | None = None  # None: the implementation's default (XLA 64, Pallas 16)
-    kernel_precision: str = "input"  # "pallas" only: "tf32"/"float32" run the kernels in fp32
-    # "pallas" only: the kernels' backward state dots in two bf16 parts (gate gradient within the XLA
-    # path's own bf16 error); False: one rounding, faster (H200: GLA 182M step 5%, CyFA 16%).
+    tiles: Any = None  # the named backend's tiling, e.g. {"chunk": 32}; None: its heuristic
+    kernel_precision: str = "input"  # "pallas_triton" only: "tf32"/"float32" run the kernels in fp32
+    # The kernels' backward state dots in two bf16 parts (the gate gradient within the XLA path's own
+    # bf16 error); False: one rounding, faster.
     kernel_split_state: bool = True
 
     def __post_init__(self):
-      pallas_utils.check_precision(self.kernel_precision, "CyFA kernel_precision")
+      check_linear_attention(self, "CyFA")
 
   def __init__(self, config: Config, *, d_model: int, init: InitSpec, dtype=jnp.float32,
                rngs: nnx.Rngs):
@@ -122,7 +121,7 @@ class CyFA(nnx.Module):
     2 · C' · (d_k + d_v) + 4 · d_k · d_v)."""
     c = self.config
     return flops.dense(self) + linear_attention_flops(
-        c.implementation, c.chunk_size, c.n_heads, c.head_dim, c.v_head_dim, seq_len)
+        c.implementation, c.tiles, c.n_heads, c.head_dim, c.v_head_dim, seq_len)
 
   def gates(self, x_BxTxD: jax.Array) -> CyFAGates:
     """log f, i and the unclipped w, in fp32."""
@@ -147,7 +146,7 @@ class CyFA(nnx.Module):
     gates = self.gates(x_BxTxD)
     o_BxTxHxV, new_state = gated_linear_attention(
         q, self._written_keys(k, gates), v, gates.log_forget, state=state,
-        implementation=implementation_for(c.implementation, T), chunk_size=c.chunk_size,
+        implementation=implementation_for(c.implementation, T), tiles=decode_tiles(c.tiles, T),
         segment_ids=segment_ids_BxT, kernel_precision=c.kernel_precision,
         kernel_split_state=c.kernel_split_state)
     gate = None if self.wg is None else split_heads(self.wg(x_BxTxD), c.n_heads)

@@ -17,45 +17,22 @@ The model card (``lmcore/model_card.py``) sums them over the layers. Conventions
 * Depthwise causal convolutions: 2 · taps · channels (``short_conv``).
 * A normalised form (a denominator sum_j φ(q)·φ(k_j)) mixes V + 1 columns: the ones column the ops
   append to v.
-* "auto" counts as the form it resolves to on a GPU (``on_gpu``), whatever the host: the kernels
-  the paper runs train with.
+* "auto" counts as the backend it resolves to on a GPU, whatever the host: the kernels the papers
+  train with. Each op's backend gives its own count (``Backend.flops_per_head``,
+  ``lmcore.ops.common.flops``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from flax import nnx
 
-from lmcore.ops.common import pallas_utils
+from lmcore.ops.common.flops import chunked, quadratic, recurrent  # noqa: F401  (the forms' counts)
 
 
 def dense(module: nnx.Module) -> float:
   """2 · in · out summed over every ``nnx.Linear`` inside ``module`` (abstract modules too)."""
   return float(sum(2 * m.in_features * m.out_features for _, m in nnx.iter_graph(module)
                    if isinstance(m, nnx.Linear)))
-
-
-def quadratic(score_width: int, value_width: int, seq_len: int) -> float:
-  """One head of a quadratic form over the causal half: 2 · (F + V) · (T + 1) / 2 per token."""
-  return (score_width + value_width) * (seq_len + 1.0)
-
-
-def chunked(features: int, values: int, chunk: int, seq_len: int,
-            score_width: int | None = None) -> float:
-  """One head of a chunked linear form: 2 · C' · (F_s + V) + 4 · F · V per token, C' = min(C, T).
-
-  ``score_width`` F_s is the width the intra-chunk scores are computed at (default ``features``;
-  Taylor attention scores from the raw q · k).
-  """
-  c = min(chunk, seq_len)
-  scores = features if score_width is None else score_width
-  return 2.0 * c * (scores + values) + 4.0 * features * values
-
-
-def recurrent(features: int, values: int) -> float:
-  """One head of a token-by-token recurrence: 4 · F · V per token (write k vᵀ, read Sᵀ q)."""
-  return 4.0 * features * values
 
 
 def sliding_window(key_dim: int, value_dim: int, window: int, seq_len: int) -> float:
@@ -69,9 +46,3 @@ def sliding_window(key_dim: int, value_dim: int, window: int, seq_len: int) -> f
 def short_conv(taps: int, channels: int) -> float:
   """A depthwise causal convolution: 2 · taps · channels per token."""
   return 2.0 * taps * channels
-
-
-def on_gpu(resolve: Callable[..., str], implementation: str | None, **problem) -> str:
-  """``resolve(implementation, **problem)`` as on a GPU host: the name "auto" runs there."""
-  with pallas_utils.assume_backend("gpu"):
-    return resolve(implementation, **problem)

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lmcore.ops.gated_delta_rule import DeltaRuleState, gated_delta_rule, resolve_implementation
+from lmcore.ops.gated_delta_rule import REGISTRY, DeltaRuleState, Problem, gated_delta_rule
 from lmcore.mixers import flops
 from lmcore.mixers.base import InitSpec, dense, float_bytes
 from lmcore.mixers.short_conv import ShortConv
@@ -83,8 +83,12 @@ class GatedDeltaNet(nnx.Module):
     expand_v: float = 1.0
     conv_size: int = 4
     implementation: str = "chunked"
-    chunk_size: int = 64
+    tiles: Any = None  # the named backend's tiling (``chunked``: {"chunk": 64}); None: its heuristic
     norm_eps: float = 1e-5
+
+    def __post_init__(self):
+      REGISTRY.check_name(self.implementation)
+      object.__setattr__(self, "tiles", REGISTRY.tiles(self.implementation, self.tiles, "GatedDeltaNet tiles"))
 
     @property
     def value_dim(self) -> int:
@@ -98,7 +102,6 @@ class GatedDeltaNet(nnx.Module):
 
   def __init__(self, config: Config, *, d_model: int, init: InitSpec = InitSpec(),
                dtype=jnp.float32, rngs: nnx.Rngs):
-    resolve_implementation(config.implementation)  # unknown names raise, listing the valid ones
     self.config, self.dtype = config, dtype
     heads = config.n_heads
     key_width, value_width = heads * config.head_dim, heads * config.value_dim
@@ -140,23 +143,13 @@ class GatedDeltaNet(nnx.Module):
   def flops_per_token(self, seq_len: int) -> float:
     """Forward FLOPs per token (``lmcore.mixers.flops``): the dense kernels, 2 · D · (2 H K + 2 H V
     + 2 H) + 2 · H V · D, the three short convolutions, 2 · W · (2 H K + H V), and per head the
-    gated delta rule of the configured implementation:
-
-    * ``recurrent``: 6 · K · V (kᵀ S, the rank-one write, the read Sᵀ q);
-    * ``chunked`` / ``xla`` (the WY form of ``lmcore/ops/gated_delta_rule/xla.py``), per chunk of
-      C' = min(C, T) tokens: K Kᵀ 2 C'² K; the unit-lower triangular solve for W and U,
-      C'² (K + V) (half a dense C' x C' product on K + V columns); Δ = U - W S 2 C' K V; the state
-      update (K e^(b_C - b))ᵀ Δ 2 C' K V; the read (Q e^b) S 2 C' K V; Q Kᵀ 2 C'² K; the scores
-      times Δ 2 C'² V. Per token: C' · (5 K + 3 V) + 6 · K · V.
-    """
+    gated delta rule of the backend the implementation resolves to on a GPU
+    (``Backend.flops_per_head``: chunked C' · (5 K + 3 V) + 6 · K · V, recurrent 6 · K · V)."""
     c = self.config
-    H, K, V, T = c.n_heads, c.head_dim, c.value_dim, seq_len
+    H, K, V = c.n_heads, c.head_dim, c.value_dim
     convs = flops.short_conv(c.conv_size, H * (2 * K + V))
-    if resolve_implementation(c.implementation) == "recurrent":
-      rule = 6.0 * K * V
-    else:
-      chunk = min(c.chunk_size, T)
-      rule = chunk * (5.0 * K + 3.0 * V) + 6.0 * K * V
+    problem = Problem("gpu", K, V, seq_len)
+    rule = REGISTRY.resolve(c.implementation, problem).flops_per_head(problem, c.tiles)
     return flops.dense(self) + convs + H * rule
 
   def _gates(self, x_BxTxD: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -182,7 +175,7 @@ class GatedDeltaNet(nnx.Module):
     o_BxTxHxV, delta = gated_delta_rule(
         _l2_normalise(q.reshape(per_head)), _l2_normalise(k.reshape(per_head)), v.reshape(per_head),
         log_alpha_BxTxH, beta_BxTxH, implementation=implementation_for(config.implementation, length),
-        state=state.delta, chunk_size=config.chunk_size, segment_ids=segment_ids_BxT)
+        state=state.delta, tiles=config.tiles if length > 1 else None, segment_ids=segment_ids_BxT)
     gate_BxTxHxV = self.g_proj(x_BxTxD).reshape(per_head).astype(jnp.float32)
     o_BxTxHxV = self.o_norm(o_BxTxHxV.astype(jnp.float32)) * jax.nn.silu(gate_BxTxHxV)
     y_BxTxD = self.o_proj(o_BxTxHxV.reshape(batch_size, length, -1).astype(self.dtype))

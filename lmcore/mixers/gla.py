@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,11 +26,10 @@ from lmcore.ops.gated_linear_attention import LinearAttentionState
 
 from lmcore.ops.gated_linear_attention import gated_linear_attention
 
-from lmcore.ops.common import pallas_utils
 from lmcore.mixers.base import InitSpec, dense
 from lmcore.mixers import flops
-from lmcore.mixers.common import (HeadRMSNorm, implementation_for, linear_attention_flops,
-                                  linear_state_bytes, merge_heads, split_heads)
+from lmcore.mixers.common import (HeadRMSNorm, check_linear_attention, decode_tiles, implementation_for,
+                                  linear_attention_flops, linear_state_bytes, merge_heads, split_heads)
 
 
 class GLA(nnx.Module):
@@ -43,10 +43,10 @@ class GLA(nnx.Module):
     gate_low_rank: int = 16
     gate_logit_normalizer: float = 16.0
     implementation: str = "chunked"
-    chunk_size: int | None = None  # None: the implementation's default (XLA 64, Pallas 16)
-    kernel_precision: str = "input"  # "pallas" only: "tf32"/"float32" run the kernels in fp32
-    # "pallas" only: the kernels' backward state dots in two bf16 parts (gate gradient within the XLA
-    # path's own bf16 error); False: one rounding, faster (H200: GLA 182M step 5%, CyFA 16%).
+    tiles: Any = None  # the named backend's tiling, e.g. {"chunk": 32}; None: its heuristic
+    kernel_precision: str = "input"  # "pallas_triton" only: "tf32"/"float32" run the kernels in fp32
+    # The kernels' backward state dots in two bf16 parts (the gate gradient within the XLA path's own
+    # bf16 error); False: one rounding, faster.
     kernel_split_state: bool = True
     # XLA "chunked" only: the backward pass recomputes the op's forward instead of keeping its chunk
     # states and intra-chunk blocks (one more forward of the op for far less memory). Under
@@ -55,7 +55,7 @@ class GLA(nnx.Module):
     norm_eps: float = 1e-5
 
     def __post_init__(self):
-      pallas_utils.check_precision(self.kernel_precision, "GLA kernel_precision")
+      check_linear_attention(self, "GLA")
 
   def __init__(self, config: Config, *, d_model: int, init: InitSpec, dtype=jnp.float32,
                rngs: nnx.Rngs):
@@ -83,11 +83,10 @@ class GLA(nnx.Module):
   def flops_per_token(self, seq_len: int) -> float:
     """Forward FLOPs per token (``lmcore.mixers.flops``): the dense kernels, 2 · D · (2 expand_k D
     + 2 expand_v D + r) + 2 · r · expand_k D + 2 · expand_v D · D, plus the gated op per head at
-    F = d_k, V = d_v for the configured implementation (``linear_attention_flops``: chunked
-    2 · C' · (d_k + d_v) + 4 · d_k · d_v)."""
+    F = d_k, V = d_v (``linear_attention_flops``: chunked 2 · C' · (d_k + d_v) + 4 · d_k · d_v)."""
     c = self.config
     return flops.dense(self) + linear_attention_flops(
-        c.implementation, c.chunk_size, c.n_heads, self.head_k_dim, self.head_v_dim, seq_len)
+        c.implementation, c.tiles, c.n_heads, self.head_k_dim, self.head_v_dim, seq_len)
 
   def log_forget(self, x_BxTxD: jax.Array) -> jax.Array:
     """log α [B, T, H, d_k], fp32: logsigmoid of the low-rank gate over the normaliser."""
@@ -102,7 +101,7 @@ class GLA(nnx.Module):
     o_BxTxHxV, new_state = gated_linear_attention(
         q, k, v, self.log_forget(x_BxTxD), state=state, scale=self.head_k_dim**-0.5,
         implementation=implementation_for(self.config.implementation, T),
-        chunk_size=self.config.chunk_size, segment_ids=segment_ids_BxT,
+        tiles=decode_tiles(self.config.tiles, T), segment_ids=segment_ids_BxT,
         kernel_precision=self.config.kernel_precision, kernel_split_state=self.config.kernel_split_state,
         chunked_remat=self.config.chunked_remat)
     y_BxTxD = self.wo(merge_heads(self.norm(o_BxTxHxV, g)))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,12 +28,11 @@ from lmcore.ops.gated_linear_attention import LinearAttentionState
 
 from lmcore.ops.gated_linear_attention import gated_linear_attention
 
-from lmcore.ops.common import pallas_utils
 from lmcore.ops.common.segments import document_index
 from lmcore.mixers.base import InitSpec, dense, float_bytes
 from lmcore.ops.common.layout import default_positions
 from lmcore.mixers import flops
-from lmcore.mixers.common import (implementation_for, linear_attention_flops, linear_state_bytes,
+from lmcore.mixers.common import (check_linear_attention, decode_tiles, implementation_for, linear_attention_flops, linear_state_bytes,
                                   merge_heads, split_heads)
 
 
@@ -44,12 +43,12 @@ class LinearAttentionConfig:
   n_heads: int = 12
   head_dim: int = 64
   implementation: str = "chunked"
-  chunk_size: int | None = None  # None: the implementation's default (XLA 64, Pallas 16)
-  kernel_precision: str = "input"  # "pallas" only: "tf32"/"float32" run the kernels in fp32
+  tiles: Any = None  # the named backend's tiling, e.g. {"chunk": 32}; None: its heuristic
+  kernel_precision: str = "input"  # "pallas_triton" only: "tf32"/"float32" run the kernels in fp32
   eps: float = 1e-6
 
   def __post_init__(self):
-    pallas_utils.check_precision(self.kernel_precision, "linear attention kernel_precision")
+    check_linear_attention(self, "linear attention")
 
 
 class _NormalisedLinearAttention(nnx.Module):
@@ -75,7 +74,7 @@ class _NormalisedLinearAttention(nnx.Module):
     2 · C' · (F + d + 1) + 4 · F · (d + 1)); the feature maps are elementwise."""
     c = self.config
     return flops.dense(self) + linear_attention_flops(
-        c.implementation, c.chunk_size, c.n_heads, self.feature_width(), c.head_dim + 1, seq_len)
+        c.implementation, c.tiles, c.n_heads, self.feature_width(), c.head_dim + 1, seq_len)
 
   def _project(self, x_BxTxD):
     H = self.config.n_heads
@@ -88,7 +87,8 @@ class _NormalisedLinearAttention(nnx.Module):
     o_BxTxHxd, new_state = gated_linear_attention(
         phi_q.astype(v.dtype), phi_k.astype(v.dtype), v, log_forget, state=state,
         normalize=True, eps=c.eps, implementation=implementation_for(c.implementation, v.shape[1]),
-        chunk_size=c.chunk_size, segment_ids=segment_ids_BxT, kernel_precision=c.kernel_precision)
+        tiles=decode_tiles(c.tiles, v.shape[1]), segment_ids=segment_ids_BxT,
+        kernel_precision=c.kernel_precision)
     return self.wo(merge_heads(o_BxTxHxd)).astype(x_BxTxD.dtype), new_state
 
 

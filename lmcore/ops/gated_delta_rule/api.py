@@ -7,46 +7,34 @@ Per head, with the fp32 state S_t in R^{K x V}:
 alpha_t = exp(log_alpha_t) in (0, 1], beta_t in (0, 1), scale = K^-1/2 unless given. The caller
 L2-normalises q and k (FLA does the same in-kernel with ``use_qk_l2norm_in_kernel``).
 
-Implementations (all compute the same function; tests/ops/gated_delta_rule proves it):
-  * ``recurrent``: ``lax.scan`` over tokens in fp32 (reference.py);
-  * ``chunked`` / ``xla``: the WY / UT transform per chunk, ``lax.scan`` over chunks (xla.py);
-  * ``auto`` (or None): ``chunked`` on every backend (``resolve_implementation``).
+Backends (``REGISTRY``; all compute the same function, tests/ops/gated_delta_rule proves it):
+  * ``recurrent``: ``lax.scan`` over tokens in fp32 (reference.py); the decode path;
+  * ``chunked``: the WY / UT transform per chunk, ``lax.scan`` over chunks (xla.py; ``ChunkTiles``);
+  * ``auto`` (or None): ``chunked`` on every platform.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-from lmcore.ops.common import implementations
+from lmcore.ops.common import pallas_utils
+from lmcore.ops.common.backend import ChunkTiles, Registry
 from lmcore.ops.gated_delta_rule import reference
 from lmcore.ops.gated_delta_rule import xla
-from lmcore.ops.gated_delta_rule.base import CHUNK, OP, DeltaRuleState, check_shapes
+from lmcore.ops.gated_delta_rule.base import OP, DeltaRuleState, Problem, check_shapes
 
-Implementation = Literal["recurrent", "chunked", "xla"]
+Implementation = Literal["recurrent", "chunked", "auto"]
 
-# Each backend has base.py's contract; the chunked one also takes ``chunk_size``.
-IMPLEMENTATIONS: dict[str, Callable] = {
-    "recurrent": reference.recurrent,
-    "chunked": xla.chunked,
-    "xla": xla.chunked,
-}
-
-
-def resolve_implementation(implementation: str | None, **problem) -> str:
-  """"auto" and None: "chunked" (the fastest here, on every backend); a name of
-  ``IMPLEMENTATIONS`` as is; anything else a ValueError. ``problem`` is not read."""
-  del problem
-  return implementations.resolve(OP, implementation, IMPLEMENTATIONS, lambda: "chunked")
+REGISTRY = Registry(OP, {"recurrent": reference.Recurrent(), "chunked": xla.Chunked()},
+                    auto={"gpu": ("chunked",), "tpu": ("chunked",), "cpu": ("chunked",)})
 
 
 def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, log_alpha: jax.Array,
-                     beta: jax.Array, *,
-                     implementation: Implementation | Literal["auto"] | None = "chunked",
-                     state: DeltaRuleState | None = None, chunk_size: int = CHUNK,
+                     beta: jax.Array, *, implementation: Implementation | None = "chunked",
+                     state: DeltaRuleState | None = None, tiles: ChunkTiles | None = None,
                      scale: float | None = None,
                      segment_ids: jax.Array | None = None) -> tuple[jax.Array, DeltaRuleState]:
   """Gated delta rule over a sequence; returns (o [B, T, H, V] in q's dtype, final DeltaRuleState).
@@ -56,22 +44,22 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, log_alpha: jax.Ar
     v: [B, T, H, V].
     log_alpha: [B, T, H], log of the decay, <= 0 (accumulated in fp32).
     beta: [B, T, H], the write strength in (0, 1).
-    implementation: a name of ``IMPLEMENTATIONS``; "auto" or None picks ``chunked``
-      (``resolve_implementation``).
+    implementation: a name of ``REGISTRY``, or "auto" / None.
     state: the state before the first token; None means zeros (start of a sequence).
-    chunk_size: tokens per chunk of the chunked form (``min(chunk_size, T)`` is used).
+    tiles: the backend's tiling (``chunked``: ``ChunkTiles``, ``min(chunk, T)`` is used); None: its
+      heuristic.
     scale: read-out scale, default K^-1/2.
     segment_ids: optional int [B, T]; where the id changes between consecutive tokens the state is
       reset to zero (packed documents, MATH §6.4). The incoming ``state`` belongs to the first
       token's segment.
   """
   check_shapes(q, k, v, log_alpha, beta, state, segment_ids)
-  implementation = resolve_implementation(implementation)
-  batch_size, _, n_heads, key_dim = q.shape
+  batch_size, length, n_heads, key_dim = q.shape
+  problem = Problem(pallas_utils.backend(), key_dim, v.shape[-1], length)
+  backend = REGISTRY.resolve(implementation, problem)
   if state is None:
     state = DeltaRuleState.zeros(batch_size, n_heads, key_dim, v.shape[-1])
   scale = key_dim**-0.5 if scale is None else scale
-  options = {"chunk_size": chunk_size} if implementation != "recurrent" else {}
-  o, S = IMPLEMENTATIONS[implementation](q, k, v, log_alpha, beta, state.S.astype(jnp.float32),
-                                         scale=scale, segment_ids_BxT=segment_ids, **options)
+  o, S = backend(q, k, v, log_alpha, beta, state.S.astype(jnp.float32), scale=scale,
+                 segment_ids_BxT=segment_ids, tiles=backend.config(problem, tiles))
   return o.astype(q.dtype), DeltaRuleState(S)

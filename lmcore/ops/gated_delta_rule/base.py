@@ -2,11 +2,13 @@
 Imported by every backend; imports no backend.
 
 The backend contract: ``backend(q, k, v, log_alpha_BxTxH, beta_BxTxH, S0_BxHxKxV, *, scale,
-segment_ids_BxT, **options) -> (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32)``.
+segment_ids_BxT, tiles) -> (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32)``, ``tiles`` the backend's
+tiling (``lmcore.ops.common.backend``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -14,6 +16,20 @@ import jax.numpy as jnp
 
 OP = "gated_delta_rule"
 CHUNK = 64  # tokens per chunk of the chunked form
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """What decides the backend and its FLOP count: the platform, the head widths K x V and the
+  length T (None: not known)."""
+
+  platform: str
+  key_dim: int = 0
+  value_dim: int = 0
+  length: int | None = None
+
+  def describe(self) -> str:
+    return f"heads of {self.key_dim} x {self.value_dim} on {self.platform}"
 
 
 class DeltaRuleState(NamedTuple):

@@ -16,7 +16,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from lmcore.ops.common.backend import Backend
 from lmcore.ops.common.segments import document_starts
+from lmcore.ops.gated_delta_rule.base import Problem
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -53,3 +55,15 @@ def recurrent(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxV: jax.Array,
         time_major(log_alpha_BxTxH), time_major(beta_BxTxH), jnp.moveaxis(resets_BxT, 1, 0))
   S_BxHxKxV, o_TxBxHxV = jax.lax.scan(functools.partial(_step, scale=scale), S0_BxHxKxV, xs)
   return jnp.moveaxis(o_TxBxHxV, 0, 1), S_BxHxKxV
+
+
+class Recurrent(Backend[None]):
+  """``recurrent`` as a backend: any platform; the decode path."""
+
+  def flops_per_head(self, problem: Problem, tiles=None) -> float:
+    """kᵀ S, the rank-one write and the read Sᵀ q: 6 · K · V per token."""
+    return 6.0 * problem.key_dim * problem.value_dim
+
+  def __call__(self, q, k, v, log_alpha, beta, S0, *, scale: float, segment_ids_BxT, tiles=None):
+    del tiles
+    return recurrent(q, k, v, log_alpha, beta, S0, scale=scale, segment_ids_BxT=segment_ids_BxT)

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
 from lmcore.ops.common.segments import document_index
-from lmcore.ops.gated_delta_rule.base import CHUNK, check_chunk_size
+from lmcore.ops.common.backend import Backend, ChunkTiles
+from lmcore.ops.gated_delta_rule.base import CHUNK, Problem, check_chunk_size
 
 
 def _dot(spec: str, *operands: jax.Array) -> jax.Array:
@@ -150,3 +151,27 @@ def chunked(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxV: jax.Array,
   o_BxNxCxHxV = jnp.moveaxis(jnp.swapaxes(o_NxBxHxCxV, 2, 3), 0, 1)
   o_BxTxHxV = o_BxNxCxHxV.reshape(batch_size, -1, *o_BxNxCxHxV.shape[3:])
   return o_BxTxHxV[:, :length], S_BxHxKxV
+
+
+class Chunked(Backend[ChunkTiles]):
+  """``chunked`` as a backend: any platform, chunks of ``ChunkTiles.chunk`` tokens."""
+
+  tiles_type = ChunkTiles
+
+  def heuristic_config(self, problem: Problem) -> ChunkTiles:
+    del problem
+    return ChunkTiles(CHUNK)
+
+  def flops_per_head(self, problem: Problem, tiles: ChunkTiles | None = None) -> float:
+    """Per chunk of C' = min(C, T) tokens: K Kᵀ 2 C'² K; the unit-lower triangular solve for W and U,
+    C'² (K + V); Δ = U - W S 2 C' K V; the state update 2 C' K V; the read 2 C' K V; Q Kᵀ 2 C'² K; the
+    scores times Δ 2 C'² V. Per token: C' · (5 K + 3 V) + 6 · K · V (T unknown: C' = C)."""
+    K, V = problem.key_dim, problem.value_dim
+    chunk = self.config(problem, tiles).chunk
+    if problem.length:
+      chunk = min(chunk, problem.length)
+    return chunk * (5.0 * K + 3.0 * V) + 6.0 * K * V
+
+  def __call__(self, q, k, v, log_alpha, beta, S0, *, scale: float, segment_ids_BxT, tiles: ChunkTiles):
+    return chunked(q, k, v, log_alpha, beta, S0, scale=scale, segment_ids_BxT=segment_ids_BxT,
+                   chunk_size=tiles.chunk)

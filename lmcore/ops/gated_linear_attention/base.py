@@ -1,13 +1,15 @@
 """Gated linear attention (MATH §3, §4): the state, the argument checks and the wrapper every chunked
 form runs in (``run_backend``). Imported by every backend; imports no backend.
 
-The backend contract: ``backend(q, k, v, g_BxTxHxG, S0_BxHxKxV, *, scale, doc_BxT, **options) ->
-(o [B, T, H, V] fp32, S_T [B, H, K, V] fp32)``, with G = 1 (a scalar gate per head) or K (per key
-channel) and ``doc_BxT`` the document index of ``lmcore.ops.common.segments.document_index``.
+The backend contract: ``backend(q, k, v, g_BxTxHxG, S0_BxHxKxV, *, scale, doc_BxT, tiles, options)
+-> (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32)``, with G = 1 (a scalar gate per head) or K (per key
+channel), ``doc_BxT`` the document index of ``lmcore.ops.common.segments.document_index``, ``tiles``
+the backend's tiling (``lmcore.ops.common.backend``) and ``options`` the ``Options`` it reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -16,6 +18,35 @@ import jax.numpy as jnp
 from lmcore.ops.common.segments import document_index
 
 OP = "gated_linear_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """What decides the backend and its FLOP count: the platform, the kernel's head widths K x V (V + 1
+  for a normalised form: the ones column) and the length T (None: not known)."""
+
+  platform: str
+  key_dim: int = 0
+  value_dim: int = 0
+  length: int | None = None
+
+  def describe(self) -> str:
+    return f"heads of {self.key_dim} x {self.value_dim} on {self.platform}"
+
+
+class Options(NamedTuple):
+  """The options a backend may read besides its tiling.
+
+  precision: the GPU kernel's dot operands, "input" (the inputs' dtype), "tf32" or "float32"
+    (``pallas_utils.PRECISIONS``); the TPU kernel takes "input" only, the XLA forms ignore it.
+  split_state: the kernels' backward takes its state dots' fp32 operands as two parts in the inputs'
+    dtype (``pallas_utils.split_dot``); False: one rounding.
+  remat: ``chunked``'s backward recomputes the forward from the inputs (``xla.chunked``).
+  """
+
+  precision: str = "input"
+  split_state: bool = True
+  remat: bool = True
 
 
 class LinearAttentionState(NamedTuple):
@@ -87,3 +118,14 @@ def run_backend(backend, q: jax.Array, k: jax.Array, v: jax.Array, log_forget: j
     return o.astype(out_dtype), LinearAttentionState(S, jnp.zeros_like(state.z, jnp.float32))
   o = o[..., :value_dim] / (o[..., value_dim:] + eps)
   return o.astype(out_dtype), LinearAttentionState(S[..., :value_dim], S[..., value_dim])
+
+
+# The kernels' arguments by name and each one's leading dimensions, for their shard_map
+# (``lmcore.ops.common.shard_map.run_sharded``); outputs: o "BTH", S "BH".
+KERNEL_LAYOUTS = dict(q_BxTxHxK="BTH", k_BxTxHxK="BTH", v_BxTxHxV="BTH", g_BxTxHxG="BTH",
+                      S0_BxHxKxV="BH", doc_BxT="B")
+
+
+def kernel_inputs(q, k, v, g, S0, doc_BxT) -> dict:
+  """A backend's arrays by the kernels' argument names (``KERNEL_LAYOUTS``)."""
+  return dict(zip(KERNEL_LAYOUTS, (q, k, v, g, S0, doc_BxT)))

@@ -37,6 +37,7 @@ dB. With several value tiles the dq, dk of each tile are partial sums added outs
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, NamedTuple
@@ -46,10 +47,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from lmcore.ops.common import flops, shard_map
 from lmcore.ops.common import pallas_utils as pu
+from lmcore.ops.common.backend import MOSAIC_TPU, Backend, check_power_of_two
 from lmcore.ops.common.layout import heads_first
 from lmcore.ops.common.segments import ChunkDocuments, chunk_documents
-from lmcore.ops.gated_linear_attention.base import LinearAttentionState, check_shapes, run_backend
+from lmcore.ops.gated_linear_attention.base import (KERNEL_LAYOUTS, LinearAttentionState, Options, Problem,
+                                                    check_shapes, kernel_inputs, run_backend)
 
 LANES, SUBLANES = pu.TPU_LANES, pu.TPU_SUBLANES
 SUB_CHUNK = 16
@@ -529,3 +533,44 @@ def gated_linear_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array,
   backend = functools.partial(chunked, chunk_size=chunk_size, interpret=interpret, **tuning)
   return run_backend(backend, q, k, v, log_forget, state, normalize=normalize, eps=eps,
                      scale=scale, segment_ids=segment_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTiles:
+  """``chunk`` tokens per chunk (at least 128 when compiled), ``sub_chunk`` tokens per diagonal block
+  (per-key-channel gates), ``block_v`` value columns per grid step (a multiple of 128 when compiled)."""
+
+  chunk: int = 64
+  sub_chunk: int = SUB_CHUNK
+  block_v: int = LANES
+
+  def __post_init__(self):
+    check_power_of_two("gated_linear_attention tiles", chunk=self.chunk, sub_chunk=self.sub_chunk,
+                       block_v=self.block_v)
+
+
+class PallasMosaicTpu(Backend[MosaicTiles]):
+  """The Mosaic TPU kernels as a backend (named, not "auto": no TPU has timed them), each device of the
+  mesh in context on its own rows and heads (``shard_map.run_sharded``)."""
+
+  platforms = MOSAIC_TPU
+  tiles_type = MosaicTiles
+
+  def heuristic_config(self, problem: Problem) -> MosaicTiles:
+    del problem
+    return MosaicTiles()
+
+  def flops_per_head(self, problem: Problem, tiles: MosaicTiles | None = None) -> float:
+    chunk = self.config(problem, tiles).chunk
+    if problem.platform == "tpu":
+      chunk = max(chunk, LANES)
+    return flops.chunked(problem.key_dim, problem.value_dim, chunk, problem.length or chunk)
+
+  def __call__(self, q, k, v, g, S0, *, scale: float, doc_BxT, tiles: MosaicTiles, options: Options):
+    if options.precision != "input":
+      raise ValueError(f"gated_linear_attention: kernel_precision={options.precision!r} is for the GPU "
+                       "kernels; the TPU kernels compute in the inputs' dtype (pass fp32 inputs for fp32)")
+    kernel = functools.partial(chunked, scale=scale, chunk_size=tiles.chunk, sub_chunk=tiles.sub_chunk,
+                               block_v=tiles.block_v, split=options.split_state)
+    return shard_map.run_sharded(kernel, kernel_inputs(q, k, v, g, S0, doc_BxT), KERNEL_LAYOUTS,
+                                 ("BTH", "BH"))

@@ -37,18 +37,13 @@ dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ S_T ⊙ dS_T summed over values at t = T) 
 cumulative sum of dB. With several value tiles each program returns partial dq, dk (sums over
 values) that are added outside.
 
-Defaults are the best measured on an H200 (B·T = 16384, H = 12, K = V = 64, per-channel gates,
-bf16, fwd+bwd ms at T = 2048 / 8192 / 32768; docs/BENCHMARKS.md): chunk 16, 8 warps,
-sub-chunk 16, the Pallas chunk scan; with one bf16 rounding in the state dots: 2.05 / 1.96 / 3.41
-(XLA chunked 5.50 / 6.85 / 11.99; FLA's chunk_gla 2.62 / 2.60 / 4.22); in two parts 2.07 at 2048 and
-3.85 at 32768 (one rounding 1.90 / 3.39 in the same process). With the scan's first tiles, chunk 32
-was 2.00 / 2.02 / 4.09 against chunk 16's 1.99 / 1.93 / 3.97; with XLA's associative scan, chunk 32
-2.36 / 2.28 / 4.20, chunk 16 2.47 / 2.25 / 4.31. Earlier (XLA scan): chunk 64 4.86 / 4.80 at 8
-warps, 10.36 / 10.49 / 20.19 at 4; sub-chunk 32 or 64: 15-21 at T = 8192.
+Default tiles (``TritonTiles``) are the fastest measured (docs/BENCHMARKS.md, gated linear attention
+kernel tiles).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -56,19 +51,18 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lmcore.ops.common import chunk_scan
+from lmcore.ops.common import chunk_scan, flops, shard_map
 from lmcore.ops.common import pallas_utils as pu
-from lmcore.ops.gated_linear_attention.base import (LinearAttentionState, check_chunk_size,
+from lmcore.ops.common.backend import TRITON, Backend, check_power_of_two
+from lmcore.ops.gated_linear_attention.base import (KERNEL_LAYOUTS, LinearAttentionState, Options, Problem,
+                                                    check_chunk_size, kernel_inputs,
                                                     check_shapes, run_backend)
 
-# Chunk and sub-chunk (with 8 warps): the best measured on an H200, see the module docstring.
 CHUNK = 16
 SUB_CHUNK = 16
-# The backward's state dots take their fp32 operands as two bf16 parts (``pallas_utils.split_dot``):
-# H200, bf16, T = 1000, B = 2, against fp32 XLA: the gate gradient's error 5.7e-3 -> 1.7e-3 (XLA
-# chunked in bf16: 3.3e-3), the others' 3.3-3.7e-3 -> 2.3-2.4e-3; fwd+bwd 1.90 -> 2.07 ms at 8 x 2048
-# and 3.39 -> 3.85 at 1 x 32768 (docs/BENCHMARKS.md).
-SPLIT = True
+# The widest heads "auto" gives these kernels: past them XLA "chunked" was faster
+# (docs/BENCHMARKS.md, gated linear attention heads).
+MAX_KEY, MAX_VALUE = 128, 256
 _F32 = jnp.float32
 
 
@@ -423,7 +417,7 @@ _gla.defvjp(_gla_fwd, _gla_bwd)
 def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: float, doc_BxT,
             chunk_size: int = CHUNK, interpret: bool | None = None, block_v: int = 64,
             sub_chunk: int = SUB_CHUNK, num_warps: int = 8, num_stages: int = 2,
-            scan: str = "pallas", precision: str = "input", split: bool = SPLIT):
+            scan: str = "pallas", precision: str = "input", split: bool = True):
   """The Pallas backend with xla.chunked's contract: (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32).
 
   Pads T to whole chunks and K, V to power-of-two blocks (zeros: they leave state and outputs
@@ -482,3 +476,47 @@ def gated_linear_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array,
   return run_backend(backend, q, k, v, log_forget, state, normalize=normalize, eps=eps,
                      scale=scale, segment_ids=segment_ids,
                      out_dtype=pu.output_dtype(q.dtype, precision))
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonTiles:
+  """``chunk`` tokens per chunk, ``sub_chunk`` tokens per diagonal block (per-key-channel gates),
+  ``block_v`` value columns per program (powers of two, >= 16 when compiled), Triton warps and
+  pipeline stages."""
+
+  chunk: int = CHUNK
+  sub_chunk: int = SUB_CHUNK
+  block_v: int = 64
+  num_warps: int = 8
+  num_stages: int = 2
+
+  def __post_init__(self):
+    check_power_of_two("gated_linear_attention tiles", chunk=self.chunk, sub_chunk=self.sub_chunk,
+                       block_v=self.block_v)
+
+
+class PallasTriton(Backend[TritonTiles]):
+  """The Triton kernels as a backend, each device of the mesh in context on its own rows and heads
+  (``shard_map.run_sharded``)."""
+
+  platforms = TRITON
+  tiles_type = TritonTiles
+
+  def preferred(self, problem: Problem) -> bool:
+    return problem.key_dim <= MAX_KEY and problem.value_dim <= MAX_VALUE
+
+  def heuristic_config(self, problem: Problem) -> TritonTiles:
+    del problem
+    return TritonTiles()
+
+  def flops_per_head(self, problem: Problem, tiles: TritonTiles | None = None) -> float:
+    chunk = self.config(problem, tiles).chunk
+    return flops.chunked(problem.key_dim, problem.value_dim, chunk, problem.length or chunk)
+
+  def __call__(self, q, k, v, g, S0, *, scale: float, doc_BxT, tiles: TritonTiles, options: Options):
+    kernel = functools.partial(chunked, scale=scale, chunk_size=tiles.chunk, sub_chunk=tiles.sub_chunk,
+                               block_v=tiles.block_v, num_warps=tiles.num_warps,
+                               num_stages=tiles.num_stages, precision=options.precision,
+                               split=options.split_state)
+    return shard_map.run_sharded(kernel, kernel_inputs(q, k, v, g, S0, doc_BxT), KERNEL_LAYOUTS,
+                                 ("BTH", "BH"))

@@ -15,6 +15,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from lmcore.ops.common import flops
+from lmcore.ops.common.backend import Backend
+from lmcore.ops.gated_linear_attention.base import Options, Problem
+
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -83,3 +87,25 @@ def _final_state(k_BxTxHxK, v_BxTxHxV, b_BxTxHxG, S0_BxHxKxV, doc_BxT):
   keeps_Bx1x1x1 = (last_doc_Bx1 == 0)[:, :, None, None]
   decay_BxHxGx1 = jnp.where(keeps_Bx1x1x1, jnp.exp(b_end_Bx1xHxG[:, 0])[..., None], 0.0)
   return decay_BxHxGx1 * S0_BxHxKxV + writes_BxHxKxV
+
+
+class Recurrent(Backend[None]):
+  """``recurrent`` as a backend: any platform; the decode path."""
+
+  def flops_per_head(self, problem: Problem, tiles=None) -> float:
+    return flops.recurrent(problem.key_dim, problem.value_dim)
+
+  def __call__(self, q, k, v, g, S0, *, scale: float, doc_BxT, tiles=None, options: Options = Options()):
+    del tiles, options
+    return recurrent(q, k, v, g, S0, scale=scale, doc_BxT=doc_BxT)
+
+
+class Parallel(Backend[None]):
+  """``parallel`` as a backend: any platform; the T x T form (tests)."""
+
+  def flops_per_head(self, problem: Problem, tiles=None) -> float:
+    return flops.quadratic(problem.key_dim, problem.value_dim, problem.length or 1)
+
+  def __call__(self, q, k, v, g, S0, *, scale: float, doc_BxT, tiles=None, options: Options = Options()):
+    del tiles, options
+    return parallel(q, k, v, g, S0, scale=scale, doc_BxT=doc_BxT)

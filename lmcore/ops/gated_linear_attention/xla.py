@@ -30,11 +30,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lmcore.ops.gated_linear_attention.base import check_chunk_size
+from lmcore.ops.common import flops
+from lmcore.ops.common.backend import Backend, ChunkTiles
+from lmcore.ops.gated_linear_attention.base import Options, Problem, check_chunk_size
 
-# The measured-good chunk: fwd+bwd 5.55 / 7.39 / 12.21 ms on an H200 at T = 2048 / 8192 / 32768
-# (B·T = 16384, H = 12, K = V = 64, per-channel gates, bf16).
-CHUNK = 64
+CHUNK = 64  # the fastest chunk measured (docs/BENCHMARKS.md, gated linear attention)
 SUB_CHUNK = 16
 
 
@@ -171,3 +171,21 @@ def _chunked_core(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, doc_Bx
                          S_start_BxHxNxKxV.astype(q.dtype))
   o_BxHxTxV = (o_intra + o_inter).reshape(B, H, N * C, V)[:, :, :T]
   return jnp.moveaxis(o_BxHxTxV, 1, 2), S_end_BxHxKxV
+
+
+class Chunked(Backend[ChunkTiles]):
+  """``chunked`` as a backend: any platform, chunks of ``ChunkTiles.chunk`` tokens (a power of two)."""
+
+  tiles_type = ChunkTiles
+
+  def heuristic_config(self, problem: Problem) -> ChunkTiles:
+    del problem
+    return ChunkTiles(CHUNK)
+
+  def flops_per_head(self, problem: Problem, tiles: ChunkTiles | None = None) -> float:
+    chunk = self.config(problem, tiles).chunk
+    return flops.chunked(problem.key_dim, problem.value_dim, chunk, problem.length or chunk)
+
+  def __call__(self, q, k, v, g, S0, *, scale: float, doc_BxT, tiles: ChunkTiles, options: Options):
+    return chunked(q, k, v, g, S0, scale=scale, doc_BxT=doc_BxT, chunk_size=tiles.chunk,
+                   remat=options.remat)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lmcore.ops.common.backend import ChunkTiles
 from lmcore.ops.gated_delta_rule import DeltaRuleState, gated_delta_rule
 from lmcore.numerics import relative_l2
 
@@ -50,7 +51,8 @@ def outputs_and_grads(inputs, segment_ids=None, *, implementation: str, chunk_si
   def loss(args):
     q, k, v, log_alpha, beta, S0 = args
     o, state = gated_delta_rule(q, k, v, log_alpha, beta, implementation=implementation,
-                                state=DeltaRuleState(S0), chunk_size=chunk_size,
+                                state=DeltaRuleState(S0),
+                                tiles=ChunkTiles(chunk_size) if implementation == "chunked" else None,
                                 segment_ids=segment_ids)
     return jnp.sum(o * inputs["do"]) + jnp.sum(state.S * inputs["dS"]), (o, state.S)
 

@@ -10,7 +10,7 @@ from lmcore.ops.gated_delta_rule import gated_delta_rule
 
 from .test_base import ARG_NAMES, GatedDeltaRuleTestBase, assert_close, gdr_inputs, outputs_and_grads
 
-_forward = jax.jit(gated_delta_rule, static_argnames=("implementation", "chunk_size"))
+_forward = jax.jit(gated_delta_rule, static_argnames=("implementation", "tiles"))
 
 
 class TestChunked(GatedDeltaRuleTestBase):

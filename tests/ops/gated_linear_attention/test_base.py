@@ -15,7 +15,7 @@ import pytest
 
 from kernel_cases import gated_inputs, normal
 from lmcore.numerics import relative_l2
-from lmcore.ops.gated_linear_attention import LinearAttentionState, gated_linear_attention
+from lmcore.ops.gated_linear_attention import REGISTRY, LinearAttentionState, gated_linear_attention
 
 CHUNK = 16
 RTOL = 1e-5
@@ -90,20 +90,25 @@ def numpy_recurrence(q, k, v, log_forget, state, normalize, eps=1e-6, scale=1.0)
 def _reference_run(implementation, T, gate, normalize, with_state):
   """``outputs_and_grads`` of ``implementation`` on ``gla_inputs(T, T, ...)``, computed once."""
   inputs = gla_inputs(T, T, gate, normalize, with_state=with_state)
-  op = functools.partial(gated_linear_attention, implementation=implementation, chunk_size=CHUNK)
+  op = functools.partial(gated_linear_attention, implementation=implementation)
   return outputs_and_grads(op, *inputs, normalize)
 
 
 class GatedLinearAttentionTestBase:
-  """Subclasses set ``implementation`` (and override ``op`` for a backend's own entry point)."""
+  """Subclasses set ``implementation`` (and override ``op`` for a backend's own entry point, which
+  takes ``chunk_size``)."""
 
   implementation: str
   reference_implementation = "recurrent"  # the form every case is compared with
   compiler_options = None
 
-  def op(self, **options):
-    """The function under test, with ``gated_linear_attention``'s signature."""
-    return functools.partial(gated_linear_attention, implementation=self.implementation, **options)
+  def op(self, chunk_size: int = CHUNK, **options):
+    """The function under test, with ``gated_linear_attention``'s signature, at chunks of ``chunk_size``
+    (backends with tiles)."""
+    tiled = REGISTRY.backends[self.implementation].tiles_type is not None
+    tiles = REGISTRY.tiles(self.implementation, {"chunk": chunk_size}, "test") if tiled else None
+    return functools.partial(gated_linear_attention, implementation=self.implementation, tiles=tiles,
+                             **options)
 
   @pytest.mark.parametrize("T,gate,normalize,with_state", [
       (1, "channel", False, True),

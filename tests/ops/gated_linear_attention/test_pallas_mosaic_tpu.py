@@ -30,10 +30,11 @@ from .test_base import GatedLinearAttentionTestBase
 class TestPallasMosaicTpu(GatedLinearAttentionTestBase):
   """The shared checks on ``pallas_mosaic_tpu.gated_linear_attention_tpu``, interpreted."""
 
-  implementation = "pallas"
+  implementation = "pallas_tpu"
 
-  def op(self, **options):
-    return functools.partial(pallas_tpu.gated_linear_attention_tpu, interpret=True, **options)
+  def op(self, chunk_size: int = 16, **options):
+    return functools.partial(pallas_tpu.gated_linear_attention_tpu, chunk_size=chunk_size, interpret=True,
+                             **options)
 
 
 def _inputs(seed, T, gate, normalize, *, with_state, B=2, H=2, K=8, V=5):
@@ -83,10 +84,10 @@ def _loss(implementation, **options):
 
 @pytest.mark.parametrize("gate_shape", ["head", "channel"])
 def test_pallas_implementation_lowers_to_mosaic_for_a_tpu_with_bfloat16_inputs(gate_shape):
-  """On a TPU, implementation='pallas' picks these kernels, and the forward, dq and dk/dv kernels
+  """On a TPU, implementation='pallas_tpu' picks these kernels, and the forward, dq and dk/dv kernels
   pass the Pallas TPU lowering ((8, 128) block shapes, supported primitives) for an abstract TPU.
   Mosaic's layout passes and compilation run in libtpu and are not checked here."""
-  grad = jax.grad(_loss("pallas", chunk_size=64), argnums=(0, 1, 2, 3))
+  grad = jax.grad(_loss("pallas_tpu"), argnums=(0, 1, 2, 3))
   lowered = pallas_utils.lower_for_tpu(grad, *gated_abstract_inputs(gate_shape))
   assert lowered.as_text().count("tpu_custom_call") == 3
 

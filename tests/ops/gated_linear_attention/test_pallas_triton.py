@@ -27,11 +27,11 @@ from .test_base import GatedLinearAttentionTestBase
 class TestPallasTriton(GatedLinearAttentionTestBase):
   """The shared checks on ``pallas_triton.gated_linear_attention_pallas`` (interpreted on CPU)."""
 
-  implementation = "pallas"
+  implementation = "pallas_triton"
   compiler_options = FAST_COMPILE
 
-  def op(self, **options):
-    return functools.partial(pallas.gated_linear_attention_pallas, **options)
+  def op(self, chunk_size: int = 16, **options):
+    return functools.partial(pallas.gated_linear_attention_pallas, chunk_size=chunk_size, **options)
 
 
 def _inputs(seed, T, gate, normalize, *, B=2, H=2, K=8, V=5, with_state=True):

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from lmcore.numerics import relative_l2
+from lmcore.ops.common.backend import ChunkTiles
 from lmcore.ops.gated_linear_attention import gated_linear_attention
 from .test_base import (CHUNK, RTOL, GatedLinearAttentionTestBase, assert_same, gla_inputs, outputs_and_grads)
 
-_op = jax.jit(gated_linear_attention, static_argnames=("implementation", "chunk_size", "normalize"))
+_op = jax.jit(gated_linear_attention, static_argnames=("implementation", "tiles", "normalize"))
 
 
 class TestChunked(GatedLinearAttentionTestBase):
@@ -35,7 +36,7 @@ class TestChunked(GatedLinearAttentionTestBase):
   def test_bfloat16_inputs_give_bfloat16_outputs_close_to_fp32_and_fp32_state(self):
     q, k, v, log_forget, state = gla_inputs(41, 33, "channel", True)
     bf16 = lambda x: x.astype(jnp.bfloat16)
-    o, new = _op(bf16(q), bf16(k), bf16(v), log_forget, state=state, chunk_size=CHUNK,
+    o, new = _op(bf16(q), bf16(k), bf16(v), log_forget, state=state, tiles=ChunkTiles(CHUNK),
                  normalize=True)
     o_ref, _ = _op(q, k, v, log_forget, state=state, implementation="recurrent", normalize=True)
     assert o.dtype == jnp.bfloat16 and new.S.dtype == jnp.float32 and new.z.dtype == jnp.float32
@@ -67,7 +68,7 @@ def test_chunked_backward_keeps_the_inputs_not_chunk_states_or_blocks(gate):
 
   def kept(remat):
     def o_and_state(*args):
-      return gated_linear_attention(*args[:4], state=args[4], chunk_size=CHUNK, normalize=True,
+      return gated_linear_attention(*args[:4], state=args[4], tiles=ChunkTiles(CHUNK), normalize=True,
                                     segment_ids=segment_ids, chunked_remat=remat)
     return jax.tree.leaves(jax.eval_shape(lambda *a: jax.vjp(o_and_state, *a)[1], *x))
 
