@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import types
+import typing
 from typing import Any, Callable
 
 import ml_collections
+from ml_collections import config_dict
 
 # The model families register their mixer kinds on import. The entry points of pyproject.toml do the
 # same for an installed project; importing them here also serves a source checkout on PYTHONPATH.
@@ -22,7 +25,16 @@ def _merged(defaults: Any, overrides: dict[str, Any], path: str) -> dict[str, An
     if key not in values:
       raise cfg_lib.ConfigError(f"preset sets unknown key '{path}.{key}'; valid: {', '.join(values)}")
     values[key] = value
-  return values
+  hints = typing.get_type_hints(type(defaults))
+  return {key: _overridable(hints[key]) if value is None else value for key, value in values.items()}
+
+
+def _overridable(hint: Any) -> Any:
+  """A None field as a typed placeholder, so that ``--config.a.b=v`` can set it: ``int | None`` takes an
+  int, anything else (``tiles``: a mapping of the named backend's tiling fields) a Python literal."""
+  args = [a for a in typing.get_args(hint) if a is not type(None)]
+  simple = typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1
+  return config_dict.placeholder(args[0] if simple and args[0] in (int, float, str, bool) else object)
 
 
 def experiment(*, model: dict[str, Any], mixers: dict[str, dict[str, Any]], train: dict[str, Any] | None = None,

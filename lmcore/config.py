@@ -174,8 +174,6 @@ def to_dataclass(cls: type, values: Mapping[str, Any], path: str):
     kwargs[key] = _convert(hints[key], value, f"{path}.{key}")
   try:
     return cls(**kwargs)
-  except ConfigError:
-    raise
   except ValueError as e:  # a dataclass's own check (e.g. a mixer's __post_init__): name where it is
     raise ConfigError(f"{path}: {e}") from e
 

@@ -39,7 +39,7 @@ def _x(seed, B=2, T=37, scale=1.0):
 def _assert_chunked_equals_recurrent_and_decode_equals_full(cls, config, seed):
   """Same parameters (same seed) under both implementations; decode threads the state per token."""
   chunked = cls(config, d_model=D, init=INIT, rngs=nnx.Rngs(seed))
-  recurrent = cls(dataclasses.replace(config, implementation="recurrent"), d_model=D, init=INIT,
+  recurrent = cls(dataclasses.replace(config, implementation="recurrent", tiles=None), d_model=D, init=INIT,
                   rngs=nnx.Rngs(seed))
   x = _x(seed)
   y, state = _call(chunked, x, None)
@@ -83,7 +83,7 @@ def test_gla_log_forget_is_logsigmoid_of_the_low_rank_gate_over_16():
 
 
 def test_gla_chunked_equals_recurrent_and_decode_equals_full_forward():
-  config = GLA.Config(n_heads=2, chunk_size=16)
+  config = GLA.Config(n_heads=2, tiles={"chunk": 16})
   _assert_chunked_equals_recurrent_and_decode_equals_full(GLA, config, 2)
 
 
@@ -95,7 +95,7 @@ def test_gla_state_matches_declared_bytes():
 
 
 def _cyfa(seed=0, n_heads=2, **fields):
-  config = CyFA.Config(n_heads=n_heads, head_dim=4, v_head_dim=3, chunk_size=16, **fields)
+  config = CyFA.Config(n_heads=n_heads, head_dim=4, v_head_dim=3, **fields)
   return CyFA(config, d_model=D, init=INIT, rngs=nnx.Rngs(seed))
 
 
@@ -153,7 +153,7 @@ def test_cyfa_state_stays_finite_and_bounded_over_8192_tokens():
 
 @pytest.mark.parametrize("fields", [dict(forget="head"), dict(forget="channel", output_gate=False)])
 def test_cyfa_chunked_equals_recurrent_and_decode_equals_full_forward(fields):
-  config = CyFA.Config(n_heads=2, head_dim=4, v_head_dim=3, chunk_size=16, **fields)
+  config = CyFA.Config(n_heads=2, head_dim=4, v_head_dim=3, tiles={"chunk": 16}, **fields)
   _assert_chunked_equals_recurrent_and_decode_equals_full(CyFA, config, 6)
 
 
@@ -177,3 +177,19 @@ def test_cyfa_monitors_report_state_norm_gate_and_strength_statistics():
   assert 0 < want["write_strength_clipped_frac"] < 1
   for name, value in want.items():
     assert math.isclose(float(monitors[name]), float(value), rel_tol=1e-5), name
+
+
+def _flops(cls, d_model: int, implementation: str, **fields) -> float:
+  abstract = nnx.eval_shape(lambda: cls(cls.Config(implementation=implementation, **fields), d_model=d_model,
+                                        init=INIT, rngs=nnx.Rngs(0)))
+  return abstract.flops_per_token(2048)
+
+
+def test_flop_counts_follow_the_backend_auto_takes_on_a_gpu_by_head_shape():
+  """The model card counts "auto" as it resolves on a GPU: two heads at 768 (192 x 384) are wider than
+  the Triton kernels' range and count XLA chunked (C = 64); four (96 x 192) count the kernels (C = 16)."""
+  assert _flops(GLA, 768, "auto", n_heads=2) == _flops(GLA, 768, "chunked", n_heads=2)
+  assert _flops(GLA, 768, "auto") == _flops(GLA, 768, "pallas_triton")
+  assert _flops(GLA, 768, "auto") < _flops(GLA, 768, "chunked")
+  assert _flops(CyFA, 512, "auto", head_dim=128, v_head_dim=128) == _flops(
+      CyFA, 512, "pallas_triton", head_dim=128, v_head_dim=128)

@@ -3,6 +3,8 @@ api -> backends -> base -> lmcore.ops.common), there are no import cycles, lmcor
 family and no benchmark code, and no module uses another module's private names."""
 
 import ast
+import dataclasses
+import importlib
 import os
 
 import pytest
@@ -127,3 +129,46 @@ def test_no_module_imports_another_modules_private_names():
           and node.value.id in aliases and node.attr.startswith("_") and not node.attr.startswith("__")):
         bad.append(f"{m} uses {aliases[node.value.id]}.{node.attr}")
   assert not bad, "\n".join(sorted(set(bad)))
+
+
+OPS = {"lmcore.ops.gated_linear_attention": "gated linear attention",
+       "lmcore.ops.gated_delta_rule": "gated delta rule",
+       "sanatan_jax.ops.sanatan_attention": "SANATAN attention",
+       "based_jax.ops.taylor_attention": "Taylor attention"}
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_every_module_of_an_op_is_reachable_from_its_registry(op):
+  """No kernel (or form) sits in an op's folder unselectable: each module but api, base and the package
+  is a registered backend's module or imported by one (a helper such as the SANATAN factor kernels)."""
+  registry = importlib.import_module(f"{op}.api").REGISTRY
+  reached = {type(backend).__module__ for backend in registry.backends.values()}
+  frontier = list(reached)
+  while frontier:
+    for target in GRAPH[frontier.pop()]:
+      if target.startswith(op + ".") and target not in reached:
+        reached.add(target)
+        frontier.append(target)
+  members = {m for m in MODULES if m.startswith(op + ".")} - {f"{op}.api", f"{op}.base"}
+  assert members <= reached, f"modules no backend of {op} reaches: {sorted(members - reached)}"
+
+
+def _attributes_read(module: str) -> set[str]:
+  """The attribute names ``module`` reads anywhere (``x.name`` in a load context)."""
+  tree = ast.parse(open(MODULES[module]).read())
+  return {node.attr for node in ast.walk(tree)
+          if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)}
+
+
+def test_every_mixer_knob_is_read_by_its_mixer():
+  """A field of a mixer's Config that its module never reads is a knob that changes nothing."""
+  from lmcore.registry import mixer_class, mixer_kinds
+
+  unread = []
+  for kind in mixer_kinds():
+    cls = mixer_class(kind)
+    config_fields = {f.name for f in dataclasses.fields(cls.Config)}
+    modules = {cls.__module__, cls.Config.__module__}
+    read = set().union(*(_attributes_read(m) for m in modules if m in MODULES))
+    unread += [f"{kind}.{name}" for name in sorted(config_fields - read)]
+  assert not unread, f"mixer config fields no code reads: {unread}"

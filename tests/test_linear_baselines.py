@@ -32,7 +32,8 @@ def _x(seed, B=2, T=37, scale=1.0):
 
 
 def _mixer(cls, seed=0, **fields):
-  config = cls.Config(n_heads=2, head_dim=8, chunk_size=16, **fields)
+  tiles = {"chunk": 16} if fields.get("implementation", "chunked") == "chunked" else None
+  config = cls.Config(n_heads=2, head_dim=8, tiles=tiles, **fields)
   return cls(config, d_model=D, init=INIT, rngs=nnx.Rngs(seed))
 
 

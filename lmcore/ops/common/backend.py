@@ -11,8 +11,8 @@ Each op's ``api.py`` builds one ``Registry`` of ``Backend`` objects (openxla/tok
 * ``Backend.flops_per_head(problem, tiles)``: forward FLOPs per token and head (``flops``).
 * ``Registry.resolve(implementation, problem)``: the backend named, checked against the problem, or
   for "auto" (or None) the first supported and preferred backend of the platform's ordered
-  preference (``Registry.auto``). A name that is unknown or does not run the problem is one ``ValueError``
-  line listing the names that do.
+  preference (``Registry.auto``). A name that is unknown or does not run the problem is one
+  ``ConfigError`` line (a ``ValueError``) listing the names that do.
 
 A mixer holds its implementation's name and an optional ``tiles`` value (``Registry.tiles``: a
 mapping of fields becomes the backend's typed tiling); it never imports a backend module.
@@ -24,6 +24,8 @@ import dataclasses
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+from lmcore.errors import ConfigError
 
 AUTO = ("auto", None)
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -68,12 +70,12 @@ class Backend(Generic[TilesT]):
     return None
 
   def config(self, problem, tiles: TilesT | None) -> TilesT | None:
-    """``tiles`` when given (of ``tiles_type``, else ValueError), else ``heuristic_config(problem)``."""
+    """``tiles`` when given (of ``tiles_type``, else ConfigError), else ``heuristic_config(problem)``."""
     if tiles is None:
       return self.heuristic_config(problem)
     if self.tiles_type is None or not isinstance(tiles, self.tiles_type):
       expected = "no tiles" if self.tiles_type is None else f"a {self.tiles_type.__name__}"
-      raise ValueError(f"tiles {tiles!r} do not fit {type(self).__name__}, which takes {expected}")
+      raise ConfigError(f"tiles {tiles!r} do not fit {type(self).__name__}, which takes {expected}")
     return tiles
 
   def flops_per_head(self, problem, tiles: TilesT | None = None) -> float:
@@ -105,9 +107,9 @@ class Registry:
     return tuple(name for name, b in self.backends.items() if b.supported(problem))
 
   def check_name(self, implementation: str | None) -> None:
-    """Raises ValueError unless ``implementation`` is "auto", None or a backend's name."""
+    """Raises ConfigError unless ``implementation`` is "auto", None or a backend's name."""
     if implementation not in AUTO and implementation not in self.backends:
-      raise ValueError(f"{self.op}: unknown implementation {implementation!r}; valid: "
+      raise ConfigError(f"{self.op}: unknown implementation {implementation!r}; valid: "
                        f"{', '.join(self.names)} or 'auto'")
 
   def resolve_name(self, implementation: str | None, problem) -> str:
@@ -117,12 +119,12 @@ class Registry:
         backend = self.backends[name]
         if backend.supported(problem) and backend.preferred(problem):
           return name
-      raise ValueError(f"{self.op}: no backend runs {problem.describe()}")
+      raise ConfigError(f"{self.op}: no backend runs {problem.describe()}")
     if implementation not in self.backends:
-      raise ValueError(f"{self.op}: unknown implementation {implementation!r}; for "
+      raise ConfigError(f"{self.op}: unknown implementation {implementation!r}; for "
                        f"{problem.describe()} use one of {self._choices(problem)}")
     if not self.backends[implementation].supported(problem):
-      raise ValueError(f"{self.op}: implementation {implementation!r} does not run "
+      raise ConfigError(f"{self.op}: implementation {implementation!r} does not run "
                        f"{problem.describe()} (it needs {self.backends[implementation].needs()}); use "
                        f"one of {self._choices(problem)}")
     return implementation
@@ -136,17 +138,17 @@ class Registry:
   def tiles(self, implementation: str | None, value: Any, where: str) -> Any:
     """``value`` as the typed tiling of backend ``implementation``: None stays None, a mapping of
     fields becomes ``tiles_type(**fields)`` (nested dataclasses too), an instance passes. Raises
-    ValueError naming ``where`` for tiles without a named backend, or a backend without tiles, or a
+    ConfigError naming ``where`` for tiles without a named backend, or a backend without tiles, or a
     field the tiling does not have."""
     if value is None:
       return None
     self.check_name(implementation)
     if implementation in AUTO:
-      raise ValueError(f"{where}: tiles belong to one backend, but the implementation is 'auto' (it "
+      raise ConfigError(f"{where}: tiles belong to one backend, but the implementation is 'auto' (it "
                        f"resolves per platform); name one of {', '.join(self.tiled())}")
     cls = self.backends[implementation].tiles_type
     if cls is None:
-      raise ValueError(f"{where}: implementation {implementation!r} has no tiles; backends with tiles: "
+      raise ConfigError(f"{where}: implementation {implementation!r} has no tiles; backends with tiles: "
                        f"{', '.join(self.tiled())}")
     return typed(cls, value, where)
 
@@ -159,13 +161,13 @@ def typed(cls: type, value: Any, where: str) -> Any:
   if isinstance(value, cls):
     return value
   if not isinstance(value, Mapping):
-    raise ValueError(f"{where}: expected the fields of {cls.__name__} as a mapping, got {value!r}")
+    raise ConfigError(f"{where}: expected the fields of {cls.__name__} as a mapping, got {value!r}")
   fields = {f.name for f in dataclasses.fields(cls)}
   hints = typing.get_type_hints(cls)
   kwargs = {}
   for key, item in value.items():
     if key not in fields:
-      raise ValueError(f"{where}: {cls.__name__} has no field {key!r}; valid: {', '.join(sorted(fields))}")
+      raise ConfigError(f"{where}: {cls.__name__} has no field {key!r}; valid: {', '.join(sorted(fields))}")
     hint = hints[key]
     nested = dataclasses.is_dataclass(hint) and isinstance(item, Mapping)
     kwargs[key] = typed(hint, item, f"{where}.{key}") if nested else item
@@ -173,10 +175,10 @@ def typed(cls: type, value: Any, where: str) -> Any:
 
 
 def check_power_of_two(where: str, **sizes: int) -> None:
-  """Raises ValueError naming ``where`` and the field for a size that is not a power of two."""
+  """Raises ConfigError naming ``where`` and the field for a size that is not a power of two."""
   for name, size in sizes.items():
     if not isinstance(size, int) or size < 1 or size & (size - 1):
-      raise ValueError(f"{where}: {name} must be a power of two, got {size!r}")
+      raise ConfigError(f"{where}: {name} must be a power of two, got {size!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,4 +189,4 @@ class ChunkTiles:
 
   def __post_init__(self):
     if not isinstance(self.chunk, int) or self.chunk < 1:
-      raise ValueError(f"tiles: chunk must be a positive number of tokens, got {self.chunk!r}")
+      raise ConfigError(f"tiles: chunk must be a positive number of tokens, got {self.chunk!r}")

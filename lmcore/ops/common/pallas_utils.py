@@ -32,9 +32,8 @@ _ASSUMED_BACKEND: list[str] = []
 
 @contextlib.contextmanager
 def assume_backend(platform: str):
-  """Within the block ``backend()`` says ``platform``, so "auto" resolves as on that platform: the
-  mixers' FLOP counts take the form "auto" runs on a GPU, whatever the host
-  (``lmcore.mixers.flops.on_gpu``)."""
+  """Within the block ``backend()`` says ``platform``: the ops build their problems (and "auto"
+  resolves) as on that platform; tests use it to reach a platform's error paths from a CPU host."""
   _ASSUMED_BACKEND.append(platform)
   try:
     yield
@@ -51,18 +50,6 @@ def backend() -> str:
     return _ASSUMED_BACKEND[-1]
   device = jax.sharding.get_abstract_mesh().abstract_device
   return jax.default_backend() if device is None else device.platform
-
-
-def default_implementation() -> str:
-  """What "auto" (and None) picks for the chunked ops (SANATAN p = 1, gated): "pallas" on GPU, else
-  XLA "chunked".
-
-  Measured on one H200 (docs/BENCHMARKS.md, 2026-11-29/30), fwd+bwd over our XLA path at
-  T = 2048 / 8192 / 32768: SANATAN p = 1 1.64× / 2.62× / 3.98×, gated 2.95× / 3.72× / 3.59×
-  (SANATAN p = 2 blocked 1.21× / 2.59× / 4.73×; Taylor has its own resolver). TPUs keep XLA:
-  the Mosaic kernels have not been timed on a TPU yet.
-  """
-  return "pallas" if backend() == "gpu" else "chunked"
 
 
 def resolve_interpret(interpret: bool | None) -> bool:

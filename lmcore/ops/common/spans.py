@@ -25,14 +25,12 @@ import jax
 import jax.numpy as jnp
 
 
-# "auto": spans until the (row, head) pairs reach PAIRS, none shorter than MIN_LENGTH tokens.
-# Measured on the H200 (fwd+bwd, docs/BENCHMARKS.md).
+# "auto": spans until the (row, head) pairs reach PAIRS, none shorter than MIN_LENGTH tokens (the
+# fastest rule measured: docs/BENCHMARKS.md, spans).
 PAIRS = 128
 MIN_LENGTH = 2048
 # The totals are summed over rows of this many tokens ("parts" of a span; ``parts``), whose programs
-# run side by side. Measured on the H200 (docs/BENCHMARKS.md, fwd+bwd, 1 × 32768, one process): parts of
-# 512 / 1024 / 2048 tokens took 3.44 / 3.35 / 3.32 ms (SANATAN p = 1, spans of 2048) and 3.73 / 3.64 /
-# 3.59 (Taylor, spans of 4096); so the auto rule's spans of 2048 are summed whole.
+# run side by side; parts of 2048 were the fastest measured, so the auto rule's spans are summed whole.
 PART_LENGTH = 2048
 
 
