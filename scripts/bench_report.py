@@ -430,8 +430,8 @@ def flash_tiles(runs):
   return header, [[r["variant"], ms(r["median"])] for r in runs[0][first:] if r["variant"] in FLASH_SHOWN]
 
 
-FLASH_SHOWN = ("default", "dq loop 64 2s", "fwd 4w", "fwd 4w + dq loop 64 2s",
-               "fwd 4w + dq loop 64 2s + dkv 4s", "dkv loop 64 2s", "dq loop 64 1s")
+FLASH_SHOWN = ("default", "fwd 4w + dq loop 64 2s", "fwd 4w + dq loop 64 2s + dkv 4s", "dkv loop 64 2s",
+               "dq loop 64 1s")
 
 
 def spans(runs):
@@ -619,7 +619,7 @@ TABLES = (
         "fwd / **fwd+bwd** ms, bf16, 16,384 tokens per call; heads: softmax, SANATAN and gated 12 × 64 × 64 "
         "(per-key gates), Taylor 16 × d' 16 × dv 64; FLA 0.6.0 on the same inputs. In brackets: the op's XLA "
         "form's fwd+bwd time over the row's (SANATAN p = 2: `parallel`, the rest `chunked`). SANATAN p = 1's "
-        "`pallas_fused` is in the table above (newer code).",
+        "`pallas_fused` is in the table above (its current kernels, a later run).",
         (Source(ONE_RUN, ("kernels_*.jsonl", "fla.jsonl"),
                 "bash scripts/bench_gpu.sh DIR 545, then CHECK_OPS= FLA_OPS= bash scripts/bench_gpu.sh DIR "
                 "420"),),
@@ -774,26 +774,20 @@ GPU rows: one NVIDIA H200, JAX 0.11.2 (Pallas-Triton kernels), bf16 inputs, fp32
 says otherwise. Kernel rows time 16,384 tokens per call (B = 16384 / T), each function compiled first: the
 median of 20 samples after 4 warm-up calls, a sample enqueuing 8 calls and waiting once (GPU time,
 `benchmarks/rows.py`'s `time_fn`). FLA 0.6.0 (torch 2.11, Triton 3.6) runs on the same inputs.
-
-```bash
-bash scripts/bench_gpu.sh DIR 540    # kernel agreement, kernel timings and FLA's, side by side on one GPU
-python scripts/bench_report.py DIR   # DIR's kernel and agreement tables, in the layout below
-python scripts/bench_train.py --presets=softmax_184m,sanatan_p1_184m --steps=10 --out=DIR
-```
-
-`scripts/bench_kernels.py` (`--ops`, `--lengths`, `--shapes=preset,wide`, `--auto_only`, `--tune=OP`),
-`scripts/check_kernels.py`, `scripts/bench_train.py`, `scripts/bench_decode.py` and `scripts/bench_tpu_aot.py`
-write JSONL rows. To replace a table: copy the rows into `docs/bench/<date>-<device>-<topic>/` with a README
-(a `Device:` line, the commands), point the table's sources in `scripts/bench_report.py` at them, delete
-the directory no table cites any more, and run `python scripts/bench_report.py`
-(`tests/test_bench_report.py` checks that this file is what it gives)."""
+`bash scripts/bench_gpu.sh DIR` runs the kernel agreement check and the kernel timings side by side on one
+GPU and `python scripts/bench_report.py DIR` prints them in the layout below; `scripts/bench_kernels.py`
+(`--ops`, `--lengths`, `--shapes=preset,wide`, `--auto_only`, `--tune=OP`), `scripts/check_kernels.py`,
+`scripts/bench_train.py`, `scripts/bench_decode.py` and `scripts/bench_tpu_aot.py` write JSONL rows. To
+replace a table, copy the rows into `docs/bench/<date>-<device>-<topic>/` with a README (a `Device:` line,
+the commands), point the table's sources in `scripts/bench_report.py` at them, delete the directory no
+table cites any more and run `python scripts/bench_report.py` (`tests/test_bench_report.py` checks that
+this file is what it gives)."""
 
 HISTORY = """\
 ## History
 
-Each table holds the latest measurement of its topic. Earlier measurements, the rows of variants that were
-not kept and the narrative that went with them are in git history: `git log -p -- docs/bench
-docs/BENCHMARKS.md`."""
+Each table holds the latest measurement of its topic; earlier measurements, the rows of variants not kept
+and the narrative that went with them are in git history (`git log -p -- docs/bench docs/BENCHMARKS.md`)."""
 
 
 def markdown(header: list[str], rows: list[list[str]]) -> list[str]:
