@@ -178,6 +178,11 @@ def heads(shape: str, op: str) -> str:
   return text + gate
 
 
+def op_rank(op: str) -> int:
+  """The place of ``op`` in the tables (``OPS``' order; unknown ops last)."""
+  return list(OPS).index(op) if op in OPS else len(OPS)
+
+
 def latest(rows: list[dict], key: Callable[[dict], tuple]) -> list[dict]:
   """The last row of each key (a rerun's retry wins), in order of first appearance."""
   merged: dict[tuple, dict] = {}
@@ -189,15 +194,15 @@ def latest(rows: list[dict], key: Callable[[dict], tuple]) -> list[dict]:
 # ---- kernel timing rows (benchmarks.rows.Row)
 
 
-def kernel_rows(rows: list[dict], ops: tuple[str, ...] = (), drop: tuple[tuple[str, str], ...] = (),
-                labels: dict | None = None) -> list[dict]:
-  """Timing rows under their current names (``labels``: (op, old name) -> a label of this table's),
-  the deleted implementations' and ``drop``'s (op, current name) left out, the last of each key kept."""
+def kernel_rows(rows: list[dict], ops: tuple[str, ...] = (),
+                drop: tuple[tuple[str, str], ...] = ()) -> list[dict]:
+  """Timing rows under their current names, the deleted implementations' and ``drop``'s (op, current
+  name) left out, the last of each key kept."""
   out = []
   for r in rows:
     if ops and r["op"] not in ops:
       continue
-    name = (labels or {}).get((r["op"], r["impl"])) or current_name(r["op"], r["impl"])
+    name = current_name(r["op"], r["impl"])
     if name is None or (r["op"], name) in drop:
       continue
     out.append({**r, "impl": name})
@@ -205,17 +210,22 @@ def kernel_rows(rows: list[dict], ops: tuple[str, ...] = (), drop: tuple[tuple[s
 
 
 def kernel_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-  """One row per (op, implementation); per (B, T): fwd / fwd+bwd ms and, in brackets, the op's
-  reference's fwd+bwd time over the row's (``REFERENCE``, same run)."""
+  """One row per (op, implementation, heads, calls per wait); per (B, T): fwd / fwd+bwd ms and, in
+  brackets, the op's reference's fwd+bwd time over the row's (``REFERENCE``: same run, heads and
+  calls per wait)."""
   sizes = sorted({(r["length"], r["batch"]) for r in rows})
-  by_key = {(r["op"], r["impl"], r["length"]): r for r in rows}
+  by_key = {(r["op"], r["impl"], r.get("shape", ""), r.get("queue", 1), r["length"]): r for r in rows}
+  queued = len({r.get("queue", 1) for r in rows}) > 1
   header = ["op", "implementation"] + [f"{shape_name(b, t)} fwd / fwd+bwd" for t, b in sizes]
   table = []
-  pairs = dict.fromkeys((r["op"], r["impl"]) for r in rows)
-  for op, impl in sorted(pairs, key=lambda pair: list(OPS).index(pair[0]) if pair[0] in OPS else len(OPS)):
-    cells = [OPS.get(op, op), f"`{impl}`"]
+  kinds = dict.fromkeys((r["op"], r["impl"], r.get("shape", ""), r.get("queue", 1)) for r in rows)
+  for op, impl, shape, queue in sorted(kinds, key=lambda k: op_rank(k[0])):
+    name = f"`{impl}`" + (f" ({heads(shape, op)})" if shape else "")
+    name += f", {queue} per wait" if queued else ""
+    cells = [OPS.get(op, op), name]
     for t, _ in sizes:
-      r, ref = by_key.get((op, impl, t)), by_key.get((op, REFERENCE.get(op), t))
+      r = by_key.get((op, impl, shape, queue, t))
+      ref = by_key.get((op, REFERENCE.get(op), shape, queue, t))
       if r is None:
         cells.append("")
       elif r["fwdbwd_ms"] is None:
@@ -228,8 +238,8 @@ def kernel_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
   return header, table
 
 
-def kernels(ops=(), drop=(), labels=None):
-  return lambda runs: kernel_table(kernel_rows(runs[0], ops, drop, labels))
+def kernels(ops=(), drop=()):
+  return lambda runs: kernel_table(kernel_rows(runs[0], ops, drop))
 
 
 # ---- kernel agreement rows (benchmarks.kernel_check.Agreement)
@@ -247,7 +257,7 @@ def agreement(ops_per_run: tuple[tuple[str, ...], ...]):
       rows = latest([r for r in rows if r["op"] in ops], lambda r: (r["op"], r["impl"], r["dtype"]))
       by_key = {(r["op"], r["impl"], r["dtype"]): r for r in rows}
       pairs = dict.fromkeys((r["op"], r["impl"]) for r in rows if current_name(r["op"], r["impl"]))
-      for op, impl in sorted(pairs, key=lambda pair: list(OPS).index(pair[0])):
+      for op, impl in sorted(pairs, key=lambda pair: op_rank(pair[0])):
         checks = [by_key.get((op, impl, dtype)) for dtype in ("float32", "bfloat16")]
         first = next(r for r in checks if r)
         ref = REFERENCE_NAMES.get((op, first["reference"])) or current_name(op, first["reference"])
