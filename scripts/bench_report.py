@@ -760,7 +760,7 @@ TABLES = (
          Source(SPLIT, ("gated.jsonl",), GATED_TUNE)),
         split_state),
     Table(
-        "Fixed choices", "TPU v4 ahead of time",
+        "TPU kernels", "TPU v4 ahead of time",
         "Compiled by libtpu for the 4 chips of a v4-8 on a CPU host, forward + backward, 8 rows of T per "
         "chip, bf16: the program's FLOPs and bytes (each loop body times its trips; a kernel's own "
         "`pl.CostEstimate`), the roofline (275 TFLOP/s, 1.2 TB/s) and its ratio to the op's XLA form, "
