@@ -1,11 +1,14 @@
-"""The kernel benchmark as a plot: fwd+bwd tokens/s against T, one panel per op (``scripts/bench_report.py``)."""
+"""Benchmark plots: kernels' fwd+bwd tokens/s against T, one panel per op (``scripts/bench_report.py DIR
+--plot``), and training tokens/s per preset (``scripts/bench_train.py``)."""
 
 from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING
 
-from benchmarks.harness import Row
+if TYPE_CHECKING:  # plotting reads rows' fields only; importing the harness would start JAX
+  from benchmarks.rows import Row
 
 
 def pyplot():
