@@ -79,7 +79,7 @@ class CyFA(nnx.Module):
     tiles: Any = None  # the named backend's tiling, e.g. {"chunk": 32}; None: its heuristic
     kernel_precision: str = "input"  # "pallas_triton" only: "tf32"/"float32" run the kernels in fp32
     # The kernels' backward state dots in two bf16 parts (the gate gradient within the XLA path's own
-    # bf16 error); False: one rounding, faster.
+    # bf16 error); False: one rounding, faster (docs/BENCHMARKS.md, Gated linear attention: split state dots).
     kernel_split_state: bool = True
 
     def __post_init__(self):

@@ -46,7 +46,7 @@ class GLA(nnx.Module):
     tiles: Any = None  # the named backend's tiling, e.g. {"chunk": 32}; None: its heuristic
     kernel_precision: str = "input"  # "pallas_triton" only: "tf32"/"float32" run the kernels in fp32
     # The kernels' backward state dots in two bf16 parts (the gate gradient within the XLA path's own
-    # bf16 error); False: one rounding, faster.
+    # bf16 error); False: one rounding, faster (docs/BENCHMARKS.md, Gated linear attention: split state dots).
     kernel_split_state: bool = True
     # XLA "chunked" only: the backward pass recomputes the op's forward instead of keeping its chunk
     # states and intra-chunk blocks (one more forward of the op for far less memory). Under

@@ -12,7 +12,7 @@ n, and the x the walk ends with (forward: x_N; reverse: x_0), fp32. Two implemen
 * ``"pallas"``: a kernel over the grid (batch, head, row tile, value tile); each program carries one
   fp32 [BR, BV] tile through the N chunks in a loop, loading several chunks' terms per step, and
   writes the held tile of every chunk in ``out_dtype``. Default tiles [8, 64] and 16 chunks per
-  step: the fastest measured (``scripts/bench_chunk_scan.py``, docs/BENCHMARKS.md). HBM traffic: c
+  step: the fastest measured (``scripts/bench_chunk_scan.py``; docs/BENCHMARKS.md, Chunk scan). HBM traffic: c
   read once in fp32, x written once in ``out_dtype``: the bandwidth floor of the recurrence.
 * ``"xla"``: ``jax.lax.associative_scan`` over the chunk axis (log-depth, several passes over c).
 """

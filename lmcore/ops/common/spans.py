@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 
 # "auto": spans until the (row, head) pairs reach PAIRS, none shorter than MIN_LENGTH tokens (the
-# fastest rule measured: docs/BENCHMARKS.md, spans).
+# fastest rule measured: docs/BENCHMARKS.md, Spans).
 PAIRS = 128
 MIN_LENGTH = 2048
 # The totals are summed over rows of this many tokens ("parts" of a span; ``parts``), whose programs

@@ -37,7 +37,7 @@ dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ S_T ⊙ dS_T summed over values at t = T) 
 cumulative sum of dB. With several value tiles each program returns partial dq, dk (sums over
 values) that are added outside.
 
-Default tiles (``TritonTiles``) are the fastest measured (docs/BENCHMARKS.md, gated linear attention
+Default tiles (``TritonTiles``) are the fastest measured (docs/BENCHMARKS.md, Gated linear attention
 kernel tiles).
 """
 
@@ -61,7 +61,7 @@ from lmcore.ops.gated_linear_attention.base import (KERNEL_LAYOUTS, LinearAttent
 CHUNK = 16
 SUB_CHUNK = 16
 # The widest heads "auto" gives these kernels: past them XLA "chunked" was faster
-# (docs/BENCHMARKS.md, gated linear attention heads).
+# (docs/BENCHMARKS.md, Gated linear attention heads).
 MAX_KEY, MAX_VALUE = 128, 256
 _F32 = jnp.float32
 

@@ -34,7 +34,7 @@ from lmcore.ops.common import flops
 from lmcore.ops.common.backend import Backend, ChunkTiles
 from lmcore.ops.gated_linear_attention.base import Options, Problem, check_chunk_size
 
-CHUNK = 64  # the fastest chunk measured (docs/BENCHMARKS.md, gated linear attention)
+CHUNK = 64
 SUB_CHUNK = 16
 
 
