@@ -39,8 +39,8 @@ from lmcore.ops.gated_linear_attention import gated_linear_attention
 
 from lmcore.mixers.base import InitSpec, dense
 from lmcore.mixers import flops
-from lmcore.mixers.common import (HeadRMSNorm, check_linear_attention, decode_tiles, implementation_for, linear_attention_flops,
-                                  linear_state_bytes, merge_heads, split_heads)
+from lmcore.mixers.common import (HeadRMSNorm, check_linear_attention, decode_tiles, implementation_for,
+                                  linear_attention_flops, linear_state_bytes, merge_heads, split_heads)
 
 
 class CyFAGates(NamedTuple):
