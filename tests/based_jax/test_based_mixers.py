@@ -136,8 +136,8 @@ def test_taylor_config_checks_names_and_types_its_tiles():
     TaylorLinearAttention.Config(implementation="auto", tiles={"chunk": 32})
   with pytest.raises(ValueError, match="Taylor tiles: ChunkTiles has no field 'chunk_size'; valid: chunk"):
     TaylorLinearAttention.Config(tiles={"chunk_size": 32})
-  with pytest.raises(ValueError, match="unknown implementation 'pallas'; valid: parallel, recurrent, chunked, "
-                                       "pallas_blocked, pallas_fused, pallas_tpu or 'auto'"):
+  with pytest.raises(ValueError, match="unknown implementation 'pallas'; valid: parallel, recurrent, "
+                                       "chunked, pallas_blocked, pallas_fused, pallas_tpu or 'auto'"):
     TaylorLinearAttention.Config(implementation="pallas")
   with pytest.raises(ValueError, match="unknown precision 'fp16'"):
     TaylorLinearAttention.Config(kernel_precision="fp16")
@@ -154,14 +154,21 @@ def test_taylor_flops_are_the_backends_count_and_auto_counts_as_on_a_gpu():
   count the blocked kernels, at 8192 the fused-chunk ones, with the decay ablation XLA chunked."""
   d_model, T = 1024, 2048
   dense = 2 * 1024 * (2 * 16 * 16 + 1024) + 2 * 1024 * 1024
-  for name, tiles in (("chunked", ChunkTiles(32)), ("pallas_fused", None), ("pallas_tpu", None),
-                      ("recurrent", None)):
+  chunked = lambda chunk, F: 2 * chunk * (16 + 65) + 4 * F * 65  # scores at d' = 16, dv + 1 = 65 columns
+  per_head = {  # the full layout: F = 273; the TPU kernels' rows are compact (153), their chunks >= 128
+      ("chunked", ChunkTiles(32)): chunked(32, 273), ("pallas_fused", None): chunked(128, 273),
+      ("pallas_tpu", None): chunked(128, 153), ("recurrent", None): 4 * 273 * 65,
+      ("pallas_blocked", None): (16 + 65) * (T + 1)}
+  for (name, tiles), count in per_head.items():
     mixer = _abstract_taylor(d_model, implementation=name, tiles=tiles, feature="full")
+    assert mixer.flops_per_token(T) == dense + 16 * count, name
     problem = Problem("gpu", 16, 64, T, feature="full")
-    assert mixer.flops_per_token(T) == dense + 16 * REGISTRY.backends[name].flops_per_head(problem, tiles)
-  chunked = _abstract_taylor(d_model, tiles={"chunk": 32}).flops_per_token(T)
-  assert chunked == dense + 16 * (2 * 32 * (16 + 65) + 4 * 153 * 65)  # compact: F = 153
-  flops = lambda d_model, impl, T=T, **f: _abstract_taylor(d_model, implementation=impl, **f).flops_per_token(T)
+    assert REGISTRY.backends[name].flops_per_head(problem, tiles) == count, name
+  assert _abstract_taylor(d_model, tiles={"chunk": 32}).flops_per_token(T) == dense + 16 * chunked(32, 153)
+
+  def flops(d_model, implementation, T=T, **fields):
+    return _abstract_taylor(d_model, implementation=implementation, **fields).flops_per_token(T)
+
   for d in (1024, 1792):
     assert flops(d, "auto") == flops(d, "pallas_blocked") == flops(d, "parallel")
     assert flops(d, "auto", 8192) == flops(d, "pallas_fused", 8192)

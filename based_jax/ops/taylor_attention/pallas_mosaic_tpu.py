@@ -516,7 +516,8 @@ class PallasTpu(Backend[MosaicTiles]):
     del decay, dt  # supports() keeps the decay ablation away
     if options.precision != "input":
       raise ValueError(f"{_OP}: kernel_precision={options.precision!r} is for the GPU kernels; the TPU "
-                       "kernels compute in the inputs' dtype: use kernel_precision='input', or pass fp32 inputs")
+                       "kernels compute in the inputs' dtype: use kernel_precision='input', or pass fp32 "
+                       "inputs")
     kernel = functools.partial(taylor_linear_attention_tpu, eps=eps, feature=feature, chunk_size=tiles.chunk,
                                block_v=tiles.block_v)
     inputs = dict(q=q, k=k, v=v, state=state, segment_ids=segment_ids)

@@ -12,7 +12,7 @@ dot for N per step, in fp32; no T x T array exists. A >= 1/2 everywhere, so no r
 needed. The work is T² (d' + dv) per head; a program holds a head's whole (padded) dv, which bounds
 dv (``MAX_VALUE_DIM``).
 
-``taylor_linear_attention_blocked`` (``PallasBlocked``, ``implementation="pallas_blocked"``): without a prefix state the
+``taylor_linear_attention_blocked`` (the backend ``pallas_blocked``): without a prefix state the
 forward kernel also divides, writing o = N / (D + eps) in v's dtype and D (fp32), and the backward
 forms dN = do / (D + eps) and dD = -(do · o) / (D + eps) in XLA; with one it adds what the state
 contributes to N and D and divides in XLA, so the kernels take no state. Backward: with the
@@ -51,16 +51,12 @@ from lmcore.ops.common.segments import document_index
 
 _F32 = jnp.float32
 _OP = "taylor_linear_attention(implementation='pallas_blocked')"
-# The widest value dim the compiled kernels take: a program holds a head's whole padded dv in shared
-# memory, which dv = 512 exceeds (docs/BENCHMARKS.md, SANATAN p = 1 factor kernels; wide heads for "auto").
-MAX_VALUE_DIM = 256
-# "auto" on a GPU: these kernels for key dims up to AUTO_MAX_KEY_DIM (the widest timed), below
-# BLOCKED_BELOW tokens, and at every length for key dims wider than BLOCKED_ABOVE_KEY_DIM; the
-# fused-chunk kernels otherwise (docs/BENCHMARKS.md, Blocked Taylor: dN and the gradients in the
-# operands' dtype; Fused-chunk Taylor kernels).
-AUTO_MAX_KEY_DIM = 64
-BLOCKED_BELOW = 8192
-BLOCKED_ABOVE_KEY_DIM = 16
+# Compiled, a program holds a head's whole padded dv in shared memory: dv = 512 does not fit.
+MAX_VALUE_DIM = 256  # (docs/BENCHMARKS.md, SANATAN p = 1 factor kernels; wide heads for "auto")
+# Where "auto" takes these kernels (``PallasBlocked.preferred``; the fused-chunk ones elsewhere):
+AUTO_MAX_KEY_DIM = 64  # the widest key timed (docs/BENCHMARKS.md, ...; wide heads for "auto")
+BLOCKED_BELOW = 8192  # faster below this length (docs/BENCHMARKS.md, Blocked Taylor: dN and the ...)
+BLOCKED_ABOVE_KEY_DIM = 16  # and at any length for wider keys (docs/BENCHMARKS.md, Fused-chunk Taylor)
 
 
 class KernelConfig(NamedTuple):
@@ -245,9 +241,8 @@ def _normalised_bwd(cfg, residuals, do):
 _normalised.defvjp(_normalised_fwd, _normalised_bwd)
 
 
-# Triton pipeline stages by operand width in bytes: three for 2-byte operands, the fastest timed
-# (docs/BENCHMARKS.md, GPU time: calls queued back to back; ... blocked Taylor at three stages); two for
-# 4-byte ones, which need twice the shared memory per stage.
+# Triton pipeline stages by operand width in bytes: the fastest timed for 2 (docs/BENCHMARKS.md, GPU time:
+# ...; blocked Taylor at three stages); 4-byte operands need twice the shared memory per stage.
 STAGES = {2: 3, 4: 2}
 
 

@@ -46,16 +46,17 @@ only its last run's writes and keeps the carried state only when that run is the
 
 Spans (``FusedTiles.spans``, ``lmcore.ops.common.spans``): a row of T tokens can run as G rows of
 T / G, each walked from the state entering its span. Forward: ``_totals_kernel`` sums phi(k)ᵀ (v, 1)
-over the last run of each part of a span (``FusedTiles.parts``; side by side) and ``spans.entering`` makes the spans'
-entering states. Backward: ``_entry_grad_kernel`` sums phi(q)ᵀ (dN, dD) over each span's run 0 and
-``spans.leaving_grads`` turns those and the final state's cotangent into the gradients of the spans'
-leaving states, which the dk/dv walk starts from (a span's leaving state is its total plus what it
-keeps of its entering state, so the totals' gradients need no kernel of their own).
+over the last run of each part of a span (``FusedTiles.parts``; side by side) and ``spans.entering``
+makes the spans' entering states. Backward: ``_entry_grad_kernel`` sums phi(q)ᵀ (dN, dD) over each
+span's run 0 and ``spans.leaving_grads`` turns those and the final state's cotangent into the
+gradients of the spans' leaving states, which the dk/dv walk starts from (a span's leaving state is
+its total plus what it keeps of its entering state, so the totals' gradients need no kernel of their
+own).
 
 Precision: dots take operands in the inputs' dtype (bf16 in training; the fp32 states are cast for
-their dots), accumulation is fp32, the features and their gradients are
-fp32 until a dot takes them. Kernel state layout: ``full`` features, each row once; ``_rows`` maps
-it to and from TaylorState's ``feature`` layout.
+their dots), accumulation is fp32, the features and their gradients are fp32 until a dot takes them.
+Kernel state layout: ``full`` features, each row once; ``_rows`` maps it to and from TaylorState's
+``feature`` layout.
 """
 
 from __future__ import annotations
@@ -80,15 +81,11 @@ from lmcore.ops.common.segments import document_index
 
 _F32 = jnp.float32
 _OP = "taylor_linear_attention(implementation='pallas_fused')"
-# The widest key dim the compiled kernels take: from d' = 64 (feature blocks of 2 d' = 128 rows) a
-# walk program exceeds a GPU's shared memory (docs/BENCHMARKS.md, Fused-chunk Taylor kernels).
+# Compiled, from d' = 64 (feature blocks of 2 d' = 128 rows) a walk program exceeds shared memory.
 MAX_KEY_DIM = 32
-# The widest value dim "auto" gives these kernels, the widest timed (docs/BENCHMARKS.md, SANATAN p = 1
-# factor kernels; wide heads for "auto").
-AUTO_MAX_VALUE_DIM = 512
-# Pipeline stages of any kernel with 4-byte operands (fp32 inputs, or the "tf32" and "float32"
-# precisions' copies), which need twice the shared memory per stage: three stages of 128-token chunks
-# exceed it (tests/ops/taylor_attention/test_pallas_triton_fused.py lowers both).
+AUTO_MAX_VALUE_DIM = 512  # the widest dv "auto" gives them: the widest timed (docs/BENCHMARKS.md, wide heads)
+# Stages of a kernel with 4-byte operands (fp32 inputs, the "tf32" and "float32" copies): at twice the
+# shared memory per stage, three stages of 128-token chunks do not fit.
 FP32_MAX_STAGES = 2
 
 
@@ -717,9 +714,9 @@ def taylor_fused_pallas(
   dp, Vp = max(pu.block_size(d, interpret), 2), pu.block_size(V, interpret)
   chunk = max(min(tiles.chunk, pl.next_power_of_2(L)), 1 if interpret else pu.MIN_DOT)
   Tp = pu.round_up(L, chunk)
-  make = functools.partial(_kernel_config, dataclasses.replace(tiles, chunk=chunk), T=L, Tp=Tp, d=d, dp=dp, Vp=Vp,
-                           documents=segment_ids is not None, interpret=interpret, precision=precision,
-                           itemsize=jnp.dtype(q.dtype).itemsize)
+  make = functools.partial(_kernel_config, dataclasses.replace(tiles, chunk=chunk), T=L, Tp=Tp, d=d,
+                           dp=dp, Vp=Vp, documents=segment_ids is not None, interpret=interpret,
+                           precision=precision, itemsize=jnp.dtype(q.dtype).itemsize)
   st = Static(forward=make(tiles.forward), dq=make(tiles.dq), dkv=make(tiles.dkv), intra=make(tiles.intra),
               eps=eps, spans=count, parts=_parts(tiles, T, count, chunk))
   F = st.forward.features

@@ -29,8 +29,8 @@ def test_zero_state_has_feature_width():
 
 def test_registry_names_its_backends():
   kinds = {"parallel": reference.Parallel, "recurrent": reference.Recurrent, "chunked": xla.Chunked,
-           "pallas_blocked": pallas_triton_blocked.PallasBlocked, "pallas_fused": pallas_triton_fused.PallasFused,
-           "pallas_tpu": pallas_mosaic_tpu.PallasTpu}
+           "pallas_blocked": pallas_triton_blocked.PallasBlocked,
+           "pallas_fused": pallas_triton_fused.PallasFused, "pallas_tpu": pallas_mosaic_tpu.PallasTpu}
   assert {name: type(b) for name, b in REGISTRY.backends.items()} == kinds
 
 
@@ -91,9 +91,9 @@ def test_problem_of_a_call_reads_the_arrays():
 def test_unknown_and_unsupported_names_list_the_ones_that_run():
   x = jnp.ones((1, 3, 1, 2))
   for name in ("reference", "xla", "pallas", "pallas_triton"):
-    with pytest.raises(ValueError, match=f"unknown implementation '{name}'; for heads of 2 x 2 of 3 tokens on "
-                                         "cpu use one of parallel, recurrent, chunked, pallas_blocked, "
-                                         "pallas_fused, pallas_tpu, auto"):
+    with pytest.raises(ValueError, match=f"unknown implementation '{name}'; for heads of 2 x 2 of 3 "
+                                         "tokens on cpu use one of parallel, recurrent, chunked, "
+                                         "pallas_blocked, pallas_fused, pallas_tpu, auto"):
       taylor_linear_attention(x, x, x, implementation=name)
   with pytest.raises(ValueError, match=r"'pallas_tpu' does not run heads of 16 x 64 on gpu \(it needs no "
                                        r"decay ablation on tpu or cpu\); use one of parallel, recurrent, "

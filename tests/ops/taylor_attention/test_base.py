@@ -132,7 +132,8 @@ class TaylorAttentionTestBase:
   def assert_rejects_decay(self, x):
     """The backend refuses the decay ablation and names the backends that take it."""
     with pytest.raises(ValueError, match=rf"'{self.implementation}' does not run .* with the decay "
-                                         r"ablation on cpu .*; use one of parallel, recurrent, chunked, auto"):
+                                         r"ablation on cpu .*; use one of parallel, recurrent, chunked, "
+                                         r"auto"):
       taylor_linear_attention(x["q"], x["k"], x["v"], implementation=self.implementation,
                               decay=x["decay"], dt=x["dt"])
 
