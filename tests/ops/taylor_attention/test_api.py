@@ -80,6 +80,8 @@ def test_auto_on_long_sequences_on_gpu(key_dim, value_dim, expected):
   blocked kernels, past their value width XLA."""
   for length in (8192, 32768):
     assert _auto("gpu", length, key_dim, value_dim) == expected
+    assert _auto("gpu", length, key_dim, value_dim, segments=True) == ("parallel" if expected == "chunked"
+                                                                      else expected)
 
 
 def test_problem_of_a_call_reads_the_arrays():
