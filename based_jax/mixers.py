@@ -9,21 +9,20 @@ conv bias) keep PyTorch's Conv1d default U(±1/sqrt(K)) (based_zoology §5.3).
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from based_jax.base_conv import silu_gated_conv, zoology_gated_conv
-from based_jax.ops.taylor_attention import (TaylorState, default_decay_rates,
+from based_jax.ops.taylor_attention import (REGISTRY, Problem, TaylorState, default_decay_rates,
                                             taylor_linear_attention, zero_state)
-from based_jax.ops.taylor_attention.api import resolve_implementation
-from based_jax.ops.taylor_attention.pallas_triton_fused import Tiles as FusedTiles
 from based_jax.sliding_window import (WindowState, rotary, sliding_window_attention,
                                       zero_window_state)
 from based_jax.taylor import feature_width
 from lmcore.ops.common import pallas_utils
+from lmcore.ops.common.backend import AUTO
 from lmcore.mixers import flops
 from lmcore.mixers.base import InitSpec, dense, float_bytes
 from lmcore.ops.common.layout import default_positions
@@ -46,7 +45,8 @@ class TaylorLinearAttention(nnx.Module):
 
   Parameters: ``proj_q``, ``proj_k`` D -> H·d', ``proj_v`` D -> D, ``out_proj`` D -> D (no biases);
   with ``decay=True`` also ``dt_proj`` D -> H with bias and no activation (the decay notebook's
-  ``Linear(d_model, H)``, based_zoology §2.6).
+  ``Linear(d_model, H)``, based_zoology §2.6). One-token calls (decode) run ``decode_implementation``
+  at its own default tiling.
   """
 
   @dataclasses.dataclass(frozen=True)
@@ -54,16 +54,18 @@ class TaylorLinearAttention(nnx.Module):
     n_heads: int = 16
     feature_dim: int = 16
     feature: Literal["full", "compact"] = "compact"
-    implementation: Literal["parallel", "chunked", "recurrent", "pallas", "pallas_blocked",
-                            "pallas_fused", "auto"] = "chunked"
-    chunk_size: int = 64
-    kernel_precision: str = "input"  # Pallas kernels only: "tf32"/"float32" run them in fp32
+    implementation: str = "chunked"  # a name of ``taylor_attention.REGISTRY`` or "auto"
+    tiles: Any = None  # the named backend's tiling, e.g. {"chunk": 32}; None: its heuristic
+    kernel_precision: str = "input"  # Triton kernels only: "tf32"/"float32" run them in fp32
     eps: float = 1e-12
     decay: bool = False
     decode_implementation: Literal["parallel", "chunked", "recurrent"] = "recurrent"
 
     def __post_init__(self):
+      REGISTRY.check_name(self.implementation)
+      REGISTRY.check_name(self.decode_implementation)
       pallas_utils.check_precision(self.kernel_precision, "Taylor kernel_precision")
+      object.__setattr__(self, "tiles", REGISTRY.tiles(self.implementation, self.tiles, "Taylor tiles"))
 
   def __init__(self, config: Config, *, d_model: int, init: InitSpec = InitSpec(),
                dtype=jnp.float32, rngs: nnx.Rngs):
@@ -88,10 +90,11 @@ class TaylorLinearAttention(nnx.Module):
     q_BxTxHxK = self.proj_q(x_BxTxD).reshape(*heads, cfg.feature_dim)
     k_BxTxHxK = self.proj_k(x_BxTxD).reshape(*heads, cfg.feature_dim)
     v_BxTxHxV = self.proj_v(x_BxTxD).reshape(*heads, self.head_dim)
+    decode = length == 1
     o_BxTxHxV, state = taylor_linear_attention(
         q_BxTxHxK, k_BxTxHxK, v_BxTxHxV,
-        implementation=cfg.decode_implementation if length == 1 else cfg.implementation,
-        state=state, eps=cfg.eps, feature=cfg.feature, chunk_size=cfg.chunk_size,
+        implementation=cfg.decode_implementation if decode else cfg.implementation,
+        state=state, eps=cfg.eps, feature=cfg.feature, tiles=None if decode else cfg.tiles,
         decay=default_decay_rates(cfg.n_heads) if cfg.decay else None,
         dt=self.dt_proj(x_BxTxD) if cfg.decay else None, segment_ids=segment_ids_BxT,
         kernel_precision=cfg.kernel_precision)
@@ -111,33 +114,19 @@ class TaylorLinearAttention(nnx.Module):
     return float_bytes((batch_size, cfg.n_heads, f, self.head_dim), (batch_size, cfg.n_heads, f))
 
   def flops_per_token(self, seq_len: int) -> float:
-    """Forward FLOPs per token (``lmcore.mixers.flops``; "auto" as on a GPU, where it depends on T
-    and the head widths): the projections, 2 · D · (2 H d' + D) + 2 · D · D (+ 2 · D · H with the
-    decay), plus per head,
-    with dv = D / H, dv + 1 mixed columns (the normaliser) and scores A = 1 + s + s²/2 taken from
-    the raw s = q · k / sqrt(d') (width d', not F) wherever they are pairwise:
-
-    * ``parallel``, ``pallas_blocked``: the causal half, 2 · (d' + dv + 1) · (T + 1) / 2;
-    * ``chunked``: 2 · C' · (d' + dv + 1) + 4 · F · (dv + 1), C' = min(chunk_size, T) and
-      F = ``taylor.feature_width(d', feature)`` (153 compact, 273 full at d' = 16);
-    * ``pallas``: the same with F = ``feature_width(d', "full")``, the kernels' state rows
-      (d' + 1 groups of d' plus the constant row) whatever ``feature``;
-    * ``pallas_fused``: as ``pallas`` at the fused kernels' own chunk (``FusedTiles().chunk``);
-    * ``recurrent``: 4 · F · (dv + 1).
-    """
+    """Forward FLOPs per token (``lmcore.mixers.flops``): the projections, 2 · D · (2 H d' + D)
+    + 2 · D · D (+ 2 · D · H with the decay), plus per head the count of the backend
+    (``Backend.flops_per_head``; "auto" as it resolves on a GPU, where it depends on T and the head
+    widths) at d', dv = D / H and dv + 1 mixed columns (the normaliser): the quadratic forms
+    (``parallel``, ``pallas_blocked``) 2 · (d' + dv + 1) · (T + 1) / 2; the chunked ones
+    2 · C' · (d' + dv + 1) + 4 · F · (dv + 1), C' = min(chunk, T), scores from the raw q · k (width
+    d') and F the state rows (``chunked``: ``feature``'s width; ``pallas_fused``: ``full``'s;
+    ``pallas_tpu``: ``compact``'s); ``recurrent`` 4 · F · (dv + 1)."""
     cfg = self.config
-    d, V = cfg.feature_dim, self.head_dim + 1
-    name = flops.on_gpu(resolve_implementation, cfg.implementation, length=seq_len,
-                        decay=cfg.decay, key_dim=d, value_dim=self.head_dim)
-    if name in ("parallel", "pallas_blocked"):
-      mixing = flops.quadratic(d, V, seq_len)
-    elif name == "recurrent":
-      mixing = flops.recurrent(feature_width(d, cfg.feature), V)
-    else:
-      F = feature_width(d, "full" if name.startswith("pallas") else cfg.feature)
-      chunk = FusedTiles().chunk if name == "pallas_fused" else cfg.chunk_size
-      mixing = flops.chunked(F, V, chunk, seq_len, score_width=d)
-    return flops.dense(self) + cfg.n_heads * mixing
+    problem = Problem("gpu", cfg.feature_dim, self.head_dim, seq_len, decay=cfg.decay, feature=cfg.feature)
+    backend = (REGISTRY.resolve(cfg.implementation, problem) if cfg.implementation in AUTO
+               else REGISTRY.backends[cfg.implementation])
+    return flops.dense(self) + cfg.n_heads * backend.flops_per_head(problem, cfg.tiles)
 
 
 class SlidingWindowAttention(nnx.Module):

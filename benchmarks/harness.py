@@ -307,9 +307,12 @@ def _gated_pallas() -> dict:
 
 
 def taylor_cases(batch, length, dtype, shape: HeadShape | None = None):
-  """BASED Taylor attention: the chunked kernel (and its fp32 variants), the blocked kernels (GPU),
-  XLA chunked, and the materialised reference."""
-  from based_jax import taylor_linear_attention
+  """BASED Taylor attention: on a GPU the Triton kernels, "pallas_blocked" and "pallas_fused" (and their
+  fp32 variants), on a TPU the Mosaic ones, "pallas_tpu"; XLA chunked and the materialised reference.
+  A kernel that does not take the heads is a reason string (a row with a note)."""
+  from based_jax.ops.taylor_attention import REGISTRY, Problem, taylor_linear_attention
+  from lmcore.ops.common import pallas_utils
+  from lmcore.ops.common.backend import ChunkTiles
 
   H, d, V = _dims("taylor", shape)
   keys = jax.random.split(jax.random.key(0), 3)
@@ -317,26 +320,30 @@ def taylor_cases(batch, length, dtype, shape: HeadShape | None = None):
   args = (_randn(keys[0], qk_shape, dtype, 0.5), _randn(keys[1], qk_shape, dtype, 0.5),
           _randn(keys[2], (batch, length, H, V), dtype))
 
-  def op(impl, **options):
-    return lambda q, k, v: taylor_linear_attention(q, k, v, implementation=impl, chunk_size=CHUNK,
-                                                   **options)[0]
+  def op(impl, tiles=None, **options):
+    return lambda q, k, v: taylor_linear_attention(q, k, v, implementation=impl, tiles=tiles, **options)[0]
 
-  pallas_name = _pallas_name()
-  kernel = lambda precision: op("pallas", kernel_precision=precision)
-  cases = {pallas_name: op("pallas"), **_precision_cases(kernel, dtype),
-           "chunked (xla)": op("chunked")}
-  if pallas_name == "pallas":  # the blocked (quadratic) and fused-chunk Triton kernels; GPU only
-    cases["pallas_blocked"] = op("pallas_blocked")
-    cases["pallas_fused"] = op("pallas_fused")
+  def kernel(impl):
+    """The backend's case, its fp32 variants (GPU, bf16 inputs), or why it does not run these heads."""
+    backend = REGISTRY.backends[impl]
+    if not backend.supports(Problem("gpu", d, V, length)):
+      return {impl: f"{impl} needs {backend.requirement}"}
+    variants = _precision_cases(lambda precision: op(impl, kernel_precision=precision), dtype)
+    return {impl: op(impl), **{name.replace("pallas", impl, 1): fn for name, fn in variants.items()}}
+
+  cases = {}
+  for impl in (("pallas_tpu",) if pallas_utils.backend() == "tpu" else ("pallas_blocked", "pallas_fused")):
+    cases.update(kernel(impl))
+  cases["chunked (xla)"] = op("chunked", ChunkTiles(CHUNK))
   if batch * H * length * length <= PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = op("parallel")
   F = 1 + d + d * (d + 1) // 2  # the compact feature width, 153 at d' = 16
   flops = {impl: chunked_flops(batch, length, H, F, V) for impl in cases}
-  if pallas_name == "pallas (tpu)":  # compiled Mosaic chunks are >= 128 tokens
-    flops[pallas_name] = chunked_flops(batch, length, H, F, V, chunk=TPU_CHUNK)
-  flops["pallas_fused"] = chunked_flops(batch, length, H, F, V)
-  for name in ("parallel (reference)", "pallas_blocked"):
-    flops[name] = parallel_flops(batch, length, H, d + 2, V)
+  for name in cases:
+    if name.startswith("pallas_blocked") or name == "parallel (reference)":
+      flops[name] = parallel_flops(batch, length, H, d + 2, V)
+    elif name == "pallas_tpu":  # compiled Mosaic chunks hold at least 128 tokens
+      flops[name] = chunked_flops(batch, length, H, F, V, chunk=TPU_CHUNK)
   return args, cases, flops
 
 
@@ -422,7 +429,7 @@ FUSED_TUNING = [((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 1, 4, 3)),
 # these on the H200 at 8 x 2048 (docs/BENCHMARKS.md). Their rows belong to the op "taylor".
 TAYLOR_BLOCKED_TUNING = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 3), (128, 64, 8, 3)]
 # Tilings of the fused-chunk Taylor kernels tried by ``--tune=taylor_fused``, as
-# ``pallas_triton_fused.Tiles`` fields (chunk, features, block_v, then (warps, stages) of the forward,
+# ``pallas_triton_fused.FusedTiles`` fields (chunk, features, block_v, then (warps, stages) of the forward,
 # dq, dk/dv and intra kernels); the first is its default. Their rows belong to the op "taylor".
 # Measured slower on the H200 (docs/BENCHMARKS.md) and no longer tried: two pipeline stages,
 # feature blocks of 128, value tiles of 32, chunks of 32, 8 warps at chunks of 64.
@@ -498,7 +505,7 @@ def taylor_fused_tuning_cases(batch: int, length: int, dtype) -> tuple[tuple, di
   args, _, flops = taylor_cases(batch, length, dtype)
   cases = {}
   for entry in TAYLOR_FUSED_TUNING:
-    tiles = fused.Tiles(*entry)
+    tiles = fused.FusedTiles(*entry)
     cases[_taylor_fused_name(entry)] = (
         lambda q, k, v, tiles=tiles: fused.taylor_fused_pallas(q, k, v, tiles=tiles)[0])
   return args, cases, {name: flops["pallas_fused"] for name in cases}
@@ -517,9 +524,9 @@ def spans_tuning_cases(op_name: str, batch: int, length: int, dtype) -> tuple[tu
         q, k, v, w, l, tiles_spec=f"spans={count}")[0]
   else:
     args, _, flops = taylor_cases(batch, length, dtype)
-    chunk = taylor_fused.Tiles().chunk
+    chunk = taylor_fused.FusedTiles().chunk
     run = lambda count: lambda q, k, v: taylor_fused.taylor_fused_pallas(
-        q, k, v, tiles=taylor_fused.Tiles(spans=count))[0]
+        q, k, v, tiles=taylor_fused.FusedTiles(spans=count))[0]
   counts = [G for G in SPANS_TUNING if length % (G * chunk) == 0 and length // G >= SPANS_MIN_LENGTH]
   cases = {f"pallas_fused (spans={G})": run(G) for G in counts}
   return args, cases, {name: flops["pallas_fused"] for name in cases}
@@ -568,7 +575,7 @@ REFERENCE = {"sanatan_p1": "chunked (xla)", "sanatan_p2": "blocked (xla)", "gate
 AUTO_CASES = {"sanatan_p1": ("chunked (xla, C=128)", "pallas_fused"),
               "sanatan_p2": ("parallel (xla)", "pallas_flash", FLASH_XLA_FEATURES_CASE),
               "gated": ("chunked (xla)", "pallas"),
-              "taylor": ("chunked (xla)", "pallas", "pallas_blocked", "pallas_fused")}
+              "taylor": ("chunked (xla)", "pallas_blocked", "pallas_fused")}
 
 
 def _decisive_first(op_name: str, cases: dict) -> dict:

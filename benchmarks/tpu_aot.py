@@ -166,18 +166,20 @@ def gated_cases(batch: int, length: int, dtype) -> list[Case]:
 
 
 def taylor_cases(batch: int, length: int, dtype) -> list[Case]:
-  """BASED Taylor attention: the Mosaic kernels (chunk 128, compact features 153 → 256 lanes)
-  against XLA "chunked" (C = 64, ``lax.scan`` over chunks)."""
+  """BASED Taylor attention: the Mosaic kernels ("pallas_tpu", chunk 128, compact features 153 → 256
+  lanes) against XLA "chunked" (C = 64, ``lax.scan`` over chunks)."""
   from based_jax import taylor_linear_attention
+  from based_jax.ops.taylor_attention.pallas_mosaic_tpu import LANES, MosaicTiles
+  from lmcore.ops.common.backend import ChunkTiles
 
   H, d, dv = harness.TAYLOR_HEADS, harness.TAYLOR_DIM, harness.HEAD_DIM
   args = _shapes(batch, length, H, d, d, dv, dtype=dtype)
 
-  def op(impl):
-    return lambda q, k, v: taylor_linear_attention(q, k, v, implementation=impl,
-                                                   chunk_size=harness.CHUNK)[0]
+  def op(impl, tiles):
+    return lambda q, k, v: taylor_linear_attention(q, k, v, implementation=impl, tiles=tiles)[0]
 
-  impls = {"pallas (Mosaic, C=128)": op("pallas"), "chunked (XLA, C=64)": op("chunked")}
+  impls = {"pallas (Mosaic, C=128)": op("pallas_tpu", MosaicTiles(chunk=LANES)),
+           "chunked (XLA, C=64)": op("chunked", ChunkTiles(harness.CHUNK))}
   return [Case("taylor", name, fn, args, (True,) * 3) for name, fn in impls.items()]
 
 

@@ -2,7 +2,8 @@
 
 For every op and T ∈ {2048, 8192, 32768} at a fixed number of tokens per batch (B = tokens // T):
 our Pallas kernel (SANATAN p = 2: also the flash kernel, "pallas_flash"; p = 1: also the fused-chunk
-kernel, "pallas_fused"), our XLA chunked path, the materialised parallel reference (skipped where
+kernel, "pallas_fused"; Taylor: the blocked and fused-chunk kernels, "pallas_blocked" and "pallas_fused"),
+our XLA chunked path, the materialised parallel reference (skipped where
 its T×T scores would not fit), cuDNN softmax attention (`jax.nn.dot_product_attention`) and, when
 torch and flash-linear-attention are importable, FLA's kernels on the same inputs. Prints a table
 with ms, tokens/s, achieved TFLOP/s (from counted FLOPs) and the ratio to the reference named in each row,

@@ -194,10 +194,11 @@ def sanatan_abstract_inputs(B=1, T=200, H=2, d=24, dv=40):
 # BASED Taylor linear attention.
 
 def run_taylor(fn, inputs, state, projections, **options):
-  """Outputs, final state and gradients of a random projection of both w.r.t. q, k, v, S0, z0."""
+  """Outputs, final state and gradients of a random projection of both w.r.t. q, k, v, S0, z0; ``fn``
+  has ``taylor_linear_attention``'s arguments (a backend's own entry point brings its tiling)."""
 
   def loss(q, k, v, S0, z0):
-    o, new = fn(q, k, v, state=TaylorState(S0, z0), chunk_size=CHUNK, **options)
+    o, new = fn(q, k, v, state=TaylorState(S0, z0), **options)
     do, dS, dz = projections
     return (o * do).sum() + (new.S * dS).sum() + (new.z * dz).sum(), (o, new)
 

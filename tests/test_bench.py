@@ -110,11 +110,12 @@ def test_fused_taylor_tuning_settings_compute_the_ops_function():
   """Every TAYLOR_FUSED_TUNING tiling is named by its fields and credited the fused kernel's FLOPs; the
   first is the kernel's default tiling and computes the XLA chunked path's output (T = 32); its rows go
   to the op "taylor"."""
-  from based_jax.ops.taylor_attention.pallas_triton_fused import Tiles
+  from based_jax.ops.taylor_attention.pallas_triton_fused import FusedTiles
 
   args, cases, flops = bench.tuning_cases("taylor_fused", 1, 32, "float32")
   _, defaults, default_flops = bench.OPS["taylor"](1, 32, "float32")
-  assert len(cases) == len(bench.TAYLOR_FUSED_TUNING) and Tiles(*bench.TAYLOR_FUSED_TUNING[0]) == Tiles()
+  assert len(cases) == len(bench.TAYLOR_FUSED_TUNING)
+  assert FusedTiles(*bench.TAYLOR_FUSED_TUNING[0]) == FusedTiles()
   for name, entry in zip(cases, bench.TAYLOR_FUSED_TUNING):
     assert name.startswith(f"pallas_fused (C={entry[0]}, F={entry[1]}, BV={entry[2]}, fwd {entry[3][0]}w")
     assert flops[name] == default_flops["pallas_fused"]
@@ -213,8 +214,26 @@ def test_shaped_cases_take_inputs_of_their_heads(op_name):
   assert args[0].shape == (1, 16, shape.heads, shape.key)
   assert args[2].shape == (1, 16, shape.heads, shape.value)
   for name in bench.AUTO_CASES[op_name]:
+    if isinstance(cases[name], str):  # a kernel that does not take these heads (a row with this note)
+      continue
     assert jax.eval_shape(cases[name], *args).shape == args[2].shape, name
     assert flops[name] > 0
+
+
+def test_taylor_cases_are_the_backends_that_take_the_heads():
+  """The Triton kernels by their backend names (Mosaic's "pallas_tpu" only on a TPU); a kernel that does
+  not take the heads is a note naming what it needs: dv 512 is past the blocked kernels, d' 64 past the
+  fused-chunk ones."""
+  _, cases, flops = bench.OPS["taylor"](1, 16, "bfloat16")
+  kernels = {f"{name}{variant}" for name in ("pallas_blocked", "pallas_fused")
+             for variant in ("", " (tf32)", " (float32)")}
+  assert set(cases) == kernels | {"chunked (xla)", "parallel (reference)"}
+  assert flops["pallas_blocked (tf32)"] == flops["parallel (reference)"] != flops["pallas_fused"]
+  _, cases, _ = bench.OPS["taylor"](1, 16, "float32", bench.HeadShape(2, 16, 512))
+  assert cases["pallas_blocked"] == "pallas_blocked needs no decay ablation and value dims up to 256"
+  _, cases, _ = bench.OPS["taylor"](1, 16, "float32", bench.HeadShape(8, 64, 128))
+  assert cases["pallas_fused"] == "pallas_fused needs no decay ablation and key dims up to 32"
+  assert callable(cases["pallas_blocked"])
 
 
 def test_gated_cases_take_a_gate_per_head_or_per_key_channel():

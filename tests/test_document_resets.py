@@ -345,6 +345,11 @@ def sanatan_problem(case: str):
           "weights": _weights(rng, (B, T, H, dv), shapes), "call": call}
 
 
+# Taylor's tiled backends at chunks or blocks of CHUNK tokens.
+TAYLOR_TILES = {"chunked": {"chunk": CHUNK}, "pallas_blocked": {"block_q": CHUNK, "block_k": CHUNK},
+                "pallas_fused": {"chunk": CHUNK}, "pallas_tpu": {"chunk": CHUNK}}
+
+
 @functools.cache
 def taylor_problem(case: str):
   """case "decay": the decay ablation, gamma per head 1 (none), exp(-1e-3) (weak), exp(-1)
@@ -360,11 +365,13 @@ def taylor_problem(case: str):
   state = {"S": jnp.einsum("bthf,bthv->bhfv", phi_k, _normal(rng, B, 6, H, dv)), "z": phi_k.sum(1)}
 
   def call(implementation):
+    tiles = taylor_api.REGISTRY.tiles(implementation, TAYLOR_TILES.get(implementation), "Taylor tiles")
+
     def run(tokens, shared, state, segment_ids, positions):
       o, new = taylor_linear_attention(tokens["q"], tokens["k"], tokens["v"],
                                        implementation=implementation,
                                        state=taylor_api.TaylorState(state["S"], state["z"]),
-                                       chunk_size=CHUNK, decay=shared.get("decay"),
+                                       tiles=tiles, decay=shared.get("decay"),
                                        dt=tokens.get("dt"), segment_ids=segment_ids)
       return o, {"S": new.S, "z": new.z}
     return run
@@ -422,16 +429,22 @@ def test_sanatan_packed_equals_separate_documents(implementation, case):
                                    heads=("head 0", "head 1"))
 
 
-@pytest.mark.parametrize("implementation,case", _cases(taylor_api, ("decay",), "plain"))
+def _taylor_cases():
+  """Every backend of the registry: the decay ablation for the XLA forms, the plain case for the
+  kernels, which do not take it."""
+  return [pytest.param(name, case, id=f"{name}-{case}") for name in taylor_api.REGISTRY.names
+          for case in (("plain",) if is_kernel(name) else ("decay",))]
+
+
+@pytest.mark.parametrize("implementation,case", _taylor_cases())
 def test_taylor_packed_equals_separate_documents(implementation, case):
   problem = taylor_problem(case)
   call = problem["call"](implementation)
   try:
     jax.eval_shape(lambda: call(problem["tokens"], problem["shared"], problem["state"], SEGMENT_IDS,
                                 None))
-  except NotImplementedError as e:
-    # A form that does not take segment ids must say so and name the ones that do.
+  except ValueError as e:
+    # A backend that does not take segment ids must say so and name the ones that do.
     assert "segment_ids" in str(e) and "recurrent" in str(e), e
     return
-  assert_equals_separate_documents("taylor", case, implementation,
-                                   reference=reference_form(taylor_api, "recurrent", "reference"))
+  assert_equals_separate_documents("taylor", case, implementation, reference="recurrent")

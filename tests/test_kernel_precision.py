@@ -38,9 +38,17 @@ def _op(name, rng):
       "gated": (lambda impl, **o: lambda q, k, v: gated_linear_attention(
           q, k, v, log_forget, implementation=impl, **o)[0], "chunked", 0.25),
       "taylor": (lambda impl, **o: lambda q, k, v: taylor_linear_attention(
-          q, k, v, implementation=impl, **o)[0], "chunked", 0.5),
+          q, k, v, implementation=_taylor_backend(impl), **o)[0], "chunked", 0.5),
   }
   return ops[name]
+
+
+def _taylor_backend(implementation: str) -> str:
+  """Taylor's backend for this file's "pallas": the Mosaic kernels on a TPU, elsewhere the blocked
+  Triton kernels ("auto"'s on a GPU at T = 77); other names as they are."""
+  if implementation != "pallas":
+    return implementation
+  return "pallas_tpu" if pu.backend() == "tpu" else "pallas_blocked"
 
 
 def _bf16_inputs(rng, scale):

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from based_jax.mixers import BaseConv, SlidingWindowAttention, TaylorLinearAttention, ZoologyBaseConv
-from based_jax.ops.taylor_attention.pallas_triton_fused import Tiles as FusedTiles
+from based_jax.ops.taylor_attention.pallas_triton_fused import FusedTiles
 from lmcore import config as cfg_lib
 from lmcore import model_card
 from lmcore.mixers import (CosFormer, CyFA, GatedDeltaNet, GLA, LinearTransformer, Performer,
@@ -206,11 +206,13 @@ def test_taylor():
   fields = dict(n_heads=4, feature_dim=8)
   assert mixer(TaylorLinearAttention, implementation="chunked", **fields).flops_per_token(T) == (
       dense + 4 * (2 * 64 * (8 + 17) + 4 * compact * 17))
+  assert mixer(TaylorLinearAttention, implementation="chunked", tiles={"chunk": 32},
+               **fields).flops_per_token(T) == dense + 4 * (2 * 32 * (8 + 17) + 4 * compact * 17)
   assert mixer(TaylorLinearAttention, implementation="recurrent", feature="full",
                **fields).flops_per_token(T) == dense + 4 * 4 * full * 17
   auto = mixer(TaylorLinearAttention, implementation="auto", **fields)
-  assert auto.flops_per_token(T) == dense + 4 * (8 + 17) * (T + 1)  # blocked kernel below 4096
-  fused_chunk = FusedTiles().chunk  # the fused-chunk kernels from 4096, at their own chunk
+  assert auto.flops_per_token(T) == dense + 4 * (8 + 17) * (T + 1)  # blocked kernels below 8192
+  fused_chunk = FusedTiles().chunk  # the fused-chunk kernels from 8192, at their default tiles
   assert auto.flops_per_token(8192) == dense + 4 * (2 * fused_chunk * (8 + 17) + 4 * full * 17)
   decay = mixer(TaylorLinearAttention, implementation="auto", decay=True, **fields)
   assert decay.flops_per_token(T) == dense + 2 * 64 * 4 + 4 * (2 * 64 * (8 + 17)

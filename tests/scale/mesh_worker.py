@@ -42,7 +42,7 @@ HEADS = dict(n_heads=2, head_dim=8)
 MIXERS = {
     "softmax": dict(n_heads=2),
     "sanatan": dict(HEADS, p=1, implementation="pallas", chunk_size=8),
-    "taylor": dict(n_heads=2, feature_dim=4, chunk_size=8, implementation="pallas"),
+    "taylor": dict(n_heads=2, feature_dim=4, implementation="pallas_fused", tiles={"chunk": 8}),
     "swa": dict(n_heads=2, window=4, block_size=8),
     "base_conv": {},
     "gla": dict(n_heads=2, chunk_size=8, implementation="pallas"),

@@ -1,5 +1,5 @@
-"""What every Taylor linear attention backend shares (MATH §2.1): the state, argument checks and the
-pieces of the parallel form that the blocked kernels reuse.
+"""What every Taylor linear attention backend shares (MATH §2.1): the problem a backend is chosen for,
+the state, argument checks and the pieces of the parallel form that the blocked kernels reuse.
 
 Per head, with ``A_tj = phi(q_t)·phi(k_j) = 1 + s + s²/2`` and ``s = q_t·k_j / sqrt(d')``::
 
@@ -9,10 +9,16 @@ The recurrent state is ``S = sum_j gamma^(T-1-j) phi(k_j) v_j^T`` [F, dv] and ``
 [F], both fp32; a state passed in is the prefix of the same sequence (write-then-read: token t sees
 itself). Documents are numbered by ``lmcore.ops.common.segments.document_index``; an incoming state
 continues document 0 of each row.
+
+The backend contract: ``backend(q, k, v, *, state, eps, feature, decay, dt, segment_ids, tiles,
+options) -> (o [B, T, H, dv], TaylorState)``, with ``state`` None for zeros, ``decay`` [H] / ``dt``
+[B, T, H] or None (the decay ablation), ``tiles`` the backend's tiling (``lmcore.ops.common.backend``)
+and ``options`` the ``Options`` it reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -21,15 +27,37 @@ import jax.numpy as jnp
 
 from based_jax.taylor import Feature, feature_width, taylor_features, taylor_kernel
 
-# The backends without the decay ablation (decay, dt) and those without packed documents.
-NO_DECAY: tuple[str, ...] = ("pallas", "pallas_blocked", "pallas_fused")
-NO_SEGMENTS: tuple[str, ...] = ("chunked",)
+OP = "taylor_linear_attention"
 
-# "auto" on a GPU: the blocked (quadratic) kernels below this length, the fused-chunk ones from it.
-# H200 fwd+bwd, GPU time (B T = 16,384, 16 heads, d' = 16), blocked against fused ms: dv = 64: 0.93
-# against 1.43 at T = 2048, 1.68 against 1.76 at 4096, 3.22 against 1.74 at 8192; dv = 112 (BASED
-# 1.3B): 1.22 / 2.85, 2.15 / 3.43, 3.97 / 3.41.
-BLOCKED_BELOW = 8192
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """What decides the backend and its FLOP count: the platform, the key dim d' and value dim dv of a
+  head, the length T (None: not known), whether ``segment_ids`` (packed documents) or the decay
+  ablation (``decay`` or ``dt``) are given, and the state's feature layout."""
+
+  platform: str
+  key_dim: int = 0
+  value_dim: int = 0
+  length: int | None = None
+  segments: bool = False
+  decay: bool = False
+  feature: Feature = "compact"
+
+  def describe(self) -> str:
+    options = [name for name, given in (("segment_ids", self.segments), ("the decay ablation", self.decay))
+               if given]
+    length = "" if self.length is None else f" of {self.length} tokens"
+    given = f" with {' and '.join(options)}" if options else ""
+    return f"heads of {self.key_dim} x {self.value_dim}{length}{given} on {self.platform}"
+
+
+class Options(NamedTuple):
+  """The options a backend may read besides its tiling. precision: the Triton kernels' dot operands,
+  "input" (the inputs' dtype), "tf32" or "float32" (``pallas_utils.PRECISIONS``); the TPU kernels
+  take "input" only, the XLA forms ignore it."""
+
+  precision: str = "input"
 
 
 class TaylorState(NamedTuple):
@@ -37,6 +65,12 @@ class TaylorState(NamedTuple):
 
   S: jax.Array  # [B, H, F, dv]: sum_j gamma^(age) phi(k_j) v_j^T
   z: jax.Array  # [B, H, F]: sum_j phi(k_j), undecayed
+
+
+# The kernels' arguments by name and each one's leading dimensions, for their shard_map
+# (``lmcore.ops.common.shard_map.run_sharded``), and those of their outputs (o, state).
+KERNEL_LAYOUTS = dict(q="BTH", k="BTH", v="BTH", state="BH", segment_ids="B")
+KERNEL_OUT_LAYOUTS = ("BTH", TaylorState(S="BH", z="BH"))
 
 
 def zero_state(batch_size: int, n_heads: int, key_dim: int, value_dim: int,
@@ -52,21 +86,18 @@ def default_decay_rates(n_heads: int) -> jax.Array:
   return 1.0 - 2.0 ** (-3.0 - jnp.arange(n_heads, dtype=jnp.float32))
 
 
-def check_args(q, k, v, implementation: str, decay, dt, segment_ids) -> None:
-  """Shapes of q, k, v, decay and dt, and whether ``implementation`` takes decay and documents."""
+def check_shapes(q, k, v, decay, dt, segment_ids) -> None:
+  """Raises ValueError unless q, k are [B, T, H, d'], v [B, T, H, dv], decay [H], dt [B, T, H] and
+  segment_ids [B, T]."""
   if q.shape != k.shape or q.shape[:3] != v.shape[:3]:
-    raise ValueError(f"q, k must be [B, T, H, d'] and v [B, T, H, dv]; "
+    raise ValueError(f"{OP}: q, k must be [B, T, H, d'] and v [B, T, H, dv]; "
                      f"got {q.shape}, {k.shape}, {v.shape}")
   if decay is not None and decay.shape != q.shape[2:3]:
-    raise ValueError(f"decay must be per-head rates of shape {q.shape[2:3]}, got {decay.shape}")
+    raise ValueError(f"{OP}: decay must be per-head rates of shape {q.shape[2:3]}, got {decay.shape}")
   if dt is not None and dt.shape != q.shape[:3]:
-    raise ValueError(f"dt must have shape [B, T, H] = {q.shape[:3]}, got {dt.shape}")
-  if implementation in NO_DECAY and (decay is not None or dt is not None):
-    raise NotImplementedError("the decay ablation (decay, dt) is supported by implementation="
-                              f"'parallel', 'chunked' or 'recurrent', not {implementation!r}")
-  if segment_ids is not None and implementation in NO_SEGMENTS:
-    raise NotImplementedError("segment_ids are supported by implementation='parallel', 'recurrent' "
-                              f"or 'pallas', not {implementation!r}")
+    raise ValueError(f"{OP}: dt must have shape [B, T, H] = {q.shape[:3]}, got {dt.shape}")
+  if segment_ids is not None and segment_ids.shape != q.shape[:2]:
+    raise ValueError(f"{OP}: segment_ids must have shape [B, T] = {q.shape[:2]}, got {segment_ids.shape}")
 
 
 def as_state(state: TaylorState | None, q: jax.Array, v: jax.Array,

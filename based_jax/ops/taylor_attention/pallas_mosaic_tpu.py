@@ -5,9 +5,9 @@ Per head, with ``s_tj = q_t·k_j / sqrt(d')`` and ``A_tj = phi(q_t)·phi(k_j) = 
 
     o_t = sum_{j<=t} A_tj v_j / (sum_{j<=t} A_tj + eps)
 
-As in pallas_taylor.py (the GPU kernels) the denominator is one more value column: with
-``ṽ = [v, 1]`` the kernels compute ``N_t = sum_j A_tj ṽ_j`` (fp32) and the wrapper divides
-``N[:dv]`` by ``N[dv] + eps``; the state's extra column is z.
+The denominator is one more value column: with ``ṽ = [v, 1]`` the kernels compute
+``N_t = sum_j A_tj ṽ_j`` (fp32) and the wrapper divides ``N[:dv]`` by ``N[dv] + eps``; the state's
+extra column is z.
 
 TPU form. A TPU core runs the grid steps one after another, so the grid is (batch·head, value tile,
 chunk) with the chunk axis last and "arbitrary" (sequential; the first two are "parallel"), and the
@@ -17,8 +17,8 @@ from the initial state at chunk 0, written out after the last)::
     N_n     = Phi(q_n) X_n + (A_n masked) ṽ_n        (intra block 1 + s + s²/2 straight from q kᵀ)
     X_{n+1} = keep_n X_n + Phi(k_n)ᵀ ṽ_n
 
-Feature layout. d' = 16 fills an eighth of the 128 lanes, so the GPU kernels' d' + 1 tiles of d'
-rows would contract over 16 on the MXU. Here a chunk's features are one lane-dense [C, Fp] block:
+Feature layout. d' = 16 fills an eighth of the 128 lanes, so d' + 1 tiles of d' rows would contract
+over 16 on the MXU. Here a chunk's features are one lane-dense [C, Fp] block:
 taylor.py's *compact* features (F = 1 + d' + d'(d' + 1)/2 = 153 at d' = 16, zero-padded to
 Fp = 256 lanes), so reading and writing the state is one [C, Fp] x [Fp, BV] matmul each. The block
 is built with no 3-D array or reshape: with x̃ = [x, 1] (the 1 put in lane d' of the zero-padded x),
@@ -47,12 +47,13 @@ Layout and padding: head-major [B·H, Tp, ·]; q, k zero-padded from d' to Kp (d
 128 lanes), ṽ from dv + 1 to whole value tiles (128 columns when compiled), time to whole chunks
 (padded tokens have ṽ = 0 and write nothing). Compiled chunks hold at least 128 tokens, so that the
 [C, C] score block and the [1, C] run row fill whole lanes. Precision: fp32 accumulation and state;
-every matmul takes operands in the inputs' dtype (as pallas_taylor.py), so with bf16 inputs the
-features and the state are read at bf16 precision.
+every matmul takes operands in the inputs' dtype, so with bf16 inputs the features and the state are
+read at bf16 precision.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, NamedTuple
@@ -64,14 +65,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from based_jax import taylor
-from based_jax.ops.taylor_attention.base import TaylorState, zero_state
+from based_jax.ops.taylor_attention.base import (KERNEL_LAYOUTS, KERNEL_OUT_LAYOUTS, Options, Problem,
+                                                 TaylorState, zero_state)
+from lmcore.ops.common import flops
 from lmcore.ops.common import pallas_utils as pu
+from lmcore.ops.common import shard_map
+from lmcore.ops.common.backend import MOSAIC_TPU, Backend, check_power_of_two
 from lmcore.ops.common.layout import heads_first
 from lmcore.ops.common.segments import ChunkDocuments, chunk_documents, document_index
 
 LANES = 128  # a TPU vector register is (8 sublanes, 128 lanes)
 _F32 = jnp.float32
-_OP = "taylor_linear_attention(implementation='pallas')"
+_OP = "taylor_linear_attention(implementation='pallas_tpu')"
 
 
 class KernelConfig(NamedTuple):
@@ -418,8 +423,7 @@ def _from_kernel_state(X_BxHxFxW, S0_BxHxFxW, keep_B, d: int, feature):
 
 def _check_sizes(chunk_size: int, block_v: int, compiled: bool) -> None:
   """Raises ValueError for block sizes the kernels (or, when compiled, the TPU tiles) reject."""
-  if chunk_size < 1 or chunk_size & (chunk_size - 1):
-    raise ValueError(f"{_OP}: chunk_size must be a power of two, got {chunk_size}")
+  check_power_of_two(_OP, chunk_size=chunk_size)
   if compiled and block_v % LANES:
     raise ValueError(f"{_OP}: on TPU block_v must be a multiple of {LANES}, got {block_v}")
 
@@ -470,3 +474,51 @@ def taylor_linear_attention_tpu(
   X = X.reshape(B, H, Fp, Vp)[:, :, :F, :V + 1]
   S = _from_kernel_state(X, S0, (run[:, -1] == 0).astype(_F32), d, feature)
   return o.astype(v.dtype), TaylorState(S[..., :V], S[..., V])
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTiles:
+  """``chunk`` tokens per chunk (a power of two; at least ``LANES`` are used when compiled) and
+  ``block_v`` value columns per grid step over dv + 1 (a multiple of ``LANES`` when compiled)."""
+
+  chunk: int = 64
+  block_v: int = LANES
+
+  def __post_init__(self):
+    check_power_of_two("taylor_linear_attention tiles", chunk=self.chunk, block_v=self.block_v)
+
+
+class PallasTpu(Backend[MosaicTiles]):
+  """The Mosaic TPU kernels as a backend (no decay ablation; named, not "auto": no TPU has timed
+  them), each device of the mesh in context on its own rows and heads (``shard_map.run_sharded``)."""
+
+  platforms = MOSAIC_TPU
+  tiles_type = MosaicTiles
+  requirement = "no decay ablation"
+
+  def supports(self, problem: Problem) -> bool:
+    return not problem.decay
+
+  def heuristic_config(self, problem: Problem) -> MosaicTiles:
+    del problem
+    return MosaicTiles()
+
+  def flops_per_head(self, problem: Problem, tiles: MosaicTiles | None = None) -> float:
+    """The chunked count with the compact features; compiled chunks hold at least ``LANES`` tokens."""
+    chunk = self.config(problem, tiles).chunk
+    if problem.platform != "cpu":
+      chunk = max(chunk, LANES)
+    return flops.chunked(taylor.feature_width(problem.key_dim, "compact"), problem.value_dim + 1, chunk,
+                         problem.length or chunk, score_width=problem.key_dim)
+
+  def __call__(self, q, k, v, *, state, eps, feature, decay, dt, segment_ids, tiles: MosaicTiles,
+               options: Options = Options()):
+    del decay, dt  # supports() keeps the decay ablation away
+    if options.precision != "input":
+      raise ValueError(f"{_OP}: kernel_precision={options.precision!r} is for the GPU kernels; the TPU "
+                       "kernels compute in the inputs' dtype: use kernel_precision='input', or pass fp32 "
+                       "inputs")
+    kernel = functools.partial(taylor_linear_attention_tpu, eps=eps, feature=feature, chunk_size=tiles.chunk,
+                               block_v=tiles.block_v)
+    inputs = dict(q=q, k=k, v=v, state=state, segment_ids=segment_ids)
+    return shard_map.run_sharded(kernel, inputs, KERNEL_LAYOUTS, KERNEL_OUT_LAYOUTS)

@@ -9,11 +9,10 @@ visible pairs (j <= t, same run), the kernels compute the unnormalised sums
 block by block: grid (query block, batch, head), a program loops (``lax.fori_loop``, traced bound)
 over the key blocks j <= its block, one [BQ, d'] x [d', BK] dot for s and one [BQ, BK] x [BK, dv]
 dot for N per step, in fp32; no T x T array exists. A >= 1/2 everywhere, so no running maximum is
-needed. The work is T² (d' + dv) per head against the chunked kernels' T (d'+1) d' dv state
-traffic: at d' = 16 the quadratic form is the cheaper one up to a few thousand tokens
-(``pallas_triton.py`` is the other).
+needed. The work is T² (d' + dv) per head; a program holds a head's whole (padded) dv, which bounds
+dv (``MAX_VALUE_DIM``).
 
-``taylor_linear_attention_blocked`` (``implementation="pallas_blocked"``): without a prefix state the
+``taylor_linear_attention_blocked`` (the backend ``pallas_blocked``): without a prefix state the
 forward kernel also divides, writing o = N / (D + eps) in v's dtype and D (fp32), and the backward
 forms dN = do / (D + eps) and dD = -(do · o) / (D + eps) in XLA; with one it adds what the state
 contributes to N and D and divides in XLA, so the kernels take no state. Backward: with the
@@ -33,6 +32,7 @@ query (causality hides them); padded queries are sliced off.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -41,12 +41,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from based_jax import taylor
-from based_jax.ops.taylor_attention.base import (TaylorState, as_state, parallel_final_state,
-                                                 state_reads)
+from based_jax.ops.taylor_attention.base import (KERNEL_LAYOUTS, KERNEL_OUT_LAYOUTS, Options, Problem,
+                                                 TaylorState, as_state, parallel_final_state, state_reads)
+from lmcore.ops.common import flops
 from lmcore.ops.common import pallas_utils as pu
+from lmcore.ops.common import shard_map
+from lmcore.ops.common.backend import TRITON, Backend, check_power_of_two
 from lmcore.ops.common.segments import document_index
 
 _F32 = jnp.float32
+_OP = "taylor_linear_attention(implementation='pallas_blocked')"
+# Compiled, a program holds a head's whole padded dv in shared memory: dv = 512 does not fit.
+MAX_VALUE_DIM = 256  # (docs/BENCHMARKS.md, SANATAN p = 1 factor kernels; wide heads for "auto")
+# Where "auto" takes these kernels (``PallasBlocked.preferred``; the fused-chunk ones elsewhere):
+AUTO_MAX_KEY_DIM = 64  # the widest key timed (docs/BENCHMARKS.md, ...; wide heads for "auto")
+BLOCKED_BELOW = 8192  # faster below this length (docs/BENCHMARKS.md, Blocked Taylor: dN and the ...)
+BLOCKED_ABOVE_KEY_DIM = 16  # and at any length for wider keys (docs/BENCHMARKS.md, Fused-chunk Taylor)
 
 
 class KernelConfig(NamedTuple):
@@ -231,10 +241,8 @@ def _normalised_bwd(cfg, residuals, do):
 _normalised.defvjp(_normalised_fwd, _normalised_bwd)
 
 
-# Triton pipeline stages by operand width in bytes. H200, bf16, 8 x 2048, 16 heads of d' 16, dv 64, 64 x 64
-# blocks on 4 warps, GPU time in three processes (docs/BENCHMARKS.md), when dN was read and the
-# gradients written in fp32: three stages 1.27-1.29 ms, two 1.33-1.34, four 1.28-1.29 (0.94 now, at
-# three). fp32 operands (twice the shared memory per stage) keep two.
+# Triton pipeline stages by operand width in bytes: the fastest timed for 2 (docs/BENCHMARKS.md, GPU time:
+# ...; blocked Taylor at three stages); 4-byte operands need twice the shared memory per stage.
 STAGES = {2: 3, 4: 2}
 
 
@@ -274,13 +282,10 @@ def taylor_normalised_blocked(q: jax.Array, k: jax.Array, v: jax.Array, run: jax
 def _prepare(q, k, v, run, *, interpret: bool | None = None, block_q: int = 64, block_k: int = 64,
              num_warps: int = 4, num_stages: int | None = None, precision: str = "input"):
   """The kernels' padded operands (q, k, v, run) and their ``KernelConfig``; checks the options."""
-  op = "taylor_linear_attention(implementation='pallas_blocked')"
   interpret = pu.resolve_interpret(interpret)
-  pu.check_backend(interpret, op, "implementation='parallel'")
-  pu.check_precision(precision, op)
-  for name, size in (("block_q", block_q), ("block_k", block_k)):
-    if size < 1 or size & (size - 1):
-      raise ValueError(f"{op}: {name} must be a power of two, got {size}")
+  pu.check_backend(interpret, _OP, "implementation='parallel'")
+  pu.check_precision(precision, _OP)
+  check_power_of_two(_OP, block_q=block_q, block_k=block_k)
   q, k, v = pu.operands(precision, q, k, v)
   if num_stages is None:
     num_stages = STAGES[jnp.dtype(q.dtype).itemsize]
@@ -321,3 +326,49 @@ def taylor_linear_attention_blocked(
   den_BxTxH += first_BxTx1 * read_z_BxTxH
   o_BxTxHxV = num_BxTxHxV / (den_BxTxH[..., None] + eps)
   return o_BxTxHxV.astype(out_dtype), final(as_state(state, q, v, feature))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockedTiles:
+  """``block_q`` queries and ``block_k`` keys per step (powers of two, >= 16 when compiled; capped at
+  the next power of two >= T), Triton warps and pipeline stages (None: ``STAGES`` for the operands'
+  width). The defaults are the fastest timed (docs/BENCHMARKS.md, Blocked Taylor kernel settings)."""
+
+  block_q: int = 64
+  block_k: int = 64
+  num_warps: int = 4
+  num_stages: int | None = None
+
+  def __post_init__(self):
+    check_power_of_two("taylor_linear_attention tiles", block_q=self.block_q, block_k=self.block_k)
+
+
+class PallasBlocked(Backend[BlockedTiles]):
+  """The blocked Triton kernels as a backend (no decay ablation, dv <= ``MAX_VALUE_DIM``), each device
+  of the mesh in context on its own rows and heads (``shard_map.run_sharded``)."""
+
+  platforms = TRITON
+  tiles_type = BlockedTiles
+  requirement = f"no decay ablation and value dims up to {MAX_VALUE_DIM}"
+
+  def supports(self, problem: Problem) -> bool:
+    return not problem.decay and problem.value_dim <= MAX_VALUE_DIM
+
+  def preferred(self, problem: Problem) -> bool:
+    short = problem.length is not None and problem.length < BLOCKED_BELOW
+    return problem.key_dim <= AUTO_MAX_KEY_DIM and (short or problem.key_dim > BLOCKED_ABOVE_KEY_DIM)
+
+  def heuristic_config(self, problem: Problem) -> BlockedTiles:
+    del problem
+    return BlockedTiles()
+
+  def flops_per_head(self, problem: Problem, tiles: BlockedTiles | None = None) -> float:
+    return flops.quadratic(problem.key_dim, problem.value_dim + 1, problem.length or 1)
+
+  def __call__(self, q, k, v, *, state, eps, feature, decay, dt, segment_ids, tiles: BlockedTiles,
+               options: Options = Options()):
+    del decay, dt  # supports() keeps the decay ablation away
+    kernel = functools.partial(taylor_linear_attention_blocked, eps=eps, feature=feature,
+                               precision=options.precision, **dataclasses.asdict(tiles))
+    inputs = dict(q=q, k=k, v=v, state=state, segment_ids=segment_ids)
+    return shard_map.run_sharded(kernel, inputs, KERNEL_LAYOUTS, KERNEL_OUT_LAYOUTS)

@@ -44,22 +44,24 @@ equal segment ids. A token reads the carried state only in the state's run (the 
 before its chunk; run 0 for the first chunk, which the incoming state continues); a chunk hands on
 only its last run's writes and keeps the carried state only when that run is the state's.
 
-Spans (``Tiles.spans``, ``lmcore.ops.common.spans``): a row of T tokens can run as G rows of
+Spans (``FusedTiles.spans``, ``lmcore.ops.common.spans``): a row of T tokens can run as G rows of
 T / G, each walked from the state entering its span. Forward: ``_totals_kernel`` sums phi(k)ᵀ (v, 1)
-over the last run of each part of a span (side by side) and ``spans.entering`` makes the spans'
-entering states. Backward: ``_entry_grad_kernel`` sums phi(q)ᵀ (dN, dD) over each span's run 0 and
-``spans.leaving_grads`` turns those and the final state's cotangent into the gradients of the spans'
-leaving states, which the dk/dv walk starts from (a span's leaving state is its total plus what it
-keeps of its entering state, so the totals' gradients need no kernel of their own).
+over the last run of each part of a span (``FusedTiles.parts``; side by side) and ``spans.entering``
+makes the spans' entering states. Backward: ``_entry_grad_kernel`` sums phi(q)ᵀ (dN, dD) over each
+span's run 0 and ``spans.leaving_grads`` turns those and the final state's cotangent into the
+gradients of the spans' leaving states, which the dk/dv walk starts from (a span's leaving state is
+its total plus what it keeps of its entering state, so the totals' gradients need no kernel of their
+own).
 
 Precision: dots take operands in the inputs' dtype (bf16 in training; the fp32 states are cast for
-their dots, as in the chunked kernels), accumulation is fp32, the features and their gradients are
-fp32 until a dot takes them. Kernel state layout: ``full`` features, each row once; ``_rows`` maps
-it to and from TaylorState's ``feature`` layout.
+their dots), accumulation is fp32, the features and their gradients are fp32 until a dot takes them.
+Kernel state layout: ``full`` features, each row once; ``_rows`` maps it to and from TaylorState's
+``feature`` layout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -69,29 +71,36 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from based_jax import taylor
-from based_jax.ops.taylor_attention.base import TaylorState, as_state
+from based_jax.ops.taylor_attention.base import (KERNEL_LAYOUTS, KERNEL_OUT_LAYOUTS, Options, Problem,
+                                                 TaylorState, as_state)
+from lmcore.ops.common import flops
 from lmcore.ops.common import pallas_utils as pu
-from lmcore.ops.common import spans
+from lmcore.ops.common import shard_map, spans
+from lmcore.ops.common.backend import TRITON, Backend, check_power_of_two
 from lmcore.ops.common.segments import document_index
 
 _F32 = jnp.float32
-# The widest key dim the compiled kernels take: from d' = 64 (feature blocks of 2 d' = 128 rows) a
-# walk program exceeds the H200's shared memory.
+_OP = "taylor_linear_attention(implementation='pallas_fused')"
+# Compiled, from d' = 64 (feature blocks of 2 d' = 128 rows) a walk program exceeds shared memory.
 MAX_KEY_DIM = 32
+AUTO_MAX_VALUE_DIM = 512  # the widest dv "auto" gives them: the widest timed (docs/BENCHMARKS.md, wide heads)
+# Stages of a kernel with 4-byte operands (fp32 inputs, the "tf32" and "float32" copies): at twice the
+# shared memory per stage, three stages of 128-token chunks do not fit.
+FP32_MAX_STAGES = 2
 
 
-class Tiles(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class FusedTiles:
   """Tiling: ``chunk`` tokens per step (a power of two, >= 16 compiled), ``features`` rows of phi per
-  walk program (a power of two; held between 2 dp and dp²), ``block_v`` value columns per program,
-  Triton warps and pipeline stages of the forward walk, the dq walk, the dk/dv walk and the intra
-  kernels, and ``spans``: how many spans each row is cut into (``lmcore.ops.common.spans``; 0:
-  ``spans.count``'s rule, 1: none).
+  walk program (a power of two; held between 2 dp and dp²), ``block_v`` value columns per program (a
+  power of two), (Triton warps, pipeline stages) of the forward walk, the dq walk, the dk/dv walk and
+  the intra kernels (4-byte operands run at most ``FP32_MAX_STAGES`` stages), ``spans``: how many
+  spans each row is cut into (``lmcore.ops.common.spans``; 0: ``spans.count``'s rule, 1: none) and
+  ``parts``: how many parts each span's totals are summed in (0: ``spans.parts``' rule; else a number
+  that cuts a span into whole chunks).
 
-  The defaults are the fastest tiling of ``benchmarks.harness.TAYLOR_FUSED_TUNING`` on the H200 at
-  16 heads, d' = 16, dv = 64, bf16, fwd+bwd (docs/BENCHMARKS.md): 4.04 ms at 1 × 32768 against 4.63
-  with chunks of 64 (4 warps, 3 stages), 2.23 against 2.14-2.29 at 2 × 8192; 32-row feature blocks
-  and 32-column value tiles (more programs) were slower, as were two pipeline stages. Operands of 4
-  bytes run at most ``FP32_MAX_STAGES`` stages, whatever the tiling asks.
+  The defaults are the fastest tiling timed (docs/BENCHMARKS.md, Fused-chunk Taylor kernels;
+  ``benchmarks.harness.TAYLOR_FUSED_TUNING``).
   """
 
   chunk: int = 128
@@ -102,12 +111,17 @@ class Tiles(NamedTuple):
   dkv: tuple[int, int] = (8, 3)
   intra: tuple[int, int] = (8, 2)
   spans: int = 0
+  parts: int = 0
 
-
-# Pipeline stages of any kernel with 4-byte operands (fp32 inputs, or the "tf32" and "float32"
-# precisions' copies), which need twice the shared memory per stage: at three stages the 128-token
-# chunks ask the H200 for 237,568 bytes of its 232,448.
-FP32_MAX_STAGES = 2
+  def __post_init__(self):
+    check_power_of_two("taylor_linear_attention tiles", chunk=self.chunk, features=self.features,
+                       block_v=self.block_v)
+    for name in ("forward", "dq", "dkv", "intra"):  # a config file's lists, as hashable pairs
+      warps_stages = tuple(getattr(self, name))
+      if len(warps_stages) != 2:
+        raise ValueError(f"taylor_linear_attention tiles: {name} must be (warps, stages), got "
+                         f"{getattr(self, name)!r}")
+      object.__setattr__(self, name, warps_stages)
 
 
 class KernelConfig(NamedTuple):
@@ -639,7 +653,7 @@ def _from_kernel(x_BxHxPxF, row_full, M):
   return jnp.einsum("fc,bhf...->bhc...", M, full, precision=jax.lax.Precision.HIGHEST)
 
 
-def _kernel_config(tiles: Tiles, warps_stages: tuple[int, int], T: int, Tp: int, d: int, dp: int,
+def _kernel_config(tiles: FusedTiles, warps_stages: tuple[int, int], T: int, Tp: int, d: int, dp: int,
                    Vp: int, documents: bool, interpret: bool, precision: str, itemsize: int
                    ) -> KernelConfig:
   smallest = 1 if interpret else pu.MIN_DOT
@@ -651,17 +665,20 @@ def _kernel_config(tiles: Tiles, warps_stages: tuple[int, int], T: int, Tp: int,
       num_stages=stages, precision=precision)
 
 
-def _check(tiles: Tiles, op: str) -> None:
-  for field in ("chunk", "features", "block_v"):
-    size = getattr(tiles, field)
-    if size < 1 or size & (size - 1):
-      raise ValueError(f"{op}: tiles.{field} must be a power of two, got {size}")
+def _parts(tiles: FusedTiles, length: int, count: int, chunk: int) -> int:
+  """How many parts each span's totals are summed in: ``tiles.parts``, or ``spans.parts``' rule."""
+  if not tiles.parts:
+    return spans.parts(length, count, chunk)
+  if (length // count) % (tiles.parts * chunk):
+    raise ValueError(f"{_OP}: tiles.parts={tiles.parts} does not cut spans of {length // count} tokens "
+                     f"into whole {chunk}-token chunks (0 for the default)")
+  return tiles.parts
 
 
 def taylor_fused_pallas(
     q: jax.Array, k: jax.Array, v: jax.Array, *, state: TaylorState | None = None,
     eps: float = 1e-12, feature: taylor.Feature = "compact", segment_ids: jax.Array | None = None,
-    interpret: bool | None = None, tiles: Tiles = Tiles(), precision: str = "input"
+    interpret: bool | None = None, tiles: FusedTiles = FusedTiles(), precision: str = "input"
     ) -> tuple[jax.Array, TaylorState]:
   """``taylor_linear_attention`` (no decay ablation) by the fused-chunk kernels; same results.
 
@@ -673,7 +690,7 @@ def taylor_fused_pallas(
     feature: ``compact`` or ``full``: only the layout of ``state`` and of the returned state.
     segment_ids: optional packed-document ids [B, T] (``api.py``'s convention).
     interpret: run the kernels interpreted; None means "unless on a GPU".
-    tiles: the tiling (``Tiles``); the chunk is capped at the next power of two >= T, the feature
+    tiles: the tiling (``FusedTiles``); the chunk is capped at the next power of two >= T, the feature
       block held between 2 dp and dp², the value tile capped at the padded dv.
     precision: "input" (dots take operands in the inputs' dtype), "tf32" or "float32" (the kernels
       run on fp32 copies and return fp32; ``pu.PRECISIONS``).
@@ -682,14 +699,12 @@ def taylor_fused_pallas(
     o [B, T, H, dv] in v's dtype (fp32 unless ``precision`` is "input"); the fp32 TaylorState after
     the last token.
   """
-  op = "taylor_fused_pallas"
   interpret = pu.resolve_interpret(interpret)
-  pu.check_backend(interpret, op, "implementation='chunked'")
-  pu.check_precision(precision, op)
-  _check(tiles, op)
+  pu.check_backend(interpret, _OP, "implementation='chunked'")
+  pu.check_precision(precision, _OP)
   if not interpret and q.shape[-1] > MAX_KEY_DIM:
-    raise ValueError(f"{op}: key dim d' = {q.shape[-1]} is wider than the fused kernels take "
-                     f"({MAX_KEY_DIM}); use implementation='pallas_blocked' or 'pallas'")
+    raise ValueError(f"{_OP}: key dim d' = {q.shape[-1]} is wider than the fused kernels take "
+                     f"({MAX_KEY_DIM}); use implementation='pallas_blocked' or 'chunked'")
   q, k, v = pu.operands(precision, q, k, v)
   B, T, H, d = q.shape
   V = v.shape[-1]
@@ -699,11 +714,11 @@ def taylor_fused_pallas(
   dp, Vp = max(pu.block_size(d, interpret), 2), pu.block_size(V, interpret)
   chunk = max(min(tiles.chunk, pl.next_power_of_2(L)), 1 if interpret else pu.MIN_DOT)
   Tp = pu.round_up(L, chunk)
-  make = functools.partial(_kernel_config, tiles._replace(chunk=chunk), T=L, Tp=Tp, d=d, dp=dp, Vp=Vp,
-                           documents=segment_ids is not None, interpret=interpret, precision=precision,
-                           itemsize=jnp.dtype(q.dtype).itemsize)
+  make = functools.partial(_kernel_config, dataclasses.replace(tiles, chunk=chunk), T=L, Tp=Tp, d=d,
+                           dp=dp, Vp=Vp, documents=segment_ids is not None, interpret=interpret,
+                           precision=precision, itemsize=jnp.dtype(q.dtype).itemsize)
   st = Static(forward=make(tiles.forward), dq=make(tiles.dq), dkv=make(tiles.dkv), intra=make(tiles.intra),
-              eps=eps, spans=count, parts=spans.parts(T, count, chunk))
+              eps=eps, spans=count, parts=_parts(tiles, T, count, chunk))
   F = st.forward.features
   P = dp * dp // F + 1
   row_full, M = _rows(d, dp, F, feature)
@@ -717,3 +732,36 @@ def taylor_fused_pallas(
   o, S, z = _fused(pad(q, dp), pad(k, dp), pad(v, Vp), run, docs, S0, z0, st)
   new = TaylorState(_from_kernel(S[..., :V], row_full, M), _from_kernel(z, row_full, M))
   return spans.from_rows(o[:, :L, :, :V], count), new
+
+
+class PallasFused(Backend[FusedTiles]):
+  """The fused-chunk Triton kernels as a backend (no decay ablation, d' <= ``MAX_KEY_DIM``), each
+  device of the mesh in context on its own rows and heads (``shard_map.run_sharded``)."""
+
+  platforms = TRITON
+  tiles_type = FusedTiles
+  requirement = f"no decay ablation and key dims up to {MAX_KEY_DIM}"
+
+  def supports(self, problem: Problem) -> bool:
+    return not problem.decay and problem.key_dim <= MAX_KEY_DIM
+
+  def preferred(self, problem: Problem) -> bool:
+    return problem.value_dim <= AUTO_MAX_VALUE_DIM
+
+  def heuristic_config(self, problem: Problem) -> FusedTiles:
+    del problem
+    return FusedTiles()
+
+  def flops_per_head(self, problem: Problem, tiles: FusedTiles | None = None) -> float:
+    """The chunked count with the kernels' state rows, the ``full`` features whatever the layout."""
+    chunk = self.config(problem, tiles).chunk
+    return flops.chunked(taylor.feature_width(problem.key_dim, "full"), problem.value_dim + 1, chunk,
+                         problem.length or chunk, score_width=problem.key_dim)
+
+  def __call__(self, q, k, v, *, state, eps, feature, decay, dt, segment_ids, tiles: FusedTiles,
+               options: Options = Options()):
+    del decay, dt  # supports() keeps the decay ablation away
+    kernel = functools.partial(taylor_fused_pallas, eps=eps, feature=feature, tiles=tiles,
+                               precision=options.precision)
+    inputs = dict(q=q, k=k, v=v, state=state, segment_ids=segment_ids)
+    return shard_map.run_sharded(kernel, inputs, KERNEL_LAYOUTS, KERNEL_OUT_LAYOUTS)

@@ -8,20 +8,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from based_jax.ops.taylor_attention.base import (TaylorState, as_state, decay_inputs, mm,
-                                                 parallel_final_state, scores, state_reads)
-from based_jax.taylor import Feature, taylor_features
+from based_jax.ops.taylor_attention.base import (Options, Problem, TaylorState, as_state, decay_inputs,
+                                                 mm, parallel_final_state, scores, state_reads)
+from based_jax.taylor import Feature, feature_width, taylor_features
+from lmcore.ops.common import flops
+from lmcore.ops.common.backend import Backend
 from lmcore.ops.common.segments import document_index, document_starts
 
 
 def parallel(q: jax.Array, k: jax.Array, v: jax.Array, *, state: TaylorState | None = None,
-             eps: float = 1e-12, feature: Feature = "compact", chunk_size: int = 64,
-             decay: jax.Array | None = None, dt: jax.Array | None = None,
-             segment_ids: jax.Array | None = None, kernel_precision: str = "input"
+             eps: float = 1e-12, feature: Feature = "compact", decay: jax.Array | None = None,
+             dt: jax.Array | None = None, segment_ids: jax.Array | None = None
              ) -> tuple[jax.Array, TaylorState]:
   """Materialised scores, masked by causality and by documents (``taylor_linear_attention``'s
-  arguments; ``chunk_size`` and ``kernel_precision`` unused)."""
-  del chunk_size, kernel_precision
+  arguments)."""
   batch, length = q.shape[:2]
   state = as_state(state, q, v, feature)
   log_gamma_H, dt_BxTxH = decay_inputs(q, decay, dt)
@@ -45,16 +45,14 @@ def parallel(q: jax.Array, k: jax.Array, v: jax.Array, *, state: TaylorState | N
 
 
 def recurrent(q: jax.Array, k: jax.Array, v: jax.Array, *, state: TaylorState | None = None,
-              eps: float = 1e-12, feature: Feature = "compact", chunk_size: int = 64,
-              decay: jax.Array | None = None, dt: jax.Array | None = None,
-              segment_ids: jax.Array | None = None, kernel_precision: str = "input"
+              eps: float = 1e-12, feature: Feature = "compact", decay: jax.Array | None = None,
+              dt: jax.Array | None = None, segment_ids: jax.Array | None = None
               ) -> tuple[jax.Array, TaylorState]:
   """``lax.scan`` over tokens: write, then read; the state resets where a document starts.
 
   ``S <- gamma S + phi(k) v^T``, ``z <- z + phi(k)``, ``o = dt phi(q)·S / (phi(q)·z + eps)``.
   One token (decoding) is one step without a scan.
   """
-  del chunk_size, kernel_precision
   batch, length = q.shape[:2]
   state = as_state(state, q, v, feature)
   log_gamma_H, dt_BxTxH = decay_inputs(q, decay, dt)
@@ -82,3 +80,31 @@ def recurrent(q: jax.Array, k: jax.Array, v: jax.Array, *, state: TaylorState | 
     return o_BxHxV[:, None].astype(v.dtype), state
   state, o_TxBxHxV = jax.lax.scan(step, state, jax.tree.map(time_major, xs))
   return time_major(o_TxBxHxV).astype(v.dtype), state
+
+
+class Parallel(Backend[None]):
+  """``parallel`` as a backend: any platform, the decay ablation and packed documents; B H T² fp32
+  scores."""
+
+  def flops_per_head(self, problem: Problem, tiles=None) -> float:
+    return flops.quadratic(problem.key_dim, problem.value_dim + 1, problem.length or 1)
+
+  def __call__(self, q, k, v, *, state, eps, feature, decay, dt, segment_ids, tiles=None,
+               options: Options = Options()):
+    del tiles, options
+    return parallel(q, k, v, state=state, eps=eps, feature=feature, decay=decay, dt=dt,
+                    segment_ids=segment_ids)
+
+
+class Recurrent(Backend[None]):
+  """``recurrent`` as a backend: any platform, the decay ablation and packed documents; the decode
+  path."""
+
+  def flops_per_head(self, problem: Problem, tiles=None) -> float:
+    return flops.recurrent(feature_width(problem.key_dim, problem.feature), problem.value_dim + 1)
+
+  def __call__(self, q, k, v, *, state, eps, feature, decay, dt, segment_ids, tiles=None,
+               options: Options = Options()):
+    del tiles, options
+    return recurrent(q, k, v, state=state, eps=eps, feature=feature, decay=decay, dt=dt,
+                     segment_ids=segment_ids)

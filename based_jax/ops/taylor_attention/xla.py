@@ -7,30 +7,30 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from based_jax.ops.taylor_attention.base import TaylorState, as_state, decay_inputs, mm, scores
-from based_jax.taylor import Feature, taylor_features
+from based_jax.ops.taylor_attention.base import (Options, Problem, TaylorState, as_state, decay_inputs, mm,
+                                                 scores)
+from based_jax.taylor import Feature, feature_width, taylor_features
+from lmcore.ops.common import flops
+from lmcore.ops.common.backend import Backend, ChunkTiles
+
+CHUNK = 64  # tokens per chunk unless the tiles say otherwise
 
 
 def chunked(q: jax.Array, k: jax.Array, v: jax.Array, *, state: TaylorState | None = None,
-            eps: float = 1e-12, feature: Feature = "compact", chunk_size: int = 64,
-            decay: jax.Array | None = None, dt: jax.Array | None = None,
-            segment_ids: jax.Array | None = None, kernel_precision: str = "input"
+            eps: float = 1e-12, feature: Feature = "compact", chunk: int = CHUNK,
+            decay: jax.Array | None = None, dt: jax.Array | None = None
             ) -> tuple[jax.Array, TaylorState]:
-  """``lax.scan`` over chunks of ``chunk_size`` tokens (``taylor_linear_attention``'s arguments;
-  ``kernel_precision`` unused, ``segment_ids`` must be None).
+  """``lax.scan`` over chunks of ``chunk`` tokens (``taylor_linear_attention``'s arguments; no
+  packed documents).
 
   The last chunk is zero-padded after the feature map, so padded keys have phi(k) = 0 and add
   nothing to the state; padded tokens also take no decay step (log gamma 0), so the state after
   the scan is the state after token T-1.
   """
-  del kernel_precision
-  if segment_ids is not None:
-    raise NotImplementedError("segment_ids are supported by implementation='parallel', "
-                              "'recurrent' or 'pallas', not 'chunked'")
   batch, length, heads, _ = q.shape
   state = as_state(state, q, v, feature)
   log_gamma_H, dt_BxTxH = decay_inputs(q, decay, dt)
-  size = min(chunk_size, length)
+  size = min(chunk, length)
   n_chunks = -(-length // size)
   valid_NC = jnp.arange(n_chunks * size) < length
   # Cumulative log-decay inside each chunk (inclusive), fp32: b_c = sum_{i<=c} log gamma.
@@ -70,3 +70,28 @@ def _chunk_step(state, q_BxCxHxK, k_BxCxHxK, phi_q_BxCxHxF, phi_k_BxCxHxF, v_BxC
        + mm("bchf,bchv->bhfv", phi_k_BxCxHxF * age_decay_CxH[..., None], v_BxCxHxV))
   z = state.z + phi_k_BxCxHxF.sum(1)
   return TaylorState(S, z), o_BxCxHxV
+
+
+class Chunked(Backend[ChunkTiles]):
+  """``chunked`` as a backend: any platform, the decay ablation, chunks of ``ChunkTiles.chunk`` tokens;
+  no packed documents."""
+
+  tiles_type = ChunkTiles
+  requirement = "no segment_ids"
+
+  def supports(self, problem: Problem) -> bool:
+    return not problem.segments
+
+  def heuristic_config(self, problem: Problem) -> ChunkTiles:
+    del problem
+    return ChunkTiles(CHUNK)
+
+  def flops_per_head(self, problem: Problem, tiles: ChunkTiles | None = None) -> float:
+    chunk = self.config(problem, tiles).chunk
+    return flops.chunked(feature_width(problem.key_dim, problem.feature), problem.value_dim + 1, chunk,
+                         problem.length or chunk, score_width=problem.key_dim)
+
+  def __call__(self, q, k, v, *, state, eps, feature, decay, dt, segment_ids, tiles: ChunkTiles,
+               options: Options = Options()):
+    del segment_ids, options  # supports() keeps segment ids away
+    return chunked(q, k, v, state=state, eps=eps, feature=feature, chunk=tiles.chunk, decay=decay, dt=dt)

@@ -1,10 +1,10 @@
-"""The shared checks of every Taylor linear attention implementation (MATH §2.1): outputs equal a
-float64 transcription of the formula; outputs, final state and gradients equal a second form's for
-odd lengths, partial chunks, with and without a prefix state and the decay ablation; full and
-compact features give the same function; pieces with the state threaded equal the whole sequence;
-packed documents equal each document run alone. Backends without the decay ablation (the kernels)
-or without documents (chunked) must reject those arguments instead. Each backend's test file
-subclasses ``TaylorAttentionTestBase``.
+"""The shared checks of every Taylor linear attention backend (MATH §2.1): outputs equal a float64
+transcription of the formula; outputs, final state and gradients equal a second form's for odd
+lengths, partial chunks, with and without a prefix state and the decay ablation; full and compact
+features give the same function; pieces with the state threaded equal the whole sequence; packed
+documents equal each document run alone. Backends without the decay ablation (the kernels) or without
+documents (chunked) must reject those arguments instead, naming the backends that take them. Each
+backend's test file subclasses ``TaylorAttentionTestBase``.
 
 Tolerance: relative L2 error 1e-5 at fp32; the forms differ only in summation order.
 """
@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from based_jax.ops.taylor_attention import (TaylorState, default_decay_rates,
-                                            taylor_linear_attention, zero_state)
+from based_jax.ops.taylor_attention import (TaylorState, default_decay_rates, taylor_linear_attention,
+                                            zero_state)
 from based_jax.taylor import taylor_features
+from kernel_cases import FAST_COMPILE
 from lmcore.numerics import relative_l2
 
 TOL = 1e-5
@@ -26,10 +27,29 @@ CHUNK = 16
 
 # One jitted entry point, so that cases of equal shapes share a compilation ("no state" and "no
 # decay" are a zero state and unit rates for the XLA forms for the same reason;
-# test_xla.py::test_defaults_equal_zero_state_and_unit_rates proves that equivalence).
-attend = jax.jit(taylor_linear_attention,
-                 static_argnames=("implementation", "feature", "chunk_size", "eps"))
+# test_xla.py::test_defaults_equal_zero_state_and_unit_rates proves that equivalence). The cases
+# check the math, not code generation: LLVM's expensive passes are skipped.
+attend = jax.jit(taylor_linear_attention, static_argnames=("implementation", "feature", "tiles", "eps"),
+                 compiler_options=FAST_COMPILE)
 features = jax.jit(taylor_features, static_argnames="feature")
+
+
+@functools.cache
+def outputs_and_grads(implementation, tiles):
+  """``f(x, cotangents)``: outputs, final state and gradients (q, k, v, initial state, dt if given) of
+  a random projection, by one jitted function per backend (cases of equal shapes share it)."""
+  def loss(diff_args, decay, cotangents):
+    q, k, v, state, dt = diff_args
+    o, new = taylor_linear_attention(q, k, v, implementation=implementation, tiles=tiles, state=state,
+                                     decay=decay, dt=dt)
+    return sum((y * c).sum() for y, c in zip((o, *new), cotangents)), (o, new)
+
+  grad = jax.jit(jax.value_and_grad(loss, has_aux=True), compiler_options=FAST_COMPILE)
+
+  def run(x, cotangents):
+    (_, (o, new)), grads = grad((x["q"], x["k"], x["v"], x["state"], x["dt"]), x["decay"], cotangents)
+    return o, new, grads
+  return run
 
 
 def grads_close(grads, ref_grads):
@@ -70,17 +90,19 @@ def numpy_reference(q, k, v, dt, gamma, eps):
 
 
 class TaylorAttentionTestBase:
-  """Subclasses set ``implementation`` (and override ``op`` for a backend's own entry point)."""
+  """Subclasses set ``implementation`` and, for a tiled backend, ``tiles`` (chunks or blocks of
+  ``CHUNK`` tokens, so that the cases cross them)."""
 
   implementation: str
+  tiles = None
   reference_implementation = "recurrent"  # the form outputs, states and gradients are compared with
   decay = True  # takes the decay ablation (decay, dt)
   segments = True  # takes segment_ids
   pieces = (33, 7, 7, 7, 7, 1, 1, 1, 1, 1, 1)  # call lengths of the threaded-state check (sum 67)
 
   def op(self, q, k, v, **options):
-    """The function under test, with ``taylor_linear_attention``'s arguments."""
-    return attend(q, k, v, implementation=self.implementation, **options)
+    """The backend under test, with ``taylor_linear_attention``'s arguments."""
+    return attend(q, k, v, implementation=self.implementation, tiles=self.tiles, **options)
 
   def case(self, seed, length, with_state, with_decay, feature="compact"):
     """Inputs of one case. Without state: a zero state. Without decay: unit rates and dt = 1 where
@@ -100,17 +122,18 @@ class TaylorAttentionTestBase:
                   feature="compact"):
     """One jitted call on a case (a slice of it, another state, segment ids); ``implementation``
     None is the one under test."""
-    options = dict(chunk_size=CHUNK, state=x["state"] if state is None else state,
-                   decay=x["decay"], dt=None if x["dt"] is None else x["dt"][:, sl],
-                   segment_ids=segment_ids, feature=feature)
+    options = dict(state=x["state"] if state is None else state, decay=x["decay"],
+                   dt=None if x["dt"] is None else x["dt"][:, sl], segment_ids=segment_ids, feature=feature)
     q, k, v = x["q"][:, sl], x["k"][:, sl], x["v"][:, sl]
     if implementation is None:
       return self.op(q, k, v, **options)
     return attend(q, k, v, implementation=implementation, **options)
 
   def assert_rejects_decay(self, x):
-    """The backend names the forms that take the decay ablation."""
-    with pytest.raises(NotImplementedError, match="decay ablation"):
+    """The backend refuses the decay ablation and names the backends that take it."""
+    with pytest.raises(ValueError, match=rf"'{self.implementation}' does not run .* with the decay "
+                                         r"ablation on cpu .*; use one of parallel, recurrent, chunked, "
+                                         r"auto"):
       taylor_linear_attention(x["q"], x["k"], x["v"], implementation=self.implementation,
                               decay=x["decay"], dt=x["dt"])
 
@@ -124,46 +147,33 @@ class TaylorAttentionTestBase:
     assert relative_l2(o, expected) < TOL
 
   @pytest.mark.parametrize("length", [1, 7, 33, 67])
-  @pytest.mark.parametrize("with_state", [False, True])
   @pytest.mark.parametrize("with_decay", [False, True])
-  def test_matches_reference_in_outputs_and_state_for_odd_lengths(self, length, with_state,
-                                                                   with_decay):
-    x = self.case(100 * length + 10 * with_state + with_decay, length, with_state, with_decay)
-    if with_decay and not self.decay:
-      return self.assert_rejects_decay(x)
-    ref_o, ref_state = self.run_forward(x, self.reference_implementation)
-    o, new = self.run_forward(x)
-    assert relative_l2(o, ref_o) < TOL
-    assert relative_l2(new.S, ref_state.S) < TOL and relative_l2(new.z, ref_state.z) < TOL
+  def test_matches_reference_in_outputs_and_state_for_odd_lengths(self, length, with_decay):
+    """With and without a prefix state (one compilation: no state is the zero state)."""
+    for with_state in (False, True):
+      x = self.case(100 * length + 10 * with_state + with_decay, length, with_state, with_decay)
+      if with_decay and not self.decay:
+        return self.assert_rejects_decay(x)
+      ref_o, ref_state = self.run_forward(x, self.reference_implementation)
+      o, new = self.run_forward(x)
+      assert relative_l2(o, ref_o) < TOL, f"state={with_state}"
+      assert relative_l2(new.S, ref_state.S) < TOL and relative_l2(new.z, ref_state.z) < TOL
 
   # Gradients at one multi-chunk length with a partial last chunk (gradient programs are the slow
   # compilations; the forward check above covers the other lengths).
-  @pytest.mark.parametrize("with_state", [False, True])
   @pytest.mark.parametrize("with_decay", [False, True])
-  def test_matches_reference_in_gradients(self, with_state, with_decay):
-    x = self.case(10 * with_state + with_decay, 33, with_state, with_decay)
-    if with_decay and not self.decay:
-      return self.assert_rejects_decay(x)
-    rng = np.random.default_rng(3)
-    shapes = [x["v"].shape, x["state"].S.shape, x["state"].z.shape]
-    cotangents = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
-    got = self.outputs_and_grads(x, cotangents, self.op)
-    want = self.outputs_and_grads(
-        x, cotangents, functools.partial(attend, implementation=self.reference_implementation))
-    assert grads_close(got, want)
-
-  def outputs_and_grads(self, x, cotangents, op):
-    """Outputs, final state, and gradients (q, k, v, initial state, dt if given) of a random
-    projection."""
-    def loss(diff_args):
-      q, k, v, state, dt = diff_args
-      o, new = op(q, k, v, state=state, feature="compact", chunk_size=CHUNK, decay=x["decay"],
-                  dt=dt)
-      return sum((y * c).sum() for y, c in zip((o, *new), cotangents)), (o, new)
-
-    grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
-    (_, (o, new)), grads = grad((x["q"], x["k"], x["v"], x["state"], x["dt"]))
-    return o, new, grads
+  def test_matches_reference_in_gradients(self, with_decay):
+    """With and without a prefix state (one compilation)."""
+    for with_state in (False, True):
+      x = self.case(10 * with_state + with_decay, 33, with_state, with_decay)
+      if with_decay and not self.decay:
+        return self.assert_rejects_decay(x)
+      rng = np.random.default_rng(3)
+      shapes = [x["v"].shape, x["state"].S.shape, x["state"].z.shape]
+      cotangents = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
+      got = outputs_and_grads(self.implementation, self.tiles)(x, cotangents)
+      want = outputs_and_grads(self.reference_implementation, None)(x, cotangents)
+      assert grads_close(got, want), f"state={with_state}"
 
   def test_full_and_compact_features_give_the_same_outputs(self):
     x = self.case(8, 33, with_state=False, with_decay=self.decay)
@@ -196,8 +206,11 @@ class TaylorAttentionTestBase:
     doc_lengths = (1, 7, 7, 7, 7, 1, 1, 1, 1)
     segment_ids = jnp.asarray([np.repeat(np.arange(9), doc_lengths), np.full(33, 9)])
     if not self.segments:
-      with pytest.raises(NotImplementedError, match="parallel"):
-        self.run_forward(x, segment_ids=segment_ids)
+      with pytest.raises(ValueError, match=rf"'{self.implementation}' does not run .* with segment_ids .*; "
+                                           "use one of parallel, recurrent, pallas_blocked, pallas_fused, "
+                                           "pallas_tpu, auto"):
+        taylor_linear_attention(x["q"], x["k"], x["v"], implementation=self.implementation,
+                                segment_ids=segment_ids)
       return
     o, new = self.run_forward(x, segment_ids=segment_ids)
     alone, state, start = [], x["state"], 0

@@ -1,8 +1,9 @@
-"""The Mosaic TPU Taylor kernels (pallas_mosaic_tpu.py) compute taylor_linear_attention's function
-(MATH §2.1): the shared checks of ``test_base`` (rejecting the decay ablation), and outputs, final state and gradients (q, k, v, initial S and z) equal the materialised
-parallel form, for partial chunks, several value tiles, both state layouts and packed documents; the
-in-kernel feature block is taylor.py's compact feature map; forward and backward pass the Pallas TPU
-(Mosaic) lowering.
+"""The Mosaic TPU Taylor kernels (pallas_mosaic_tpu.py, the backend ``pallas_tpu``) compute
+taylor_linear_attention's function (MATH §2.1): the shared checks of ``test_base`` (rejecting the
+decay ablation), and outputs, final state and gradients (q, k, v, initial S and z) equal the
+materialised parallel form, for partial chunks, several value tiles, both state layouts and packed
+documents; the in-kernel feature block is taylor.py's compact feature map; forward and backward pass
+the Pallas TPU (Mosaic) lowering.
 
 The kernels run interpreted on CPU (``interpret=True``, Pallas' generic interpreter: a scan over the
 grid in order, scratch NaN-filled); one case runs the TPU simulator (``pltpu.InterpretParams``).
@@ -20,27 +21,21 @@ from jax.experimental.pallas import tpu as pltpu
 
 from based_jax import TaylorState, taylor_features, taylor_linear_attention
 from based_jax.ops.taylor_attention import pallas_mosaic_tpu as pallas_taylor_tpu
-from kernel_cases import assert_close, document_ids, normal, run_taylor, taylor_abstract_inputs
+from based_jax.ops.taylor_attention.pallas_mosaic_tpu import MosaicTiles
+from kernel_cases import CHUNK, assert_close, document_ids, normal, run_taylor, taylor_abstract_inputs
 from lmcore.ops.common import pallas_utils
 
 from .test_base import TaylorAttentionTestBase
 
-_tpu_kernels = jax.jit(functools.partial(pallas_taylor_tpu.taylor_linear_attention_tpu,
-                                         interpret=True),
-                       static_argnames=("feature", "chunk_size", "eps"))
-
 
 class TestPallasMosaicTpu(TaylorAttentionTestBase):
-  """The shared checks on ``pallas_mosaic_tpu.taylor_linear_attention_tpu`` (interpreted on CPU);
-  ``implementation="pallas"`` names it on a TPU."""
+  """The shared checks on ``implementation="pallas_tpu"`` (interpreted on CPU)."""
 
-  implementation = "pallas"
+  implementation = "pallas_tpu"
+  tiles = MosaicTiles(chunk=CHUNK)
   decay = False
   pieces = (33, 7, 1, 26)  # fewer interpreted compilations than the default
 
-  def op(self, q, k, v, *, decay=None, dt=None, **options):
-    assert decay is None and dt is None
-    return _tpu_kernels(q, k, v, **options)
 
 _parallel = functools.partial(taylor_linear_attention, implementation="parallel")
 
@@ -70,7 +65,7 @@ def _assert_same_as_parallel(T, feature, segments, interpret, H=2, **tuning):
   options = dict(feature=feature,
                  segment_ids=document_ids(2, T, (5, 16, 17)) if segments else None)
   kernels = functools.partial(pallas_taylor_tpu.taylor_linear_attention_tpu, interpret=interpret,
-                              **tuning)
+                              chunk_size=CHUNK, **tuning)
   got = run_taylor(kernels, inputs, state, projections, **options)
   want = run_taylor(_parallel, inputs, state, projections, **options)
   assert_close(got, want, f"T={T} {feature} segments={segments} {tuning}")
@@ -115,11 +110,11 @@ def _loss(implementation):
   return loss
 
 
-def test_pallas_implementation_lowers_to_mosaic_for_a_tpu_with_bfloat16_inputs():
-  """On a TPU, implementation='pallas' picks these kernels, and the forward, dq and dk/dv kernels
-  pass the Pallas TPU lowering ((8, 128) block shapes, supported primitives) for an abstract TPU.
-  Mosaic's layout passes and compilation run in libtpu and are not checked here."""
-  grad = jax.grad(_loss("pallas"), argnums=(0, 1, 2))
+def test_pallas_tpu_lowers_to_mosaic_for_a_tpu_with_bfloat16_inputs():
+  """The backend's forward, dq and dk/dv kernels pass the Pallas TPU lowering ((8, 128) block shapes,
+  supported primitives) for an abstract TPU. Mosaic's layout passes and compilation run in libtpu and
+  are not checked here."""
+  grad = jax.grad(_loss("pallas_tpu"), argnums=(0, 1, 2))
   lowered = pallas_utils.lower_for_tpu(grad, *taylor_abstract_inputs())
   assert lowered.as_text().count("tpu_custom_call") == 3
 
@@ -134,8 +129,12 @@ def test_compiling_off_tpu_and_bad_block_sizes_raise_clear_errors():
   tpu = pallas_taylor_tpu.taylor_linear_attention_tpu
   with pytest.raises(NotImplementedError, match="implementation='chunked'"):
     tpu(q, k, v, interpret=False)
-  with pytest.raises(ValueError, match="power of two"):
+  with pytest.raises(ValueError, match="chunk_size must be a power of two"):
     tpu(q, k, v, chunk_size=24, interpret=True)
+  with pytest.raises(ValueError, match="chunk must be a power of two"):
+    MosaicTiles(chunk=24)
+  with pytest.raises(ValueError, match="kernel_precision='input'"):
+    taylor_linear_attention(q, k, v, implementation="pallas_tpu", kernel_precision="float32")
   compiled = functools.partial(tpu, interpret=False, block_v=64)
   with pytest.raises(ValueError, match="multiple of 128"):
     pallas_utils.lower_for_tpu(compiled, q, k, v)

@@ -1,7 +1,9 @@
-"""The blocked (flash-style) BASED Taylor Pallas kernels compute the quadratic form's sums and, in
-``taylor_linear_attention(implementation="pallas_blocked")``, the op's function: the shared checks
-of ``test_base`` (rejecting the decay ablation), and outputs, final state and gradients (q, k, v, initial S and z) equal the materialised parallel form, for partial
-blocks, unequal query and key blocks, padded dims, packed documents and a prefix state.
+"""The blocked (flash-style) BASED Taylor Pallas kernels compute the quadratic form's sums and, as
+the backend ``pallas_blocked``, the op's function: the shared checks of ``test_base`` (rejecting the
+decay ablation; equal blocks of 16), and outputs, final state and gradients (q, k, v, initial S and
+z) equal the materialised parallel form, for partial blocks, unequal query and key blocks, padded
+dims, packed documents and a prefix state in the full layout; the kernels lower to Triton for an
+H200.
 
 The kernels run in interpret mode on CPU. Tolerance: relative L2 error 1e-5 at fp32.
 """
@@ -13,18 +15,20 @@ import pytest
 
 from based_jax import TaylorState, taylor_features, taylor_linear_attention
 from based_jax.ops.taylor_attention import pallas_triton_blocked as pallas_taylor_blocked
+from based_jax.ops.taylor_attention.pallas_triton_blocked import BlockedTiles
 from kernel_cases import FAST_COMPILE, RTOL, document_ids, normals, taylor_abstract_inputs
 from lmcore.numerics import relative_l2
 from lmcore.ops.common import pallas_utils
 from lmcore.ops.common.segments import document_index
 
-from .test_base import TaylorAttentionTestBase
+from .test_base import CHUNK, TaylorAttentionTestBase
 
 
 class TestPallasTritonBlocked(TaylorAttentionTestBase):
   """The shared checks on ``implementation="pallas_blocked"`` (interpreted on CPU)."""
 
   implementation = "pallas_blocked"
+  tiles = BlockedTiles(CHUNK, CHUNK)
   decay = False
   pieces = (33, 7, 1, 26)  # fewer interpreted compilations than the default
 
@@ -50,7 +54,7 @@ def _sums_and_grads(fn, q, k, v, run, dN, dD):
   return (N, D, *grads)
 
 
-@pytest.mark.parametrize("block_q,block_k", [(16, 16), (16, 32), (32, 16)])
+@pytest.mark.parametrize("block_q,block_k", [(16, 32), (32, 16)])  # equal blocks: the shared checks
 def test_sums_and_gradients_equal_the_materialised_form(block_q, block_k):
   rng = np.random.default_rng(0)
   B, T, H, d, dv = 2, 77, 2, 12, 5  # partial blocks; d' and dv padded
@@ -95,8 +99,10 @@ def test_normalised_output_and_gradients_equal_the_materialised_form():
   assert max(errors.values()) < RTOL, errors
 
 
-@pytest.mark.parametrize("feature", ["compact", "full"])
-def test_op_equals_parallel_with_documents_and_a_prefix_state(feature):
+def test_op_equals_parallel_with_documents_and_a_prefix_state():
+  """The sums plus the state's read, divided in XLA, with gradients through the state (the full
+  layout; the shared checks run the compact one)."""
+  feature = "full"
   rng = np.random.default_rng(1)
   B, T, H, d, dv = 2, 45, 2, 8, 5
   q, k, v = normals(rng, (B, T, H, d), (B, T, H, d), (B, T, H, dv))
@@ -106,10 +112,10 @@ def test_op_equals_parallel_with_documents_and_a_prefix_state(feature):
   segment_ids = document_ids(B, T, (17, 30))
   do, dS, dz = normals(rng, (B, T, H, dv), state.S.shape, state.z.shape)
 
-  def run(implementation):
+  def run(implementation, tiles=None):
     def loss(q, k, v, S, z):
       o, new = taylor_linear_attention(q, k, v, implementation=implementation, feature=feature,
-                                       state=TaylorState(S, z), segment_ids=segment_ids)
+                                       state=TaylorState(S, z), segment_ids=segment_ids, tiles=tiles)
       return jnp.sum(o * do) + jnp.sum(new.S * dS) + jnp.sum(new.z * dz), (o, new)
 
     grad = jax.value_and_grad(loss, argnums=tuple(range(5)), has_aux=True)
@@ -117,7 +123,8 @@ def test_op_equals_parallel_with_documents_and_a_prefix_state(feature):
     return (o, new.S, new.z, *grads)
 
   names = ("o", "S", "z", "dq", "dk", "dv", "dS0", "dz0")
-  errors = {n: relative_l2(a, b) for n, a, b in zip(names, run("pallas_blocked"), run("parallel"))}
+  got = run("pallas_blocked", BlockedTiles(16, 32))
+  errors = {n: relative_l2(a, b) for n, a, b in zip(names, got, run("parallel"))}
   assert max(errors.values()) < RTOL, errors
 
 
@@ -148,6 +155,9 @@ def test_precision_and_bad_options():
   run = jnp.zeros((1, 20), jnp.int32)
   with pytest.raises(ValueError, match="block_q must be a power of two, got 24"):
     pallas_taylor_blocked.taylor_sums_blocked(q, k, v, run, block_q=24)
-  with pytest.raises(NotImplementedError, match="not 'pallas_blocked'"):
-    taylor_linear_attention(q, k, v, implementation="pallas_blocked",
-                            decay=jnp.full((1,), 0.9))
+  with pytest.raises(ValueError, match="block_k must be a power of two, got 48"):
+    BlockedTiles(block_k=48)
+  wide = jnp.zeros((1, 20, 1, pallas_taylor_blocked.MAX_VALUE_DIM + 1))
+  with pytest.raises(ValueError, match=r"'pallas_blocked' does not run heads of 4 x 257 .*value dims up to "
+                                       r"256.*; use one of parallel, recurrent, chunked, pallas_fused"):
+    taylor_linear_attention(q, k, wide, implementation="pallas_blocked")

@@ -1,22 +1,24 @@
 """The chunked XLA form (xla.py) passes the shared checks of ``test_base`` against the recurrent
-scan (rejecting segment ids, naming the forms that take them); its defaults equal a zero state and
+scan (rejecting segment ids, naming the backends that take them); its defaults equal a zero state and
 unit rates; bf16 inputs give bf16 outputs and an fp32 state."""
 
 import jax.numpy as jnp
 import numpy as np
 
 from lmcore.numerics import relative_l2
+from lmcore.ops.common.backend import ChunkTiles
 
 from .test_base import CHUNK, TaylorAttentionTestBase, attend
 
 
 class TestChunked(TaylorAttentionTestBase):
   implementation = "chunked"
+  tiles = ChunkTiles(CHUNK)
   segments = False
 
   def test_defaults_equal_zero_state_and_unit_rates(self):
     x = self.case(seed=11, length=7, with_state=False, with_decay=False)
-    o, state = attend(x["q"], x["k"], x["v"], implementation="chunked", chunk_size=CHUNK)
+    o, state = attend(x["q"], x["k"], x["v"], implementation="chunked", tiles=self.tiles)
     o_explicit, state_explicit = self.run_forward(x)
     np.testing.assert_allclose(o, o_explicit, rtol=1e-6)
     np.testing.assert_allclose(state.S, state_explicit.S, rtol=1e-6)
