@@ -193,3 +193,14 @@ def test_flop_counts_follow_the_backend_auto_takes_on_a_gpu_by_head_shape():
   assert _flops(GLA, 768, "auto") < _flops(GLA, 768, "chunked")
   assert _flops(CyFA, 512, "auto", head_dim=128, v_head_dim=128) == _flops(
       CyFA, 512, "pallas_triton", head_dim=128, v_head_dim=128)
+
+
+@pytest.mark.parametrize("cls,fields", [(GLA, dict(n_heads=2)), (CyFA, dict(n_heads=2, head_dim=4, v_head_dim=4))])
+def test_auto_runs_chunked_on_cpu_and_the_triton_kernels_agree_with_it(cls, fields):
+  """"auto" on this CPU host is exactly XLA "chunked"; what it runs on a GPU, the Triton kernels
+  (interpreted here), gives the same outputs within fp32 summation order."""
+  x = _x(8, T=9)
+  y = {name: _call(cls(cls.Config(implementation=name, **fields), d_model=D, init=INIT, rngs=nnx.Rngs(0)),
+                   x, None)[0] for name in ("auto", "chunked", "pallas_triton")}
+  np.testing.assert_array_equal(y["auto"], y["chunked"])
+  assert relative_l2(y["pallas_triton"], y["chunked"]) <= RTOL
