@@ -136,9 +136,10 @@ class FusedTiles:
   parts: int = 0
 
   def __post_init__(self):
-    for name, value in (("spans", self.spans), ("parts", self.parts)):
-      if value and not (isinstance(value, int) and value > 0 and not value & (value - 1)):
-        raise ValueError(f"pallas_fused tiles: {name} must be 0 (its rule) or a power of two, got {value!r}")
+    if self.spans and not (isinstance(self.spans, int) and self.spans > 0 and not self.spans & (self.spans - 1)):
+      raise ValueError(f"pallas_fused tiles: spans must be 0 (its rule) or a power of two, got {self.spans!r}")
+    if not isinstance(self.parts, int) or self.parts < 0:
+      raise ValueError(f"pallas_fused tiles: parts must be 0 (its rule) or a positive count, got {self.parts!r}")
 
   @property
   def kernels(self) -> tuple[KernelTiles, KernelTiles, KernelTiles]:
