@@ -141,8 +141,9 @@ class SanatanMixer(nnx.Module):
   def flops_per_token(self, seq_len: int) -> float:
     """Forward FLOPs per token (``lmcore.mixers.flops``): the projections, 2 · D · (2 H d + H dv)
     + 2 · H dv · D, plus per head the attention over F = channels · d features (6d, 4d or 3d) and
-    dv + 1 mixed columns (the normaliser), as the backend the implementation resolves to on a GPU counts
-    it (``Backend.flops_per_head``; "auto": the kernels, at their own chunk):
+    dv + 1 mixed columns (the normaliser), as the named backend counts it on a GPU (a TPU for the
+    Mosaic kernels), "auto" as the backend it resolves to on a GPU (``Backend.flops_per_head``: the
+    kernels at their own chunk):
 
     * quadratic forms (``parallel``, ``pallas_flash``): the causal half, 2 · (F + dv + 1) · (T + 1) / 2;
     * chunked forms (``chunked``, ``pallas_fused``, ``pallas_tpu``) of chunk C:
@@ -152,8 +153,11 @@ class SanatanMixer(nnx.Module):
     The feature maps (angles, roots, rotation, the power p) are elementwise and not counted.
     """
     cfg = self.config
+    platform = "gpu"
+    if cfg.implementation not in ("auto", None) and "gpu" not in REGISTRY.backends[cfg.implementation].platforms:
+      platform = REGISTRY.backends[cfg.implementation].platforms[0]
     dtype = "bfloat16" if cfg.kernel_precision == "input" else "float32"
-    problem = Problem("gpu", cfg.p, cfg.channels, cfg.head_dim, cfg.dv, seq_len, dtype)
+    problem = Problem(platform, cfg.p, cfg.channels, cfg.head_dim, cfg.dv, seq_len, dtype)
     mixing = REGISTRY.resolve(cfg.implementation, problem).flops_per_head(problem, cfg.tiles)
     return flops.dense(self) + cfg.n_heads * mixing
 

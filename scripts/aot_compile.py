@@ -146,8 +146,10 @@ def model_flops_per_device(config: cfg_lib.ExperimentConfig, devices: int) -> fl
   Pallas mixers are counted as their XLA forms ("auto" on a CPU host), whose math they share: XLA's
   cost model sees a kernel only through the estimate it passes (the Mosaic kernels', padding included)."""
   kernels = {kind for kind, mixer in config.model.mixers.items()
-             if getattr(mixer, "implementation", "") in ("pallas", "pallas_blocked")}
-  model = with_mixer_overrides(config.model, kernels, implementation="auto") if kernels else config.model
+             if getattr(mixer, "implementation", "").startswith("pallas")}
+  model = config.model
+  if kernels:
+    model = with_mixer_overrides(model, kernels, implementation="auto", tiles=None)
   per_token = model_card.card(model, config.data.seq_len)["flops_per_token_train"]
   if per_token is None:
     return None

@@ -501,7 +501,8 @@ class PallasTpu(Backend[MosaicTiles]):
                options: Options):
     if options.precision != "input":
       raise ValueError(f"sanatan_attention: kernel_precision={options.precision!r} is for the GPU kernels; "
-                       "the TPU kernels compute in the inputs' dtype (pass fp32 inputs for fp32)")
+                       "the TPU kernels compute in the inputs' dtype: use kernel_precision='input', or "
+                       "pass fp32 inputs")
     kernel = functools.partial(sanatan_p1_tpu, chunk_size=tiles.chunk, block_v=tiles.block_v,
                                rotate=options.rotate)
     inputs = dict(q=q, k=k, v=v, omega=omega, lam_raw=lam_raw, positions=positions,

@@ -152,7 +152,7 @@ class FusedTiles:
 TILES = {2: FusedTiles(),
          4: FusedTiles(forward=KernelTiles(32, 64, 1, 4, 2), dq=KernelTiles(32, 64, 1, 4, 2),
                        dkv=KernelTiles(32, 64, 1, 8, 2))}
-# "auto" takes these kernels for heads up to this wide; past them XLA "chunked" was faster
+# "auto" takes these kernels for heads up to this wide; past them XLA "chunked" is faster
 # (docs/BENCHMARKS.md, SANATAN p = 1 head shapes).
 MAX_HEAD_DIM, MAX_VALUE_DIM = 128, 512
 
