@@ -18,8 +18,8 @@ def kernels():
   return common.experiment(
       model=dict(MODEL, n_layers=3, pattern="sanatan*1,gla*1,taylor*1"),
       mixers={"sanatan": dict(n_heads=2, head_dim=64, p=1, implementation="pallas_tpu"),
-              "gla": dict(n_heads=2, implementation="pallas"),
-              "taylor": dict(n_heads=2, feature_dim=16, implementation="pallas")},
+              "gla": dict(n_heads=2, implementation="pallas_tpu"),
+              "taylor": dict(n_heads=2, feature_dim=16, implementation="pallas_tpu")},
       train=TRAIN, data=DATA, mesh=MESH)
 
 
