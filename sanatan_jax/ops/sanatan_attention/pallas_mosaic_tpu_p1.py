@@ -11,8 +11,8 @@ computed in chunks (intra-chunk causal block + fp32 state).
 Features. XLA computes Phi's factors cos th_rot, sin th_rot and r with features.py's functions
 (``base.rotated_angles_and_roots``, fp32) and hands them to the kernels in the operands' dtype; the
 kernels form the channels from them by ``base.factor_channel``, so the 6d-wide features never reach
-HBM, and take the channels' gradients back to the factors by autodiff of that helper (``jax.vjp``);
-XLA's autodiff takes those on to q, k, omega and lam_raw.
+HBM, and take the channels' gradients back to the factors by autodiff of ``factor_channel``
+(``jax.vjp``); XLA's autodiff takes those on to q, k, omega and lam_raw.
 
 TPU form, as the gated op's pallas_mosaic_tpu.py: a TPU core runs grid steps one after another, so
 the grid is (batch·head, value tile, chunk) with the chunk axis last and "arbitrary" (sequential;
@@ -45,7 +45,7 @@ the state's run, and a chunk hands on only its last run's writes.
 Backward (``jax.custom_vjp`` over the factors, values and initial state): the forward saves its
 inputs only. A forward sweep recomputes the chunk states for d Phi(q); a reverse sweep (the chunk
 index maps run backwards) carries dS in VMEM for d Phi(k), dv and dS_0; each kernel takes d Phi
-through the helper's VJP to the factors. With several value tiles the factors' gradients of each
+through ``factor_channel``'s VJP to the factors. With several value tiles the factors' gradients of each
 tile are partial sums added outside.
 """
 
