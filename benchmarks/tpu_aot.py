@@ -130,7 +130,8 @@ def sanatan_p1_cases(batch: int, length: int, dtype) -> list[Case]:
 
   impls = {"pallas_tpu (Mosaic, C=128)": op("pallas_tpu"),
            "chunked (XLA, C=64)": op("chunked", ChunkTiles(harness.CHUNK)),
-           f"chunked (XLA, C={xla.CHUNK})": op("chunked"), "plain chunked (XLA baseline, C=64)": plain_chunked}
+           f"chunked (XLA, C={xla.CHUNK})": op("chunked"),
+           "plain chunked (XLA baseline, C=64)": plain_chunked}
   return [Case("sanatan_p1", name, fn, args, (True,) * 3 + (False,) * 2) for name, fn in impls.items()]
 
 

@@ -14,7 +14,8 @@ from lmcore.ops.common import pallas_utils
 from lmcore.mixers import flops
 from lmcore.mixers.base import InitSpec, dense, float_bytes, scaled_linear
 from sanatan_jax import features, gate_stats
-from sanatan_jax.ops.sanatan_attention import REGISTRY, Problem, SanatanState, check_variant, sanatan_attention
+from sanatan_jax.ops.sanatan_attention import (REGISTRY, Problem, SanatanState, check_variant,
+                                               sanatan_attention)
 from sanatan_jax.ops.sanatan_attention.base import has_constant_state, validate_options
 
 OMEGA_INIT = math.pi / 4
@@ -153,9 +154,8 @@ class SanatanMixer(nnx.Module):
     The feature maps (angles, roots, rotation, the power p) are elementwise and not counted.
     """
     cfg = self.config
-    platform = "gpu"
-    if cfg.implementation not in ("auto", None) and "gpu" not in REGISTRY.backends[cfg.implementation].platforms:
-      platform = REGISTRY.backends[cfg.implementation].platforms[0]
+    named = None if cfg.implementation in ("auto", None) else REGISTRY.backends[cfg.implementation]
+    platform = "gpu" if named is None or "gpu" in named.platforms else named.platforms[0]
     dtype = "bfloat16" if cfg.kernel_precision == "input" else "float32"
     problem = Problem(platform, cfg.p, cfg.channels, cfg.head_dim, cfg.dv, seq_len, dtype)
     mixing = REGISTRY.resolve(cfg.implementation, problem).flops_per_head(problem, cfg.tiles)

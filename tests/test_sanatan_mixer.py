@@ -169,8 +169,8 @@ def test_config_tiles_become_the_named_backends_typed_tiling():
   assert SanatanMixer.Config(implementation="chunked", tiles={"chunk": 64}).tiles == ChunkTiles(64)
   assert SanatanMixer.Config(implementation="parallel", tiles={"rows": 256}).tiles == ParallelTiles(256)
   assert SanatanMixer.Config(implementation="auto").tiles is None
-  with pytest.raises(ValueError, match="SANATAN tiles: tiles belong to one backend, but the implementation is "
-                                       "'auto'"):
+  with pytest.raises(ValueError, match="SANATAN tiles: tiles belong to one backend, but the implementation "
+                                       "is 'auto'"):
     SanatanMixer.Config(implementation="auto", tiles={"chunk": 64})
   with pytest.raises(ValueError, match="SANATAN tiles: implementation 'recurrent' has no tiles"):
     SanatanMixer.Config(implementation="recurrent", tiles={"chunk": 64})

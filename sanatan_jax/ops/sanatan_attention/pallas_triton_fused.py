@@ -136,10 +136,11 @@ class FusedTiles:
   parts: int = 0
 
   def __post_init__(self):
-    if self.spans and not (isinstance(self.spans, int) and self.spans > 0 and not self.spans & (self.spans - 1)):
-      raise ValueError(f"pallas_fused tiles: spans must be 0 (its rule) or a power of two, got {self.spans!r}")
+    if self.spans:
+      check_power_of_two("pallas_fused tiles (0: the rule)", spans=self.spans)
     if not isinstance(self.parts, int) or self.parts < 0:
-      raise ValueError(f"pallas_fused tiles: parts must be 0 (its rule) or a positive count, got {self.parts!r}")
+      raise ValueError(f"pallas_fused tiles: parts must be 0 (the rule) or a positive count, got "
+                       f"{self.parts!r}")
 
   @property
   def kernels(self) -> tuple[KernelTiles, KernelTiles, KernelTiles]:

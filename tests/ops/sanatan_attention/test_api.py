@@ -57,7 +57,8 @@ def test_the_problem_of_a_call_takes_the_kernels_operand_dtype():
   for name, module in (("pallas_fused", pallas_triton_fused), ("pallas_flash", pallas_triton_flash)):
     backend = REGISTRY.backends[name]
     assert backend.heuristic_config(problem(q, v, platform="gpu")) == module.TILES[2]
-    assert backend.heuristic_config(problem(q, v, kernel_precision="float32", platform="gpu")) == module.TILES[4]
+    fp32 = problem(q, v, kernel_precision="float32", platform="gpu")
+    assert backend.heuristic_config(fp32) == module.TILES[4]
 
 
 def test_unknown_or_unsupported_names_list_the_ones_that_run():
@@ -108,8 +109,10 @@ def test_tiles_become_the_named_backends_typed_tiling():
   assert REGISTRY.tiles("chunked", {"chunk": 64}, "t") == ChunkTiles(64)
   assert REGISTRY.tiles("parallel", {"rows": 256}, "t") == xla.ParallelTiles(256)
   flash = REGISTRY.tiles("pallas_flash", {"dq": {"block": 64, "loop": 32}}, "t")
-  assert flash.dq == pallas_triton_flash.BlockTiles(64, 32) and flash.forward == pallas_triton_flash.FlashTiles().forward
-  assert REGISTRY.tiles("pallas_tpu", {"block_v": 256}, "t") == pallas_mosaic_tpu_p1.MosaicTiles(block_v=256)
+  assert flash.dq == pallas_triton_flash.BlockTiles(64, 32)
+  assert flash.forward == pallas_triton_flash.FlashTiles().forward
+  tpu = REGISTRY.tiles("pallas_tpu", {"block_v": 256}, "t")
+  assert tpu == pallas_mosaic_tpu_p1.MosaicTiles(block_v=256)
   assert REGISTRY.tiles("recurrent", None, "t") is None
 
 

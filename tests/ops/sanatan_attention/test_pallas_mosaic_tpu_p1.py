@@ -39,8 +39,10 @@ def test_padded_head_dim_without_rotation_equals_recurrent_with_gradients():
   T, d, dv = 21, 6, 5
   inputs = sanatan_inputs(T, T, d=d, dv=dv)
   rng = np.random.default_rng(T)
-  state = SanatanState(3.0 * jnp.asarray(rng.normal(size=(2, 2, 6 * d, dv)), jnp.float32),
-                       jnp.asarray(rng.uniform(1, 5, (2, 2, 6 * d)), jnp.float32), jnp.full((2,), 5, jnp.int32))
+  # Reachable magnitudes: S ~ sum Phi(k) v over a few tokens, z of it positive.
+  S0, z0 = 3.0 * rng.normal(size=(2, 2, 6 * d, dv)), rng.uniform(1, 5, (2, 2, 6 * d))
+  state = SanatanState(jnp.asarray(S0, jnp.float32), jnp.asarray(z0, jnp.float32),
+                       jnp.full((2,), 5, jnp.int32))
   projections = normals(rng, (2, T, 2, dv), (2, 2, 6 * d, dv), (2, 2, 6 * d))
   options = dict(rotate=False, **packed_documents(2, T, (12,)))
   got = run_sanatan(functools.partial(sanatan_p1_tpu, chunk_size=8, interpret=True), inputs, state,

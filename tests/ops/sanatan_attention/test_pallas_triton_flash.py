@@ -195,7 +195,8 @@ def test_the_mixer_counts_the_flash_kernel_as_the_form_it_runs():
     config = SanatanMixer.Config(n_heads=2, head_dim=8, p=2, **fields)
     return SanatanMixer(config, d_model=16, rngs=nnx.Rngs(0)).flops_per_token(64)
 
-  assert flops(implementation="pallas_flash") == flops(implementation="parallel") == flops(implementation="auto")
+  assert flops(implementation="pallas_flash") == flops(implementation="parallel")
+  assert flops(implementation="auto") == flops(implementation="parallel")
 
 
 @pytest.mark.parametrize("channels", [6, 4])
