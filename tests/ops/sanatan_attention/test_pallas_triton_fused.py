@@ -226,7 +226,7 @@ def test_the_backward_keeps_no_factors_unless_asked():
   merge the recomputation with the forward's, so the compiled step (3 layers, compiled, not run) keeps
   fewer temporaries than with ``chunked_remat=False``, which keeps the forward's factors for the
   backward. (Merged, every layer's factors would wait for the backward either way.)"""
-  B, T, H, d, L = 1, 256, 2, 16, 3  # 256 tokens: the kept factors outweigh the interpreter's buffers
+  B, T, H, d, L = 1, 128, 2, 16, 3  # 128 tokens: the kept factors outweigh the interpreter's buffers
   x = jax.random.normal(jax.random.key(0), (B, T, H, d), jnp.bfloat16)
   W = jax.random.normal(jax.random.key(1), (L, d, d)) * 0.1
   omega, lam_raw = jnp.full((H, d), 0.7), jnp.zeros((H, d))
