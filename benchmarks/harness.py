@@ -27,6 +27,9 @@ import jax.numpy as jnp
 # The rows' bookkeeping is part of this module's API for the scripts (``bench.Row``, ``bench.time_fn`` ...).
 from benchmarks.rows import (CHUNK, Row, RowLog, chunked_flops, device_name, exclusive, shared,  # noqa: F401
                              measure, parallel_flops, time_fn)
+from sanatan_jax.ops.sanatan_attention import xla as sanatan_xla
+from sanatan_jax.ops.sanatan_attention.pallas_triton_flash import BlockTiles, FlashTiles
+from sanatan_jax.ops.sanatan_attention.pallas_triton_fused import FusedTiles, KernelTiles
 
 HEADS, HEAD_DIM = 12, 64  # the 184M SANATAN model's head shape (also GLA's reference shape)
 TAYLOR_HEADS, TAYLOR_DIM = 16, 16
@@ -34,6 +37,7 @@ TPU_CHUNK = 128  # the Mosaic kernels' smallest compiled chunk
 PARALLEL_MAX_SCORES = 2 ** 33  # skip the materialised form beyond ~8.6e9 score entries
 GATED_PARALLEL_MAX_SCORES = 2 ** 30  # the gated one's scores are K wide: B·H·T²·K entries (gated_cases)
 FP32_PRECISIONS = ("tf32", "float32")  # kernel_precision cases for bf16 inputs (_precision_cases)
+SANATAN_CHUNKED = f"chunked (xla, C={sanatan_xla.CHUNK})"  # SANATAN p = 1's XLA form at its heuristic chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,14 +153,14 @@ def _pallas_name() -> str:
   return "pallas (tpu)" if pallas_utils.backend() == "tpu" else "pallas"
 
 
-def _precision_cases(pallas_case: Callable[[str], Callable], dtype) -> dict:
-  """``pallas (tf32)`` and ``pallas (float32)``, ``pallas_case(precision)``: the GPU kernel on fp32
+def _precision_cases(pallas_case: Callable[[str], Callable], dtype, name: str = "pallas") -> dict:
+  """``<name> (tf32)`` and ``<name> (float32)``, ``pallas_case(precision)``: the GPU kernel on fp32
   copies of low-precision inputs (the bf16 agreement limit of 2e-3); none for fp32 inputs or on a TPU."""
   from lmcore.ops.common import pallas_utils
 
   if jnp.dtype(dtype) == jnp.float32 or pallas_utils.backend() == "tpu":
     return {}
-  return {f"pallas ({precision})": pallas_case(precision) for precision in FP32_PRECISIONS}
+  return {f"{name} ({precision})": pallas_case(precision) for precision in FP32_PRECISIONS}
 
 
 def _sanatan_args(batch, length, dtype, H=HEADS, d=HEAD_DIM, V=HEAD_DIM):
@@ -176,62 +180,51 @@ def _sanatan_reference(**options):
 
 
 def sanatan_cases(batch, length, dtype, shape: HeadShape | None = None):
-  """SANATAN p = 1: the kernel, the fused-chunk Triton kernel ("pallas_fused", GPU only), the XLA
-  chunked form (all chunks at once, C = 64 and 128), the chunk-by-chunk ``lax.scan`` form it
-  replaced, a plain einsum chunked form without documents or states (``benchmarks.plain_chunked``,
-  C = 64; a baseline, never chosen by "auto") and the materialised reference."""
+  """SANATAN p = 1: the kernels of the platform ("pallas_fused", the fused-chunk Triton kernels, and
+  their fp32 variants; on a TPU "pallas_tpu", the Mosaic ones), the XLA chunked form (all chunks at
+  once, C = 64 and its heuristic chunk), a plain einsum chunked form without documents or states
+  (``benchmarks.plain_chunked``, C = 64; a baseline, never chosen by "auto") and the materialised
+  reference, each chunked form credited its own chunk."""
   from benchmarks.plain_chunked import plain_chunked
   from lmcore.ops.common import pallas_utils
+  from lmcore.ops.common.backend import ChunkTiles
   from sanatan_jax import sanatan_attention
-  from sanatan_jax.ops.sanatan_attention import pallas_triton_fused as fused
-  from sanatan_jax.ops.sanatan_attention import pallas_triton_p1 as pallas_p1
+  from sanatan_jax.ops.sanatan_attention import pallas_mosaic_tpu_p1, pallas_triton_fused
 
   H, d, V = _dims("sanatan_p1", shape)
   args = _sanatan_args(batch, length, dtype, H, d, V)
 
-  def op(impl, chunk=CHUNK):
-    return lambda q, k, v, w, l: sanatan_attention(q, k, v, w, l, implementation=impl, chunk_size=chunk)[0]
+  def op(impl, tiles=None, **options):
+    return lambda q, k, v, w, l: sanatan_attention(q, k, v, w, l, implementation=impl, tiles=tiles,
+                                                   **options)[0]
 
-  kernel = lambda precision: lambda q, k, v, w, l: pallas_p1.sanatan_p1_pallas(
-      q, k, v, w, l, precision=precision)[0]
-  fused_case = ("a Triton (GPU) kernel" if pallas_utils.backend() == "tpu" else op("pallas_fused"))
-  cases = {**_sanatan_pallas(), **_precision_cases(kernel, dtype), "pallas_fused": fused_case,
-           "chunked (xla)": op("chunked"), "chunked (xla, C=128)": op("chunked", 128),
-           "chunked_scan (xla)": op("chunked_scan"), "plain chunked (baseline)": plain_chunked}
+  work = functools.partial(chunked_flops, batch, length, H, 6 * d, V)
+  fused = lambda precision: op("pallas_fused", kernel_precision=precision)
+  on_tpu = pallas_utils.backend() == "tpu"
+  cases = {"pallas_fused": "a Triton (GPU) kernel" if on_tpu else fused("input"),
+           **_precision_cases(fused, dtype, "pallas_fused"),
+           "chunked (xla)": op("chunked", ChunkTiles(CHUNK)), SANATAN_CHUNKED: op("chunked"),
+           "plain chunked (baseline)": plain_chunked}
+  flops = {name: work() for name in cases}
+  flops[SANATAN_CHUNKED] = work(chunk=sanatan_xla.CHUNK)
+  for name in cases:  # the fused kernels' own chunk, by their operands' width
+    if name.startswith("pallas_fused"):
+      operands = dtype if name == "pallas_fused" else jnp.float32
+      flops[name] = work(chunk=pallas_triton_fused.default_tiles(operands).forward.chunk)
+  if on_tpu:  # compiled Mosaic chunks are >= 128 tokens
+    cases["pallas_tpu"] = op("pallas_tpu")
+    flops["pallas_tpu"] = work(chunk=max(pallas_mosaic_tpu_p1.MosaicTiles().chunk, TPU_CHUNK))
   if batch * H * length * length <= PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = _sanatan_reference()
-  work = functools.partial(chunked_flops, batch, length, H, 6 * d, V)
-  flops = {impl: work() for impl in cases}
-  flops["chunked (xla, C=128)"] = work(chunk=128)
-  for impl in cases:  # the Triton kernel's own chunk
-    if impl.startswith("pallas") and impl != "pallas (tpu)":
-      flops[impl] = work(chunk=pallas_p1.DEFAULT_CHUNK)
-  if "pallas (tpu)" in cases:  # compiled Mosaic chunks are >= 128 tokens
-    flops["pallas (tpu)"] = work(chunk=TPU_CHUNK)
-  flops["pallas_fused"] = work(chunk=fused.DEFAULT_CHUNK)
-  flops["parallel (reference)"] = parallel_flops(batch, length, H, 6 * d, V)
+    flops["parallel (reference)"] = parallel_flops(batch, length, H, 6 * d, V)
   return args, cases, flops
 
 
-def _sanatan_pallas() -> dict:
-  """The SANATAN p = 1 kernel of this backend with its defaults: Mosaic on TPU (chunk 128), else
-  Triton (chunk 32)."""
-  from lmcore.ops.common import pallas_utils
-  from sanatan_jax.ops.sanatan_attention.pallas_triton_p1 import sanatan_p1_pallas
-  from sanatan_jax.ops.sanatan_attention.pallas_mosaic_tpu_p1 import sanatan_p1_tpu
-
-  kernel = sanatan_p1_tpu if pallas_utils.backend() == "tpu" else sanatan_p1_pallas
-  return {_pallas_name(): lambda q, k, v, w, l: kernel(q, k, v, w, l)[0]}
-
-
-FLASH_XLA_FEATURES_CASE = "pallas_flash (xla features)"
-
-
 def sanatan_p2_cases(batch, length, dtype, shape: HeadShape | None = None):
-  """SANATAN p = 2 (no recurrence): the blocked Pallas kernel and the flash one ("pallas_flash",
-  Triton only, its default features; also with XLA's, ``flash_features="xla"``) vs XLA blocked
-  vs the XLA parallel form (query blocks, custom VJP) vs the materialised reference (autodiff), each
-  credited the causal half of the scores and mixing, 2·T²·(F + V)/2 per head with F = 6d."""
+  """SANATAN p = 2 (no recurrence): the flash kernels ("pallas_flash", Triton only, and their fp32
+  variants) vs the XLA parallel form (query blocks, custom VJP) vs the materialised reference
+  (autodiff), each credited the causal half of the scores and mixing, 2·T²·(F + V)/2 per head with
+  F = 6d."""
   from lmcore.ops.common import pallas_utils
   from sanatan_jax import sanatan_attention
 
@@ -241,12 +234,10 @@ def sanatan_p2_cases(batch, length, dtype, shape: HeadShape | None = None):
     return lambda q, k, v, w, l: sanatan_attention(q, k, v, w, l, p=2, implementation=impl,
                                                    **options)[0]
 
-  kernel = lambda precision: op("pallas", kernel_precision=precision)
+  flash = lambda precision: op("pallas_flash", kernel_precision=precision)
   on_tpu = pallas_utils.backend() == "tpu"
-  flash = lambda **options: "a Triton (GPU) kernel" if on_tpu else op("pallas_flash", **options)
-  cases = {_pallas_name(): op("pallas"), **_precision_cases(kernel, dtype), "pallas_flash": flash(),
-           FLASH_XLA_FEATURES_CASE: flash(flash_features="xla"),
-           "blocked (xla)": op("blocked"), "parallel (xla)": op("parallel")}
+  cases = {"pallas_flash": "a Triton (GPU) kernel" if on_tpu else flash("input"),
+           **_precision_cases(flash, dtype, "pallas_flash"), "parallel (xla)": op("parallel")}
   if batch * H * length * length <= PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = _sanatan_reference(p=2)
   flops = parallel_flops(batch, length, H, 6 * d, V)
@@ -360,44 +351,32 @@ def softmax_cases(batch, length, dtype, shape: HeadShape | None = None):
 
 
 # Kernel settings tried by ``--tune`` (each op's defaults are timed by the plain run): phase 2 by
-# XLA's associative scan instead of the Pallas chunk scan, and the other of chunks 16 and 32 (SANATAN
-# each way); the gated kernel's state dots with one bf16 rounding (``split=False``). Settings measured
-# slower on the H200 (docs/BENCHMARKS.md: chunk 64, 4 warps, value tile 32; the gated kernel's sub-chunk
-# 32 or 64, and chunk 32 with XLA's scan) are no longer tried.
+# XLA's associative scan instead of the Pallas chunk scan, and the other of chunks 16 and 32; the gated
+# kernel's state dots with one bf16 rounding (``split=False``). Settings measured slower on the H200
+# (docs/BENCHMARKS.md: chunk 64, 4 warps, value tile 32; the gated kernel's sub-chunk 32 or 64, and
+# chunk 32 with XLA's scan) are no longer tried.
 TUNING = {
-    "sanatan_p1": [dict(chunk_size=32, block_v=64, num_warps=8, scan="xla"),
-                   dict(chunk_size=16, block_v=64, num_warps=8),
-                   dict(chunk_size=16, block_v=64, num_warps=8, scan="xla")],
     "gated": [dict(chunk_size=16, num_warps=8, split=False),
               dict(chunk_size=16, num_warps=8, scan="xla"), dict(chunk_size=32, num_warps=8)],
 }
 
 
-# Tilings of the SANATAN flash kernels tried by ``--tune=sanatan_p2`` (forward, dk/dv[, dq]), each
-# (block, loop, warps, stages) as ``pallas_triton_flash.Tiles`` (dq: the dk/dv tiling when left out);
-# the first is its default, the second the one tiling of both backward kernels it replaced. Measured
+# Tilings of the SANATAN flash kernels tried by ``--tune=sanatan_p2`` (``pallas_triton_flash.FlashTiles``
+# of (block, loop, warps, stages) per kernel: forward, dk/dv, dq); the first is its default. Measured
 # slower on the H200 (8 x 2048, docs/BENCHMARKS.md) and no longer tried: backward blocks of 64 (4 or 8
 # warps), loops of 16, and dk/dv loops of 64; four forward stages, forward loops of 128 at two and dq
 # loops of 64 at three stages exceed its shared memory.
-FLASH_TUNING = [((128, 64, 4, 3), (128, 32, 8, 4), (128, 64, 8, 2)),
-                ((128, 64, 8, 3), (128, 32, 8, 3)),
-                ((128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 2)),
-                ((128, 64, 8, 2), (128, 32, 8, 2)),
-                ((128, 128, 8, 1), (128, 32, 8, 3))]
-
-
-def flash_tiles(entry):
-  """A FLASH_TUNING entry as ``pallas_triton_flash.FlashTiles``."""
-  from sanatan_jax.ops.sanatan_attention import pallas_triton_flash as flash
-
-  return flash.FlashTiles(*(flash.Tiles(*t) for t in entry))
+FLASH_TUNING = [FlashTiles(BlockTiles(128, 64, 4, 3), BlockTiles(128, 32, 8, 4), BlockTiles(128, 64, 8, 2)),
+                FlashTiles(BlockTiles(128, 64, 8, 3), BlockTiles(128, 32, 8, 3), BlockTiles(128, 32, 8, 3)),
+                FlashTiles(BlockTiles(128, 64, 8, 3), BlockTiles(128, 32, 8, 3), BlockTiles(128, 64, 8, 2)),
+                FlashTiles(BlockTiles(128, 64, 8, 2), BlockTiles(128, 32, 8, 2), BlockTiles(128, 32, 8, 2)),
+                FlashTiles(BlockTiles(128, 128, 8, 1), BlockTiles(128, 32, 8, 3), BlockTiles(128, 32, 8, 3))]
 
 
 def _tiles_name(tiles) -> str:
-  """"pallas_flash (fwd 128x64 8w 2s, bwd 128x32 8w 2s[, dq 128x64 8w 2s])" for a FLASH_TUNING entry."""
-  part = lambda t: f"{t[0]}x{t[1]} {t[2]}w {t[3]}s"
-  dq = f", dq {part(tiles[2])}" if len(tiles) > 2 else ""
-  return f"pallas_flash (fwd {part(tiles[0])}, bwd {part(tiles[1])}{dq})"
+  """"pallas_flash (fwd 128x64 8w 2s, bwd 128x32 8w 2s, dq 128x64 8w 2s)" for a FLASH_TUNING tiling."""
+  part = lambda t: f"{t.block}x{t.loop} {t.num_warps}w {t.num_stages}s"
+  return f"pallas_flash (fwd {part(tiles.forward)}, bwd {part(tiles.backward)}, dq {part(tiles.dq)})"
 
 
 def flash_tuning_cases(batch: int, length: int, dtype) -> tuple[tuple, dict, dict]:
@@ -406,24 +385,24 @@ def flash_tuning_cases(batch: int, length: int, dtype) -> tuple[tuple, dict, dic
 
   args, _, flops = sanatan_p2_cases(batch, length, dtype)
   cases = {}
-  for entry in FLASH_TUNING:
-    cases[_tiles_name(entry)] = (
-        lambda q, k, v, w, l, tiles=flash_tiles(entry): flash.sanatan_flash_pallas(q, k, v, w, l, p=2,
-                                                                                   tiles=tiles))
+  for tiles in FLASH_TUNING:
+    cases[_tiles_name(tiles)] = (
+        lambda q, k, v, w, l, tiles=tiles: flash.sanatan_flash_pallas(q, k, v, w, l, p=2, tiles=tiles))
   return args, cases, {name: flops["pallas_flash"] for name in cases}
 
 
-# Tilings of the SANATAN p = 1 fused-chunk kernels tried by ``--tune=sanatan_p1_fused`` (forward,
-# dq, dk and dv walks), each (chunk, value tile, channels per program, warps, stages) as
-# ``pallas_triton_fused.Tiles``; the first is its bf16 default. Their rows are the op "sanatan_p1".
-FUSED_TUNING = [((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 1, 4, 3)),
-                ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 1, 4, 2)),
-                ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 1, 4, 4)),
-                ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 1, 8, 2)),
-                ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 64, 2, 8, 3)),
-                ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 32, 1, 4, 3)),
-                ((64, 64, 1, 4, 3), (64, 64, 1, 4, 3), (32, 64, 1, 4, 3)),
-                ((64, 64, 1, 4, 4), (64, 64, 1, 4, 4), (64, 64, 1, 4, 3))]
+# Tilings of the SANATAN p = 1 fused-chunk kernels tried by ``--tune=sanatan_p1_fused``
+# (``pallas_triton_fused.FusedTiles``: the forward, dq and dk/dv walks' (chunk, value tile, channels per
+# program, warps, stages)); the first is its bf16 default. Their rows are the op "sanatan_p1".
+_W = KernelTiles
+FUSED_TUNING = [FusedTiles(_W(64, 64, 1, 4, 3), _W(64, 64, 1, 4, 3), _W(64, 64, 1, 4, 3)),
+                FusedTiles(_W(64, 64, 1, 4, 3), _W(64, 64, 1, 4, 3), _W(64, 64, 1, 4, 2)),
+                FusedTiles(_W(64, 64, 1, 4, 3), _W(64, 64, 1, 4, 3), _W(64, 64, 1, 4, 4)),
+                FusedTiles(_W(64, 64, 1, 4, 3), _W(64, 64, 1, 4, 3), _W(64, 64, 1, 8, 2)),
+                FusedTiles(_W(64, 64, 1, 4, 3), _W(64, 64, 1, 4, 3), _W(64, 64, 2, 8, 3)),
+                FusedTiles(_W(64, 64, 1, 4, 3), _W(64, 64, 1, 4, 3), _W(64, 32, 1, 4, 3)),
+                FusedTiles(_W(64, 64, 1, 4, 3), _W(64, 64, 1, 4, 3), _W(32, 64, 1, 4, 3)),
+                FusedTiles(_W(64, 64, 1, 4, 4), _W(64, 64, 1, 4, 4), _W(64, 64, 1, 4, 3))]
 # Settings of the blocked Taylor kernels tried by ``--tune=taylor_blocked`` (query block, key block,
 # warps, pipeline stages; ``taylor_sums_blocked``'s knobs); the first is its default, the fastest of
 # these on the H200 at 8 x 2048 (docs/BENCHMARKS.md). Their rows belong to the op "taylor".
@@ -450,9 +429,9 @@ TUNED_OPS = {"sanatan_p1_fused": "sanatan_p1", "taylor_blocked": "taylor", "tayl
 
 
 def _fused_name(tiles) -> str:
-  """"pallas_fused (fwd 64x64 c1 4w 2s, dq ..., dkv ...)" for a FUSED_TUNING entry."""
-  part = lambda t: f"{t[0]}x{t[1]} c{t[2]} {t[3]}w {t[4]}s"
-  return f"pallas_fused (fwd {part(tiles[0])}, dq {part(tiles[1])}, dkv {part(tiles[2])})"
+  """"pallas_fused (fwd 64x64 c1 4w 2s, dq ..., dkv ...)" for a FUSED_TUNING tiling."""
+  part = lambda t: f"{t.chunk}x{t.block_v} c{t.channels} {t.num_warps}w {t.num_stages}s"
+  return f"pallas_fused (fwd {part(tiles.forward)}, dq {part(tiles.dq)}, dkv {part(tiles.dkv)})"
 
 
 def fused_tuning_cases(batch: int, length: int, dtype) -> tuple[tuple, dict, dict]:
@@ -461,12 +440,11 @@ def fused_tuning_cases(batch: int, length: int, dtype) -> tuple[tuple, dict, dic
 
   args = _sanatan_args(batch, length, dtype)
   cases, flops = {}, {}
-  for entry in FUSED_TUNING:
-    tiles = fused.FusedTiles(*(fused.Tiles(*t) for t in entry))
-    name = _fused_name(entry)
+  for tiles in FUSED_TUNING:
+    name = _fused_name(tiles)
     cases[name] = lambda q, k, v, w, l, tiles=tiles: fused.sanatan_fused_pallas(q, k, v, w, l,
                                                                                 tiles=tiles)[0]
-    flops[name] = chunked_flops(batch, length, HEADS, 6 * HEAD_DIM, HEAD_DIM, chunk=entry[0][0])
+    flops[name] = chunked_flops(batch, length, HEADS, 6 * HEAD_DIM, HEAD_DIM, chunk=tiles.forward.chunk)
   return args, cases, flops
 
 
@@ -519,9 +497,9 @@ def spans_tuning_cases(op_name: str, batch: int, length: int, dtype) -> tuple[tu
 
   if op_name == "sanatan_p1_spans":
     args, _, flops = sanatan_cases(batch, length, dtype)
-    chunk = fused.DEFAULT_CHUNK
+    chunk = fused.FusedTiles().forward.chunk
     run = lambda count: lambda q, k, v, w, l: fused.sanatan_fused_pallas(
-        q, k, v, w, l, tiles_spec=f"spans={count}")[0]
+        q, k, v, w, l, tiles=fused.FusedTiles(spans=count))[0]
   else:
     args, _, flops = taylor_cases(batch, length, dtype)
     chunk = taylor_fused.FusedTiles().chunk
@@ -538,7 +516,6 @@ def tuning_cases(op_name: str, batch: int, length: int, dtype) -> tuple[tuple, d
   fused-chunk kernel at every FUSED_TUNING tiling; for "sanatan_p1_spans" and "taylor_spans", the
   fused-chunk kernels at every SPANS_TUNING count (``spans_tuning_cases``)."""
   from lmcore.ops.gated_linear_attention import pallas_triton as pallas
-  from sanatan_jax.ops.sanatan_attention.pallas_triton_p1 import sanatan_p1_pallas
 
   if op_name == "sanatan_p2":
     return flash_tuning_cases(batch, length, dtype)
@@ -554,8 +531,8 @@ def tuning_cases(op_name: str, batch: int, length: int, dtype) -> tuple[tuple, d
     raise ValueError(f"no tuning settings for op {op_name!r}; tunable: "
                      f"{', '.join([*TUNING, 'sanatan_p2', 'sanatan_p1_fused', *TUNED_OPS])}")
   args, _, _ = OPS[op_name](batch, length, dtype)
-  kernel = {"sanatan_p1": sanatan_p1_pallas, "gated": pallas.gated_linear_attention_pallas}[op_name]
-  features = 6 * HEAD_DIM if op_name == "sanatan_p1" else HEAD_DIM
+  kernel = {"gated": pallas.gated_linear_attention_pallas}[op_name]
+  features = HEAD_DIM
   cases, flops = {}, {}
   for setting in TUNING[op_name]:
     name = _setting_name(setting)
@@ -566,14 +543,13 @@ def tuning_cases(op_name: str, batch: int, length: int, dtype) -> tuple[tuple, d
 
 OPS = {"sanatan_p1": sanatan_cases, "sanatan_p2": sanatan_p2_cases, "gated": gated_cases,
        "taylor": taylor_cases, "softmax": softmax_cases}
-REFERENCE = {"sanatan_p1": "chunked (xla)", "sanatan_p2": "blocked (xla)", "gated": "chunked (xla)",
+REFERENCE = {"sanatan_p1": "chunked (xla)", "sanatan_p2": "parallel (xla)", "gated": "chunked (xla)",
              "taylor": "chunked (xla)"}
 # The forms "auto" chooses between on a GPU (``--auto_only`` times only these): the XLA form it falls
-# back to first (SANATAN p = 1: at the mixers' chunk of 128; a row's ratio reference when REFERENCE's
-# case was not timed), then the kernels it may pick (SANATAN p = 2: the flash kernels with either
-# feature source, ``flash_features``). Ops not listed keep every case.
-AUTO_CASES = {"sanatan_p1": ("chunked (xla, C=128)", "pallas_fused"),
-              "sanatan_p2": ("parallel (xla)", "pallas_flash", FLASH_XLA_FEATURES_CASE),
+# back to first (SANATAN p = 1: at its heuristic chunk; a row's ratio reference when REFERENCE's
+# case was not timed), then the kernels it may pick. Ops not listed keep every case.
+AUTO_CASES = {"sanatan_p1": (SANATAN_CHUNKED, "pallas_fused"),
+              "sanatan_p2": ("parallel (xla)", "pallas_flash"),
               "gated": ("chunked (xla)", "pallas"),
               "taylor": ("chunked (xla)", "pallas_blocked", "pallas_fused")}
 
@@ -581,7 +557,7 @@ AUTO_CASES = {"sanatan_p1": ("chunked (xla, C=128)", "pallas_fused"),
 def _decisive_first(op_name: str, cases: dict) -> dict:
   """``cases`` reordered to time first the forms "auto" chooses between (AUTO_CASES), then the op's
   REFERENCE, then the rest in their order: a run cut short by its time limit loses the least needed
-  rows (SANATAN p = 2's blocked kernels take up to seconds a call)."""
+  rows)."""
   first = [name for name in (*AUTO_CASES.get(op_name, ()), REFERENCE.get(op_name)) if name in cases]
   return {**{name: cases[name] for name in first},
           **{name: fn for name, fn in cases.items() if name not in first}}

@@ -64,9 +64,9 @@ MODEL_184M = dict(vocab_size=126_349, d_model=768, n_layers=12, pattern="sanatan
 
 
 def _mixer(p: int, **fields):
-  # Every variant trains at "auto" (resolve_implementation): on GPUs the fused-chunk kernel for p = 1
-  # with 6 channels and the flash kernels for every other power and channel variant; elsewhere XLA
-  # "chunked" and "parallel". docs/BENCHMARKS.md measures the whole steps.
+  # Every variant trains at "auto" (sanatan_attention's REGISTRY): on GPUs the fused-chunk kernels for
+  # p = 1 with 6 channels and the flash kernels for every other power and channel variant; elsewhere
+  # XLA "chunked" and "parallel". docs/BENCHMARKS.md measures the whole steps.
   return dict(n_heads=12, head_dim=64, p=p, implementation="auto", **fields)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,11 +14,9 @@ from lmcore.ops.common import pallas_utils
 from lmcore.mixers import flops
 from lmcore.mixers.base import InitSpec, dense, float_bytes, scaled_linear
 from sanatan_jax import features, gate_stats
-from sanatan_jax.ops.sanatan_attention import pallas_triton_flash, pallas_triton_fused, pallas_triton_p1
-from sanatan_jax.ops.sanatan_attention.api import (IMPLEMENTATIONS, resolve_implementation,
-                                                   sanatan_attention)
-from sanatan_jax.ops.sanatan_attention.base import (SanatanState, has_constant_state,
-                                                    validate_options)
+from sanatan_jax.ops.sanatan_attention import (REGISTRY, Problem, SanatanState, check_variant,
+                                               sanatan_attention)
+from sanatan_jax.ops.sanatan_attention.base import has_constant_state, validate_options
 
 OMEGA_INIT = math.pi / 4
 
@@ -46,38 +45,26 @@ class SanatanMixer(nnx.Module):
     channels: int = 6
     three_channel: str = "clean"
     implementation: str = "parallel"
-    chunk_size: int = 128  # XLA chunked: 4.14 ms at C = 128 against 4.92 at 64 (H200, 8 × 2048)
-    block_size: int = 128
-    kernel_precision: str = "input"  # "pallas" only: "tf32"/"float32" run the kernels in fp32
+    tiles: Any = None  # the named backend's tiling, e.g. {"chunk": 64} for "chunked"; None: its heuristic
+    kernel_precision: str = "input"  # the Triton kernels only: "tf32"/"float32" run them in fp32
     # XLA "chunked": the backward pass recomputes the op's forward instead of keeping its 6d-wide
     # features, score blocks and chunk-state stacks (one more forward of the op for far less memory).
     # "pallas_fused": the backward recomputes the factors of Phi instead of keeping them (3d values
     # per token, head and operand in bf16). Under model.remat the block is recomputed anyway: False
     # there saves a third forward of the op.
     chunked_remat: bool = True
-    # "pallas_fused" only: kernels whose tiling replaces the default one, e.g. "forward=64x16x6x4x3;
-    # dkv=64x64x2x8x2" (chunk x value tile x channels per program x warps x stages; '' = the defaults,
-    # chosen by problem size).
-    fused_tiles: str = ""
-    # "pallas_flash" (p >= 2 on GPUs) only: its feature channels from XLA's feature map ("xla"), from
-    # the factor kernels that also feed "pallas_fused" ("kernels"; 6 channels), or "auto" (the factor
-    # kernels for 6 channels, else XLA).
-    flash_features: str = "auto"
     learn_omega: bool = True
     rotate: bool = True
     decode_implementation: str = "recurrent"
 
     def __post_init__(self):
-      # Names only: "auto" resolves when the layer runs, on the backend it runs on.
-      valid = (*IMPLEMENTATIONS, "auto")
+      # Names and variants only: "auto" resolves when the layer runs, on the platform it runs on.
       for field in ("implementation", "decode_implementation"):
-        if getattr(self, field) not in valid:
-          raise ValueError(f"unknown {field} {getattr(self, field)!r}; valid: {', '.join(valid)}")
-      validate_options(p=self.p, channels=self.channels, three_channel=self.three_channel,
-                       implementation=self.implementation)
+        REGISTRY.check_name(getattr(self, field))
+      validate_options(p=self.p, channels=self.channels, three_channel=self.three_channel)
+      check_variant(self.implementation, self.p, self.channels, "SANATAN")
       pallas_utils.check_precision(self.kernel_precision, "SANATAN kernel_precision")
-      pallas_triton_fused.parse_tiles(self.fused_tiles, pallas_triton_fused.TILES["default"][2])
-      pallas_triton_flash.check_features(self.flash_features, self.channels, "SANATAN", "flash_features")
+      object.__setattr__(self, "tiles", REGISTRY.tiles(self.implementation, self.tiles, "SANATAN tiles"))
 
     @property
     def dv(self) -> int:
@@ -123,9 +110,8 @@ class SanatanMixer(nnx.Module):
         positions=positions_BxT, segment_ids=segment_ids_BxT, p=cfg.p, channels=cfg.channels,
         three_channel=cfg.three_channel,
         implementation=cfg.decode_implementation if decoding else cfg.implementation,
-        state=state, chunk_size=cfg.chunk_size, block_size=cfg.block_size, rotate=cfg.rotate,
-        kernel_precision=cfg.kernel_precision, chunked_remat=cfg.chunked_remat,
-        fused_tiles=cfg.fused_tiles, flash_features=cfg.flash_features)
+        state=state, tiles=None if decoding else cfg.tiles, rotate=cfg.rotate,
+        kernel_precision=cfg.kernel_precision, chunked_remat=cfg.chunked_remat)
     return self.wo(o_BxTxHxV.reshape(B, T, cfg.n_heads * cfg.dv)), new_state
 
   def _check_has_state(self) -> None:
@@ -154,35 +140,25 @@ class SanatanMixer(nnx.Module):
     return float_bytes((batch_size, cfg.n_heads, F, cfg.dv), (batch_size, cfg.n_heads, F))
 
   def flops_per_token(self, seq_len: int) -> float:
-    """Forward FLOPs per token (``lmcore.mixers.flops``; "auto" as on a GPU): the projections,
-    2 · D · (2 H d + H dv) + 2 · H dv · D, plus per head the attention over F = channels · d features
-    (6d, 4d or 3d) and dv + 1 mixed columns (the normaliser):
+    """Forward FLOPs per token (``lmcore.mixers.flops``): the projections, 2 · D · (2 H d + H dv)
+    + 2 · H dv · D, plus per head the attention over F = channels · d features (6d, 4d or 3d) and
+    dv + 1 mixed columns (the normaliser), as the named backend counts it on a GPU (a TPU for the
+    Mosaic kernels), "auto" as the backend it resolves to on a GPU (``Backend.flops_per_head``: the
+    kernels at their own chunk):
 
-    * ``parallel``, ``blocked`` and the ``pallas`` (blocked) and ``pallas_flash`` kernels (every p,
-      channel variant but p = 1 with 6 channels): the causal half, 2 · (F + dv + 1) · (T + 1) / 2;
-    * ``chunked``, ``chunked_scan`` (C = ``chunk_size``) and both ``pallas`` for p = 1 with 6 channels
-      (the kernel's own chunk, ``pallas_triton_p1.DEFAULT_CHUNK`` = 32), and ``pallas_fused``
-      (p = 1 with 6 channels only; ``pallas_triton_fused.DEFAULT_CHUNK`` = 64):
+    * quadratic forms (``parallel``, ``pallas_flash``): the causal half, 2 · (F + dv + 1) · (T + 1) / 2;
+    * chunked forms (``chunked``, ``pallas_fused``, ``pallas_tpu``) of chunk C:
       2 · C' · (F + dv + 1) + 4 · F · (dv + 1), C' = min(C, T);
     * ``recurrent``: 4 · F · (dv + 1).
 
     The feature maps (angles, roots, rotation, the power p) are elementwise and not counted.
     """
     cfg = self.config
-    F, V = cfg.channels * cfg.head_dim, cfg.dv + 1
-    name = flops.on_gpu(resolve_implementation, cfg.implementation, p=cfg.p,
-                        channels=cfg.channels, head_dim=cfg.head_dim, value_dim=cfg.dv)
-    constant = has_constant_state(cfg.p, cfg.channels)
-    kernels = name in ("pallas", "pallas_flash")
-    if name in ("parallel", "blocked") or (kernels and not constant):
-      mixing = flops.quadratic(F, V, seq_len)
-    elif name == "recurrent":
-      mixing = flops.recurrent(F, V)
-    elif name == "pallas_fused":
-      mixing = flops.chunked(F, V, pallas_triton_fused.DEFAULT_CHUNK, seq_len)
-    else:
-      chunk = pallas_triton_p1.DEFAULT_CHUNK if kernels else cfg.chunk_size
-      mixing = flops.chunked(F, V, chunk, seq_len)
+    named = None if cfg.implementation in ("auto", None) else REGISTRY.backends[cfg.implementation]
+    platform = "gpu" if named is None or "gpu" in named.platforms else named.platforms[0]
+    dtype = "bfloat16" if cfg.kernel_precision == "input" else "float32"
+    problem = Problem(platform, cfg.p, cfg.channels, cfg.head_dim, cfg.dv, seq_len, dtype)
+    mixing = REGISTRY.resolve(cfg.implementation, problem).flops_per_head(problem, cfg.tiles)
     return flops.dense(self) + cfg.n_heads * mixing
 
   def roots(self, x_BxTxD: jax.Array) -> tuple[jax.Array, jax.Array]:

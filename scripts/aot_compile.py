@@ -147,8 +147,9 @@ def model_flops_per_device(config: cfg_lib.ExperimentConfig, devices: int) -> fl
   cost model sees a kernel only through the estimate it passes (the Mosaic kernels', padding included)."""
   kernels = {kind for kind, mixer in config.model.mixers.items()
              if getattr(mixer, "implementation", "").startswith("pallas")}
-  model = (with_mixer_overrides(config.model, kernels, implementation="auto", tiles=None) if kernels
-           else config.model)
+  model = config.model
+  if kernels:
+    model = with_mixer_overrides(model, kernels, implementation="auto", tiles=None)
   per_token = model_card.card(model, config.data.seq_len)["flops_per_token_train"]
   if per_token is None:
     return None

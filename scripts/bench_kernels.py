@@ -1,9 +1,9 @@
 """Kernel benchmark: forward and forward+backward time of each op, in one process.
 
 For every op and T ∈ {2048, 8192, 32768} at a fixed number of tokens per batch (B = tokens // T):
-our Pallas kernel (SANATAN p = 2: also the flash kernel, "pallas_flash"; p = 1: also the fused-chunk
-kernel, "pallas_fused"; Taylor: the blocked and fused-chunk kernels, "pallas_blocked" and "pallas_fused"),
-our XLA chunked path, the materialised parallel reference (skipped where
+our Pallas kernels (SANATAN p = 1: the fused-chunk kernels, "pallas_fused"; p = 2: the flash kernels,
+"pallas_flash"; Taylor: the blocked and fused-chunk kernels, "pallas_blocked" and "pallas_fused"), our
+XLA chunked path, the materialised parallel reference (skipped where
 its T×T scores would not fit), cuDNN softmax attention (`jax.nn.dot_product_attention`) and, when
 torch and flash-linear-attention are importable, FLA's kernels on the same inputs. Prints a table
 with ms, tokens/s, achieved TFLOP/s (from counted FLOPs) and the ratio to the reference named in each row,
@@ -11,7 +11,7 @@ and appends the rows to docs/BENCHMARKS.md with the date, device and command.
 
     python scripts/bench_kernels.py [--lengths=2048,8192,32768] [--tokens=16384] [--dtype=bfloat16] \
         [--jsonl=runs/bench/kernels.jsonl] [--fla_ops=sanatan_p1,gated,taylor] [--lock=/tmp/bench.lock] \
-        [--tune=sanatan_p1] [--shapes=default,preset,wide] [--auto_only] [--queue=8]
+        [--tune=sanatan_p1_fused] [--shapes=default,preset,wide] [--auto_only] [--queue=8]
 
 Head shapes (``benchmarks.harness.SHAPE_SETS``): "default" (the shapes of the tables, 12 heads of 64;
 Taylor 16 × d' 16 × dv 64), "preset" (the heads of every paper preset of configs/ that runs the op),
@@ -54,7 +54,7 @@ _FLA_OPS = flags.DEFINE_list("fla_ops", ["sanatan_p1", "gated", "taylor"],
 _JSONL = flags.DEFINE_string("jsonl", "", "Rows are appended here as they are measured; rows already "
                              "in it are not measured again (a rerun continues a stopped benchmark).")
 _TUNE = flags.DEFINE_list("tune", [], "Ops whose Triton kernel is also timed at every setting of "
-                          "benchmarks.harness.TUNING (chunk, value tile, warps), e.g. sanatan_p1,gated; "
+                          "benchmarks.harness.TUNING (chunk, value tile, warps), e.g. gated; "
                           "sanatan_p2 times the flash kernel at every FLASH_TUNING tiling, "
                           "sanatan_p1_fused the fused-chunk kernel at every FUSED_TUNING tiling, "
                           "taylor_blocked the blocked Taylor kernels at every TAYLOR_BLOCKED_TUNING setting, "

@@ -161,7 +161,7 @@ def run_sanatan(fn, inputs, state, projections, **options):
   return {"o": o, "S": new.S, "z": new.z, "position": new.position, **dict(zip(names, grads))}
 
 
-def run_blocked(fn, inputs, **options):
+def run_stateless(fn, inputs, **options):
   """The output and the gradients of a random projection of it w.r.t. q, k, v, omega, lam_raw."""
   do, = normals(np.random.default_rng(99), inputs[2].shape)
 

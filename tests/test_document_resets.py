@@ -32,13 +32,15 @@ from based_jax.ops.taylor_attention import api as taylor_api
 from based_jax.ops.taylor_attention import taylor_linear_attention
 from based_jax.taylor import taylor_features
 from lmcore.numerics import relative_l2
+from lmcore.ops.common.backend import ChunkTiles
 from lmcore.ops.gated_delta_rule import api as delta_api
 from lmcore.ops.gated_delta_rule import gated_delta_rule
 from lmcore.ops.gated_linear_attention import api as gla_api
 from lmcore.ops.gated_linear_attention import gated_linear_attention
 from sanatan_jax.ops.sanatan_attention import api as sanatan_api
+from sanatan_jax.ops.sanatan_attention import Problem as SanatanProblem
 from sanatan_jax.ops.sanatan_attention import sanatan_attention
-from sanatan_jax.ops.sanatan_attention.base import RECURRENT_ONLY as SANATAN_P1_ONLY
+from sanatan_jax.ops.sanatan_attention.xla import ParallelTiles
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 OUT_TOL, GRAD_TOL = 1e-5, 1e-4
@@ -331,13 +333,15 @@ def sanatan_problem(case: str):
     state = after_prefix._asdict()
     shapes = {"S": state["S"].shape, "z": state["z"].shape}
 
+  tiles = {"chunked": ChunkTiles(CHUNK), "parallel": ParallelTiles(CHUNK)}
+
   def call(implementation):
     def run(tokens, shared, state, segment_ids, positions):
       incoming = sanatan_api.SanatanState(**state) if state else None
       o, new = sanatan_attention(tokens["q"], tokens["k"], tokens["v"], shared["omega"],
                                  shared["lam_raw"], positions=positions, segment_ids=segment_ids,
                                  p=p, implementation=implementation, state=incoming,
-                                 chunk_size=CHUNK, block_size=CHUNK)
+                                 tiles=tiles.get(implementation))
       return o, (None if new is None else new._asdict())
     return run
 
@@ -410,21 +414,19 @@ def test_gated_delta_rule_packed_equals_separate_documents(implementation):
 
 
 def _sanatan_cases():
-  """p = 1 (six channels, with a state) for every form; p = 2 for the kernels that run it, where it
-  is another kernel (the XLA forms share their document masks between p = 1 and p = 2)."""
-  params = []
-  for name in implementations(sanatan_api):
-    params.append(pytest.param(name, "p1", id=f"{name}-p1"))
-    if is_kernel(name) and name not in SANATAN_P1_ONLY:
-      params.append(pytest.param(name, "p2", id=f"{name}-p2"))
-  return params
+  """Every backend at the one case it runs: p = 1 (six channels, with a state) where it computes it,
+  else p = 2 (the flash kernels; the XLA parallel form shares its document masks between p = 1 and
+  p = 2)."""
+  p1 = SanatanProblem("cpu", p=1)
+  return [pytest.param(name, "p1" if backend.supports(p1) else "p2",
+                       id=f"{name}-{'p1' if backend.supports(p1) else 'p2'}")
+          for name, backend in sanatan_api.REGISTRY.backends.items()]
 
 
 @pytest.mark.parametrize("implementation,case", _sanatan_cases())
 def test_sanatan_packed_equals_separate_documents(implementation, case):
   # p = 2 has no recurrence: the materialised form is its definition.
-  reference = reference_form(sanatan_api, *(("recurrent", "reference") if case == "p1"
-                                            else ("parallel", "reference")))
+  reference = "recurrent" if case == "p1" else "parallel"
   assert_equals_separate_documents("sanatan", case, implementation, reference=reference,
                                    heads=("head 0", "head 1"))
 

@@ -22,6 +22,9 @@ from sanatan_jax import sanatan_attention
 
 B, T, H, D, DV = 2, 77, 2, 16, 32  # T: a partial chunk and block
 BF16_LIMIT = kernel_check.LIMITS["bfloat16"]
+# Each op's GPU (Triton) kernels and TPU (Mosaic) kernels by implementation name (None: none).
+KERNELS = {"sanatan_p1": "pallas_fused", "sanatan_p2": "pallas_flash", "gated": "pallas", "taylor": "pallas"}
+TPU_KERNELS = {"sanatan_p1": "pallas_tpu", "sanatan_p2": None, "gated": "pallas", "taylor": "pallas"}
 
 
 def _op(name, rng):
@@ -34,7 +37,7 @@ def _op(name, rng):
       "sanatan_p1": (lambda impl, **o: lambda q, k, v: sanatan_attention(
           q, k, v, omega, lam_raw, implementation=impl, **o)[0], "chunked", 0.2),
       "sanatan_p2": (lambda impl, **o: lambda q, k, v: sanatan_attention(
-          q, k, v, omega, lam_raw, p=2, implementation=impl, **o)[0], "blocked", 0.2),
+          q, k, v, omega, lam_raw, p=2, implementation=impl, **o)[0], "parallel", 0.2),
       "gated": (lambda impl, **o: lambda q, k, v: gated_linear_attention(
           q, k, v, log_forget, implementation=impl, **o)[0], "chunked", 0.25),
       "taylor": (lambda impl, **o: lambda q, k, v: taylor_linear_attention(
@@ -69,10 +72,11 @@ def test_float32_kernels_meet_the_bf16_limit(name):
   args = _bf16_inputs(rng, scale)
   fp32_args = tuple(a.astype(jnp.float32) for a in args)
   reference = kernel_check.output_and_grads(op(reference_impl), fp32_args, "highest")
-  fast = kernel_check.output_and_grads(op("pallas"), args)
-  accurate = kernel_check.output_and_grads(op("pallas", kernel_precision="float32"), args)
-  assert jax.eval_shape(op("pallas"), *args).dtype == jnp.bfloat16
-  assert jax.eval_shape(op("pallas", kernel_precision="float32"), *args).dtype == jnp.float32
+  kernel = KERNELS[name]
+  fast = kernel_check.output_and_grads(op(kernel), args)
+  accurate = kernel_check.output_and_grads(op(kernel, kernel_precision="float32"), args)
+  assert jax.eval_shape(op(kernel), *args).dtype == jnp.bfloat16
+  assert jax.eval_shape(op(kernel, kernel_precision="float32"), *args).dtype == jnp.float32
   assert all(g.dtype == jnp.bfloat16 for g in accurate[1])  # JAX: a cotangent has its primal's dtype
   worst_fast, worst_accurate = _worst(fast, reference), _worst(accurate, reference)
   assert worst_accurate <= BF16_LIMIT, (name, worst_accurate)
@@ -126,5 +130,6 @@ def test_on_tpu_only_the_kernels_reject_fp32_precision(name):
   args = _bf16_inputs(rng, scale)
   with pu.assume_backend("tpu"):
     assert jax.eval_shape(op(reference_impl, kernel_precision="tf32"), *args).dtype == jnp.bfloat16
-    with pytest.raises(ValueError, match="kernel_precision='input'"):
-      jax.eval_shape(op("pallas", kernel_precision="tf32"), *args)
+    if TPU_KERNELS[name] is not None:
+      with pytest.raises(ValueError, match="kernel_precision='input'"):
+        jax.eval_shape(op(TPU_KERNELS[name], kernel_precision="tf32"), *args)

@@ -31,6 +31,7 @@ SMALL = {
     "cosformer": dict(n_heads=2, head_dim=8, max_len=64),
     "taylor": dict(n_heads=2, feature_dim=4, chunk_size=16),
 }
+KERNELS = {"sanatan": "pallas_fused"}  # each kind's Triton kernels (else "pallas")
 
 
 def _mixer_config(kind, **fields):
@@ -41,7 +42,7 @@ def _mixer_config(kind, **fields):
 
 def _bf16_output(kind, kernel_precision, x_BxTxD, seed):
   """y of a bf16 Pallas ``kind`` mixer with parameters drawn from ``seed``, on ``x``."""
-  config = _mixer_config(kind, **SMALL[kind], implementation="pallas",
+  config = _mixer_config(kind, **SMALL[kind], implementation=KERNELS.get(kind, "pallas"),
                          kernel_precision=kernel_precision)
   mixer = mixer_class(kind)(config, d_model=D, init=INIT, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
   graphdef, params = nnx.split(mixer)

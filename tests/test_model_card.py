@@ -66,11 +66,11 @@ def test_sanatan_184m_p2_counts_the_causal_half():
   assert forward == 496_421_520
 
 
-def test_chunked_scan_is_counted_per_chunk_not_once():
-  """The XLA ``lax.scan`` over chunks counts every chunk: the per-token count of a chunked form does
-  not fall as T grows (a scan body counted once would halve it at every doubling)."""
+def test_the_chunked_form_is_counted_per_chunk_not_once():
+  """SANATAN's XLA "chunked" counts every chunk: the per-token count of a chunked form does not fall
+  as T grows (a chunk counted once would halve it at every doubling)."""
   base = preset("sanatan", "184m_p1_scratch").model
-  scan = with_mixer_overrides(base, implementation="chunked_scan")
+  scan = with_mixer_overrides(base, implementation="chunked")
   mixing = 12 * (2 * 128 * (384 + 65) + 4 * 384 * 65)  # C = 128: 12 · 214,784 = 2,577,408
   per_layer = SANATAN_PROJECTIONS + mixing  # 7,296,000
   for T in (1024, 2048, 4096):
@@ -187,13 +187,14 @@ def test_sanatan_mixer():
   chunked = lambda C, F=96: 4 * (2 * C * (F + 17) + 4 * F * 17)
   cases = [
       (dict(p=1, implementation="chunked"), chunked(128)),
-      (dict(p=1, implementation="chunked_scan", chunk_size=16), chunked(16)),
-      (dict(p=1, implementation="auto"), chunked(64)),  # the fused-chunk kernel's chunk (GPU)
-      (dict(p=1, implementation="pallas"), chunked(32)),  # the p = 1 kernel's own chunk
+      (dict(p=1, implementation="chunked", tiles={"chunk": 16}), chunked(16)),
+      (dict(p=1, implementation="auto"), chunked(64)),  # the fused-chunk kernels' chunk (GPU)
+      (dict(p=1, implementation="pallas_fused", tiles={"forward": {"chunk": 32}}), chunked(32)),
+      (dict(p=1, implementation="pallas_tpu"), chunked(128)),  # the Mosaic kernels' chunk
       (dict(p=1, implementation="recurrent"), 4 * 4 * 96 * 17),
       (dict(p=2, implementation="parallel"), 4 * (96 + 17) * (T + 1)),
-      (dict(p=2, implementation="auto"), 4 * (96 + 17) * (T + 1)),  # "parallel" on a GPU
-      (dict(p=2, channels=4, implementation="blocked"), 4 * (64 + 17) * (T + 1)),
+      (dict(p=2, implementation="auto"), 4 * (96 + 17) * (T + 1)),  # the flash kernels on a GPU
+      (dict(p=2, channels=4, implementation="pallas_flash"), 4 * (64 + 17) * (T + 1)),
   ]
   for fields, mixing in cases:
     assert mixer(SanatanMixer, **fields).flops_per_token(T) == dense + mixing, fields

@@ -10,14 +10,16 @@ from flax import nnx
 
 from lmcore.mixers.base import InitSpec, dense, scaled_linear
 from lmcore.numerics import relative_l2
+from lmcore.ops.common.backend import ChunkTiles
 from sanatan_jax import SanatanMixer, sanatan_attention
 from sanatan_jax import features
 from sanatan_jax.gate_stats import gate_statistics, sample_positions
 from sanatan_jax.mixer import kv_cache_bytes
+from sanatan_jax.ops.sanatan_attention.xla import ParallelTiles
 
 D, T = 16, 11
 OUT_TOL = 1e-5
-# The tests check the math, not code generation (see test_sanatan_attention.py).
+# The tests check the math, not code generation (see tests/ops/sanatan_attention/test_base.py).
 _FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 # Larger than the 0.02 default, so that |q|, |k| straddle the root saturation band.
 _INIT = InitSpec(std=0.5, out_std=0.3)
@@ -29,9 +31,13 @@ def _no_implicit_rank_promotion():
     yield
 
 
+_TILES = {"parallel": {"rows": 4}, "chunked": {"chunk": 4}}
+
+
 def _mixer(seed=0, **config):
-  cfg = SanatanMixer.Config(**{"n_heads": 2, "head_dim": 4, "v_head_dim": 3, "chunk_size": 4,
-                               "block_size": 4, **config})
+  implementation = config.get("implementation", "parallel")
+  cfg = SanatanMixer.Config(**{"n_heads": 2, "head_dim": 4, "v_head_dim": 3,
+                               "tiles": _TILES.get(implementation), **config})
   return SanatanMixer(cfg, d_model=D, init=_INIT, rngs=nnx.Rngs(seed))
 
 
@@ -66,10 +72,10 @@ def test_decode_token_by_token_after_parallel_prefill_equals_full_forward():
   np.testing.assert_array_equal(state.position, [T, T])
 
 
-def test_parallel_blocked_chunked_recurrent_mixers_agree():
+def test_parallel_chunked_recurrent_mixers_agree():
   x = _x(2)
   y_ref, state_ref = _apply(_mixer(implementation="parallel"))(x)
-  for implementation in ("blocked", "chunked", "recurrent"):
+  for implementation in ("chunked", "recurrent"):
     y, state = _apply(_mixer(implementation=implementation))(x)
     assert relative_l2(y, y_ref) <= OUT_TOL, implementation
     assert relative_l2(state.S, state_ref.S) <= OUT_TOL, implementation
@@ -145,14 +151,50 @@ def test_p2_mixer_rejects_decode_state_with_a_clear_message():
 
 
 def test_config_rejects_unknown_or_unsupported_options():
-  with pytest.raises(ValueError, match="use 'parallel' or 'blocked'"):
+  with pytest.raises(ValueError, match="SANATAN: implementation 'chunked' needs p = 1 with 6 channels, got "
+                                       "p=2 with 6 channels; use one of parallel, pallas_flash, auto"):
     SanatanMixer.Config(p=2, implementation="chunked")
-  with pytest.raises(ValueError, match="unknown implementation"):
-    SanatanMixer.Config(implementation="flash")
-  with pytest.raises(ValueError, match="unknown decode_implementation"):
-    SanatanMixer.Config(decode_implementation="flash")
+  for field in ("implementation", "decode_implementation"):
+    with pytest.raises(ValueError, match="unknown implementation 'pallas'; valid: parallel, chunked"):
+      SanatanMixer.Config(**{field: "pallas"})
   with pytest.raises(ValueError, match="channels must be one of"):
     SanatanMixer.Config(channels=5)
+  with pytest.raises(ValueError, match="unknown precision 'fp16'"):
+    SanatanMixer.Config(kernel_precision="fp16")
+
+
+def test_config_tiles_become_the_named_backends_typed_tiling():
+  """A mapping of fields (a config file or --config override) becomes the backend's frozen tiling; tiles
+  with "auto", for a backend without tiles or with a field the tiling lacks are refused at once."""
+  assert SanatanMixer.Config(implementation="chunked", tiles={"chunk": 64}).tiles == ChunkTiles(64)
+  assert SanatanMixer.Config(implementation="parallel", tiles={"rows": 256}).tiles == ParallelTiles(256)
+  assert SanatanMixer.Config(implementation="auto").tiles is None
+  with pytest.raises(ValueError, match="SANATAN tiles: tiles belong to one backend, but the implementation "
+                                       "is 'auto'"):
+    SanatanMixer.Config(implementation="auto", tiles={"chunk": 64})
+  with pytest.raises(ValueError, match="SANATAN tiles: implementation 'recurrent' has no tiles"):
+    SanatanMixer.Config(implementation="recurrent", tiles={"chunk": 64})
+  with pytest.raises(ValueError, match="SANATAN tiles: ChunkTiles has no field 'chunk_size'; valid: chunk"):
+    SanatanMixer.Config(implementation="chunked", tiles={"chunk_size": 64})
+
+
+def test_flops_count_the_backend_auto_runs_on_a_gpu():
+  """p = 1 "auto" counts the fused-chunk kernels at their chunk (64), p = 2 the causal half; the
+  chunked form its tiles' chunk; a one-token-per-step form 4 · F · (dv + 1) per head."""
+  T, H, d = 256, 2, 4
+  F, V = 6 * d, d + 1
+  dense = 2 * D * 3 * H * d + 2 * H * d * D
+
+  def flops(**config):
+    return SanatanMixer(SanatanMixer.Config(n_heads=H, head_dim=d, **config), d_model=D,
+                        rngs=nnx.Rngs(0)).flops_per_token(T)
+
+  chunked = lambda C: dense + H * (2 * C * (F + V) + 4 * F * V)
+  assert flops(implementation="auto") == flops(implementation="pallas_fused") == chunked(64)
+  assert flops(implementation="chunked") == chunked(128)
+  assert flops(implementation="chunked", tiles={"chunk": 16}) == chunked(16)
+  assert flops(implementation="recurrent") == dense + H * 4 * F * V
+  assert flops(p=2, implementation="auto") == flops(p=2) == dense + H * (F + V) * (T + 1)
 
 
 def _abstract_184m_mixer():

@@ -1,8 +1,9 @@
 """Tiny models whose mixers run every Mosaic TPU kernel, for compiling on a v4 topology in tests
 (``scripts/aot_compile.py --config=tests/scale/aot_presets.py:<preset>``).
 
-  kernels    SANATAN p = 1 (its chunked kernel), gated linear attention (GLA) and Taylor attention
-  blocked    SANATAN p = 2 (the blocked kernel)
+  kernels    SANATAN p = 1 (its Mosaic kernels, "pallas_tpu"), gated linear attention (GLA) and Taylor
+             attention
+  p2         SANATAN p = 2 (XLA "parallel", the TPU path; no Mosaic kernel runs p = 2)
 """
 
 from configs import common
@@ -16,20 +17,20 @@ MESH = dict(data=2, fsdp=2, tensor=1)  # a v4-8 has 4 devices
 def kernels():
   return common.experiment(
       model=dict(MODEL, n_layers=3, pattern="sanatan*1,gla*1,taylor*1"),
-      mixers={"sanatan": dict(n_heads=2, head_dim=64, p=1, implementation="pallas"),
-              "gla": dict(n_heads=2, implementation="pallas"),
+      mixers={"sanatan": dict(n_heads=2, head_dim=64, p=1, implementation="pallas_tpu"),
+              "gla": dict(n_heads=2, implementation="pallas_tpu"),
               "taylor": dict(n_heads=2, feature_dim=16, implementation="pallas_tpu")},
       train=TRAIN, data=DATA, mesh=MESH)
 
 
-def blocked():
+def p2():
   return common.experiment(
       model=dict(MODEL, n_layers=1, pattern="sanatan*1"),
-      mixers={"sanatan": dict(n_heads=2, head_dim=64, p=2, implementation="pallas")},
+      mixers={"sanatan": dict(n_heads=2, head_dim=64, p=2, implementation="parallel")},
       train=TRAIN, data=DATA, mesh=MESH)
 
 
-PRESETS = {"kernels": kernels, "blocked": blocked}
+PRESETS = {"kernels": kernels, "p2": p2}
 
 
 def get_config(arg=None):

@@ -39,9 +39,10 @@ MESHES = [tuple(map(int, m.split("x"))) for m in os.environ.get("MESHES", "8x1x1
 STEPS = 2
 SEQ_LEN = 24  # no parameter has a dimension of 24 or 25: an all-gather with one gathers activations
 HEADS = dict(n_heads=2, head_dim=8)
+FUSED_TILES = {walk: {"chunk": 8} for walk in ("forward", "dq", "dkv")}  # SANATAN's walks: 3 chunks
 MIXERS = {
     "softmax": dict(n_heads=2),
-    "sanatan": dict(HEADS, p=1, implementation="pallas", chunk_size=8),
+    "sanatan": dict(HEADS, p=1, implementation="pallas_fused", tiles=FUSED_TILES),
     "taylor": dict(n_heads=2, feature_dim=4, implementation="pallas_fused", tiles={"chunk": 8}),
     "swa": dict(n_heads=2, window=4, block_size=8),
     "base_conv": {},
@@ -112,17 +113,17 @@ def train(config: cfg_lib.ExperimentConfig, devices, initial=None) -> dict:
 
 def indivisible_batch_difference(mesh_shape: tuple[int, int, int]) -> float:
   """Max |Δ| of SANATAN's Pallas kernel on 1 sequence under the mesh vs without a mesh."""
-  from sanatan_jax.ops.sanatan_attention.api import sanatan_attention
+  from sanatan_jax.ops.sanatan_attention import REGISTRY, sanatan_attention
 
   rng = np.random.default_rng(1)
   q, k, v = (rng.standard_normal((1, SEQ_LEN, 2, 8), np.float32) * 0.3 for _ in range(3))
   omega, lam_raw = (rng.standard_normal((2, 8), np.float32) for _ in range(2))
-  run = jax.jit(lambda *a: sanatan_attention(*a, p=1, implementation="pallas", chunk_size=8)[0])
-  expected = run(q, k, v, omega, lam_raw)
+  tiles = REGISTRY.tiles("pallas_fused", FUSED_TILES, "mesh_worker")
+  kernel = lambda *a: sanatan_attention(*a, implementation="pallas_fused", tiles=tiles)[0]
+  expected = jax.jit(kernel)(q, k, v, omega, lam_raw)
   mesh = sharding.make_mesh(cfg_lib.MeshConfig(*mesh_shape), jax.devices())
   with jax.set_mesh(mesh):
-    got = jax.jit(lambda *a: sanatan_attention(*a, p=1, implementation="pallas", chunk_size=8)[0])(
-        q, k, v, omega, lam_raw)
+    got = jax.jit(lambda *a: kernel(*a))(q, k, v, omega, lam_raw)
   return float(np.max(np.abs(np.asarray(got) - np.asarray(expected))))
 
 

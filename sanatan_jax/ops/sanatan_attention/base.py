@@ -1,16 +1,21 @@
-"""What every form of SANATAN attention shares (MATH §1.1-1.2): the state, the options, their
-checks, the feature map on [B, T, H, d] arrays, the power weights and, for the kernels, the feature
-channels of one block of tokens.
+"""What every backend of SANATAN attention shares (MATH §1.1-1.2): the problem a backend is chosen
+for, the state, the options, their checks, the feature map on [B, T, H, d] arrays, the power weights
+and the one kernel-side statement of Phi's channels from their factors (``factor_channel``).
 
     a_tj = (s_tj / c)^p / (sum_{l<=t} (s_tl / c)^p + eps),  o_t = sum_{j<=t} a_tj v_j,  eps = 1e-6,
 
 with ``s_tj = Phi(q_t).Phi(k_j)`` (sanatan_jax.features; 4ch clips ``s`` at 0, 3ch legacy adds d).
 Packed documents: a token sees only tokens of its own document (``segments.document_index``), and an
 incoming state belongs to the first document of each row.
+
+The backend contract: ``backend(q, k, v, omega, lam_raw, *, positions, segment_ids, state, tiles,
+options) -> (o [B, T, H, dv], SanatanState or None)``, with ``tiles`` the backend's tiling
+(``lmcore.ops.common.backend``) and ``options`` the ``Options`` it reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -21,14 +26,42 @@ from lmcore.ops.common.layout import default_positions
 from lmcore.ops.common.segments import document_index
 from sanatan_jax import features
 
+OP = "sanatan_attention"
 EPS = 1e-6
 F32 = jnp.float32
-# The forms that exist only where the exact constant-size recurrence does (p = 1, 6 channels).
-RECURRENT_ONLY = ("chunked", "chunked_scan", "recurrent", "pallas_fused")
-# The channels of one head dimension, in feature_map's order: (1, cos th, sin th, r, r cos th,
-# r sin th). Each variant's channels other than the constant 1 (which the blocked kernels add to
-# the scores as d).
-NON_CONSTANT_CHANNELS = {6: (1, 2, 3, 4, 5), 4: (3, 4, 5), 3: (1, 2)}
+
+
+def has_constant_state(p: int, channels: int) -> bool:
+  """Only p = 1 with 6 channels has the exact constant-size recurrence (MATH §1.2)."""
+  return p == 1 and channels == 6
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """What decides the backend, its tiling and its FLOP count: the platform, the power p and channel
+  variant, the head widths d and dv, the length T (None: not known) and the dtype the kernels' dots
+  take ("float32" for fp32 inputs or kernel_precision "tf32"/"float32")."""
+
+  platform: str
+  p: int = 1
+  channels: int = 6
+  head_dim: int = 0
+  value_dim: int = 0
+  length: int | None = None
+  dtype: str = "bfloat16"
+
+  @property
+  def constant_state(self) -> bool:
+    return has_constant_state(self.p, self.channels)
+
+  @property
+  def feature_dim(self) -> int:
+    """F = channels · d, the width of Phi."""
+    return self.channels * self.head_dim
+
+  def describe(self) -> str:
+    return (f"p={self.p} with {self.channels} channels, heads of {self.head_dim} x {self.value_dim} on "
+            f"{self.platform}")
 
 
 class SanatanState(NamedTuple):
@@ -45,37 +78,35 @@ class SanatanState(NamedTuple):
   position: jax.Array
 
 
+# The kernels' arguments by name and each one's leading dimensions, for their shard_map
+# (``lmcore.ops.common.shard_map.run_sharded``); outputs: o "BTH" and, for p = 1, ``STATE_LAYOUT``.
+KERNEL_LAYOUTS = dict(q="BTH", k="BTH", v="BTH", omega="H", lam_raw="H", positions="B", segment_ids="B",
+                      state="BH")
+STATE_LAYOUT = SanatanState(S="BH", z="BH", position="B")
+
+
 class Options(NamedTuple):
-  """The static options every form receives (``sanatan_attention``'s arguments of the same names);
-  a form reads the ones it needs."""
+  """The options a backend may read besides its tiling (``sanatan_attention``'s arguments).
+
+  p, channels, three_channel: the kernel (MATH §1.1 steps 5-6).
+  rotate: False drops the temporal rotation (the "no lambda" ablation).
+  precision: the Triton kernels' dot operands (``pallas_utils.PRECISIONS``); the others ignore it.
+  remat: ``chunked``'s backward recomputes its forward; ``pallas_fused``'s recomputes the factors.
+  """
 
   p: int = 1
   channels: int = 6
   three_channel: str = "clean"
   rotate: bool = True
-  chunk_size: int = 64
-  block_size: int = 128
-  kernel_precision: str = "input"
-  chunked_remat: bool = True
-  fused_tiles: str = ""
-  flash_features: str = "auto"
+  precision: str = "input"
+  remat: bool = True
 
 
-def has_constant_state(p: int, channels: int) -> bool:
-  """Only p = 1 with 6 channels has the exact constant-size recurrence (MATH §1.2)."""
-  return p == 1 and channels == 6
-
-
-def validate_options(*, p: int, channels: int, three_channel: str, implementation: str) -> None:
-  """Raises ValueError for option combinations MATH §1 does not define or ``implementation`` (a
-  valid name, or "auto") cannot run."""
+def validate_options(*, p: int, channels: int, three_channel: str) -> None:
+  """Raises ValueError for a power or channel variant MATH §1 does not define."""
   if not isinstance(p, int) or p < 1:
     raise ValueError(f"p must be a positive integer (MATH uses 1, 2, 4), got {p!r}")
   features.check_channels(channels, three_channel)
-  if implementation in RECURRENT_ONLY and not has_constant_state(p, channels):
-    raise ValueError(
-        f"implementation={implementation!r} exists only for p=1 with 6 channels (the exact "
-        f"recurrence of MATH §1.2), got p={p}, channels={channels}; use 'parallel' or 'blocked'")
 
 
 def check_state(state: SanatanState | None, p: int, channels: int, shape: tuple) -> None:
@@ -90,17 +121,6 @@ def check_state(state: SanatanState | None, p: int, channels: int, shape: tuple)
         "run them on the whole sequence with state=None")
   if state.S.shape != shape:
     raise ValueError(f"state.S has shape {state.S.shape}, expected [B, H, F, dv] = {shape}")
-
-
-def check_blocked_options(p, channels, three_channel, block_q, block_k, op: str) -> None:
-  """Raises ValueError naming ``op`` for a bad power, channel variant or block size of the blocked
-  kernels."""
-  if not isinstance(p, int) or p < 1:
-    raise ValueError(f"{op}: p must be a positive integer, got {p!r}")
-  features.check_channels(channels, three_channel)
-  for name, size in (("block_q", block_q), ("block_k", block_k)):
-    if size < 1 or size & (size - 1):
-      raise ValueError(f"{op}: {name} must be a power of two, got {size}")
 
 
 def einsum(spec: str, *operands: jax.Array) -> jax.Array:
@@ -213,7 +233,7 @@ def final_state(phi_k_BxTxHxF, v_BxTxHxV, doc_BxT, positions_BxT,
 def power_output(num_BxTxHxV, den_BxTxH, v_BxTxHxV, prepared: Prepared,
                  state: SanatanState | None,
                  options: Options) -> tuple[jax.Array, SanatanState | None]:
-  """o = N / (D + eps) of the power forms (``parallel``, ``blocked``) in v's dtype, the incoming
+  """o = N / (D + eps) of the power forms (``parallel``) in v's dtype, the incoming
   state's terms added, and the state after the last token at p = 1 with 6 channels (else None)."""
   x = prepared
   if state is not None:
@@ -227,37 +247,19 @@ def power_output(num_BxTxHxV, den_BxTxH, v_BxTxHxV, prepared: Prepared,
   return o.astype(v_BxTxHxV.dtype), new_state
 
 
-# The feature map inside the kernels, on one block of tokens.
+# Phi's channels from their factors, the one statement of them the kernels use.
 
-def feature_channels(u, omega, lam_raw, pos, valid) -> tuple:
-  """The six channels of Phi for a block of raw q or k [n, dp] (fp32), zero where not ``valid``.
-
-  Roots come from the pre-rotation angles (MATH §1.1 step 3); the channel order is feature_map's.
-  """
-  theta = features.angles(u)
-  r = features.soft_roots(theta, omega)
-  # features.rotate on a [n, d] block, written out: its [B, T, H, d] broadcasting would put 4-D
-  # arrays (and 4-D reductions in the VJP) into the kernel, which the Triton lowering handles badly.
-  rot = theta + pos[:, None].astype(F32) * (features.LAMBDA_SCALE * jnp.tanh(lam_raw))
-  cos, sin = jnp.cos(rot), jnp.sin(rot)
-  channels = (jnp.ones_like(rot), cos, sin, r, r * cos, r * sin)
-  return tuple(jnp.where(valid, x, 0.0) for x in channels)
-
-
-def block_feature_fn(pos, start, shape, cfg):
-  """(u [n, dp], omega [1, dp], lam_raw [1, dp]) -> the variant's non-constant channels (fp32) of
-  the block of tokens ``start : start + n``, zero on time and head-dim padding. ``pos`` [n] are
-  the block's positions; ``cfg`` is a blocked kernel's config (``length``, ``head_dim``,
-  ``channels``)."""
-  token = start + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-  dim = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-  valid = (token < cfg.length) & (dim < cfg.head_dim)
-
-  def fn(u, omega, lam_raw):
-    phi = feature_channels(u, omega, lam_raw, pos, valid)
-    return tuple(phi[c] for c in NON_CONSTANT_CHANNELS[cfg.channels])
-
-  return fn
+def factor_channel(c, cos: jax.Array, sin: jax.Array, r: jax.Array, one=1.0) -> jax.Array:
+  """Channel c of the six-channel Phi of one head dimension (feature_map's order 1, cos, sin, r, r cos,
+  r sin) from its factors cos th_rot, sin th_rot and r: U_c · W_c with U = (one, cos, sin)[c mod 3] and
+  W = (1, r)[c div 3]. ``c`` is an int, or an int array (traced, or one per lane) that broadcasts
+  against the factors; ``one`` is the constant channel's value (1, or 0 on padding). With ``cos is
+  sin`` (one array holding whichever of them U_c needs) that array is U_c for c mod 3 != 0."""
+  if isinstance(c, int):
+    u = (one, cos, sin)[c % 3]
+    return u if c < 3 else u * r
+  trig = cos if cos is sin else jnp.where(c % 3 == 1, cos, sin)
+  return jnp.where(c % 3 == 0, one, trig) * jnp.where(c < 3, 1.0, r)
 
 
 def channel_major_state(state: SanatanState | None, B: int, H: int, d: int, dp: int, V: int, Vp: int):

@@ -1,13 +1,18 @@
-"""Pallas (Mosaic TPU lowering) kernels for SANATAN p = 1, six channels (MATH §1.2), with VJP.
+"""Pallas (Mosaic TPU lowering) kernels for SANATAN p = 1, six channels (MATH §1.2), with VJP: the
+backend ``pallas_tpu`` (``PallasTpu``, tiles ``MosaicTiles``).
 
 The function is ``reference.recurrent``'s write-then-read recurrence, per head::
 
     S_t = S_{t-1} + Phi(k_t) v_tᵀ,   z_t = z_{t-1} + Phi(k_t),
     o_t = Phi(q_t)ᵀ S_t / (Phi(q_t)ᵀ z_t + c eps),
 
-computed in chunks (intra-chunk causal block + fp32 state) with the feature map Phi of MATH §1.1
-evaluated *inside* the kernels from the raw q, k (features.py's functions), so the 6d-wide
-features never reach HBM.
+computed in chunks (intra-chunk causal block + fp32 state).
+
+Features. XLA computes Phi's factors cos th_rot, sin th_rot and r with features.py's functions
+(``base.rotated_angles_and_roots``, fp32) and hands them to the kernels in the operands' dtype; the
+kernels form the channels from them by ``base.factor_channel``, so the 6d-wide features never reach
+HBM, and take the channels' gradients back to the factors by autodiff of ``factor_channel``
+(``jax.vjp``); XLA's autodiff takes those on to q, k, omega and lam_raw.
 
 TPU form, as the gated op's pallas_mosaic_tpu.py: a TPU core runs grid steps one after another, so
 the grid is (batch·head, value tile, chunk) with the chunk axis last and "arbitrary" (sequential;
@@ -16,36 +21,37 @@ chunk's step to the next (loaded from the initial state at chunk 0, written out 
 Arrays are head-major, [B·H, T, ·], time padded to whole chunks; compiled chunks hold at least 128
 tokens.
 
-Lane-paired channels. The six channels of dimension a are (g, g cos th, g sin th) for the gate
-g = 1 (channels 1, cos th, sin th) and for g = r (channels r, r cos th, r sin th). The kernels
-take q and k with every head dimension twice, [u | u], padded to Dp = 2d rounded up to 128 lanes,
-and set g = 1 on the first d lanes and g = r on the next d: three [C, Dp] feature arrays
+Lane-paired channels. The factors come with every head dimension twice, [x | x], padded to Dp = 2d
+rounded up to 128 lanes: lane a holds channel c = p of dimension a (W = 1) and lane d + a channel
+c = 3 + p (W = r), so three [C, Dp] arrays
 
-    P_0 = g,   P_1 = g cos th,   P_2 = g sin th,
+    P_p = factor_channel(p + 3 [lane >= d], cos, sin, r),   p = 0, 1, 2,
 
 hold all six channels, and sum_p P_p(q) · P_p(k) = sum_a (1 + rq rk)(1 + cos(th_q - th_k)). The
 state is three [Dp, BV] tiles. At the paper's d = 64 this fills 128 lanes exactly: half the matmul
-work and state of six separately lane-padded channels.
+work and state of six separately lane-padded channels. Padded lanes have zero factors, hence zero
+channels.
 
 Normaliser as a value column (the gated op's ``normalize=True`` trick): v gets a ones column, so the
 last used column of the numerator N is the denominator, and z rides in S as its column V; the
 kernels are plain (unnormalised) linear attention and o = N[:V] / (N[V] + c eps) is taken outside,
 where XLA differentiates it. Padded tokens have v = 0 (ones column included) and zero output
-cotangents, so they neither write nor receive gradients; padded lanes have g = 0.
+cotangents, so they neither write nor receive gradients.
 
 Packed documents (runs of equal segment ids, ``segments.document_index``) follow api.py, through
 the document masks of ``segments.chunk_documents``: a token reads the carried state only while in
 the state's run, and a chunk hands on only its last run's writes.
 
-Backward (``jax.custom_vjp``): the forward saves its inputs only. A forward sweep recomputes the
-chunk states for d Phi(q); a reverse sweep (the chunk index maps run backwards) carries dS in VMEM
-for d Phi(k), dv and dS_0; each kernel chains d Phi through the feature map (``jax.vjp`` of the
-same functions) into dq or dk and accumulates d omega, d lam_raw over the chunks. With several
-value tiles dq, dk, d omega and d lam_raw of each tile are partial sums added outside.
+Backward (``jax.custom_vjp`` over the factors, values and initial state): the forward saves its
+inputs only. A forward sweep recomputes the chunk states for d Phi(q); a reverse sweep (the chunk
+index maps run backwards) carries dS in VMEM for d Phi(k), dv and dS_0; each kernel takes d Phi
+through ``factor_channel``'s VJP to the factors. With several value tiles the factors' gradients of each
+tile are partial sums added outside.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, NamedTuple
@@ -55,21 +61,25 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from lmcore.ops.common import flops, shard_map
 from lmcore.ops.common import pallas_utils as pu
+from lmcore.ops.common.backend import MOSAIC_TPU, Backend, check_power_of_two
 from lmcore.ops.common.layout import default_positions, heads_first
 from lmcore.ops.common.segments import ChunkDocuments, chunk_documents, document_index
 from sanatan_jax import features
-from sanatan_jax.ops.sanatan_attention.base import EPS, SanatanState
+from sanatan_jax.ops.sanatan_attention.base import (EPS, KERNEL_LAYOUTS, STATE_LAYOUT, Options, Problem,
+                                                    SanatanState, factor_channel, rotated_angles_and_roots)
 
 LANES = pu.TPU_LANES
 CHANNELS = 6
 PAIRS = 3  # feature arrays of two channels each
+FACTORS = 3  # cos th_rot, sin th_rot, r
 _F32 = jnp.float32
 
 
 class KernelConfig(NamedTuple):
-  """Static kernel parameters: chunk C, value tile BV, real head dim d, H (the position and
-  document arrays are per batch row) and ``pallas_call``'s ``interpret``."""
+  """Static kernel parameters: chunk C, value tile BV, real head dim d, H (the document arrays are
+  per batch row) and ``pallas_call``'s ``interpret``."""
 
   chunk: int
   block_v: int
@@ -81,16 +91,13 @@ class KernelConfig(NamedTuple):
 class _Seq(NamedTuple):
   """One chunk's input refs."""
 
-  q: Any  # [C, Dp] raw q, each dimension twice, input dtype
-  k: Any  # [C, Dp]
+  q: Any  # [3, C, Dp] factors of q (cos, sin, r), each dimension twice, input dtype
+  k: Any  # [3, C, Dp]
   v: Any  # [C, BV] values with the ones column
-  pos: Any  # [C, 1] fp32 positions (0 without rotation)
   doc: Any  # [C, 1] int32 run index
   doc_row: Any  # [1, C] int32, the same as a row
   reads: Any  # [C, 1] int32: 1 where the token is in the run of the state entering the chunk
   writes: Any  # [C, 1] int32: 1 where the token is in the chunk's last run
-  omega: Any  # [1, Dp] fp32
-  lam: Any  # [1, Dp] fp32
 
 
 class _Chunk(NamedTuple):
@@ -105,34 +112,27 @@ class _Chunk(NamedTuple):
   keep: jax.Array  # [1, 1] bool: the state's run goes on through the chunk (its last token reads)
 
 
-def _feature_pairs(u, omega, lam_raw, pos, head_dim: int):
-  """P_0, P_1, P_2 (fp32 [C, Dp]) of a chunk of lane-doubled raw q or k [C, Dp] (fp32).
-
-  Roots come from the pre-rotation angles (MATH §1.1 step 3). The rotation is features.rotate
-  written for a [C, Dp] chunk and a [C, 1] position column (2-D arrays only inside a kernel).
-  """
-  theta = features.angles(u)
-  r = features.soft_roots(theta, omega)
-  rot = theta + pos * (features.LAMBDA_SCALE * jnp.tanh(lam_raw))
-  lane = jax.lax.broadcasted_iota(jnp.int32, (1, u.shape[1]), 1)
-  gate = jnp.where(lane < head_dim, 1.0, jnp.where(lane < 2 * head_dim, r, 0.0))
-  return gate, gate * jnp.cos(rot), gate * jnp.sin(rot)
+def _pairs(cos, sin, r, head_dim: int) -> tuple:
+  """P_0, P_1, P_2 (fp32 [C, Dp]) from lane-doubled factors (fp32 [C, Dp]): lane a holds channel p of
+  dimension a, lane d + a channel 3 + p (``base.factor_channel``)."""
+  lane = jax.lax.broadcasted_iota(jnp.int32, (1, cos.shape[1]), 1)
+  half = 3 * (lane >= head_dim).astype(jnp.int32)
+  return tuple(factor_channel(p + half, cos, sin, r) for p in range(PAIRS))
 
 
-def _phi(u_ref, seq: _Seq, cfg: KernelConfig, differentiate: bool):
-  """Features of a raw q or k chunk in its dtype, and their VJP (to (u, omega, lam_raw)) when
+def _phi(f_ref, cfg: KernelConfig, differentiate: bool):
+  """Channels of a chunk's q or k factors in their dtype, and their VJP (to the factors, fp32) when
   ``differentiate``, else None."""
-  pos = seq.pos[...]
-  fn = lambda u, omega, lam_raw: _feature_pairs(u, omega, lam_raw, pos, cfg.head_dim)
-  args = (u_ref[...].astype(_F32), seq.omega[...], seq.lam[...])
-  phi, vjp = jax.vjp(fn, *args) if differentiate else (fn(*args), None)
-  return tuple(x.astype(u_ref.dtype) for x in phi), vjp
+  fn = functools.partial(_pairs, head_dim=cfg.head_dim)
+  factors = tuple(f_ref[i].astype(_F32) for i in range(FACTORS))
+  phi, vjp = jax.vjp(fn, *factors) if differentiate else (fn(*factors), None)
+  return tuple(x.astype(f_ref.dtype) for x in phi), vjp
 
 
 def _load(seq: _Seq, cfg: KernelConfig, vjp_of: str | None = None):
   """(_Chunk, the VJP of Phi(q) if ``vjp_of`` is "q", of Phi(k) if "k", else None)."""
-  phi_q, q_vjp = _phi(seq.q, seq, cfg, vjp_of == "q")
-  phi_k, k_vjp = _phi(seq.k, seq, cfg, vjp_of == "k")
+  phi_q, q_vjp = _phi(seq.q, cfg, vjp_of == "q")
+  phi_k, k_vjp = _phi(seq.k, cfg, vjp_of == "k")
   C = cfg.chunk
   iota = functools.partial(jax.lax.broadcasted_iota, jnp.int32, (C, C))
   visible = (iota(0) >= iota(1)) & (seq.doc[...] == seq.doc_row[...])
@@ -214,18 +214,6 @@ def _store(S_ref, S) -> None:
     S_ref[p] = S[p]
 
 
-def _accumulate(domega_ref, dlam_ref, d_omega, d_lam) -> None:
-  """Adds a chunk's d omega, d lam_raw [1, Dp] to the (chunk-invariant) output blocks."""
-
-  @pl.when(pl.program_id(2) == 0)
-  def _():
-    domega_ref[...] = jnp.zeros(domega_ref.shape, _F32)
-    dlam_ref[...] = jnp.zeros(dlam_ref.shape, _F32)
-
-  domega_ref[...] += d_omega
-  dlam_ref[...] += d_lam
-
-
 def _first_step(carry_ref, init_ref) -> None:
   @pl.when(pl.program_id(2) == 0)
   def _():
@@ -257,83 +245,78 @@ def _forward_kernel(*refs, cfg: KernelConfig):
 
 
 def _dq_kernel(*refs, cfg: KernelConfig):
-  """Forward sweep: dq, d omega, d lam_raw through Phi(q) (partial over this value tile)."""
-  seq, (S0_ref, dN_ref, dq_ref, domega_ref, dlam_ref, S_ref) = _split(refs)
+  """Forward sweep: the gradients of q's factors through Phi(q) (partial over this value tile)."""
+  seq, (S0_ref, dN_ref, dq_ref, S_ref) = _split(refs)
   _first_step(S_ref, S0_ref)
   x, q_vjp = _load(seq, cfg, vjp_of="q")
   S = _tiles(S_ref)
-  dq, d_omega, d_lam = q_vjp(_dphi_q(x, dN_ref[...], S))
-  dq_ref[...] = dq.astype(dq_ref.dtype)
-  _accumulate(domega_ref, dlam_ref, d_omega, d_lam)
+  _store_factors(dq_ref, q_vjp(_dphi_q(x, dN_ref[...], S)))
   _store(S_ref, _advance(S, x))
 
 
 def _dkv_kernel(*refs, cfg: KernelConfig):
-  """Reverse sweep: dk, d omega, d lam_raw through Phi(k) (partial), dv and dS_0, carrying dS."""
-  seq, (dST_ref, dN_ref, dk_ref, dv_ref, domega_ref, dlam_ref, dS0_ref, dS_ref) = _split(refs)
+  """Reverse sweep: the gradients of k's factors through Phi(k) (partial), dv and dS_0, carrying dS."""
+  seq, (dST_ref, dN_ref, dk_ref, dv_ref, dS0_ref, dS_ref) = _split(refs)
   _first_step(dS_ref, dST_ref)
   x, k_vjp = _load(seq, cfg, vjp_of="k")
   dN, dS = dN_ref[...], _tiles(dS_ref)
-  dk, d_omega, d_lam = k_vjp(_dphi_k(x, dN, dS))
-  dk_ref[...] = dk.astype(dk_ref.dtype)
+  _store_factors(dk_ref, k_vjp(_dphi_k(x, dN, dS)))
   dv_ref[...] = _dv(x, dN, dS).astype(dv_ref.dtype)
-  _accumulate(domega_ref, dlam_ref, d_omega, d_lam)
   _store(dS_ref, _retreat(dS, x, dN))
   _last_step(dS0_ref, dS_ref)
+
+
+def _store_factors(ref, grads) -> None:
+  for i, g in enumerate(grads):
+    ref[i] = g.astype(ref.dtype)
 
 
 class _Sweep(NamedTuple):
   """One pass over the chunks, forward or in reverse: the chunk inputs in ``_Seq`` order with
   their BlockSpecs, and the BlockSpecs of value-shaped [C, BV] blocks (N, dN, dv), of per-tile
-  partial sums [C, Dp] (dq, dk) and [1, Dp] (d omega, d lam_raw), and of the state [3, Dp, BV]."""
+  partial sums of the factors' gradients [3, C, Dp] and of the state [3, Dp, BV]."""
 
   args: list
   specs: list
   values: pl.BlockSpec
   partial: pl.BlockSpec
-  partial_param: pl.BlockSpec
   state: pl.BlockSpec
 
 
-def _sweep(q, k, v, pos, docs: ChunkDocuments, omega, lam_raw, cfg: KernelConfig,
-           reverse: bool) -> _Sweep:
-  BH, Tp, Dp = q.shape
+def _sweep(fq, fk, v, docs: ChunkDocuments, cfg: KernelConfig, reverse: bool) -> _Sweep:
+  BH, _, Tp, Dp = fq.shape
   C, BV, H = cfg.chunk, cfg.block_v, cfg.n_heads
   N = Tp // C
   chunk = (lambda n: N - 1 - n) if reverse else (lambda n: n)
-  seq = pl.BlockSpec((None, C, Dp), lambda bh, j, n: (bh, chunk(n), 0))
+  factors = pl.BlockSpec((None, FACTORS, C, Dp), lambda bh, j, n: (bh, 0, chunk(n), 0))
   values = pl.BlockSpec((None, C, BV), lambda bh, j, n: (bh, chunk(n), j))
   column = pl.BlockSpec((None, C, 1), lambda bh, j, n: (bh // H, chunk(n), 0))
   row = pl.BlockSpec((None, 1, C), lambda bh, j, n: (bh // H, 0, chunk(n)))
-  param = pl.BlockSpec((None, 1, Dp), lambda bh, j, n: (bh % H, 0, 0))
-  args = [q, k, v, pos, docs.doc, docs.doc_row, docs.reads, docs.writes, omega, lam_raw]
-  specs = [seq, seq, values, column, column, row, column, column, param, param]
+  args = [fq, fk, v, docs.doc, docs.doc_row, docs.reads, docs.writes]
+  specs = [factors, factors, values, column, row, column, column]
   return _Sweep(
       args, specs, values,
-      partial=pl.BlockSpec((None, None, C, Dp), lambda bh, j, n: (j, bh, chunk(n), 0)),
-      partial_param=pl.BlockSpec((None, None, 1, Dp), lambda bh, j, n: (j, bh, 0, 0)),
+      partial=pl.BlockSpec((None, None, FACTORS, C, Dp), lambda bh, j, n: (j, bh, 0, chunk(n), 0)),
       state=pl.BlockSpec((None, PAIRS, Dp, BV), lambda bh, j, n: (bh, 0, 0, j)))
 
 
 def _cost(kernel, cfg: KernelConfig, grid, specs, arrays) -> pl.CostEstimate:
-  """``kernel``'s matmul FLOPs over ``grid`` (padded lanes and masked entries included), its
-  transcendentals (five per lane of the q and k features: roots and rotation) and the bytes its
-  blocks move (``pu.pipeline_bytes`` of ``arrays``, inputs then outputs, in blocks ``specs``)."""
+  """``kernel``'s matmul FLOPs over ``grid`` (padded lanes and masked entries included) and the bytes
+  its blocks move (``pu.pipeline_bytes`` of ``arrays``, inputs then outputs, in blocks ``specs``)."""
   C, BV, Dp = cfg.chunk, cfg.block_v, arrays[0].shape[-1]
   # One dot of each shape: a [C, C] block against Dp lanes, against BV values, and a state product.
   score, value, state = 2 * C * C * Dp, 2 * C * C * BV, 2 * C * Dp * BV
   per_step = {_forward_kernel: PAIRS * score + value + 2 * PAIRS * state,
               _dq_kernel: PAIRS * score + value + 2 * PAIRS * state,
               _dkv_kernel: 2 * PAIRS * score + 2 * value + 3 * PAIRS * state}[kernel]
-  steps = math.prod(grid)
-  return pl.CostEstimate(flops=steps * per_step, transcendentals=steps * 2 * 5 * C * Dp,
+  return pl.CostEstimate(flops=math.prod(grid) * per_step, transcendentals=0,
                          bytes_accessed=pu.pipeline_bytes(grid, specs, arrays))
 
 
 def _call(kernel, cfg: KernelConfig, sweep: _Sweep, extra_args, extra_specs, out_specs,
           out_shape):
   """Runs ``kernel`` over (B·H, value tiles, chunks) with an fp32 [3, Dp, BV] VMEM scratch."""
-  BH, Tp, Dp = sweep.args[0].shape
+  BH, _, Tp, Dp = sweep.args[0].shape
   n_tiles = sweep.args[2].shape[-1] // cfg.block_v
   grid, in_specs = (BH, n_tiles, Tp // cfg.chunk), sweep.specs + extra_specs
   cost = _cost(kernel, cfg, grid, in_specs + list(out_specs),
@@ -347,46 +330,39 @@ def _call(kernel, cfg: KernelConfig, sweep: _Sweep, extra_args, extra_specs, out
       cost_estimate=cost, interpret=cfg.interpret)(*sweep.args, *extra_args)
 
 
-def _forward(q, k, v, pos, docs, omega, lam_raw, S0, cfg):
+def _forward(fq, fk, v, docs, S0, cfg):
   """(N [B·H, Tp, Vp], S_T [B·H, 3, Dp, Vp]), fp32."""
-  s = _sweep(q, k, v, pos, docs, omega, lam_raw, cfg, reverse=False)
+  s = _sweep(fq, fk, v, docs, cfg, reverse=False)
   out_shape = (jax.ShapeDtypeStruct(v.shape, _F32), jax.ShapeDtypeStruct(S0.shape, _F32))
   return _call(_forward_kernel, cfg, s, [S0], [s.state], [s.values, s.state], out_shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _fused(q, k, v, pos, docs, omega, lam_raw, S0, cfg):
-  return _forward(q, k, v, pos, docs, omega, lam_raw, S0, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fused(fq, fk, v, docs, S0, cfg):
+  """(N, S_T) of the factors fq, fk [B·H, 3, Tp, Dp], values v [B·H, Tp, Vp] (with the ones
+  column), the document arrays and the initial state S0 [B·H, 3, Dp, Vp] (fp32)."""
+  return _forward(fq, fk, v, docs, S0, cfg)
 
 
-def _fused_fwd(q, k, v, pos, docs, omega, lam_raw, S0, cfg):
-  return (_forward(q, k, v, pos, docs, omega, lam_raw, S0, cfg),
-          (q, k, v, pos, docs, omega, lam_raw, S0))
+def _fused_fwd(fq, fk, v, docs, S0, cfg):
+  return _forward(fq, fk, v, docs, S0, cfg), (fq, fk, v, docs, S0)
 
 
 def _fused_bwd(cfg, residuals, cotangents):
-  q, k, v, pos, docs, omega, lam_raw, S0 = residuals
+  fq, fk, v, docs, S0 = residuals
   dN, dS_T = cotangents
-  BH, H = q.shape[0], cfg.n_heads
   n_tiles = v.shape[-1] // cfg.block_v
   dN, dS_T = dN.astype(v.dtype), dS_T.astype(_F32)
-  # One value tile: dq and dk are whole, written in q's dtype (they are rounded to it anyway); several
-  # are partial sums, added in fp32.
-  partial = jax.ShapeDtypeStruct((n_tiles, *q.shape), q.dtype if n_tiles == 1 else _F32)
-  partial_param = jax.ShapeDtypeStruct((n_tiles, BH, 1, q.shape[-1]), _F32)
-  s = _sweep(q, k, v, pos, docs, omega, lam_raw, cfg, reverse=False)
-  dq, domega_q, dlam_q = _call(
-      _dq_kernel, cfg, s, [S0, dN], [s.state, s.values],
-      [s.partial, s.partial_param, s.partial_param], (partial, partial_param, partial_param))
-  s = _sweep(q, k, v, pos, docs, omega, lam_raw, cfg, reverse=True)
-  dk, dv, domega_k, dlam_k, dS0 = _call(
-      _dkv_kernel, cfg, s, [dS_T, dN], [s.state, s.values],
-      [s.partial, s.values, s.partial_param, s.partial_param, s.state],
-      (partial, jax.ShapeDtypeStruct(v.shape, v.dtype), partial_param, partial_param,
-       jax.ShapeDtypeStruct(S0.shape, _F32)))
-  per_head = lambda g: g.reshape(n_tiles, BH // H, H, 1, -1).sum((0, 1))
-  return (dq.sum(0).astype(q.dtype), dk.sum(0).astype(k.dtype), dv.astype(v.dtype), None, None,
-          per_head(domega_q + domega_k), per_head(dlam_q + dlam_k), dS0)
+  # One value tile: the factors' gradients are whole, written in their dtype (they are rounded to it
+  # anyway); several are partial sums, added in fp32.
+  partial = jax.ShapeDtypeStruct((n_tiles, *fq.shape), fq.dtype if n_tiles == 1 else _F32)
+  s = _sweep(fq, fk, v, docs, cfg, reverse=False)
+  dfq, = _call(_dq_kernel, cfg, s, [S0, dN], [s.state, s.values], [s.partial], (partial,))
+  s = _sweep(fq, fk, v, docs, cfg, reverse=True)
+  dfk, dv, dS0 = _call(
+      _dkv_kernel, cfg, s, [dS_T, dN], [s.state, s.values], [s.partial, s.values, s.state],
+      (partial, jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(S0.shape, _F32)))
+  return (dfq.sum(0).astype(fq.dtype), dfk.sum(0).astype(fk.dtype), dv.astype(v.dtype), None, dS0)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -408,13 +384,22 @@ def _check(chunk_size: int, block_v: int, compiled: bool, q, v, state) -> None:
 
 
 def _twice(x_xd: jax.Array) -> jax.Array:
-  """[..., d] -> [..., 2d]: every head dimension twice, [x | x] (one copy per gate)."""
+  """[..., d] -> [..., 2d]: every head dimension twice, [x | x] (one copy per W of ``_pairs``)."""
   return jnp.concatenate([x_xd, x_xd], axis=-1)
+
+
+def _factors(u, omega, lam_raw, positions, *, rotate: bool, Tp: int, Dp: int):
+  """The kernels' factors of raw u [B, T, H, d]: (cos th_rot, sin th_rot, r) by XLA in fp32
+  (``base.rotated_angles_and_roots``), each lane-doubled, head-major and padded, [B·H, 3, Tp, Dp] in
+  u's dtype."""
+  theta_rot, r = rotated_angles_and_roots(u, omega, lam_raw, positions, rotate=rotate)
+  parts = (jnp.cos(theta_rot), jnp.sin(theta_rot), r)
+  return jnp.stack([heads_first(_twice(x).astype(u.dtype), Tp, Dp) for x in parts], axis=1)
 
 
 def _to_kernel_state(state, B, H, d, V, Dp, Vp):
   """SanatanState's S [B, H, 6d, V] and z [B, H, 6d] (index 6a + c) -> the kernels' fp32
-  [B·H, 3, Dp, Vp]: z as value column V; channel c = 3 h + p (h = 0: gate 1, h = 1: gate r) at
+  [B·H, 3, Dp, Vp]: z as value column V; channel c = 3 h + p (h = 0: W = 1, h = 1: W = r) at
   row h d + a of tile p. Zeros for no state."""
   if state is None:
     return jnp.zeros((B * H, PAIRS, Dp, Vp), _F32)
@@ -438,7 +423,7 @@ def sanatan_p1_tpu(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array,
                    rotate: bool = True, interpret: bool | pltpu.InterpretParams | None = None,
                    block_v: int = LANES) -> tuple[jax.Array, SanatanState]:
   """SANATAN p = 1, 6 channels (MATH §1.2) by the Mosaic TPU kernels; same function and results
-  as ``sanatan_attention(..., p=1, channels=6)`` and ``sanatan_p1_pallas``.
+  as ``sanatan_attention(..., p=1, channels=6)``.
 
   Args:
     q, k: raw [B, T, H, d] (already divided by sqrt(d)); v: [B, T, H, dv]; bf16 or fp32.
@@ -466,16 +451,60 @@ def sanatan_p1_tpu(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array,
   C = chunk_size if interpret else max(chunk_size, LANES)
   Tp, Dp, Vp = pu.round_up(T, C), pu.round_up(2 * d, LANES), pu.round_up(V + 1, block_v)
   cfg = KernelConfig(chunk=C, block_v=block_v, head_dim=d, n_heads=H, interpret=interpret)
-  pos = positions.astype(_F32) if rotate else jnp.zeros((B, T), _F32)
-  param = lambda p: pu.pad_axis(_twice(p.astype(_F32)), 1, Dp).reshape(H, 1, Dp)
+  factors = functools.partial(_factors, omega=omega, lam_raw=lam_raw, positions=positions, rotate=rotate,
+                              Tp=Tp, Dp=Dp)
   v1 = jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)
-  N, S = _fused(heads_first(_twice(q), Tp, Dp),
-                heads_first(_twice(k), Tp, Dp), heads_first(v1, Tp, Vp),
-                pu.pad_axis(pos, 1, Tp)[..., None],
+  N, S = _fused(factors(q), factors(k), heads_first(v1, Tp, Vp),
                 chunk_documents(document_index(segment_ids, B, T), Tp, C),
-                param(omega), param(lam_raw), _to_kernel_state(state, B, H, d, V, Dp, Vp), cfg)
+                _to_kernel_state(state, B, H, d, V, Dp, Vp), cfg)
   N_BxTxHxV = jnp.swapaxes(N.reshape(B, H, Tp, Vp)[:, :, :T, :V + 1], 1, 2)
   c_eps = features.score_scale(CHANNELS, "clean", d) * EPS
   o = N_BxTxHxV[..., :V] / (N_BxTxHxV[..., V:] + c_eps)
   S, z = _from_kernel_state(S.reshape(B, H, PAIRS, Dp, Vp), B, H, d, V)
   return o.astype(v.dtype), SanatanState(S, z, positions[:, -1].astype(jnp.int32) + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTiles:
+  """``chunk`` tokens per chunk (at least 128 when compiled), ``block_v`` value columns per grid step
+  (a multiple of 128 when compiled)."""
+
+  chunk: int = LANES
+  block_v: int = LANES
+
+  def __post_init__(self):
+    check_power_of_two("pallas_tpu tiles", chunk=self.chunk, block_v=self.block_v)
+
+
+class PallasTpu(Backend[MosaicTiles]):
+  """The Mosaic TPU kernels as a backend (p = 1 with 6 channels; named, not "auto": no TPU has timed
+  them), each device of the mesh in context on its own rows and heads (``shard_map.run_sharded``)."""
+
+  platforms = MOSAIC_TPU
+  tiles_type = MosaicTiles
+  requirement = "p = 1 with 6 channels"
+
+  def supports(self, problem: Problem) -> bool:
+    return problem.constant_state
+
+  def heuristic_config(self, problem: Problem) -> MosaicTiles:
+    del problem
+    return MosaicTiles()
+
+  def flops_per_head(self, problem: Problem, tiles: MosaicTiles | None = None) -> float:
+    chunk = self.config(problem, tiles).chunk
+    if problem.platform == "tpu":
+      chunk = max(chunk, LANES)
+    return flops.chunked(problem.feature_dim, problem.value_dim + 1, chunk, problem.length or chunk)
+
+  def __call__(self, q, k, v, omega, lam_raw, *, positions, segment_ids, state, tiles: MosaicTiles,
+               options: Options):
+    if options.precision != "input":
+      raise ValueError(f"sanatan_attention: kernel_precision={options.precision!r} is for the GPU kernels; "
+                       "the TPU kernels compute in the inputs' dtype: use kernel_precision='input', or "
+                       "pass fp32 inputs")
+    kernel = functools.partial(sanatan_p1_tpu, chunk_size=tiles.chunk, block_v=tiles.block_v,
+                               rotate=options.rotate)
+    inputs = dict(q=q, k=k, v=v, omega=omega, lam_raw=lam_raw, positions=positions,
+                  segment_ids=segment_ids, state=state)
+    return shard_map.run_sharded(kernel, inputs, KERNEL_LAYOUTS, ("BTH", STATE_LAYOUT))

@@ -6,15 +6,15 @@ position t::
     theta = pi u / (1 + |u|),   r = tanh(gamma (cos(theta + omega_a) - sin(theta + omega_a))),
     theta_rot = theta + t lam_a,   lam = 0.01 tanh(lam_raw),
 
-and Phi's channels are (1, cos, sin, r, r cos, r sin) of (theta_rot, r). The fused-chunk kernels read
-the factors (cos theta_rot, sin theta_rot) and r (the flash kernels, with ``features="kernels"``, the
-channels XLA forms from them); these kernels make them and take their gradients,
-each reading and writing every array once (XLA, evaluating the same chain, wrote several fp32
-[B, T, H, d] intermediates per operand and layer). For 16-bit operands sines and cosines come from
-the GPU's special-function unit after a reduction by 2 pi, divisions take two ulps (``FAST``) and tanh
-is one approximate exponential and one such division (``FAST_TANH``, ``tanh_by_exp2``); for
-fp32 ones, in pairs from one argument reduction and Taylor polynomials (``_sincos``: at most 7e-8 from
-the exact values for |x| <= 400, jnp's 3e-8) and IEEE division.
+and Phi's channels are (1, cos, sin, r, r cos, r sin) of (theta_rot, r) (``base.factor_channel``).
+These kernels are the GPU kernels' one statement of the feature map: the fused-chunk kernels read the
+factors (cos theta_rot, sin theta_rot) and r, the flash kernels (6 channels) the channels XLA forms
+from them; these kernels make them and take their gradients, each reading and writing every array
+once. Compiled with 16-bit operands, sines and cosines come from the GPU's special-function unit after
+a reduction by 2 pi (``reduced``), divisions take two ulps and tanh is one approximate exponential and
+one such division (``tanh_by_exp2``): errors three orders below a bf16 unit, which the factors are
+rounded to. fp32 operands (and the interpreter) take sines and cosines in pairs from one argument
+reduction and Taylor polynomials (``_sincos``), IEEE division and jnp's tanh.
 
 ``factors``: u -> (cos theta_rot, sin theta_rot) [B, Tp, H, 2, dp] and r [B, Tp, H, dp] in u's dtype
 (fp32 inside), zero on padding.
@@ -45,22 +45,13 @@ from jax.experimental.pallas import triton as plgpu
 
 from lmcore.ops.common import pallas_utils as pu
 from sanatan_jax import features
+from sanatan_jax.ops.sanatan_attention.base import factor_channel
 
 # Tokens per program (fewer when the padded length has fewer factors of two) and Triton warps: eight
-# tokens of 64 head dims on two warps, eight values per thread. H200, the fused op's fwd+bwd at
-# 32 × 2048, 12 heads of 64 (one process, with jnp's sine and cosine): 7.78 ms against 7.86 at 16
-# tokens on 4 warps and 8.01 at 32 on 8; 64 tokens on 4 warps (32 values per thread) took 22.7.
+# tokens of 64 head dims on two warps, eight values per thread, the fastest measured
+# (docs/BENCHMARKS.md, SANATAN p = 1 factor kernels).
 BLOCK_T = 8
 NUM_WARPS = 2
-# 16-bit operands take the GPU's approximate sine, cosine and division (``_fast_sincos``, ``_quotient``):
-# their errors (2^-20.5 absolute, two ulps) stay three orders below a bf16 unit, which the factors are
-# rounded to. fp32 operands keep ``_sincos`` and IEEE division. H200, 1 × 32768, 12 heads of 64, one
-# process: factors 0.27 -> 0.23-0.25 ms, their VJP 0.38-0.44 -> 0.35-0.38; the fused op's fwd+bwd at
-# 32 × 2048 5.79-5.83 -> 5.42-5.45 ms.
-FAST = True
-# With ``FAST``, the roots' tanh by ``tanh_by_exp2`` (``ex2.approx``, ``div.full``), not libdevice's tanhf:
-# no error moves; H200, 32 × 2048: the VJP kernel 266 -> 229 µs, the fused op's fwd+bwd 4.56 -> 4.46 ms.
-FAST_TANH = True
 _F32 = jnp.float32
 
 
@@ -83,7 +74,7 @@ class Config(NamedTuple):
   padded: bool
   rotate: bool
   interpret: bool
-  fast: bool = False  # the GPU's approximate sine, cosine and division (``_fast_sincos``)
+  fast: bool = False  # the GPU's approximate sine, cosine, division and tanh (compiled 16-bit operands)
   num_warps: int = NUM_WARPS
   num_stages: int = 1
   precision: str = "input"
@@ -92,8 +83,7 @@ class Config(NamedTuple):
 # In-kernel pieces.
 
 # The kernels' arithmetic bounds them (five transcendentals per value), so each sine-cosine pair shares
-# one argument reduction (``_sincos``). H200, the fused op's fwd+bwd at 32 × 2048, one process: 6.67–6.74
-# ms against 7.72–7.76 with jnp.sin and jnp.cos (libdevice, one reduction each).
+# one argument reduction (``_sincos``).
 # pi / 2 in three parts whose leading ones have few significant bits (8 and 10), so k times them is
 # exact for |k| < 2^13; the parts sum to pi / 2 within 2e-15.
 _HALF_PI = (1.5703125, 4.837512969970703125e-4, 7.54978995489188216e-8)
@@ -171,8 +161,8 @@ def tanh_by_exp2(x, exp2=jnp.exp2, quotient=jnp.divide):
 
 def _tanh(x, cfg: Config):
   """tanh x; by the GPU's approximate base-2 exponential and two-ulp division (``tanh_by_exp2``) when
-  ``cfg.fast`` and ``FAST_TANH``."""
-  if not (cfg.fast and FAST_TANH):
+  ``cfg.fast``."""
+  if not cfg.fast:
     return jnp.tanh(x)
   return tanh_by_exp2(x, lambda y: _asm("ex2.approx.ftz.f32", y), lambda a, b: _quotient(a, b, cfg))
 
@@ -231,10 +221,12 @@ def _factors_kernel(u_ref, pos_ref, omega_ref, lam_ref, trig_ref, root_ref, *, c
 def _grads_kernel(u_ref, pos_ref, omega_ref, lam_ref, d1_ref, d2_ref, d3_ref, d4_ref, d5_ref,
                   du_ref, d_omega_ref, d_lam_ref, *, cfg: Config):
   a = _angles(u_ref, pos_ref, omega_ref, lam_ref, cfg)
-  d1, d2, d3, d4, d5 = (x[...].astype(_F32) for x in (d1_ref, d2_ref, d3_ref, d4_ref, d5_ref))
+  dphi = tuple(x[...].astype(_F32) for x in (d1_ref, d2_ref, d3_ref, d4_ref, d5_ref))
   cos, sin = a.cos_rot, a.sin_rot
-  d_cos, d_sin = d1 + a.r * d4, d2 + a.r * d5
-  d_r = d3 + cos * d4 + sin * d5
+  # The product rule: the VJP of the channels 1..5 as ``factor_channel`` forms them.
+  channels = lambda cos, sin, r: tuple(factor_channel(c, cos, sin, r) for c in range(1, 6))
+  _, channels_vjp = jax.vjp(channels, cos, sin, a.r)
+  d_cos, d_sin, d_r = channels_vjp(dphi)
   d_theta_rot = cos * d_sin - sin * d_cos
   g = d_r * features.GAMMA * (1.0 - a.r * a.r) * (-a.sin_phase - a.cos_phase)
   du = _quotient((d_theta_rot + g) * jnp.pi, jnp.square(1.0 + jnp.abs(a.u)), cfg)
@@ -250,10 +242,10 @@ def _grads_kernel(u_ref, pos_ref, omega_ref, lam_ref, d1_ref, d2_ref, d3_ref, d4
 # Host side.
 
 def _config(u, length: int, head_dim: int, rotate: bool, interpret: bool) -> Config:
-  """For padded u [B, Tp, H, dp] of real length and head dim; the GPU's approximate sine, cosine and
-  division for 16-bit operands when compiled (``FAST``)."""
+  """For padded u [B, Tp, H, dp] of real length and head dim; the GPU's approximate sine, cosine,
+  division and tanh for 16-bit operands when compiled."""
   _, Tp, _, dp = u.shape
-  fast = FAST and not interpret and jnp.dtype(u.dtype).itemsize == 2
+  fast = not interpret and jnp.dtype(u.dtype).itemsize == 2
   return Config(block_t=math.gcd(BLOCK_T, Tp), length=length, head_dim=head_dim,
                 padded=(Tp, dp) != (length, head_dim), rotate=rotate, interpret=interpret, fast=fast)
 

@@ -1,27 +1,22 @@
-"""Pallas (Triton lowering) flash SANATAN kernels for the powers without a recurrence (MATH §1.1
-step 6, §1.2): p >= 2, and the 4/3-channel ablations at any p.
+"""Pallas (Triton lowering) flash SANATAN kernels for the variants without a recurrence (MATH §1.1
+step 6, §1.2): p >= 2, and the 4/3-channel ablations at any p. The backend ``pallas_flash``
+(``PallasFlash``, tiles ``FlashTiles``).
 
 Per head, the function of ``reference.parallel``::
 
     w_tj = [j <= t, same run] u_tj^p,  u_tj = (s_tj + shift) / c,  s_tj = Phi(q_t) · Phi(k_j)
     (4ch: max(s, 0)),  N_t = sum_j w_tj v_j,  n_t = sum_j w_tj,  o_t = N_t / (n_t + eps).
 
-Features (``features``; "auto": the factor kernels below for 6 channels, else XLA). XLA computes
-Phi(q), Phi(k) once per token (``base.sanatan_features``: the angles, roots and rotation in fp32, as
-the reference does) and hands the kernels its non-constant channels,
-each a [B, T, H, d] array in the operands' dtype (5 for 6ch, 3 for 4ch, 2 for 3ch); the constant
-channel adds d to every score, as a number. Every score is a sum of per-channel dots
-[rows, d] x [d, cols] accumulated in fp32, so every block is a power of two wide (the 5d-wide
-contraction of 6ch is five dots of width d). Features are inputs of the kernels rather than
-computed inside them: transcendentals in the loops would be recomputed once per pair of blocks, and
-forming even the products r cos, r sin there costs registers the backward kernels do not have (they
-hold 5 fp32 [block, d] accumulators). The custom VJP keeps no features: its backward recomputes them
-from q and k. With ``features="kernels"`` (6 channels) the factor kernels of pallas_triton_factors.py
-write (cos th_rot, sin th_rot) and r in the operands' dtype, XLA forms r cos and r sin from them,
-and the factor kernels' VJP (``channel_grads``) takes the kernels' fp32 feature gradients to dq, dk,
-d omega and d lam_raw: the fused p = 1 kernels' feature path, without XLA's fp32 intermediates. (The
-gradients stay fp32: in bf16 the worst input gradient of the agreement check grew from 5.9e-3 to
-7.9e-3, the XLA path's own bf16 error.)
+Features. The kernels take Phi's non-constant channels as inputs, each a [B, T, H, d] array in the
+operands' dtype (5 for 6ch, 3 for 4ch, 2 for 3ch); the constant channel adds d to every score, as a
+number. 6 channels: the factor kernels of pallas_triton_factors.py write (cos th_rot, sin th_rot) and
+r, XLA forms the channels from them by ``base.factor_channel`` (``_factor_channels``), and the factor
+kernels' VJP (``channel_grads``) takes the kernels' fp32 channel gradients to dq, dk, d omega and
+d lam_raw. 4 and 3 channels: XLA's feature map (``base.sanatan_features``) and its VJP. Every score
+is a sum of per-channel dots [rows, d] x [d, cols] accumulated in fp32, so every block is a power of
+two wide. Features are inputs rather than computed inside the loops, where transcendentals would be
+recomputed once per pair of blocks. The custom VJP keeps no features: its backward recomputes them
+from q and k.
 
 Forward, grid (query block, batch, head), query blocks last-to-first so the longest programs start
 first: a program loads its query features once and loops over the key blocks from its first
@@ -41,7 +36,7 @@ tiling of its own (``FlashTiles``):
   diagonal to the end of the block's last document, in transposed form (scores [BK, BQ]):
   dv_j = sum_t w_tj dN_t, d Phi(k_j) = sum_t ds_tj Phi(q_t).
 
-XLA takes the feature gradients through the feature map (its VJP) to dq, dk, d omega and d lam_raw.
+The feature gradients go back through the feature map as above to dq, dk, d omega and d lam_raw.
 
 Packed documents follow api.py: ``runs`` (``segments.document_index``, non-decreasing per row)
 number the maximal runs of equal segment ids, a token sees only keys of its own run, and loops
@@ -51,6 +46,7 @@ documents are skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -58,77 +54,58 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from lmcore.ops.common import flops, shard_map
 from lmcore.ops.common import pallas_utils as pu
+from lmcore.ops.common.backend import TRITON, Backend, check_power_of_two
 from lmcore.ops.common.layout import default_positions
 from lmcore.ops.common.segments import document_index
 from sanatan_jax import features
 from sanatan_jax.ops.sanatan_attention import pallas_triton_factors as factor_kernels
-from sanatan_jax.ops.sanatan_attention.base import (EPS, after_cotangent, check_blocked_options,
-                                                    sanatan_features)
+from sanatan_jax.ops.sanatan_attention.base import (EPS, KERNEL_LAYOUTS, Options, Problem, after_cotangent,
+                                                    factor_channel, sanatan_features, validate_options)
 
 _F32 = jnp.float32
 
 
-class Tiles(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class BlockTiles:
   """One kernel's tiling: ``block`` rows per program (queries in the forward and dq kernels, keys
   in the dk/dv kernel), ``loop`` rows per step of its loop (keys, or queries), Triton warps and
   pipeline stages. Block lengths are powers of two (>= 16 when compiled)."""
 
   block: int
   loop: int
-  num_warps: int
-  num_stages: int
+  num_warps: int = 8
+  num_stages: int = 2
+
+  def __post_init__(self):
+    check_power_of_two("pallas_flash tiles", block=self.block, loop=self.loop)
 
 
-class FlashTiles(NamedTuple):
-  """The forward kernel's tiling, the dk/dv kernel's (``backward``) and the dq kernel's (None: the
-  dk/dv kernel's)."""
+@dataclasses.dataclass(frozen=True)
+class FlashTiles:
+  """The forward kernel's tiling, the dk/dv kernel's (``backward``) and the dq kernel's. The defaults
+  are the bf16 tiling, the fastest measured (docs/BENCHMARKS.md, SANATAN p = 2 tilings)."""
 
-  forward: Tiles
-  backward: Tiles
-  dq: Tiles | None = None
-
-  @property
-  def dq_tiles(self) -> Tiles:
-    return self.backward if self.dq is None else self.dq
+  forward: BlockTiles = BlockTiles(128, 64, 4, 3)
+  backward: BlockTiles = BlockTiles(128, 32, 8, 4)
+  dq: BlockTiles = BlockTiles(128, 64, 8, 2)
 
 
-# Tilings per GPU (``device_kind``; "default" for any other) and operand width in bytes (2: bf16
-# inputs; 4: fp32 inputs or precision "tf32"/"float32"). H200, bf16, 8 x 2048, 12 heads of 64, fwd+bwd
-# in one process (docs/BENCHMARKS.md): three pipeline stages in both kernels 3.45 ms against 3.89 at
-# two; backward blocks of 64 rows 4.0-5.7 ms. Tiled apart (GPU time, eight rounds): dq loops of 64
-# keys at two stages, dk/dv at four and a 4-warp forward 3.04 ms against 3.11 for one backward tiling
-# (dq loops of 64 at three stages exceed the shared memory; dk/dv loops of 64 3.34). At d = dv = 64 an
-# sm_90 Triton compile of the bf16
-# two-stage tiling keeps the forward at 127 registers and 176 KiB of shared memory, dq at 236
-# registers and dk/dv at 255 with a 16-byte spill (both 144 KiB): the backward kernels hold 5 fp32
-# [block, d] accumulators, and 128-row blocks give each of 8 warps' two warpgroups its own 64 rows.
-# fp32 operands take twice the shared memory; the fp32 tiling compiles without spills (TF32 and IEEE
-# dots) within 104 KiB. benchmarks.harness.FLASH_TUNING lists the tilings timed.
-TILES = {"default": {2: FlashTiles(forward=Tiles(128, 64, 4, 3), backward=Tiles(128, 32, 8, 4),
-                                   dq=Tiles(128, 64, 8, 2)),
-                     4: FlashTiles(forward=Tiles(32, 32, 4, 2), backward=Tiles(32, 32, 8, 2))}}
-
-
-# Where the feature channels come from: XLA's feature map, or the factor kernels (6 channels); "auto":
-# the factor kernels for 6 channels, else XLA. H200, bf16, 8 x 2048, 12 heads of 64, GPU time in two
-# processes (docs/BENCHMARKS.md): 2.92-2.93 ms against 3.01-3.02 from XLA; the 184M p = 2 step 207.3K
-# against 203.1K tok/s in 1.3 GiB less.
-FEATURE_SOURCES = ("auto", "xla", "kernels")
-
-
-def resolve_features(features: str, channels: int) -> str:
-  """The source ``features`` names: "auto" is "kernels" for 6 channels, else "xla"."""
-  if features != "auto":
-    return features
-  return "kernels" if channels == 6 else "xla"
+# The tiling by the kernels' operand width in bytes (2: bf16 inputs; 4: fp32 inputs or precision
+# "tf32"/"float32", which take twice the shared memory). ``benchmarks.harness.FLASH_TUNING`` lists the
+# tilings timed.
+TILES = {2: FlashTiles(),
+         4: FlashTiles(forward=BlockTiles(32, 32, 4, 2), backward=BlockTiles(32, 32, 8, 2),
+                       dq=BlockTiles(32, 32, 8, 2))}
+# "auto" takes these kernels for heads up to this wide; wider tiles need more shared memory than a GPU
+# has (docs/BENCHMARKS.md, SANATAN p = 2 head shapes).
+MAX_HEAD_DIM, MAX_VALUE_DIM = 64, 64
 
 
 def default_tiles(dtype) -> FlashTiles:
-  """The ``TILES`` entry of the first device's kind (else the default one) for operands of
-  ``dtype``."""
-  kind = getattr(jax.devices()[0], "device_kind", "")
-  return TILES.get(kind, TILES["default"])[jnp.dtype(dtype).itemsize]
+  """The tiling for operands of ``dtype``."""
+  return TILES[min(jnp.dtype(dtype).itemsize, 4)]
 
 
 class KernelConfig(NamedTuple):
@@ -151,7 +128,7 @@ class KernelConfig(NamedTuple):
 class Static(NamedTuple):
   """What the custom VJP holds static: the forward kernel's config, the dk/dv kernel's
   (``backward``) and the dq kernel's, the rotation flag, the real and padded lengths, the padded head
-  dims, and whether the features come from the factor kernels (``features="kernels"``)."""
+  dims, and whether the features come from the factor kernels (6 channels)."""
 
   forward: KernelConfig
   backward: KernelConfig
@@ -170,9 +147,9 @@ def feature_count(channels: int) -> int:
 
 
 def _features(q, k, omega, lam_raw, pos, st: Static) -> tuple[tuple, tuple]:
-  """The non-constant channels of Phi(q) and of Phi(k), each [B, Tp, H, dp] and zero on padding:
-  fp32 from XLA (``base.sanatan_features``, feature index ``channels · a + c`` split by channel c),
-  or in the operands' dtype from the factor kernels (``_factor_channels``)."""
+  """The non-constant channels of Phi(q) and of Phi(k), each [B, Tp, H, dp] and zero on padding: in
+  the operands' dtype from the factor kernels (6 channels, ``_factor_channels``), else fp32 from XLA
+  (``base.sanatan_features``, feature index ``channels · a + c`` split by channel c)."""
   if st.feature_kernels:
     return _factor_channels(q, omega, lam_raw, pos, st), _factor_channels(k, omega, lam_raw, pos, st)
   channels = st.forward.channels
@@ -189,14 +166,13 @@ def _features(q, k, omega, lam_raw, pos, st: Static) -> tuple[tuple, tuple]:
 
 def _factor_channels(u, omega, lam_raw, pos, st: Static) -> tuple:
   """The five non-constant channels of the 6-channel Phi(u) (cos, sin, r, r cos, r sin), each
-  [B, Tp, H, dp] in u's dtype and zero on padding: the factor kernels' (cos th_rot, sin th_rot) and
-  r, and their products formed in fp32 by XLA and rounded (as the fused kernels form them)."""
+  [B, Tp, H, dp] in u's dtype and zero on padding: ``base.factor_channel`` of the factor kernels'
+  (cos th_rot, sin th_rot) and r, formed in fp32 and rounded (as the fused kernels form them)."""
   f = factor_kernels.factors(u, omega, lam_raw, pos, rotate=st.rotate,
                              padded_length=st.padded_length, dp=st.dp,
                              interpret=st.forward.interpret)
-  cos, sin, r = f.trig[..., 0, :], f.trig[..., 1, :], f.root
-  times = lambda a, b: (a.astype(_F32) * b.astype(_F32)).astype(u.dtype)
-  return cos, sin, r, times(r, cos), times(r, sin)
+  cos, sin, r = (x.astype(_F32) for x in (f.trig[..., 0, :], f.trig[..., 1, :], f.root))
+  return tuple(factor_channel(c, cos, sin, r).astype(u.dtype) for c in range(1, 6))
 
 
 # In-kernel pieces.
@@ -481,32 +457,11 @@ def _document_bounds(run_BxTp):
   return first, last
 
 
-def _kernel_config(tiles: Tiles, T: int, interpret: bool, **common) -> KernelConfig:
+def _kernel_config(tiles: BlockTiles, T: int, interpret: bool, **common) -> KernelConfig:
   smallest = 1 if interpret else pu.MIN_DOT
-  block, loop = (max(min(size, pl.next_power_of_2(T)), smallest) for size in tiles[:2])
+  block, loop = (max(min(size, pl.next_power_of_2(T)), smallest) for size in (tiles.block, tiles.loop))
   return KernelConfig(block=block, loop=loop, interpret=interpret, num_warps=tiles.num_warps,
                       num_stages=tiles.num_stages, **common)
-
-
-def check_features(features: str, channels: int, op: str, name: str = "features") -> None:
-  """Raises ValueError for a feature source (the option ``name``) not in ``FEATURE_SOURCES`` or
-  "kernels" with a channel variant other than 6 (the factor kernels make the 6-channel map's
-  factors)."""
-  if features not in FEATURE_SOURCES:
-    raise ValueError(f"{op}: {name} must be one of {', '.join(FEATURE_SOURCES)}, got {features!r}")
-  if features == "kernels" and channels != 6:
-    raise ValueError(f"{op}: {name}='kernels' needs channels=6 (got {channels}); use "
-                     f"{name}='xla' for the 4- and 3-channel variants")
-
-
-def _check_tiles(tiles: FlashTiles, op: str) -> None:
-  for name, kernel in tiles._asdict().items():
-    if kernel is None:
-      continue
-    for field in ("block", "loop"):
-      size = getattr(kernel, field)
-      if size < 1 or size & (size - 1):
-        raise ValueError(f"{op}: tiles.{name}.{field} must be a power of two, got {size}")
 
 
 def sanatan_flash_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array,
@@ -514,7 +469,7 @@ def sanatan_flash_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
                          segment_ids: jax.Array | None = None, p: int = 2, channels: int = 6,
                          three_channel: str = "clean", rotate: bool = True,
                          interpret: bool | None = None, tiles: FlashTiles | None = None,
-                         precision: str = "input", features: str = "auto") -> jax.Array:
+                         precision: str = "input") -> jax.Array:
   """SANATAN attention at any power p and channel variant (MATH §1.1) by the flash Pallas
   kernels; the output of ``sanatan_attention(..., implementation="parallel")``. No state (p >= 2
   and the 4/3-channel ablations have no constant-size state).
@@ -531,10 +486,6 @@ def sanatan_flash_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
       of the operands' dtype. Blocks are capped at the next power of two >= T.
     precision: "input" (dots take operands in the inputs' dtype), "tf32" or "float32" (the
       kernels run on fp32 copies and return fp32; ``pu.PRECISIONS``).
-    features: where the feature channels come from (``FEATURE_SOURCES``): "xla" (the feature map in
-      fp32, rounded to the operands' dtype; its VJP by XLA), "kernels" (6 channels only: the factor
-      kernels of pallas_triton_factors.py, the products r cos and r sin by XLA, and the VJP by the
-      factor kernels) or "auto" ("kernels" for 6 channels, else "xla"; ``resolve_features``).
 
   Returns:
     o [B, T, H, dv] in v's dtype (fp32 unless ``precision`` is "input").
@@ -543,24 +494,52 @@ def sanatan_flash_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
   interpret = pu.resolve_interpret(interpret)
   pu.check_backend(interpret, op, "sanatan_attention(implementation='parallel')")
   pu.check_precision(precision, op)
+  validate_options(p=p, channels=channels, three_channel=three_channel)
   q, k, v = pu.operands(precision, q, k, v)
   tiles = default_tiles(q.dtype) if tiles is None else tiles
-  _check_tiles(tiles, op)
-  check_blocked_options(p, channels, three_channel, tiles.forward.block, tiles.forward.loop, op=op)
-  check_features(features, channels, op)
   B, T, H, d = q.shape
   if positions is None:
     positions = default_positions(B, T)
   common = dict(head_dim=d, p=p, channels=channels, three_channel=three_channel,
                 documents=segment_ids is not None, precision=precision)
   forward, backward, dq = (_kernel_config(t, T, interpret, **common)
-                           for t in (tiles.forward, tiles.backward, tiles.dq_tiles))
+                           for t in (tiles.forward, tiles.backward, tiles.dq))
   largest = max(max(c.block, c.loop) for c in (forward, backward, dq))
   st = Static(forward=forward, backward=backward, dq=dq, rotate=rotate, length=T,
               padded_length=pu.round_up(T, largest), dp=pu.block_size(d, interpret),
-              Vp=pu.block_size(v.shape[-1], interpret),
-              feature_kernels=resolve_features(features, channels) == "kernels")
+              Vp=pu.block_size(v.shape[-1], interpret), feature_kernels=channels == 6)
   # Edge-padding keeps padded tokens in the last run; causality hides them from real queries.
   run = pu.pad_axis(document_index(segment_ids, B, T), 1, st.padded_length, mode="edge")
   first, last = _document_bounds(run)
   return _flash(q, k, v, omega, lam_raw, positions.astype(jnp.int32), run, first, last, st)
+
+
+class PallasFlash(Backend[FlashTiles]):
+  """The flash Triton kernels as a backend (every variant without a constant state), each device of
+  the mesh in context on its own rows and heads (``shard_map.run_sharded``)."""
+
+  platforms = TRITON
+  tiles_type = FlashTiles
+  requirement = "p >= 2 or 4 or 3 channels (no constant-size state)"
+
+  def supports(self, problem: Problem) -> bool:
+    return not problem.constant_state
+
+  def preferred(self, problem: Problem) -> bool:
+    return problem.head_dim <= MAX_HEAD_DIM and problem.value_dim <= MAX_VALUE_DIM
+
+  def heuristic_config(self, problem: Problem) -> FlashTiles:
+    return default_tiles(problem.dtype)
+
+  def flops_per_head(self, problem: Problem, tiles: FlashTiles | None = None) -> float:
+    return flops.quadratic(problem.feature_dim, problem.value_dim + 1, problem.length or 1)
+
+  def __call__(self, q, k, v, omega, lam_raw, *, positions, segment_ids, state, tiles: FlashTiles,
+               options: Options):
+    del state  # None: ``supports`` admits no variant with a state
+    kernel = functools.partial(sanatan_flash_pallas, p=options.p, channels=options.channels,
+                               three_channel=options.three_channel, rotate=options.rotate, tiles=tiles,
+                               precision=options.precision)
+    inputs = dict(q=q, k=k, v=v, omega=omega, lam_raw=lam_raw, positions=positions,
+                  segment_ids=segment_ids)
+    return shard_map.run_sharded(kernel, inputs, KERNEL_LAYOUTS, "BTH"), None

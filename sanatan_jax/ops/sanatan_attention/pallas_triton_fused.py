@@ -1,4 +1,5 @@
-"""Pallas (Triton lowering) fused-chunk kernels for SANATAN p = 1, six channels (MATH §1.2).
+"""Pallas (Triton lowering) fused-chunk kernels for SANATAN p = 1, six channels (MATH §1.2): the
+backend ``pallas_fused`` (``PallasFused``, tiles ``FusedTiles``).
 
 Per head, the chunked form of MATH §1.2 with the state carried through the chunks inside one
 program (FLA's "fused_chunk" layout): no chunk state ever reaches HBM. For chunk n with features
@@ -8,32 +9,30 @@ Mask (j <= t, same document)::
     A_n = Mask ⊙ Phi(Q_n) Phi(K_n)ᵀ,   N_n = A_n V_n + Phi(Q_n) S,   D_n = A_n 1 + Phi(Q_n) z,
     o = N / (D + c eps),               S <- S + Phi(K_n)ᵀ V_n,        z <- z + Phi(K_n)ᵀ 1.
 
-Features. A small kernel computes, once per token, the factors of Phi (pallas_triton_factors.py: fp32
-inside, written in the operands' dtype): (cos th_rot, sin th_rot) [B, T, H, 2, d] and the roots
-r [B, T, H, d], three d-wide arrays where Phi is 6d wide. Channel c of head dimension a is U_a W_a with
-U = (1, cos, sin)[c mod 3] and W = (1, r)[c div 3]; each program forms its channels from them in
-registers (fp32 products rounded to the operands' dtype; the constant channel zero on padding), so
-the channels, their states and their gradients are handled alike. With one channel per program the
-constant channel (1 on every real head dim) has no program of its own: its score is the count d on
-every visible pair and its state's rows move alike, so the forward and dv walks' first program (channel
-1) adds d to its scores and carries the channel's state as a few sums (``_constant_flag``); the
-spans' totals and entry-gradient kernels' first program sums v and dN alike and writes channel 0. It
-has no gradient, so the dq and dk walks leave it out, and the one thing its dk programs would give, channel 0
-of the initial state's gradient (the sums of dN and dD over each row's first document), XLA adds, as it
-does channel 0 of the final state. The kernels write d Phi channel-major [B, T, H, 6 or 5, d] (in
-channel groups); the factor kernels' VJP takes it through the product rule to dq, dk, d omega and
-d lam_raw. The custom VJP keeps no features: its backward recomputes the factors from q and k (unless
-asked to keep them).
+Features. The factor kernels (pallas_triton_factors.py: fp32 inside, written in the operands' dtype)
+compute, once per token, (cos th_rot, sin th_rot) [B, T, H, 2, d] and the roots r [B, T, H, d]: three
+d-wide arrays where Phi is 6d wide. Each program forms its channels from them in registers by
+``base.factor_channel`` (fp32 products rounded to the operands' dtype; the constant channel zero on
+padding), so the channels, their states and their gradients are handled alike. With one channel per
+program the constant channel (1 on every real head dim) has no program of its own: its score is the
+count d on every visible pair and its state's rows move alike, so the forward and dv walks' first
+program (channel 1) adds d to its scores and carries the channel's state as a few sums
+(``_constant_flag``); the spans' totals and entry-gradient kernels' first program sums v and dN alike
+and writes channel 0. It has no gradient, so the dq and dk walks leave it out, and the one thing its
+dk programs would give, channel 0 of the initial state's gradient (the sums of dN and dD over each
+row's first document), XLA adds, as it does channel 0 of the final state. The kernels write d Phi
+channel-major [B, T, H, 6 or 5, d] (in channel groups); the factor kernels' VJP takes it through the
+product rule to dq, dk, d omega and d lam_raw. The custom VJP keeps no features: its backward
+recomputes the factors from q and k (unless asked to keep them, ``Options.remat`` False).
 
-Programs. Grid (channel group, value tile, batch, head): a program owns ``Tiles.channels`` of the
-six channels and ``block_v`` value columns, so 6 / channels x dv / block_v programs share a
-(row, head) (5 x dv / block_v at one channel per program: the constant channel rides with
-channel 1). Its state is one fp32 [d, BV] block and one [d] normaliser per owned channel, in
-registers for the whole walk. A score is a sum over channels, so each program computes its
-channels' part of A_n, N_n and D_n; XLA sums the parts in fp32 and divides. (Splitting the
-6d-wide key axis keeps a program's state small and gives 6x the programs of one per (row, head,
-value tile): 96 (row, head) pairs at B = 8, H = 12 would fill fewer than the H200's 132 SMs, and only
-12 at B = 1. The cost is the per-group copies of A_n V_n and of the value dots of the backward.)
+Programs. Grid (channel group, value tile, batch, head): a program owns ``KernelTiles.channels`` of
+the six channels and ``block_v`` value columns, so 6 / channels x dv / block_v programs share a
+(row, head) (5 x dv / block_v at one channel per program: the constant channel rides with channel
+1). Its state is one fp32 [d, BV] block and one [d] normaliser per owned channel, in registers for
+the whole walk. A score is a sum over channels, so each program computes its channels' part of A_n,
+N_n and D_n; XLA sums the parts in fp32 and divides. Splitting the 6d-wide key axis keeps a
+program's state small and multiplies the programs a GPU can run side by side, at the cost of
+per-group copies of A_n V_n and of the value dots of the backward.
 
 Forward (``_forward_kernel``), chunks in order: the outputs' parts, then the state update. It
 writes the numerator and denominator parts and the state after the last token.
@@ -48,9 +47,8 @@ visible pairs (p = 1: the weights are the scores):
   (dS, dz) <- keep (dS, dz) + Phi(Q_n)ᵀ (dN, dD) over the chunk's readers (starting from the final
   state's cotangent): ``_dk_kernel``, d Phi(k_j) = sum_t ds_tj Phi(q_t) + [j writes] (dS v_j + dz),
   which also writes what is left at the start, the gradient of the initial state; ``_dv_kernel``,
-  dv_j = sum_t A_tj dN_t + [j writes] dSᵀ Phi(k_j), which carries dS only. (One walk for both held
-  twice the live blocks: at 8 warps one program per SM, which waited on every chunk step; the two
-  fit two 4-warp programs per SM, for one more [C, d] x [C, dv] dot per channel and chunk.)
+  dv_j = sum_t A_tj dN_t + [j writes] dSᵀ Phi(k_j), which carries dS only. (Two walks rather than
+  one keep each program's live blocks small enough for two programs per SM.)
 
 Value tiles split dN and v; the terms in dD (which every tile sees whole) are taken in tile 0 only,
 and XLA sums the tiles' parts of d Phi(q), d Phi(k) and of the initial z's gradient.
@@ -63,23 +61,24 @@ state's (else the state restarts from those writes).
 
 Spans (``FusedTiles.spans``, ``lmcore.ops.common.spans``): with few (row, head) pairs a row of T
 tokens runs as G rows of T / G, each walked from the state entering its span. Forward:
-``_totals_kernel`` sums Phi(k)ᵀ (v, 1) over the last run of each part of a span (parts of at least
-``spans.PART_LENGTH`` tokens, side by side; one program per channel group and value tile, five groups at
-one channel per program) and ``spans.entering`` makes the spans' entering states.
-Backward: ``_entry_grad_kernel`` sums Phi(q)ᵀ (dN, dD) over each span's run 0 (the gradient its own
-tokens give its entering state) and ``spans.leaving_grads`` turns those and the final state's
-cotangent into the gradients of the spans' leaving states, which the dk and dv walks start from. The
-totals need no backward of their own: a span's leaving state is its total plus what it keeps of the
-state entering it, so its total's gradient is its leaving state's, and the walks apply it.
+``_totals_kernel`` sums Phi(k)ᵀ (v, 1) over the last run of each part of a span (``FusedTiles.parts``
+parts, side by side; one program per channel group and value tile, five groups at one channel per
+program) and ``spans.entering`` makes the spans' entering states. Backward: ``_entry_grad_kernel``
+sums Phi(q)ᵀ (dN, dD) over each span's run 0 (the gradient its own tokens give its entering state)
+and ``spans.leaving_grads`` turns those and the final state's cotangent into the gradients of the
+spans' leaving states, which the dk and dv walks start from. The totals need no backward of their
+own: a span's leaving state is its total plus what it keeps of the state entering it, so its
+total's gradient is its leaving state's, and the walks apply it.
 
 Matmul operands are in the inputs' dtype (bf16 in training; the states and their gradients are
-cast to it for the dots, as XLA "chunked" does), accumulations fp32. The feature gradients reach
-XLA in the features' dtype (halving their HBM traffic; XLA's own bf16 feature gradients are bf16
-too), the numerator and dv parts in it as well (``NARROW_PARTS``), the denominator parts in fp32.
+cast to it for the dots, as XLA "chunked" does), accumulations fp32. The feature gradients, the
+numerator parts and the dv parts reach XLA in the operands' dtype (halving the walks' largest
+writes), the denominator parts in fp32.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -87,94 +86,81 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from lmcore.ops.common import flops, shard_map, spans
 from lmcore.ops.common import pallas_utils as pu
-from lmcore.ops.common import spans
+from lmcore.ops.common.backend import TRITON, Backend, check_power_of_two
 from lmcore.ops.common.layout import default_positions
 from lmcore.ops.common.segments import document_index
 from sanatan_jax import features
 from sanatan_jax.ops.sanatan_attention import pallas_triton_factors as factor_kernels
 from sanatan_jax.ops.sanatan_attention.pallas_triton_factors import Factors
-from sanatan_jax.ops.sanatan_attention.base import (EPS, SanatanState, after_cotangent, channel_major_state,
-                                                    interleaved_state)
+from sanatan_jax.ops.sanatan_attention.base import (EPS, KERNEL_LAYOUTS, STATE_LAYOUT, Options, Problem,
+                                                    SanatanState, after_cotangent, channel_major_state,
+                                                    factor_channel, interleaved_state)
 
 CHANNELS = 6
 _F32 = jnp.float32
 
 
-class Tiles(NamedTuple):
-  """One kernel's tiling: ``chunk`` tokens per step of a program's walk and ``block_v`` value
-  columns per program (powers of two, >= 16 when compiled), ``channels`` feature channels per
-  program (1, 2, 3 or 6), Triton warps and pipeline stages."""
+@dataclasses.dataclass(frozen=True)
+class KernelTiles:
+  """One walk's tiling: ``chunk`` tokens per step of a program's walk and ``block_v`` value columns
+  per program (powers of two, >= 16 when compiled), ``channels`` feature channels per program (1, 2,
+  3 or 6), Triton warps and pipeline stages."""
 
-  chunk: int
-  block_v: int
-  channels: int
-  num_warps: int
-  num_stages: int
+  chunk: int = 64
+  block_v: int = 64
+  channels: int = 1
+  num_warps: int = 4
+  num_stages: int = 3
+
+  def __post_init__(self):
+    check_power_of_two("pallas_fused tiles", chunk=self.chunk, block_v=self.block_v)
+    if self.channels not in (1, 2, 3, 6):
+      raise ValueError(f"pallas_fused tiles: channels per program must divide {CHANNELS} (1, 2, 3 or "
+                       f"6), got {self.channels!r}")
 
 
-class FusedTiles(NamedTuple):
-  """The tilings of the forward walk, the dq walk and the dk and dv walks (one tiling for both), and
+@dataclasses.dataclass(frozen=True)
+class FusedTiles:
+  """The tilings of the forward walk, the dq walk and the dk and dv walks (one tiling for both);
   ``spans``: how many spans each row is cut into (``lmcore.ops.common.spans``; 0: ``spans.count``'s
-  rule, 1: none)."""
+  rule, 1: none); ``parts``: how many parts each span's totals are summed in (0: ``spans.parts``'
+  rule). The defaults are the bf16 tiling, the fastest measured (docs/BENCHMARKS.md, SANATAN p = 1
+  tilings)."""
 
-  forward: Tiles
-  dq: Tiles
-  dkv: Tiles
+  forward: KernelTiles = KernelTiles()
+  dq: KernelTiles = KernelTiles()
+  dkv: KernelTiles = KernelTiles()
   spans: int = 0
+  parts: int = 0
+
+  def __post_init__(self):
+    if self.spans:
+      check_power_of_two("pallas_fused tiles (0: the rule)", spans=self.spans)
+    if not isinstance(self.parts, int) or self.parts < 0:
+      raise ValueError(f"pallas_fused tiles: parts must be 0 (the rule) or a positive count, got "
+                       f"{self.parts!r}")
 
   @property
-  def kernels(self) -> tuple[Tiles, Tiles, Tiles]:
+  def kernels(self) -> tuple[KernelTiles, KernelTiles, KernelTiles]:
     return self.forward, self.dq, self.dkv
 
 
-# Tilings per GPU (``device_kind``; "default" for any other) and operand width in bytes (2: bf16
-# inputs; 4: fp32 inputs or precision "tf32"/"float32"); benchmarks.harness.FUSED_TUNING lists the
-# tilings timed. bf16, 12 heads of 64, fwd+bwd on the H200 (docs/BENCHMARKS.md): three pipeline
-# stages in the forward and dq kernels beat two at every shape timed (B 1 × T 32768: 7.11 against 7.77
-# ms); the dk and dv walks at 4 warps and three stages beat 8 warps, two stages and two channels per
-# program (1 × 32768: 5.72–5.82 against 7.40–8.02 ms; 32 × 2048: 5.92–5.97 against 6.79–8.62); chunks
-# of 128 (4 or 8 warps) or of 32 (2 warps) in any one kernel were slower at 32 × 2048 (4.90 against
-# 5.05–10.24 ms) and at 8 × 2048. At d = dv = 64 (T = 2048, 12 heads) an sm_90 compile of the
-# lowered two-stage kernels (ptxas) gives, without / with documents, 234 / 255 registers in the
-# forward, 214 / 254 in dq (4 warps, one warpgroup per 64-row chunk, wgmma), 252 in the dv walk and
-# 255 in the dk walk (4 bytes of spill), 48-74 KiB of shared memory. The fp32 tiling compiles without spills with TF32 dots (at chunk 64
-# its kernels spill); with IEEE fp32 dots ("float32", a check of accuracy rather than a fast path)
-# they spill.
-TILES = {"default": {2: FusedTiles(forward=Tiles(64, 64, 1, 4, 3), dq=Tiles(64, 64, 1, 4, 3),
-                                   dkv=Tiles(64, 64, 1, 4, 3)),
-                     4: FusedTiles(forward=Tiles(32, 64, 1, 4, 2), dq=Tiles(32, 64, 1, 4, 2),
-                                   dkv=Tiles(32, 64, 1, 8, 2))}}
-DEFAULT_CHUNK = TILES["default"][2].forward.chunk
-# The forward's numerator parts and the dv walk's parts (one [B, T, H, dv] array per channel group,
-# summed by XLA) are written in the operands' dtype, not fp32: bf16 halves the walks' largest writes
-# and the sums' reads.
-NARROW_PARTS = True
+# The tiling by the kernels' operand width in bytes (2: bf16 inputs; 4: fp32 inputs or precision
+# "tf32"/"float32", whose chunks of 64 spill registers). ``benchmarks.harness.FUSED_TUNING`` lists the
+# tilings timed.
+TILES = {2: FusedTiles(),
+         4: FusedTiles(forward=KernelTiles(32, 64, 1, 4, 2), dq=KernelTiles(32, 64, 1, 4, 2),
+                       dkv=KernelTiles(32, 64, 1, 8, 2))}
+# "auto" takes these kernels for heads up to this wide; past them XLA "chunked" is faster
+# (docs/BENCHMARKS.md, SANATAN p = 1 head shapes).
+MAX_HEAD_DIM, MAX_VALUE_DIM = 128, 512
 
 
 def default_tiles(dtype) -> FusedTiles:
-  """The tiling for operands of ``dtype``, by the first device's kind (else "default")."""
-  kind = getattr(jax.devices()[0], "device_kind", "")
-  return TILES.get(kind, TILES["default"])[jnp.dtype(dtype).itemsize]
-
-
-def parse_tiles(spec: str, base: FusedTiles) -> FusedTiles:
-  """``base`` with the kernels named in ``spec`` replaced: "forward=64x16x6x4x3;dkv=64x64x2x8x2" gives
-  each named kernel (forward, dq, dkv) its chunk x value tile x channels per program x warps x stages
-  (``Tiles``), and "spans=8" the spans per row; "" is ``base``. Raises ValueError naming the bad part."""
-  tiles = base._asdict()
-  for part in filter(None, (x.strip() for x in spec.split(";"))):
-    name, _, value = part.partition("=")
-    fields = value.split("x")
-    if name == "spans" and value.isdigit():
-      tiles[name] = int(value)
-      continue
-    if name not in FusedTiles._fields[:3] or len(fields) != len(Tiles._fields) or not all(f.isdigit() for f in fields):
-      raise ValueError(f"fused tiles {part!r}: expected KERNEL=CHUNKxBLOCK_VxCHANNELSxWARPSxSTAGES with "
-                       f"KERNEL one of forward, dq, dkv, or spans=N, e.g. "
-                       f"'forward=64x16x6x4x3;dkv=64x64x2x8x2;spans=8'")
-    tiles[name] = Tiles(*map(int, fields))
-  return FusedTiles(**tiles)
+  """The tiling for operands of ``dtype``."""
+  return TILES[min(jnp.dtype(dtype).itemsize, 4)]
 
 
 class KernelConfig(NamedTuple):
@@ -230,10 +216,9 @@ class _Chunk(NamedTuple):
 def _phi(refs, start, cfg: KernelConfig) -> tuple | None:
   """The program's channels of Phi for rows ``start : start + C`` from ``refs`` = (one trig ref
   per channel, the roots' ref, the program's first channel g·G; ``_operand``) (None: not read).
-  Channel c = g·G + i of head dimension a is U_a · W_a with U = (1, cos th, sin th)[c mod 3] and
-  W = (1, r)[c div 3] (feature_map's order 1, cos, sin, r, r cos, r sin), formed in fp32 and rounded
-  to the refs' dtype; the constant channel is zero on time and head-dim padding (the factors are zero
-  there already)."""
+  Channel c = g·G + i is ``base.factor_channel`` of the trig ref its BlockSpec picked (cos or sin,
+  ``_trig_index``) and r, formed in fp32 and rounded to the refs' dtype; the constant channel is zero
+  on time and head-dim padding (the factors are zero there already)."""
   if refs is None:
     return None
   trig_refs, root_ref, first = refs
@@ -246,9 +231,8 @@ def _phi(refs, start, cfg: KernelConfig) -> tuple | None:
     one = ((token < cfg.length) & (dim < cfg.head_dim)).astype(_F32)
   phi = []
   for i, trig_ref in enumerate(trig_refs):
-    c = first + i
-    u = jnp.where(c % 3 == 0, one, pu.rows(trig_ref, start, C).astype(_F32))
-    phi.append((u * jnp.where(c // 3 == 0, 1.0, w)).astype(trig_ref.dtype))
+    trig = pu.rows(trig_ref, start, C).astype(_F32)
+    phi.append(factor_channel(first + i, trig, trig, w, one).astype(trig_ref.dtype))
   return tuple(phi)
 
 
@@ -691,12 +675,6 @@ def _shape(*shape, dtype=_F32):
   return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _parts_dtype(v):
-  """The dtype of the channel groups' parts of the numerator and of dv: v's (the operands') when
-  ``NARROW_PARTS``, else fp32. XLA sums the parts in fp32 either way."""
-  return v.dtype if NARROW_PARTS else _F32
-
-
 def _tile_sum(x):
   """The sum of parts [parts, ...] (value tiles or channel groups) in fp32."""
   return jnp.sum(x.astype(_F32), axis=0)
@@ -722,7 +700,7 @@ def _forward(fq: Factors, fk: Factors, v, run, S0, z0, st: Static):
   constant = [s.S_constant, s.z_constant] if cfg.first_group else []
   in_specs = _factor_specs(s, G) * 2 + [s.v, s.row] + each(s.S) + each(s.z) + constant
   out_specs = [s.group_v, s.tile_token] + [s.group_S] * G + [s.tile_z] * G
-  out_shape = ([_shape(groups, B, Tp, H, st.Vp, dtype=_parts_dtype(v)), _shape(tiles, groups, B, Tp, H)]
+  out_shape = ([_shape(groups, B, Tp, H, st.Vp, dtype=v.dtype), _shape(tiles, groups, B, Tp, H)]
                + [_shape(groups, B, H, st.dp, st.Vp)] * G + [_shape(tiles, groups, B, H, st.dp)] * G)
   num, den, *state = pu.call(_forward_kernel, cfg, grid, in_specs, out_specs, out_shape,
                              *_factor_args(fq, G), *_factor_args(fk, G), v, run, *[S0] * G,
@@ -802,7 +780,7 @@ def _dkv(fq: Factors, fk: Factors, v, run, dN, dD, dS, dz, st: Static):
   each = lambda make: [make(i) for i in range(G)]
   constant = [s.S_constant] if cfg.first_group else []
   dv = pu.call(_dv_kernel, cfg, grid, _factor_specs(s, G) * 2 + [s.row, s.v] + each(s.S) + constant,
-               s.group_v, _shape(groups, B, Tp, H, st.Vp, dtype=_parts_dtype(v)), *_factor_args(fq, G),
+               s.group_v, _shape(groups, B, Tp, H, st.Vp, dtype=v.dtype), *_factor_args(fq, G),
                *_factor_args(fk, G),
                run, dN, *[dS] * (G + len(constant)))
   in_specs = _factor_specs(s, G) + [s.v, s.row, s.v, s.token] + each(s.S) + each(s.z)
@@ -968,7 +946,7 @@ def _fused_bwd(st: Static, residuals, cotangents):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _kernel_config(tiles: Tiles, T: int, d: int, Vp: int, documents: bool, interpret: bool,
+def _kernel_config(tiles: KernelTiles, T: int, d: int, Vp: int, documents: bool, interpret: bool,
                    precision: str) -> KernelConfig:
   """``tiles`` with the chunk capped at the next power of two >= T and the value tile at Vp (both
   >= 16 when compiled); the padded length is set once every kernel's chunk is known."""
@@ -980,15 +958,7 @@ def _kernel_config(tiles: Tiles, T: int, d: int, Vp: int, documents: bool, inter
                       padded_length=T, dp=pu.block_size(d, interpret))
 
 
-def _check(tiles: FusedTiles, q, v, state, op: str) -> None:
-  for name, kernel in zip(("forward", "dq", "dkv"), tiles.kernels):
-    for field in ("chunk", "block_v"):
-      size = getattr(kernel, field)
-      if size < 1 or size & (size - 1):
-        raise ValueError(f"{op}: tiles.{name}.{field} must be a power of two, got {size}")
-    if CHANNELS % kernel.channels:
-      raise ValueError(f"{op}: tiles.{name}.channels must divide {CHANNELS} (1, 2, 3 or 6), got "
-                       f"{kernel.channels}")
+def _check(q, v, state, op: str) -> None:
   B, _, H, d = q.shape
   expected = (B, H, CHANNELS * d, v.shape[-1])
   if state is not None and tuple(state.S.shape) != expected:
@@ -996,12 +966,23 @@ def _check(tiles: FusedTiles, q, v, state, op: str) -> None:
                      f"{expected}")
 
 
+def _parts(T: int, count: int, chunk: int, requested: int) -> int:
+  """The parts each span's totals are summed in: ``requested`` (it must cut the span into whole
+  chunks: ValueError otherwise), or ``spans.parts``' rule for 0."""
+  if not requested:
+    return spans.parts(T, count, chunk)
+  if (T // count) % (requested * chunk):
+    raise ValueError(f"pallas_fused tiles: parts={requested} does not cut spans of {T // count} tokens "
+                     f"into whole chunks of {chunk}")
+  return requested
+
+
 def sanatan_fused_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array,
                          lam_raw: jax.Array, *, positions: jax.Array | None = None,
                          segment_ids: jax.Array | None = None, state: SanatanState | None = None,
                          rotate: bool = True, interpret: bool | None = None,
-                         tiles: FusedTiles | None = None, tiles_spec: str = "",
-                         precision: str = "input", remat: bool = True) -> tuple[jax.Array, SanatanState]:
+                         tiles: FusedTiles | None = None, precision: str = "input",
+                         remat: bool = True) -> tuple[jax.Array, SanatanState]:
   """SANATAN p = 1, 6 channels (MATH §1.2) by the fused-chunk Pallas kernels; the function of
   ``sanatan_attention(..., p=1, channels=6)``.
 
@@ -1015,8 +996,6 @@ def sanatan_fused_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
     interpret: run the kernels interpreted; None means "unless on a GPU".
     tiles: the kernels' tilings; None means ``default_tiles`` of the operands' dtype. Chunks are capped
       at the next power of two >= T, value tiles at the padded dv.
-    tiles_spec: kernels whose tiling replaces that of ``tiles`` (``parse_tiles``), e.g.
-      "forward=64x16x6x4x3".
     precision: "input" (dots take operands in the inputs' dtype), "tf32" or "float32" (the
       kernels run on fp32 copies and return fp32; ``pu.PRECISIONS``).
     remat: the backward recomputes the factors of Phi from q and k; False keeps the forward's
@@ -1032,8 +1011,7 @@ def sanatan_fused_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
   pu.check_precision(precision, op)
   if tiles is None:
     tiles = default_tiles(pu.operands(precision, q)[0].dtype)
-  tiles = parse_tiles(tiles_spec, tiles)
-  _check(tiles, q, v, state, op)
+  _check(q, v, state, op)
   q, k, v = pu.operands(precision, q, k, v)
   B, T, H, d = q.shape
   V = v.shape[-1]
@@ -1050,7 +1028,8 @@ def sanatan_fused_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
   forward, dq, dkv = (c._replace(padded_length=Lp) for c in configs)
   st = Static(forward=forward, dq=dq, dkv=dkv, rotate=rotate, length=L, padded_length=Lp,
               dp=forward.dp, Vp=Vp, c_eps=features.score_scale(CHANNELS, "clean", d) * EPS,
-              keep_factors=not remat, spans=count, parts=spans.parts(T, count, chunk))
+              keep_factors=not remat, spans=count,
+              parts=_parts(T, count, chunk, tiles.parts) if count > 1 else 1)
   doc = document_index(segment_ids, B, T)
   docs = spans.documents(doc, count * st.parts) if count > 1 else None
   # Edge-padding keeps padded (zero-feature) tokens in the last run: they neither reset the state
@@ -1063,3 +1042,33 @@ def sanatan_fused_pallas(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Ar
   o = spans.from_rows(o, count)
   S, z = interleaved_state(S, z, d, V)
   return o, SanatanState(S, z, positions[:, -1].astype(jnp.int32) + 1)
+
+
+class PallasFused(Backend[FusedTiles]):
+  """The fused-chunk Triton kernels as a backend (p = 1 with 6 channels), each device of the mesh in
+  context on its own rows and heads (``shard_map.run_sharded``)."""
+
+  platforms = TRITON
+  tiles_type = FusedTiles
+  requirement = "p = 1 with 6 channels"
+
+  def supports(self, problem: Problem) -> bool:
+    return problem.constant_state
+
+  def preferred(self, problem: Problem) -> bool:
+    return problem.head_dim <= MAX_HEAD_DIM and problem.value_dim <= MAX_VALUE_DIM
+
+  def heuristic_config(self, problem: Problem) -> FusedTiles:
+    return default_tiles(problem.dtype)
+
+  def flops_per_head(self, problem: Problem, tiles: FusedTiles | None = None) -> float:
+    chunk = self.config(problem, tiles).forward.chunk
+    return flops.chunked(problem.feature_dim, problem.value_dim + 1, chunk, problem.length or chunk)
+
+  def __call__(self, q, k, v, omega, lam_raw, *, positions, segment_ids, state, tiles: FusedTiles,
+               options: Options):
+    kernel = functools.partial(sanatan_fused_pallas, rotate=options.rotate, tiles=tiles,
+                               precision=options.precision, remat=options.remat)
+    inputs = dict(q=q, k=k, v=v, omega=omega, lam_raw=lam_raw, positions=positions,
+                  segment_ids=segment_ids, state=state)
+    return shard_map.run_sharded(kernel, inputs, KERNEL_LAYOUTS, ("BTH", STATE_LAYOUT))

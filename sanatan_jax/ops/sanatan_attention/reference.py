@@ -1,8 +1,10 @@
 """The plain forms of SANATAN attention (MATH §1.1 step 6, §1.2), the references of the tests.
 
-* ``parallel``: the materialised T x T weights; any p and channel variant.
-* ``recurrent`` (p = 1, 6ch): write-then-read ``S_t = S_{t-1} + Phi(k_t) v_t^T``,
-  ``z_t = z_{t-1} + Phi(k_t)``, ``o_t = Phi(q_t)^T S_t / (Phi(q_t)^T z_t + c eps)``.
+* ``parallel``: the materialised T x T weights, differentiated by autodiff; any p and channel variant
+  (the tests' reference; not a backend: ``xla.parallel`` is the one that runs).
+* ``recurrent`` (p = 1, 6ch; the backend ``Recurrent``, the decode path): write-then-read
+  ``S_t = S_{t-1} + Phi(k_t) v_t^T``, ``z_t = z_{t-1} + Phi(k_t)``,
+  ``o_t = Phi(q_t)^T S_t / (Phi(q_t)^T z_t + c eps)``.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from lmcore.ops.common import flops
+from lmcore.ops.common.backend import Backend
 from sanatan_jax.ops.sanatan_attention import base
-from sanatan_jax.ops.sanatan_attention.base import EPS, Options, SanatanState, einsum
+from sanatan_jax.ops.sanatan_attention.base import EPS, Options, Problem, SanatanState, einsum
 
 
 def parallel(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array, lam_raw: jax.Array, *,
@@ -76,3 +80,21 @@ def recurrent(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array, lam_ra
   (S_BxHxFxV, z_BxHxF, _), o_TxBxHxV = jax.lax.scan(step, init, xs)
   new_state = SanatanState(S_BxHxFxV, z_BxHxF, base.next_position(x.positions))
   return o_TxBxHxV.swapaxes(0, 1).astype(v.dtype), new_state
+
+
+class Recurrent(Backend[None]):
+  """``recurrent`` as a backend: any platform, p = 1 with 6 channels; the decode path."""
+
+  requirement = "p = 1 with 6 channels"
+
+  def supports(self, problem: Problem) -> bool:
+    return problem.constant_state
+
+  def flops_per_head(self, problem: Problem, tiles=None) -> float:
+    return flops.recurrent(problem.feature_dim, problem.value_dim + 1)
+
+  def __call__(self, q, k, v, omega, lam_raw, *, positions, segment_ids, state, tiles=None,
+               options: Options = Options()):
+    del tiles
+    return recurrent(q, k, v, omega, lam_raw, positions=positions, segment_ids=segment_ids,
+                     state=state, options=options)

@@ -1,19 +1,15 @@
-"""The tiled XLA forms of SANATAN attention (MATH §1.1 step 6, §1.2).
+"""The XLA backends of SANATAN attention (MATH §1.1 step 6, §1.2).
 
-* ``parallel``: ``reference.parallel``'s sum in blocks of query rows, each against the keys up to its
-  last row (the causal half only), with a custom VJP that recomputes the scores in the backward
-  pass, once by query blocks (dPhi(q)) and once by key blocks against the queries at or after them
-  (dPhi(k), dv), so no gradient is accumulated across blocks: the residuals are the features and
-  values, never a T x T array. Any p and channels.
-* ``blocked``: ``reference.parallel``'s sum tiled over query and key blocks; no T x T array is ever
-  held, in the forward or (through rematerialisation of each query block) the backward pass.
-  Scores lie in [0, 1] after division by c, so no running maximum is needed. Any p and channels.
-* ``chunked`` (p = 1, 6ch): chunked linear attention on whole arrays: every chunk's intra-chunk
-  block and state update as batched einsums, the states entering the chunks as a (document-gated)
-  prefix sum over chunks in blocks of masked matmuls (``chunk_prefix_sum``: linear in the number of
-  chunks); by default its backward pass recomputes all of this from the inputs
-  (``Options.chunked_remat``), keeping no features, blocks or state stacks.
-* ``chunked_scan`` (p = 1, 6ch): the same chunks visited one after another by ``lax.scan``.
+* ``parallel`` (``Parallel``, tiles ``ParallelTiles``): ``reference.parallel``'s sum in blocks of query
+  rows, each against the keys up to its last row (the causal half only), with a custom VJP that
+  recomputes the scores in the backward pass, once by query blocks (dPhi(q)) and once by key blocks
+  against the queries at or after them (dPhi(k), dv), so no gradient is accumulated across blocks:
+  the residuals are the features and values, never a T x T array. Any p and channels.
+* ``chunked`` (``Chunked``, tiles ``ChunkTiles``; p = 1, 6ch): chunked linear attention on whole
+  arrays: every chunk's intra-chunk block and state update as batched einsums, the states entering
+  the chunks as a (document-gated) prefix sum over chunks in blocks of masked matmuls
+  (``chunk_prefix_sum``: linear in the number of chunks); by default its backward pass recomputes all
+  of this from the inputs (``Options.remat``), keeping no features, blocks or state stacks.
 
 Matmul operands stay in the inputs' dtype (bf16 in training) with fp32 accumulation; fp32 inputs
 multiply at full fp32 precision (``dot``). States and normalisers are fp32.
@@ -21,23 +17,28 @@ multiply at full fp32 precision (``dot``). States and normalisers are fp32.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from lmcore.ops.common import pallas_utils
+from lmcore.ops.common import flops, pallas_utils
+from lmcore.ops.common.backend import Backend, ChunkTiles
 from lmcore.ops.common.segments import chunk_documents
 from sanatan_jax.ops.sanatan_attention import base
-from sanatan_jax.ops.sanatan_attention.base import EPS, F32, Options, SanatanState, einsum
+from sanatan_jax.ops.sanatan_attention.base import EPS, F32, Options, Problem, SanatanState
 
-# The parallel form's query blocks: ``block_size`` rows, at most this many blocks (each block is
+# The chunked form's chunk, the faster of 64 and 128 (docs/BENCHMARKS.md, SANATAN p = 1 kernels).
+CHUNK = 128
+# The parallel form's query blocks: ``ROWS`` rows, at most ``PARALLEL_MAX_BLOCKS`` blocks (each block is
 # its own program region, so their number bounds the compile time).
+ROWS = 128
 PARALLEL_MAX_BLOCKS = 16
-# The parallel form's fewest query rows per block, by platform (more than ``block_size`` where it is
-# smaller): each block reads every key's 6d-wide features up to its last row again, and a TPU (v4 AOT,
-# 8 x 2048 per chip) moves 14% fewer bytes at 256 rows than at 128 for 35% more temporaries.
+# The parallel form's fewest query rows per block, by platform (more than the tiles' rows where they are
+# fewer): each block reads every key's 6d-wide features up to its last row again, which a TPU's
+# bandwidth pays for (docs/BENCHMARKS.md, SANATAN on TPU v4).
 PARALLEL_MIN_ROWS = {"tpu": 256}
 # ``chunk_prefix_sum``'s blocks of chunks, by platform: each level is a batched fp32 matmul by a
 # block x block 0/1 mask (2 * block FLOPs per state element). A TPU's MXU contracts 128 as fast as 16,
@@ -58,121 +59,14 @@ def dot(spec: str, *operands: jax.Array) -> jax.Array:
                     precision=jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT)
 
 
-def _to_blocks(x_BxTx: jax.Array, size: int, pad_mode: str = "constant") -> jax.Array:
-  """[B, T, ...] -> [N, B, size, ...], padding T up to N * size."""
-  B, T = x_BxTx.shape[:2]
-  n = -(-T // size)
-  pad = [(0, 0), (0, n * size - T)] + [(0, 0)] * (x_BxTx.ndim - 2)
-  x = jnp.pad(x_BxTx, pad, mode=pad_mode)
-  return x.reshape(B, n, size, *x.shape[2:]).swapaxes(0, 1)
-
-
-def _from_blocks(x_NxBxCx: jax.Array, length: int) -> jax.Array:
-  """[N, B, C, ...] -> [B, length, ...]."""
-  N, B, C = x_NxBxCx.shape[:3]
-  return x_NxBxCx.swapaxes(0, 1).reshape(B, N * C, *x_NxBxCx.shape[3:])[:, :length]
-
-
-def blocked(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array, lam_raw: jax.Array, *,
-            positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-            state: SanatanState | None = None,
-            options: Options = Options()) -> tuple[jax.Array, SanatanState | None]:
-  """``reference.parallel`` in blocks of ``options.block_size``: memory O(T * block) (padded keys
-  sit after every real query)."""
-  x = base.prepare(q, k, omega, lam_raw, positions, segment_ids, state, options)
-  T = q.shape[1]
-  C = min(options.block_size, T)
-  weights = functools.partial(base.power_weights, p=options.p, channels=options.channels,
-                              three_channel=options.three_channel, d=q.shape[-1])
-  q_NxBxCxHxF, k_NxBxCxHxF = _to_blocks(x.phi_q, C), _to_blocks(x.phi_k, C)
-  v_NxBxCxHxV, doc_NxBxC = _to_blocks(v, C), _to_blocks(x.doc, C)
-  n = q_NxBxCxHxF.shape[0]
-  offsets_C = jnp.arange(C)
-
-  def key_step(i, q_BxCxHxF, doc_q_BxC, carry, xs):
-    j, k_BxCxHxF, v_BxCxHxV, doc_k_BxC = xs
-
-    def accumulate(carry):
-      num_BxCxHxV, den_BxHxC = carry
-      s_BxHxCxC = einsum("bqhf,bkhf->bhqk", q_BxCxHxF, k_BxCxHxF)
-      causal_CxC = (i * C + offsets_C)[:, None] >= (j * C + offsets_C)[None, :]
-      mask_BxCxC = causal_CxC[None] & (doc_q_BxC[:, :, None] == doc_k_BxC[:, None, :])
-      w_BxHxCxC = weights(s_BxHxCxC, mask_BxCxC[:, None])
-      num_BxCxHxV += einsum("bhqk,bkhv->bqhv", w_BxHxCxC.astype(v_BxCxHxV.dtype), v_BxCxHxV)
-      return num_BxCxHxV, den_BxHxC + jnp.sum(w_BxHxCxC, axis=-1)
-
-    # Key blocks after the query block are fully masked: skip their work.
-    return jax.lax.cond(j <= i, accumulate, lambda c: c, carry), None
-
-  # Remat per query block: the backward pass recomputes one block row at a time, so its residuals
-  # are O(T * block) instead of the T x T scores.
-  @jax.checkpoint
-  def query_block(i, q_BxCxHxF, doc_q_BxC, k_blocks, v_blocks, doc_blocks):
-    B, _, H, _ = q_BxCxHxF.shape
-    init = (jnp.zeros((B, C, H, v.shape[-1]), F32), jnp.zeros((B, H, C), F32))
-    step = functools.partial(key_step, i, q_BxCxHxF, doc_q_BxC)
-    (num, den), _ = jax.lax.scan(step, init, (jnp.arange(n), k_blocks, v_blocks, doc_blocks))
-    return num, den.transpose(0, 2, 1)
-
-  num_N, den_N = jax.lax.map(
-      lambda xs: query_block(*xs, k_NxBxCxHxF, v_NxBxCxHxV, doc_NxBxC),
-      (jnp.arange(n), q_NxBxCxHxF, doc_NxBxC))
-  return base.power_output(_from_blocks(num_N, T), _from_blocks(den_N, T), v, x, state, options)
-
-
-def chunked_scan(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array, lam_raw: jax.Array, *,
-                 positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                 state: SanatanState | None = None,
-                 options: Options = Options()) -> tuple[jax.Array, SanatanState]:
-  """The chunked p = 1 form in chunks of ``options.chunk_size``, one chunk per ``lax.scan`` step
-  carrying the fp32 state: o [B, T, H, dv] in v's dtype and the final state (MATH §1.2)."""
-  x = base.prepare(q, k, omega, lam_raw, positions, segment_ids, state, options)
-  B, T, H, _ = q.shape
-  S_BxHxFxV, z_BxHxF = base.start_state(state, B, H, x.phi_q.shape[-1], v.shape[-1])
-  C = min(options.chunk_size, T)
-  # Edge-padding the document index keeps padded (zero-feature) tokens in the last document, so
-  # they neither reset the state nor add to it.
-  xs = (_to_blocks(x.phi_q, C), _to_blocks(x.phi_k, C), _to_blocks(v, C),
-        _to_blocks(x.doc, C, pad_mode="edge"))
-  causal_CxC = jnp.tril(jnp.ones((C, C), bool))
-  c = x.c
-
-  def step(carry, xs):
-    S_BxHxFxV, z_BxHxF, doc_prev_B = carry
-    q_BxCxHxF, k_BxCxHxF, v_BxCxHxV, doc_BxC = xs
-    same_doc_BxCxC = doc_BxC[:, :, None] == doc_BxC[:, None, :]
-    s_BxHxCxC = einsum("bqhf,bkhf->bhqk", q_BxCxHxF, k_BxCxHxF)
-    s_BxHxCxC = jnp.where(causal_CxC[None, None] & same_doc_BxCxC[:, None], s_BxHxCxC, 0.0)
-    reads_state_BxCx1 = (doc_BxC == doc_prev_B[:, None])[:, :, None]
-    state_num_BxCxHxV = einsum("bqhf,bhfv->bqhv", q_BxCxHxF, S_BxHxFxV)
-    num_BxCxHxV = (einsum("bhqk,bkhv->bqhv", s_BxHxCxC.astype(v_BxCxHxV.dtype), v_BxCxHxV)
-                   + reads_state_BxCx1[..., None] * state_num_BxCxHxV)
-    den_BxCxH = (jnp.sum(s_BxHxCxC, axis=-1).transpose(0, 2, 1)
-                 + reads_state_BxCx1 * einsum("bqhf,bhf->bqh", q_BxCxHxF, z_BxHxF))
-    o_BxCxHxV = num_BxCxHxV / (den_BxCxH[..., None] + c * EPS)
-    doc_last_B = doc_BxC[:, -1]
-    keep_B = doc_last_B == doc_prev_B
-    k_last_BxCxHxF = jnp.where((doc_BxC == doc_last_B[:, None])[:, :, None, None], k_BxCxHxF, 0)
-    S_BxHxFxV = (jnp.where(keep_B[:, None, None, None], S_BxHxFxV, 0.0)
-                 + einsum("bkhf,bkhv->bhfv", k_last_BxCxHxF, v_BxCxHxV))
-    z_BxHxF = (jnp.where(keep_B[:, None, None], z_BxHxF, 0.0)
-               + jnp.sum(k_last_BxCxHxF.astype(F32), axis=1))
-    return (S_BxHxFxV, z_BxHxF, doc_last_B), o_BxCxHxV
-
-  init = (S_BxHxFxV, z_BxHxF, jnp.zeros((B,), jnp.int32))
-  (S_BxHxFxV, z_BxHxF, _), o_NxBxCxHxV = jax.lax.scan(step, init, xs)
-  new_state = SanatanState(S_BxHxFxV, z_BxHxF, base.next_position(x.positions))
-  return _from_blocks(o_NxBxCxHxV, T).astype(v.dtype), new_state
-
-
 def chunked(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array, lam_raw: jax.Array, *,
             positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-            state: SanatanState | None = None,
-            options: Options = Options()) -> tuple[jax.Array, SanatanState]:
-  """The chunked p = 1 form of MATH §1.2 in chunks of ``options.chunk_size``, all chunks at once:
-  o [B, T, H, dv] in v's dtype and the final state (``_chunked_core``).
+            state: SanatanState | None = None, options: Options = Options(),
+            chunk_size: int = CHUNK) -> tuple[jax.Array, SanatanState]:
+  """The chunked p = 1 form of MATH §1.2 in chunks of ``chunk_size`` tokens (``min(chunk_size, T)``),
+  all chunks at once: o [B, T, H, dv] in v's dtype and the final state (``_chunked_core``).
 
-  With ``options.chunked_remat`` the backward pass recomputes the forward from the op's inputs
+  With ``options.remat`` the backward pass recomputes the forward from the op's inputs
   (``jax.checkpoint`` around the whole form, features included), so what waits for it is q, k, v,
   omega, lam_raw, the int positions and segment ids and the state: O(B T H d). Autodiff of the form
   itself keeps, per layer until its backward pass, the features Phi(q), Phi(k) [B, T, H, F] (F = 6d)
@@ -180,14 +74,14 @@ def chunked(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array, lam_raw:
   S_<n [B, N, H, F, dv]. The recomputation runs the same operations, so outputs and gradients are
   those without it; it costs one more forward pass of the op in the backward pass.
   """
-  core = functools.partial(_chunked_core, options=options)
-  if options.chunked_remat:
+  core = functools.partial(_chunked_core, options=options, chunk_size=chunk_size)
+  if options.remat:
     core = jax.checkpoint(core)
   return core(q, k, v, omega, lam_raw, positions, segment_ids, state)
 
 
-def _chunked_core(q, k, v, omega, lam_raw, positions, segment_ids, state,
-                  options: Options) -> tuple[jax.Array, SanatanState]:
+def _chunked_core(q, k, v, omega, lam_raw, positions, segment_ids, state, options: Options,
+                  chunk_size: int) -> tuple[jax.Array, SanatanState]:
   """``chunked`` without the recomputation (what autodiff differentiates).
 
   Per chunk n: the masked block A_n = Mask ⊙ Phi(Q_n) Phi(K_n)ᵀ and the chunk's state increment
@@ -198,7 +92,7 @@ def _chunked_core(q, k, v, omega, lam_raw, positions, segment_ids, state,
   """
   x = base.prepare(q, k, omega, lam_raw, positions, segment_ids, state, options)
   B, T, H, _ = q.shape
-  C = min(options.chunk_size, T)
+  C = min(chunk_size, T)
   N = -(-T // C)
   chunks = lambda a: jnp.pad(a, [(0, 0), (0, N * C - T)] + [(0, 0)] * (a.ndim - 2)).reshape(
       B, N, C, *a.shape[2:])
@@ -301,10 +195,10 @@ def _state_leaving(y_in_BxNx, x_BxNx, last_BxN) -> jax.Array:
   return jnp.where(keep_B, y_in_BxNx[:, -1], 0.0) + x_BxNx[:, -1]
 
 
-def query_blocks(T: int, block_size: int, max_blocks: int = PARALLEL_MAX_BLOCKS) -> tuple[tuple[int, int], ...]:
-  """(first, stop) rows of the parallel form's query blocks: ``block_size`` rows, more where T needs
-  over ``max_blocks`` of them."""
-  rows = max(block_size, -(-T // max_blocks))
+def query_blocks(T: int, rows: int, max_blocks: int = PARALLEL_MAX_BLOCKS) -> tuple[tuple[int, int], ...]:
+  """(first, stop) rows of the parallel form's query blocks: ``rows`` rows, more where T needs over
+  ``max_blocks`` of them."""
+  rows = max(rows, -(-T // max_blocks))
   return tuple((a, min(a + rows, T)) for a in range(0, T, rows))
 
 
@@ -321,12 +215,13 @@ class _Power(NamedTuple):
 
 def parallel(q: jax.Array, k: jax.Array, v: jax.Array, omega: jax.Array, lam_raw: jax.Array, *,
              positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-             state: SanatanState | None = None,
-             options: Options = Options()) -> tuple[jax.Array, SanatanState | None]:
-  """``reference.parallel`` in query blocks of ``options.block_size`` rows (see the module
-  docstring): o [B, T, H, dv] in v's dtype and, at p = 1 with 6 channels, the final state."""
+             state: SanatanState | None = None, options: Options = Options(),
+             rows: int = ROWS) -> tuple[jax.Array, SanatanState | None]:
+  """``reference.parallel`` in query blocks of ``rows`` rows, at least the platform's
+  ``PARALLEL_MIN_ROWS`` (see the module docstring): o [B, T, H, dv] in v's dtype and, at p = 1 with
+  6 channels, the final state."""
   x = base.prepare(q, k, omega, lam_raw, positions, segment_ids, state, options)
-  rows = max(options.block_size, PARALLEL_MIN_ROWS.get(pallas_utils.backend(), 1))
+  rows = max(rows, PARALLEL_MIN_ROWS.get(pallas_utils.backend(), 1))
   config = _Power(options.p, options.channels, options.three_channel, q.shape[-1],
                   query_blocks(q.shape[1], rows), segment_ids is not None)
   num_BxTxHxV, den_BxTxH = _power_sums(x.phi_q, x.phi_k, v, x.doc, config)
@@ -429,3 +324,56 @@ def _power_sums_bwd(config: _Power, residuals, cotangents):
 
 
 _power_sums.defvjp(_power_sums_fwd, _power_sums_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelTiles:
+  """``parallel``'s query blocks: ``rows`` query rows per block (on a TPU at least
+  ``PARALLEL_MIN_ROWS["tpu"]``; more where T needs over ``PARALLEL_MAX_BLOCKS`` blocks)."""
+
+  rows: int = ROWS
+
+  def __post_init__(self):
+    if not isinstance(self.rows, int) or self.rows < 1:
+      raise ValueError(f"tiles: rows must be a positive number of query rows, got {self.rows!r}")
+
+
+class Parallel(Backend[ParallelTiles]):
+  """``parallel`` as a backend: any platform, every power and channel variant."""
+
+  tiles_type = ParallelTiles
+
+  def heuristic_config(self, problem: Problem) -> ParallelTiles:
+    del problem
+    return ParallelTiles()
+
+  def flops_per_head(self, problem: Problem, tiles: ParallelTiles | None = None) -> float:
+    return flops.quadratic(problem.feature_dim, problem.value_dim + 1, problem.length or 1)
+
+  def __call__(self, q, k, v, omega, lam_raw, *, positions, segment_ids, state, tiles: ParallelTiles,
+               options: Options):
+    return parallel(q, k, v, omega, lam_raw, positions=positions, segment_ids=segment_ids, state=state,
+                    options=options, rows=tiles.rows)
+
+
+class Chunked(Backend[ChunkTiles]):
+  """``chunked`` as a backend: any platform, p = 1 with 6 channels, chunks of ``ChunkTiles.chunk``."""
+
+  tiles_type = ChunkTiles
+  requirement = "p = 1 with 6 channels"
+
+  def supports(self, problem: Problem) -> bool:
+    return problem.constant_state
+
+  def heuristic_config(self, problem: Problem) -> ChunkTiles:
+    del problem
+    return ChunkTiles(CHUNK)
+
+  def flops_per_head(self, problem: Problem, tiles: ChunkTiles | None = None) -> float:
+    chunk = self.config(problem, tiles).chunk
+    return flops.chunked(problem.feature_dim, problem.value_dim + 1, chunk, problem.length or chunk)
+
+  def __call__(self, q, k, v, omega, lam_raw, *, positions, segment_ids, state, tiles: ChunkTiles,
+               options: Options):
+    return chunked(q, k, v, omega, lam_raw, positions=positions, segment_ids=segment_ids, state=state,
+                   options=options, chunk_size=tiles.chunk)

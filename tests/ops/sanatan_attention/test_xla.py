@@ -1,6 +1,6 @@
-"""The tiled XLA forms (xla.py) pass the shared checks of ``SanatanAttentionTestBase``; ``blocked``
-and ``parallel`` equal the reference for every power and channel variant without a T x T array in
-their gradients, ``chunked`` and ``chunked_scan`` take bf16 inputs."""
+"""The XLA backends (xla.py) pass the shared checks of ``SanatanAttentionTestBase``; ``parallel``
+equals the reference for every power and channel variant without a T x T array in its gradients,
+``chunked`` takes bf16 inputs and recomputes its forward in the backward pass."""
 
 import functools
 
@@ -11,56 +11,18 @@ import pytest
 
 from lmcore.numerics import relative_l2
 from lmcore.ops.common import pallas_utils
+from lmcore.ops.common.backend import ChunkTiles
 from sanatan_jax import SanatanState, sanatan_attention
-from sanatan_jax.ops.sanatan_attention.xla import chunk_prefix_sum
+from sanatan_jax.ops.sanatan_attention.xla import ParallelTiles, chunk_prefix_sum
 
-from .test_base import (GRAD_TOL, OUT_TOL, SanatanAttentionTestBase, attend, attention, inputs, jit,
-                        options, outputs_and_grads, prefix_state)
-
-# All 12 (p, variant) pairs. Gradients on two of them (p = 1 six-channel ones are in the shared
-# gradient check): the tiling, remat and block skipping they check do not depend on the variant.
-_GRAD_CASES = {(2, 6, "clean"), (4, 4, "clean")}
-
-
-class TestBlocked(SanatanAttentionTestBase):
-  implementation = "blocked"
-  future_power = (2, 4, "clean")
-  packed_power = 4
-
-  @pytest.mark.parametrize("p", [1, 2, 4])
-  @pytest.mark.parametrize("channels,three_channel", [(6, "clean"), (4, "clean"), (3, "legacy"),
-                                                      (3, "clean")])
-  def test_blocked_equals_parallel_for_all_powers_and_channels(self, p, channels, three_channel):
-    x = inputs(7 * p + channels, 33)
-    kw = dict(p=p, channels=channels, three_channel=three_channel)
-    if (p, channels, three_channel) not in _GRAD_CASES:
-      o_ref, o = (attend(*x, implementation=impl, **kw)[0] for impl in ("reference", "blocked"))
-      assert relative_l2(o, o_ref) <= OUT_TOL
-      return
-    do = jnp.asarray(np.random.default_rng(p).normal(size=x[2].shape), jnp.float32)
-    o_ref, g_ref = outputs_and_grads(x, do, implementation="reference", **kw)
-    o, g = outputs_and_grads(x, do, implementation="blocked", **kw)
-    assert relative_l2(o, o_ref) <= OUT_TOL
-    for name, a, b in zip(("q", "k", "v", "omega", "lam_raw"), g, g_ref):
-      assert relative_l2(a, b) <= GRAD_TOL, name
-
-  def test_blocked_gradient_never_holds_a_t_by_t_array(self):
-    T = 8192
-    shapes = [jax.ShapeDtypeStruct(s, jnp.float32)
-              for s in ((1, T, 1, 4), (1, T, 1, 4), (1, T, 1, 4), (1, 4), (1, 4))]
-    loss = lambda *a: jnp.sum(sanatan_attention(*a, p=2, implementation="blocked",
-                                                block_size=64)[0])
-    compiled = jit(jax.grad(loss, tuple(range(5)))).lower(*shapes).compile()
-    # O(T * block) scratch: ~0.04 of one T x T fp32 matrix at this T (it halves when T doubles).
-    assert compiled.memory_analysis().temp_size_in_bytes <= 0.1 * 4 * T * T
-
+from .test_base import (GRAD_TOL, OUT_TOL, SanatanAttentionTestBase, attention, inputs, jit,
+                        outputs_and_grads, prefix_state)
 
 class TestParallel(SanatanAttentionTestBase):
-  """Query blocks of BLOCK = 16 rows: T = 33 runs three blocks, the last of one row."""
+  """Query blocks of 16 rows: T = 33 runs three blocks, the last of one row."""
 
   implementation = "parallel"
-  future_power = (2, 6, "clean")
-  packed_power = 2
+  tiles = ParallelTiles(16)
 
   @pytest.mark.parametrize("p,channels,three_channel", [(2, 6, "clean"), (4, 4, "clean"), (2, 3, "legacy"),
                                                         (2, 3, "clean")])
@@ -70,9 +32,9 @@ class TestParallel(SanatanAttentionTestBase):
     x = inputs(3 * p + channels, 33)
     segment_ids = jnp.asarray([[0] * 20 + [1] * 13, [0] * 5 + [1] * 28])
     do = jnp.asarray(np.random.default_rng(p).normal(size=x[2].shape), jnp.float32)
-    kw = dict(p=p, channels=channels, three_channel=three_channel, segment_ids=segment_ids)
+    kw = dict(variant=(p, channels, three_channel), segment_ids=segment_ids)
     o_ref, g_ref = outputs_and_grads(x, do, implementation="reference", **kw)
-    o, g = outputs_and_grads(x, do, implementation="parallel", **kw)
+    o, g = outputs_and_grads(x, do, implementation="parallel", tiles=self.tiles, **kw)
     assert relative_l2(o, o_ref) <= OUT_TOL
     for name, a, b in zip(("q", "k", "v", "omega", "lam_raw"), g, g_ref):
       assert relative_l2(a, b) <= GRAD_TOL, name
@@ -84,18 +46,19 @@ class TestParallel(SanatanAttentionTestBase):
     T = 4096
     shapes = [jax.ShapeDtypeStruct(s, jnp.float32)
               for s in ((1, T, 1, 4), (1, T, 1, 4), (1, T, 1, 4), (1, 4), (1, 4))]
-    loss = lambda *a: jnp.sum(sanatan_attention(*a, p=2, implementation="parallel", block_size=256)[0])
+    loss = lambda *a: jnp.sum(sanatan_attention(*a, p=2, implementation="parallel",
+                                                tiles=ParallelTiles(256))[0])
     compiled = jit(jax.grad(loss, tuple(range(5)))).lower(*shapes).compile()
     assert compiled.memory_analysis().temp_size_in_bytes <= 4 * T * T
 
   def test_parallel_query_blocks_take_the_platforms_fewest_rows(self):
-    """``block_size`` 128 at T = 1024: 8 query blocks here, 4 of ``PARALLEL_MIN_ROWS["tpu"]`` = 256
+    """Blocks of 128 rows at T = 1024: 8 query blocks here, 4 of ``PARALLEL_MIN_ROWS["tpu"]`` = 256
     rows on a TPU (two dots per block in the forward: scores, then weights by values)."""
     shapes = [jax.ShapeDtypeStruct(s, jnp.float32)
               for s in ((1, 1024, 1, 4), (1, 1024, 1, 4), (1, 1024, 1, 4), (1, 4), (1, 4))]
 
     def dots():  # a new function each time: traces are cached per function
-      fn = lambda *a: sanatan_attention(*a, p=2, implementation="parallel", block_size=128)[0]
+      fn = lambda *a: sanatan_attention(*a, p=2, implementation="parallel", tiles=ParallelTiles(128))[0]
       return str(jax.make_jaxpr(fn)(*shapes)).count("dot_general")
 
     here = dots()
@@ -103,31 +66,28 @@ class TestParallel(SanatanAttentionTestBase):
       assert here - dots() == 2 * (8 - 4)
 
 
-class _ChunkedBf16:
-  implementation: str
+class TestChunked(SanatanAttentionTestBase):
+  """Every chunk at once, the entering states as a cumulative sum over chunks; chunks of 16."""
+
+  implementation = "chunked"
+  tiles = ChunkTiles(16)
 
   def test_bfloat16_inputs_give_bfloat16_outputs_and_float32_state(self):
     x = inputs(16, 33)
-    o32 = attend(*x, implementation=self.implementation)[0]
+    o32 = self.attend(*x)[0]
     bf16 = [a.astype(jnp.bfloat16) for a in x[:3]]
-    o16, state16 = attend(*bf16, *x[3:], implementation=self.implementation)
+    o16, state16 = self.attend(*bf16, *x[3:])
     assert o16.dtype == jnp.bfloat16 and state16.S.dtype == jnp.float32
     # bf16 rounds q, k, v and the features by up to 2^-9 relative.
     assert relative_l2(o16.astype(jnp.float32), o32) <= 3e-2
-
-
-class TestChunked(_ChunkedBf16, SanatanAttentionTestBase):
-  """Every chunk at once, the entering states as a cumulative sum over chunks."""
-
-  implementation = "chunked"
 
   def test_recomputing_backward_equals_keeping_the_forward(self):
     """``chunked_remat`` changes only what the backward pass keeps: outputs and gradients are those
     of plain autodiff of the same form (same operations; fp32 summation order at most)."""
     x = inputs(21, 33)
     do = jnp.asarray(np.random.default_rng(21).normal(size=x[2].shape), jnp.float32)
-    (o, g), (o_ref, g_ref) = (outputs_and_grads(x, do, implementation="chunked", chunked_remat=remat)
-                              for remat in (True, False))
+    (o, g), (o_ref, g_ref) = (outputs_and_grads(x, do, implementation="chunked", tiles=self.tiles,
+                                                chunked_remat=remat) for remat in (True, False))
     assert relative_l2(o, o_ref) <= 1e-6
     for name, a, b in zip(("q", "k", "v", "omega", "lam_raw"), g, g_ref):
       assert relative_l2(a, b) <= 1e-6, name
@@ -140,9 +100,9 @@ class TestChunked(_ChunkedBf16, SanatanAttentionTestBase):
     segment_ids = jnp.asarray([[0] * 20 + [1] * 13, [0] * 5 + [1] * 20 + [2] * 8])
 
     def run(implementation, q, k, v, omega, lam_raw, S0, z0):
-      o, new = attention(q, k, v, omega, lam_raw, **options(
-          implementation, state=SanatanState(S0, z0, state.position), segment_ids=segment_ids)
-          | dict(chunk_size=2))
+      o, new = attention(q, k, v, omega, lam_raw, implementation=implementation,
+                         tiles=ChunkTiles(2) if implementation == "chunked" else None,
+                         state=SanatanState(S0, z0, state.position), segment_ids=segment_ids)
       return o, new.S, new.z
 
     rng = np.random.default_rng(24)
@@ -177,12 +137,6 @@ def test_chunk_prefix_sum_equals_a_loop_over_chunks(N):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-class TestChunkedScan(_ChunkedBf16, SanatanAttentionTestBase):
-  """One ``lax.scan`` step per chunk."""
-
-  implementation = "chunked_scan"
-
-
 def _kept_for_backward(fn, *args) -> list[jax.ShapeDtypeStruct]:
   """The arrays ``jax.vjp`` keeps for the backward pass of ``fn`` (the leaves of its VJP function),
   traced only."""
@@ -203,7 +157,7 @@ def test_chunked_backward_keeps_the_inputs_not_features_blocks_or_state_stacks()
 
   def kept(remat):
     def o_and_state(q, k, v, omega, lam_raw, S, z):
-      return sanatan_attention(q, k, v, omega, lam_raw, implementation="chunked", chunk_size=16,
+      return sanatan_attention(q, k, v, omega, lam_raw, implementation="chunked", tiles=ChunkTiles(16),
                                state=SanatanState(S, z, jnp.full((2,), 3, jnp.int32)),
                                segment_ids=segment_ids, chunked_remat=remat)
     return _kept_for_backward(o_and_state, *x)
