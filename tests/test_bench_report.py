@@ -4,6 +4,7 @@ implementation names are mapped, and a new run directory prints in the same layo
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -100,3 +101,22 @@ def test_new_run_directory_prints_its_agreement_and_kernel_tables(tmp_path):
   assert "| gated linear attention | `pallas_triton` | `chunked` |  | 1.0e-03 / 1.5e-03 | 4.0e-03 | yes |" \
       in result.stdout
   assert "| gated linear attention | `pallas_triton` | 0.50 / **2.00** (2.00×) |" in result.stdout
+
+
+def test_every_pointer_of_the_code_names_a_table_of_the_benchmarks():
+  """A comment or docstring citing "(docs/BENCHMARKS.md, <table>)" names a heading that exists, so the
+  evidence behind a default can be found."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  headings = [line[4:].strip() for line in open(os.path.join(repo, "docs", "BENCHMARKS.md"))
+              if line.startswith("### ")]
+  pointer = re.compile(r"[(;] ?docs/BENCHMARKS\.md, ([^);]+)[);]")
+  missing = []
+  for package in ("lmcore", "sanatan_jax", "based_jax", "configs", "benchmarks", "scripts"):
+    for root, _, files in os.walk(os.path.join(repo, package)):
+      for name in (f for f in files if f.endswith(".py")):
+        path = os.path.join(root, name)
+        text = re.sub(r"\s*\n\s*(#\s*)?", " ", open(path).read())  # comments and docstrings joined
+        for title in pointer.findall(text):
+          if not any(h.startswith(title.strip()) for h in headings):
+            missing.append(f"{os.path.relpath(path, repo)}: {title.strip()!r}")
+  assert not missing, "pointers to no table of docs/BENCHMARKS.md:\n" + "\n".join(missing)

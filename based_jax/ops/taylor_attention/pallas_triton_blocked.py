@@ -52,11 +52,11 @@ from lmcore.ops.common.segments import document_index
 _F32 = jnp.float32
 _OP = "taylor_linear_attention(implementation='pallas_blocked')"
 # Compiled, a program holds a head's whole padded dv in shared memory: dv = 512 does not fit.
-MAX_VALUE_DIM = 256  # (docs/BENCHMARKS.md, SANATAN p = 1 factor kernels; wide heads for "auto")
+MAX_VALUE_DIM = 256  # (docs/BENCHMARKS.md, Taylor heads and lengths)
 # Where "auto" takes these kernels (``PallasBlocked.preferred``; the fused-chunk ones elsewhere):
-AUTO_MAX_KEY_DIM = 64  # the widest key timed (docs/BENCHMARKS.md, ...; wide heads for "auto")
-BLOCKED_BELOW = 8192  # faster below this length (docs/BENCHMARKS.md, Blocked Taylor: dN and the ...)
-BLOCKED_ABOVE_KEY_DIM = 16  # and at any length for wider keys (docs/BENCHMARKS.md, Fused-chunk Taylor)
+AUTO_MAX_KEY_DIM = 64  # the widest key timed (docs/BENCHMARKS.md, Taylor heads and lengths)
+BLOCKED_BELOW = 8192  # faster below this length (docs/BENCHMARKS.md, Taylor heads and lengths)
+BLOCKED_ABOVE_KEY_DIM = 16  # and at any length for wider keys (docs/BENCHMARKS.md, Taylor heads and lengths)
 
 
 class KernelConfig(NamedTuple):
@@ -241,8 +241,8 @@ def _normalised_bwd(cfg, residuals, do):
 _normalised.defvjp(_normalised_fwd, _normalised_bwd)
 
 
-# Triton pipeline stages by operand width in bytes: the fastest timed for 2 (docs/BENCHMARKS.md, GPU time:
-# ...; blocked Taylor at three stages); 4-byte operands need twice the shared memory per stage.
+# Triton pipeline stages by operand width in bytes: the fastest timed for 2 (docs/BENCHMARKS.md, Taylor
+# kernel tilings); 4-byte operands need twice the shared memory per stage.
 STAGES = {2: 3, 4: 2}
 
 
@@ -332,7 +332,7 @@ def taylor_linear_attention_blocked(
 class BlockedTiles:
   """``block_q`` queries and ``block_k`` keys per step (powers of two, >= 16 when compiled; capped at
   the next power of two >= T), Triton warps and pipeline stages (None: ``STAGES`` for the operands'
-  width). The defaults are the fastest timed (docs/BENCHMARKS.md, Blocked Taylor kernel settings)."""
+  width). The defaults are the fastest timed (docs/BENCHMARKS.md, Taylor kernel tilings)."""
 
   block_q: int = 64
   block_k: int = 64

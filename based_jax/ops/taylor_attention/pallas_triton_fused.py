@@ -83,7 +83,8 @@ _F32 = jnp.float32
 _OP = "taylor_linear_attention(implementation='pallas_fused')"
 # Compiled, from d' = 64 (feature blocks of 2 d' = 128 rows) a walk program exceeds shared memory.
 MAX_KEY_DIM = 32
-AUTO_MAX_VALUE_DIM = 512  # the widest dv "auto" gives them: the widest timed (docs/BENCHMARKS.md, wide heads)
+# The widest dv "auto" gives them: the widest timed (docs/BENCHMARKS.md, Taylor heads and lengths).
+AUTO_MAX_VALUE_DIM = 512
 # Stages of a kernel with 4-byte operands (fp32 inputs, the "tf32" and "float32" copies): at twice the
 # shared memory per stage, three stages of 128-token chunks do not fit.
 FP32_MAX_STAGES = 2
@@ -99,7 +100,7 @@ class FusedTiles:
   ``parts``: how many parts each span's totals are summed in (0: ``spans.parts``' rule; else a number
   that cuts a span into whole chunks).
 
-  The defaults are the fastest tiling timed (docs/BENCHMARKS.md, Fused-chunk Taylor kernels;
+  The defaults are the fastest tiling timed (docs/BENCHMARKS.md, Taylor kernel tilings;
   ``benchmarks.harness.TAYLOR_FUSED_TUNING``).
   """
 

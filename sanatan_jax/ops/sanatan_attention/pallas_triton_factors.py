@@ -48,8 +48,7 @@ from sanatan_jax import features
 from sanatan_jax.ops.sanatan_attention.base import factor_channel
 
 # Tokens per program (fewer when the padded length has fewer factors of two) and Triton warps: eight
-# tokens of 64 head dims on two warps, eight values per thread, the fastest measured
-# (docs/BENCHMARKS.md, SANATAN p = 1 factor kernels).
+# tokens of 64 head dims on two warps, eight values per thread.
 BLOCK_T = 8
 NUM_WARPS = 2
 _F32 = jnp.float32

@@ -85,7 +85,7 @@ class BlockTiles:
 @dataclasses.dataclass(frozen=True)
 class FlashTiles:
   """The forward kernel's tiling, the dk/dv kernel's (``backward``) and the dq kernel's. The defaults
-  are the bf16 tiling, the fastest measured (docs/BENCHMARKS.md, SANATAN p = 2 tilings)."""
+  are the bf16 tiling, the fastest measured (docs/BENCHMARKS.md, SANATAN p = 2 flash tilings)."""
 
   forward: BlockTiles = BlockTiles(128, 64, 4, 3)
   backward: BlockTiles = BlockTiles(128, 32, 8, 4)
@@ -99,7 +99,7 @@ TILES = {2: FlashTiles(),
          4: FlashTiles(forward=BlockTiles(32, 32, 4, 2), backward=BlockTiles(32, 32, 8, 2),
                        dq=BlockTiles(32, 32, 8, 2))}
 # "auto" takes these kernels for heads up to this wide; wider tiles need more shared memory than a GPU
-# has (docs/BENCHMARKS.md, SANATAN p = 2 head shapes).
+# has (docs/BENCHMARKS.md, SANATAN heads).
 MAX_HEAD_DIM, MAX_VALUE_DIM = 64, 64
 
 

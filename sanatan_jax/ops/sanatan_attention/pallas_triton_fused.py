@@ -127,7 +127,7 @@ class FusedTiles:
   ``spans``: how many spans each row is cut into (``lmcore.ops.common.spans``; 0: ``spans.count``'s
   rule, 1: none); ``parts``: how many parts each span's totals are summed in (0: ``spans.parts``'
   rule). The defaults are the bf16 tiling, the fastest measured (docs/BENCHMARKS.md, SANATAN p = 1
-  tilings)."""
+  walks: tilings and layouts)."""
 
   forward: KernelTiles = KernelTiles()
   dq: KernelTiles = KernelTiles()
@@ -154,7 +154,7 @@ TILES = {2: FusedTiles(),
          4: FusedTiles(forward=KernelTiles(32, 64, 1, 4, 2), dq=KernelTiles(32, 64, 1, 4, 2),
                        dkv=KernelTiles(32, 64, 1, 8, 2))}
 # "auto" takes these kernels for heads up to this wide; past them XLA "chunked" is faster
-# (docs/BENCHMARKS.md, SANATAN p = 1 head shapes).
+# (docs/BENCHMARKS.md, SANATAN heads).
 MAX_HEAD_DIM, MAX_VALUE_DIM = 128, 512
 
 

@@ -38,7 +38,7 @@ ROWS = 128
 PARALLEL_MAX_BLOCKS = 16
 # The parallel form's fewest query rows per block, by platform (more than the tiles' rows where they are
 # fewer): each block reads every key's 6d-wide features up to its last row again, which a TPU's
-# bandwidth pays for (docs/BENCHMARKS.md, SANATAN on TPU v4).
+# bandwidth pays for (docs/BENCHMARKS.md, TPU v4 ahead of time).
 PARALLEL_MIN_ROWS = {"tpu": 256}
 # ``chunk_prefix_sum``'s blocks of chunks, by platform: each level is a batched fp32 matmul by a
 # block x block 0/1 mask (2 * block FLOPs per state element). A TPU's MXU contracts 128 as fast as 16,
