@@ -22,7 +22,6 @@ from based_jax.sliding_window import (WindowState, rotary, sliding_window_attent
                                       zero_window_state)
 from based_jax.taylor import feature_width
 from lmcore.ops.common import pallas_utils
-from lmcore.ops.common.backend import AUTO
 from lmcore.mixers import flops
 from lmcore.mixers.base import InitSpec, dense, float_bytes
 from lmcore.ops.common.layout import default_positions
@@ -123,9 +122,9 @@ class TaylorLinearAttention(nnx.Module):
     d') and F the state rows (``chunked``: ``feature``'s width; ``pallas_fused``: ``full``'s;
     ``pallas_tpu``: ``compact``'s); ``recurrent`` 4 · F · (dv + 1)."""
     cfg = self.config
-    problem = Problem("gpu", cfg.feature_dim, self.head_dim, seq_len, decay=cfg.decay, feature=cfg.feature)
-    backend = (REGISTRY.resolve(cfg.implementation, problem) if cfg.implementation in AUTO
-               else REGISTRY.backends[cfg.implementation])
+    problem = Problem(REGISTRY.counting_platform(cfg.implementation), cfg.feature_dim, self.head_dim, seq_len,
+                      decay=cfg.decay, feature=cfg.feature)
+    backend = REGISTRY.resolve(cfg.implementation, problem)
     return flops.dense(self) + cfg.n_heads * backend.flops_per_head(problem, cfg.tiles)
 
 

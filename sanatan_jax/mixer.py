@@ -154,10 +154,9 @@ class SanatanMixer(nnx.Module):
     The feature maps (angles, roots, rotation, the power p) are elementwise and not counted.
     """
     cfg = self.config
-    named = None if cfg.implementation in ("auto", None) else REGISTRY.backends[cfg.implementation]
-    platform = "gpu" if named is None or "gpu" in named.platforms else named.platforms[0]
     dtype = "bfloat16" if cfg.kernel_precision == "input" else "float32"
-    problem = Problem(platform, cfg.p, cfg.channels, cfg.head_dim, cfg.dv, seq_len, dtype)
+    problem = Problem(REGISTRY.counting_platform(cfg.implementation), cfg.p, cfg.channels, cfg.head_dim,
+                      cfg.dv, seq_len, dtype)
     mixing = REGISTRY.resolve(cfg.implementation, problem).flops_per_head(problem, cfg.tiles)
     return flops.dense(self) + cfg.n_heads * mixing
 

@@ -59,9 +59,9 @@ def linear_attention_flops(implementation: str, tiles, n_heads: int, features: i
                            seq_len: int) -> float:
   """Sequence-mixing FLOPs per token of ``gated_linear_attention`` over ``n_heads`` heads of key width
   F = ``features`` and V = ``values`` mixed columns (V + 1 for a normalised form): the count of the
-  backend ``implementation`` resolves to on a GPU (``Backend.flops_per_head``, conventions of
-  ``lmcore.mixers.flops``)."""
-  problem = Problem("gpu", features, values, seq_len)
+  backend ``implementation`` resolves to on its counting platform (``Registry.counting_platform``;
+  ``Backend.flops_per_head``, conventions of ``lmcore.mixers.flops``)."""
+  problem = Problem(REGISTRY.counting_platform(implementation), features, values, seq_len)
   return n_heads * REGISTRY.resolve(implementation, problem).flops_per_head(problem, tiles)
 
 

@@ -148,7 +148,7 @@ class GatedDeltaNet(nnx.Module):
     c = self.config
     H, K, V = c.n_heads, c.head_dim, c.value_dim
     convs = flops.short_conv(c.conv_size, H * (2 * K + V))
-    problem = Problem("gpu", K, V, seq_len)
+    problem = Problem(REGISTRY.counting_platform(c.implementation), K, V, seq_len)
     rule = REGISTRY.resolve(c.implementation, problem).flops_per_head(problem, c.tiles)
     return flops.dense(self) + convs + H * rule
 

@@ -132,6 +132,13 @@ class Registry:
   def resolve(self, implementation: str | None, problem) -> Backend:
     return self.backends[self.resolve_name(implementation, problem)]
 
+  def counting_platform(self, implementation: str | None) -> str:
+    """The platform a model card counts ``implementation`` on: a GPU for "auto" (the kernels the papers
+    train with) and for a backend that runs there, else the backend's own (the TPU kernels on a TPU)."""
+    if implementation in AUTO or "gpu" in self.backends[implementation].platforms:
+      return "gpu"
+    return self.backends[implementation].platforms[0]
+
   def _choices(self, problem) -> str:
     return ", ".join([*self.supported(problem), "auto"])
 

@@ -130,3 +130,11 @@ def test_assume_backend_sets_the_platform_inside_the_block_only():
       assert pallas_utils.backend() == "tpu"
     assert pallas_utils.backend() == "gpu"
   assert pallas_utils.backend() == host
+
+
+def test_a_model_card_counts_auto_and_gpu_backends_on_a_gpu_and_others_on_their_own_platform():
+  assert REGISTRY.counting_platform("auto") == REGISTRY.counting_platform("kernel") == "gpu"
+  assert REGISTRY.counting_platform("plain") == "gpu"
+  tpu_only = Registry("toy", {"plain": Plain(), "tpu": type("Tpu", (Backend,), {"platforms": ("tpu", "cpu")})()},
+                      auto={"gpu": ("plain",), "tpu": ("plain",), "cpu": ("plain",)})
+  assert tpu_only.counting_platform("tpu") == "tpu"
