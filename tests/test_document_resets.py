@@ -21,7 +21,6 @@ in summation order only).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -81,28 +80,18 @@ SEGMENT_IDS = jnp.asarray([np.repeat(ids, lengths) for ids, lengths in zip(IDS, 
 
 
 def implementations(api) -> list[str]:
-  """Every implementation name of an op except "auto"; aliases of one function once (when the
-  registry maps names to functions)."""
-  names = list(getattr(api, "IMPLEMENTATIONS", ())) + list(getattr(api, "KERNELS", ()))
-  registry = api.IMPLEMENTATIONS if isinstance(api.IMPLEMENTATIONS, Mapping) else {}
-  seen, distinct = set(), []
-  for name in dict.fromkeys(names):
-    key = id(registry[name]) if name in registry else name
-    if name in ("auto", None) or key in seen:
-      continue
-    seen.add(key)
-    distinct.append(name)
-  return distinct
+  """Every backend name of an op's registry."""
+  return list(api.REGISTRY.names)
+
+
+def chunk_tiles(api, implementation: str, chunk: int = CHUNK):
+  """The backend's tiles at chunks of ``chunk`` tokens where it has tiles, else None."""
+  tiled = api.REGISTRY.backends[implementation].tiles_type is not None
+  return api.REGISTRY.tiles(implementation, {"chunk": chunk}, "test") if tiled else None
 
 
 def is_kernel(name: str) -> bool:
   return name.startswith("pallas")
-
-
-def reference_form(api, *preferred: str) -> str:
-  """The first of ``preferred`` the op registers: the form the documents run alone through."""
-  names = implementations(api)
-  return next(name for name in preferred if name in names)
 
 
 def document_positions(first_position_B) -> jnp.ndarray:
@@ -284,7 +273,8 @@ def gla_problem(case: str):
     def run(tokens, shared, state, segment_ids, positions):
       o, new = gated_linear_attention(
           tokens["q"], tokens["k"], tokens["v"], tokens["log_forget"], implementation=implementation,
-          state=gla_api.LinearAttentionState(state["S"], state["z"]), chunk_size=CHUNK,
+          state=gla_api.LinearAttentionState(state["S"], state["z"]),
+          tiles=chunk_tiles(gla_api, implementation),
           normalize=normalize, segment_ids=segment_ids)
       return o, {"S": new.S, "z": new.z}
     return run
@@ -306,7 +296,8 @@ def delta_problem(case: str):
     def run(tokens, shared, state, segment_ids, positions):
       o, new = gated_delta_rule(tokens["q"], tokens["k"], tokens["v"], tokens["log_alpha"],
                                 tokens["beta"], implementation=implementation,
-                                state=delta_api.DeltaRuleState(state["S"]), chunk_size=CHUNK,
+                                state=delta_api.DeltaRuleState(state["S"]),
+                                tiles=chunk_tiles(delta_api, implementation),
                                 segment_ids=segment_ids)
       return o, {"S": new.S}
     return run
@@ -404,13 +395,13 @@ def _cases(api, cases, kernel_case):
 @pytest.mark.parametrize("implementation,case", _cases(gla_api, ("channel", "head"), "channel"))
 def test_gated_linear_attention_packed_equals_separate_documents(implementation, case):
   assert_equals_separate_documents("gla", case, implementation,
-                                   reference=reference_form(gla_api, "recurrent", "reference"))
+                                   reference="recurrent")
 
 
 @pytest.mark.parametrize("implementation", implementations(delta_api))
 def test_gated_delta_rule_packed_equals_separate_documents(implementation):
   assert_equals_separate_documents("delta", "default", implementation,
-                                   reference=reference_form(delta_api, "recurrent", "reference"))
+                                   reference="recurrent")
 
 
 def _sanatan_cases():
