@@ -146,13 +146,6 @@ def _randn(key, shape, dtype, scale=1.0):
   return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
-def _pallas_name() -> str:
-  """The row name of an op's ``implementation="pallas"``: Mosaic on TPU, Triton elsewhere."""
-  from lmcore.ops.common import pallas_utils
-
-  return "pallas (tpu)" if pallas_utils.backend() == "tpu" else "pallas"
-
-
 def _precision_cases(pallas_case: Callable[[str], Callable], dtype, name: str = "pallas") -> dict:
   """``<name> (tf32)`` and ``<name> (float32)``, ``pallas_case(precision)``: the GPU kernel on fp32
   copies of low-precision inputs (the bf16 agreement limit of 2e-3); none for fp32 inputs or on a TPU."""
@@ -256,45 +249,35 @@ def _gated_args(batch, length, dtype, shape: HeadShape | None):
 
 
 def gated_cases(batch, length, dtype, shape: HeadShape | None = None):
-  """Gated linear attention: the kernel (and its fp32 variants), XLA chunked, and the materialised
-  form on small cases."""
+  """Gated linear attention: the kernel of this platform ("pallas_triton", and its fp32 variants; on a
+  TPU "pallas_tpu"), XLA chunked, and the materialised form on small cases."""
+  from lmcore.ops.common import pallas_utils
+  from lmcore.ops.common.backend import ChunkTiles
   from lmcore.ops.gated_linear_attention import gated_linear_attention
-  from lmcore.ops.gated_linear_attention import pallas_triton as pallas
+  from lmcore.ops.gated_linear_attention import pallas_triton
 
   H, K, V = _dims("gated", shape)
   args = _gated_args(batch, length, dtype, shape)
 
-  def op(impl):
-    return lambda q, k, v, g: gated_linear_attention(q, k, v, g, implementation=impl, chunk_size=CHUNK)[0]
+  def op(impl, **options):
+    return lambda q, k, v, g: gated_linear_attention(q, k, v, g, implementation=impl, **options)[0]
 
-  kernel = lambda precision: lambda q, k, v, g: pallas.gated_linear_attention_pallas(
-      q, k, v, g, precision=precision)[0]
-  cases = {**_gated_pallas(), **_precision_cases(kernel, dtype), "chunked (xla)": op("chunked")}
-  # Per-channel gates make the parallel form's scores K wide; on the H200, XLA compiled it at
-  # B·H·T² = 4e8 (T = 2048, K = 64) for more than 9 minutes, so it is timed on small cases only.
+  kernel = "pallas_tpu" if pallas_utils.backend() == "tpu" else "pallas_triton"
+  cases = {kernel: op(kernel), **_precision_cases(lambda p: op(kernel, kernel_precision=p), dtype, kernel),
+           "chunked (xla)": op("chunked", tiles=ChunkTiles(CHUNK))}
+  # Per-channel gates make the parallel form's scores K wide: XLA compiles it for many minutes at
+  # B·H·T² = 4e8 (T = 2048, K = 64), so it is timed on small cases only.
   if batch * H * length * length * K <= GATED_PARALLEL_MAX_SCORES:
     cases["parallel (reference)"] = op("parallel")
   work = functools.partial(chunked_flops, batch, length, H, K, V)
   flops = {name: work() for name in cases}
-  for name in cases:  # the Triton kernel's own chunk
-    if name.startswith("pallas") and name != "pallas (tpu)":
-      flops[name] = work(chunk=pallas.CHUNK)
-  if "pallas (tpu)" in cases:  # compiled Mosaic chunks are >= 128 tokens
-    flops["pallas (tpu)"] = work(chunk=TPU_CHUNK)
+  for name in cases:  # the kernels' own chunks (compiled Mosaic chunks are >= 128 tokens)
+    if name.startswith("pallas_triton"):
+      flops[name] = work(chunk=pallas_triton.CHUNK)
+  if "pallas_tpu" in cases:
+    flops["pallas_tpu"] = work(chunk=TPU_CHUNK)
   flops["parallel (reference)"] = parallel_flops(batch, length, H, K, V)
   return args, cases, flops
-
-
-def _gated_pallas() -> dict:
-  """The gated kernel of this backend: Mosaic on TPU, else the Triton kernel at its defaults."""
-  from lmcore.ops.common import pallas_utils
-  from lmcore.ops.gated_linear_attention import pallas_triton as pallas
-  from lmcore.ops.gated_linear_attention import pallas_mosaic_tpu as pallas_tpu
-
-  if pallas_utils.backend() == "tpu":
-    return {"pallas (tpu)": lambda q, k, v, g: pallas_tpu.gated_linear_attention_tpu(
-        q, k, v, g, chunk_size=CHUNK)[0]}
-  return {"pallas": lambda q, k, v, g: pallas.gated_linear_attention_pallas(q, k, v, g)[0]}
 
 
 def taylor_cases(batch, length, dtype, shape: HeadShape | None = None):
@@ -350,11 +333,9 @@ def softmax_cases(batch, length, dtype, shape: HeadShape | None = None):
   return args, cases, {name: parallel_flops(batch, length, H, K, V) for name in cases}
 
 
-# Kernel settings tried by ``--tune`` (each op's defaults are timed by the plain run): phase 2 by
-# XLA's associative scan instead of the Pallas chunk scan, and the other of chunks 16 and 32; the gated
-# kernel's state dots with one bf16 rounding (``split=False``). Settings measured slower on the H200
-# (docs/BENCHMARKS.md: chunk 64, 4 warps, value tile 32; the gated kernel's sub-chunk 32 or 64, and
-# chunk 32 with XLA's scan) are no longer tried.
+# Gated kernel settings tried by ``--tune=gated`` (its defaults are timed by the plain run; the tilings
+# of docs/BENCHMARKS.md, Gated linear attention kernel tiles): the state dots with one bf16 rounding
+# (``split=False``), phase 2 by XLA's associative scan instead of the Pallas chunk scan, chunks of 32.
 TUNING = {
     "gated": [dict(chunk_size=16, num_warps=8, split=False),
               dict(chunk_size=16, num_warps=8, scan="xla"), dict(chunk_size=32, num_warps=8)],
@@ -362,10 +343,9 @@ TUNING = {
 
 
 # Tilings of the SANATAN flash kernels tried by ``--tune=sanatan_p2`` (``pallas_triton_flash.FlashTiles``
-# of (block, loop, warps, stages) per kernel: forward, dk/dv, dq); the first is its default. Measured
-# slower on the H200 (8 x 2048, docs/BENCHMARKS.md) and no longer tried: backward blocks of 64 (4 or 8
-# warps), loops of 16, and dk/dv loops of 64; four forward stages, forward loops of 128 at two and dq
-# loops of 64 at three stages exceed its shared memory.
+# of (block, loop, warps, stages) per kernel: forward, dk/dv, dq); the first is its default
+# (docs/BENCHMARKS.md, SANATAN p = 2 flash tilings). Four forward stages, forward loops of 128 at two
+# and dq loops of 64 at three stages exceed its shared memory.
 FLASH_TUNING = [FlashTiles(BlockTiles(128, 64, 4, 3), BlockTiles(128, 32, 8, 4), BlockTiles(128, 64, 8, 2)),
                 FlashTiles(BlockTiles(128, 64, 8, 3), BlockTiles(128, 32, 8, 3), BlockTiles(128, 32, 8, 3)),
                 FlashTiles(BlockTiles(128, 64, 8, 3), BlockTiles(128, 32, 8, 3), BlockTiles(128, 64, 8, 2)),
@@ -404,14 +384,13 @@ FUSED_TUNING = [FusedTiles(_W(64, 64, 1, 4, 3), _W(64, 64, 1, 4, 3), _W(64, 64, 
                 FusedTiles(_W(64, 64, 1, 4, 3), _W(64, 64, 1, 4, 3), _W(32, 64, 1, 4, 3)),
                 FusedTiles(_W(64, 64, 1, 4, 4), _W(64, 64, 1, 4, 4), _W(64, 64, 1, 4, 3))]
 # Settings of the blocked Taylor kernels tried by ``--tune=taylor_blocked`` (query block, key block,
-# warps, pipeline stages; ``taylor_sums_blocked``'s knobs); the first is its default, the fastest of
-# these on the H200 at 8 x 2048 (docs/BENCHMARKS.md). Their rows belong to the op "taylor".
+# warps, pipeline stages; ``taylor_sums_blocked``'s knobs); the first is its default
+# (docs/BENCHMARKS.md, Taylor kernel tilings). Their rows belong to the op "taylor".
 TAYLOR_BLOCKED_TUNING = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 3), (128, 64, 8, 3)]
 # Tilings of the fused-chunk Taylor kernels tried by ``--tune=taylor_fused``, as
 # ``pallas_triton_fused.FusedTiles`` fields (chunk, features, block_v, then (warps, stages) of the forward,
-# dq, dk/dv and intra kernels); the first is its default. Their rows belong to the op "taylor".
-# Measured slower on the H200 (docs/BENCHMARKS.md) and no longer tried: two pipeline stages,
-# feature blocks of 128, value tiles of 32, chunks of 32, 8 warps at chunks of 64.
+# dq, dk/dv and intra kernels); the first is its default (docs/BENCHMARKS.md, Taylor kernel tilings).
+# Their rows belong to the op "taylor".
 TAYLOR_FUSED_TUNING = [(128, 64, 64, (8, 3), (8, 3), (8, 3), (8, 2)),
                        (64, 64, 64, (4, 3), (4, 3), (8, 3), (4, 2)),
                        (64, 64, 64, (4, 4), (4, 4), (8, 3), (4, 2)),
@@ -449,10 +428,10 @@ def fused_tuning_cases(batch: int, length: int, dtype) -> tuple[tuple, dict, dic
 
 
 def _setting_name(setting: dict) -> str:
-  """"pallas (C=32, 8 warps, block_v 64)" for a TUNING entry."""
+  """"pallas_triton (C=32, 8 warps, block_v 64)" for a TUNING entry."""
   parts = [f"C={setting['chunk_size']}", f"{setting['num_warps']} warps"]
   parts += [f"{key} {value}" for key, value in setting.items() if key not in ("chunk_size", "num_warps")]
-  return f"pallas ({', '.join(parts)})"
+  return f"pallas_triton ({', '.join(parts)})"
 
 
 def taylor_blocked_tuning_cases(batch: int, length: int, dtype) -> tuple[tuple, dict, dict]:
@@ -550,7 +529,7 @@ REFERENCE = {"sanatan_p1": "chunked (xla)", "sanatan_p2": "parallel (xla)", "gat
 # case was not timed), then the kernels it may pick. Ops not listed keep every case.
 AUTO_CASES = {"sanatan_p1": (SANATAN_CHUNKED, "pallas_fused"),
               "sanatan_p2": ("parallel (xla)", "pallas_flash"),
-              "gated": ("chunked (xla)", "pallas"),
+              "gated": ("chunked (xla)", "pallas_triton"),
               "taylor": ("chunked (xla)", "pallas_blocked", "pallas_fused")}
 
 

@@ -149,16 +149,18 @@ def sanatan_p2_cases(batch: int, length: int, dtype) -> list[Case]:
 def gated_cases(batch: int, length: int, dtype) -> list[Case]:
   """Gated linear attention with per-key-channel gates: the Mosaic kernels (chunk 128, sub-chunks of
   16) against XLA "chunked" (C = 64)."""
+  from lmcore.ops.common.backend import ChunkTiles
   from lmcore.ops.gated_linear_attention import gated_linear_attention
+  from lmcore.ops.gated_linear_attention.pallas_mosaic_tpu import LANES, MosaicTiles
 
   H, K = harness.HEADS, harness.HEAD_DIM
   args = _shapes(batch, length, H, K, K, K, dtype=dtype) + _shapes(batch, length, H, K, dtype=F32)
 
-  def op(impl):
-    return lambda q, k, v, g: gated_linear_attention(q, k, v, g, implementation=impl,
-                                                     chunk_size=harness.CHUNK)[0]
+  def op(impl, tiles):
+    return lambda q, k, v, g: gated_linear_attention(q, k, v, g, implementation=impl, tiles=tiles)[0]
 
-  impls = {"pallas (Mosaic, C=128)": op("pallas"), "chunked (XLA, C=64)": op("chunked")}
+  impls = {"pallas_tpu (Mosaic, C=128)": op("pallas_tpu", MosaicTiles(chunk=LANES)),
+           "chunked (XLA, C=64)": op("chunked", ChunkTiles(harness.CHUNK))}
   return [Case("gated", name, fn, args, (True,) * 4) for name, fn in impls.items()]
 
 
@@ -175,7 +177,7 @@ def taylor_cases(batch: int, length: int, dtype) -> list[Case]:
   def op(impl, tiles):
     return lambda q, k, v: taylor_linear_attention(q, k, v, implementation=impl, tiles=tiles)[0]
 
-  impls = {"pallas (Mosaic, C=128)": op("pallas_tpu", MosaicTiles(chunk=LANES)),
+  impls = {"pallas_tpu (Mosaic, C=128)": op("pallas_tpu", MosaicTiles(chunk=LANES)),
            "chunked (XLA, C=64)": op("chunked", ChunkTiles(harness.CHUNK))}
   return [Case("taylor", name, fn, args, (True,) * 3) for name, fn in impls.items()]
 

@@ -1,5 +1,6 @@
 """The between-chunk recurrence alone (``lmcore/ops/common/chunk_scan.py``): XLA's associative scan and the
-Pallas kernel at several tiles and unrolls, on the state stacks of the SANATAN p = 1 and gated kernels.
+Pallas kernel at several tiles and unrolls, on state stacks of two shapes (a 6d-wide SANATAN p = 1 one and
+the gated kernel's).
 
 For each T ∈ {2048, 8192, 32768} at B·T = 16384 tokens (B at least 1), H = 12, values V = 64:
 SANATAN's stack has R = 6·64 rows per chunk of 32 tokens, the gated kernel's R = 64 rows per chunk of 16.
@@ -7,7 +8,7 @@ Times the forward walk (held states in bf16, as the kernels use them) and report
 from the bytes the Pallas kernel must move (c and a read in fp32, held states written in bf16).
 
     python scripts/bench_chunk_scan.py [--lengths=2048,8192,32768] [--stacks=sanatan_p1,gated] [--repeats=20] \
-        [--out=docs/BENCHMARKS.md]
+        [--out=NOTES.md]
 """
 
 import datetime
@@ -33,7 +34,7 @@ _LENGTHS = flags.DEFINE_list("lengths", ["2048", "8192", "32768"], "Sequence len
 _STACKS = flags.DEFINE_list("stacks", list(STACKS), "Which kernels' state stacks to scan.")
 _TOKENS = flags.DEFINE_integer("tokens", 16384, "Tokens per batch (B = tokens // T, at least 1).")
 _REPEATS = flags.DEFINE_integer("repeats", 20, "Timed repetitions (median reported).")
-_OUT = flags.DEFINE_string("out", "docs/BENCHMARKS.md", "Markdown file the table is appended to ('' = none).")
+_OUT = flags.DEFINE_string("out", "", "Markdown file the table is appended to ('' = none).")
 
 
 def _stack(batch: int, length: int, chunk: int, rows: int):

@@ -1,14 +1,14 @@
 """Decode benchmark: ms/token and tokens/s of the compiled generation loop, per model, batch and context.
 
 One process: every model at every batch and context, then the long contexts (without a learned position
-table) at ``--long_batches``; prints the table and the decode targets, appends them as a dated block to
-docs/BENCHMARKS.md, writes the rows as JSONL and plots tokens/s vs batch. See ``benchmarks/decode.py``
+table) at ``--long_batches``; prints the table and the decode targets, writes the rows as JSONL, plots
+tokens/s vs batch (``--plot``) and, with ``--markdown``, appends them as a dated block to that file. See ``benchmarks/decode.py``
 for what a row measures.
 
     python scripts/bench_decode.py [--models=sanatan_p1_184m,softmax_184m,softmax_184m_bf16_cache,...] \
         [--batches=1,8,64,256] [--contexts=1024,2048] [--long_contexts=4096,8192,16384,32768] \
         [--long_batches=1] [--decode_tokens=128] [--repeats=3] [--max_seconds=0] \
-        [--jsonl=runs/bench_decode/decode.jsonl] [--plot=docs/bench_decode.png] [--markdown=docs/BENCHMARKS.md]
+        [--jsonl=runs/bench_decode/decode.jsonl] [--plot=runs/bench_decode/decode.png] [--markdown=NOTES.md]
 
 ``--tiny`` runs the same model names on the tiny presets (CPU smoke runs and tests).
 """
@@ -40,8 +40,8 @@ _TINY = flags.DEFINE_bool("tiny", False, "The tiny presets under the same model 
 _MAX_SECONDS = flags.DEFINE_float("max_seconds", 0.0, "Start no row after this many seconds (0: no limit); "
                                   "the rows left are listed as skipped.")
 _JSONL = flags.DEFINE_string("jsonl", "runs/bench_decode/decode.jsonl", "Rows appended as JSON lines ('' = none).")
-_PLOT = flags.DEFINE_string("plot", "docs/bench_decode.png", "PNG of tokens/s vs batch ('' = none).")
-_MARKDOWN = flags.DEFINE_string("markdown", "docs/BENCHMARKS.md", "File the dated block is appended to "
+_PLOT = flags.DEFINE_string("plot", "", "PNG of tokens/s vs batch ('' = none).")
+_MARKDOWN = flags.DEFINE_string("markdown", "", "File the dated block is appended to "
                                 "('' = none).")
 
 

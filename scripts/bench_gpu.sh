@@ -13,7 +13,8 @@
 # [sanatan_p1,taylor,gated; '' = none]; TUNE, ops whose kernel settings are tried at T = 8192 ['' = none];
 # BACKENDS=1 also runs scripts/bench_backends.py (Pallas-Triton vs Mosaic GPU).
 #
-# Then: python scripts/bench_report.py DIR  (one table each, appended to docs/BENCHMARKS.md).
+# Then: python scripts/bench_report.py DIR (prints the agreement and kernel tables; to publish them, copy
+# the rows to docs/bench/ and run python scripts/bench_report.py).
 set -u
 dir=${1:?usage: bash scripts/bench_gpu.sh DIR [SECONDS]}
 end=$(( $(date +%s) + ${2:-540} ))

@@ -7,7 +7,8 @@ XLA chunked path, the materialised parallel reference (skipped where
 its T×T scores would not fit), cuDNN softmax attention (`jax.nn.dot_product_attention`) and, when
 torch and flash-linear-attention are importable, FLA's kernels on the same inputs. Prints a table
 with ms, tokens/s, achieved TFLOP/s (from counted FLOPs) and the ratio to the reference named in each row,
-and appends the rows to docs/BENCHMARKS.md with the date, device and command.
+and, with ``--out``, appends them to that Markdown file with the date, device and command (the tables of
+docs/BENCHMARKS.md are generated from the rows in docs/bench/ by ``scripts/bench_report.py``).
 
     python scripts/bench_kernels.py [--lengths=2048,8192,32768] [--tokens=16384] [--dtype=bfloat16] \
         [--jsonl=runs/bench/kernels.jsonl] [--fla_ops=sanatan_p1,gated,taylor] [--lock=/tmp/bench.lock] \
@@ -21,15 +22,14 @@ XLA form).
 
 Timing (``--queue``): each sample enqueues 8 calls back to back and waits once, so a row is the time the
 op costs on the device (inside a compiled train step nothing waits between ops); ``--queue=1,8`` adds a
-row per case that waits on every call alone (the host's dispatch and wake-up included: 0.2-0.7 ms more
-per call on the H200 in docs/BENCHMARKS.md, more for ops of many kernels). FLA's rows time the same
-number of calls between two CUDA events.
+row per case that waits on every call alone (the host's dispatch and wake-up included). FLA's rows time
+the same number of calls between two CUDA events.
 
 Compilation (Triton kernels, FLA autotuning) can take minutes per case: give ``--jsonl`` so that a run
 stopped by a time limit continues where it stopped. Several processes (one per T, say) can share one
 device when given the same ``--lock``: they compile in parallel and take turns timing, never while
-another compiles (XLA's GPU autotuner runs kernels on the device; a row timed beside it can come out
-slower: 3.59 against 2.92 ms for one p = 2 row, docs/BENCHMARKS.md).
+another compiles (XLA's GPU autotuner runs kernels on the device; a row timed beside it comes out
+slower).
 """
 
 import datetime
@@ -47,7 +47,7 @@ _TOKENS = flags.DEFINE_integer("tokens", 16384, "Tokens per batch (B = tokens //
 _OPS = flags.DEFINE_list("ops", ["sanatan_p1", "sanatan_p2", "gated", "taylor", "softmax"], "Ops to time.")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Input dtype.")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed repetitions (median reported).")
-_OUT = flags.DEFINE_string("out", "docs/BENCHMARKS.md", "Markdown file the rows are appended to ('' = none).")
+_OUT = flags.DEFINE_string("out", "", "Markdown file the rows are appended to ('' = none).")
 _FLA_OPS = flags.DEFINE_list("fla_ops", ["sanatan_p1", "gated", "taylor"],
                              "Ops whose flash-linear-attention kernels are also timed, when importable "
                              "('' = none; FLA autotunes on first use, minutes for chunk_gla).")

@@ -6,13 +6,13 @@ rows per chip (the batch split over the chips, the kernels under their shard_map
 Prints per chip: compile seconds,
 the compiler's FLOPs and bytes accessed (loop bodies counted once per iteration; the kernels' share from
 their ``pl.CostEstimate``), a roofline time max(FLOPs / peak, bytes / HBM bandwidth) and its ratio to
-the op's reference XLA form, libtpu's own "optimal_seconds", temporaries, and appends the table to
-docs/BENCHMARKS.md with the date and command. Estimates, not timings: ``benchmarks/tpu_aot.py`` says
+the op's reference XLA form, libtpu's own "optimal_seconds", temporaries, and with ``--out`` appends the
+table to that Markdown file with the date and command. Estimates, not timings: ``benchmarks/tpu_aot.py`` says
 what each number counts.
 
     python scripts/bench_tpu_aot.py [--ops=sanatan_p1,sanatan_p2,gated,taylor] [--lengths=2048,8192] \
         [--batch=8] [--topology=v4-8] [--dtype=bfloat16] [--jsonl=runs/bench/tpu_aot.jsonl] \
-        [--out=docs/BENCHMARKS.md]
+        [--out=NOTES.md]
 
 Needs libtpu (``pip install -e '.[tpu]'``). With ``--jsonl``, rows already compiled there are not
 compiled again (a stopped run continues).
@@ -43,7 +43,7 @@ _TOPOLOGY = flags.DEFINE_string("topology", "v4-8", "TPU slice: a name of lmcore
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Dtype of q, k, v: bfloat16 or float32.")
 _JSONL = flags.DEFINE_string("jsonl", "", "Rows are appended here as they are compiled; rows already in "
                              "it are not compiled again.")
-_OUT = flags.DEFINE_string("out", "docs/BENCHMARKS.md", "Markdown file the table is appended to ('' = none).")
+_OUT = flags.DEFINE_string("out", "", "Markdown file the table is appended to ('' = none).")
 
 
 def main(argv):

@@ -1,9 +1,9 @@
 """Whole-step benchmark: the real train step of the paper presets on synthetic tokens, in one process.
 
 Prints, per preset: ms per step, tokens/s (and the ratio to the softmax model of the same run), MFU,
-compile seconds, XLA's memory plan of the step and the device's peak memory; appends the table as a
-dated block to docs/BENCHMARKS.md, the rows to ``<out>/train_step.jsonl`` and plots tokens/s per preset
-(``<out>/train_step.png``). See ``benchmarks/train_step.py`` for what is measured.
+compile seconds, XLA's memory plan of the step and the device's peak memory; writes the rows to
+``<out>/train_step.jsonl``, plots tokens/s per preset (``<out>/train_step.png``) and, with
+``--markdown``, appends the table as a dated block to that file. See ``benchmarks/train_step.py`` for what is measured.
 
     python scripts/bench_train.py [--presets=softmax_184m,sanatan_p1_184m,...] [--batch=32] \
         [--seq_len=2048] [--steps=10] [--override=train.loss_impl=materialized] \
@@ -41,7 +41,7 @@ _PROFILE = flags.DEFINE_string("profile", "", "Directory: after each preset's ti
                                "and .json (kernel time by category, scope and kernel; traces and the compiled "
                                "HLO in <DIR>/trace).")
 _PROFILE_STEPS = flags.DEFINE_integer("profile_steps", 2, "Steps traced per preset with --profile.")
-_MARKDOWN = flags.DEFINE_string("markdown", "docs/BENCHMARKS.md", "File the dated table is appended to "
+_MARKDOWN = flags.DEFINE_string("markdown", "", "File the dated table is appended to "
                                 "('' = none).")
 
 

@@ -1,7 +1,7 @@
 """Compiled Pallas kernels vs the XLA paths, outputs and gradients: one table, one command.
 
     python scripts/check_kernels.py [--length=1024] [--batch=2] [--dtypes=float32,bfloat16] \
-        [--jsonl=runs/bench/agreement.jsonl] [--out=docs/BENCHMARKS.md] [--lock=/tmp/bench.lock]
+        [--jsonl=runs/bench/agreement.jsonl] [--out=NOTES.md] [--lock=/tmp/bench.lock]
 
 Rows already in ``--jsonl`` are not checked again (Triton compiles take minutes; a run stopped by a time
 limit continues). The table is printed and appended to ``--out`` with the date, device and command.

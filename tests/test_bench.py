@@ -19,9 +19,9 @@ def test_rows_are_logged_as_measured_and_not_measured_again(tmp_path, monkeypatc
   rows = bench.run_all(ops=["softmax", "gated"], lengths=[64], tokens=128, dtype="float32", repeats=1,
                        fla_ops=["gated"], jsonl=str(jsonl))
   by_impl = {r.impl: r for r in rows}
-  assert set(by_impl) == {"softmax (xla)", "pallas", "chunked (xla)", "parallel (reference)"}
+  assert set(by_impl) == {"softmax (xla)", "pallas_triton", "chunked (xla)", "parallel (reference)"}
   assert by_impl["chunked (xla)"].fwdbwd_ms > 0 and by_impl["chunked (xla)"].batch == 2
-  assert by_impl["pallas"].fwdbwd_ms > 0  # interpreted off GPU
+  assert by_impl["pallas_triton"].fwdbwd_ms > 0  # interpreted off GPU
   assert by_impl["parallel (reference)"].reference == "gated/chunked (xla)"
   assert by_impl["chunked (xla)"].vs_softmax is not None
   assert len(jsonl.read_text().splitlines()) == 4
@@ -75,10 +75,10 @@ def test_tuning_settings_compute_the_default_kernels_function():
   for op_name in bench.TUNING:
     args, cases, flops = bench.tuning_cases(op_name, 1, 64, "float32")
     _, defaults, _ = bench.OPS[op_name](1, 64, "float32")
-    want = defaults["pallas"](*args)
+    want = defaults["pallas_triton"](*args)
     assert len(cases) == len(bench.TUNING[op_name])
     for (name, fn), setting in zip(cases.items(), bench.TUNING[op_name]):
-      assert name.startswith(f"pallas (C={setting['chunk_size']}, {setting['num_warps']} warps")
+      assert name.startswith(f"pallas_triton (C={setting['chunk_size']}, {setting['num_warps']} warps")
       assert flops[name] == bench.chunked_flops(1, 64, bench.HEADS, bench.HEAD_DIM, bench.HEAD_DIM,
                                                 chunk=setting["chunk_size"])
       got = fn(*args)
@@ -244,7 +244,7 @@ def test_gated_cases_take_a_gate_per_head_or_per_key_channel():
   per_head = bench.HeadShape(4, 128, 128, "head")
   args, cases, _ = bench.OPS["gated"](1, 16, "float32", per_head)
   assert args[3].shape == (1, 16, 4)
-  assert jax.eval_shape(cases["pallas"], *args).shape == (1, 16, 4, 128)
+  assert jax.eval_shape(cases["pallas_triton"], *args).shape == (1, 16, 4, 128)
   args, _, _ = bench.OPS["gated"](1, 16, "float32", bench.HeadShape(2, 32, 16, "channel"))
   assert args[3].shape == (1, 16, 2, 32)
 
@@ -262,18 +262,18 @@ def test_rows_record_their_head_shape_and_compare_within_it(tmp_path, monkeypatc
   labels = ["", *(s.label for s in bench.PRESET_SHAPES["gated"])]
   gated = [r for r in rows if r.op == "gated"]
   assert [(r.shape, r.impl) for r in gated] == [(label, impl) for label in labels
-                                                for impl in ("chunked (xla)", "pallas")]
-  kernels = [r for r in gated if r.impl == "pallas"]
+                                                for impl in ("chunked (xla)", "pallas_triton")]
+  kernels = [r for r in gated if r.impl == "pallas_triton"]
   assert all(r.ratio_fwdbwd == 1.0 and r.reference == "gated/chunked (xla)" for r in kernels)
   assert [r.shape for r in rows if r.op == "softmax"] == [""]
   table = bench.format_table(rows)
-  assert "| gated | pallas | H=4 K=96 V=192 gate=channel | 16 | 1 |" in table
-  assert "| gated | pallas | H=12 K=64 V=64 gate=channel | 16 | 1 |" in table  # the default, named
-  old = {"op": "gated", "impl": "pallas", "length": 16, "batch": 1, "fwd_ms": 2.0, "fwdbwd_ms": 6.0,
+  assert "| gated | pallas_triton | H=4 K=96 V=192 gate=channel | 16 | 1 |" in table
+  assert "| gated | pallas_triton | H=12 K=64 V=64 gate=channel | 16 | 1 |" in table  # the default, named
+  old = {"op": "gated", "impl": "pallas_triton", "length": 16, "batch": 1, "fwd_ms": 2.0, "fwdbwd_ms": 6.0,
          "flops_fwd": 1.0}
   (tmp_path / "old.jsonl").write_text(json.dumps(old) + "\n")
   loaded = bench.load_rows(str(tmp_path))  # old.jsonl is read after kernels_16.jsonl: its row wins
-  assert [(r.shape, r.fwdbwd_ms) for r in loaded if r.op == "gated" and r.impl == "pallas"][:2] == [
+  assert [(r.shape, r.fwdbwd_ms) for r in loaded if r.op == "gated" and r.impl == "pallas_triton"][:2] == [
       ("", 6.0), ("H=4 K=96 V=192 gate=channel", 288.0)]
 
 

@@ -74,7 +74,7 @@ def test_script_reports_kernel_estimates_and_xla_forms_and_a_rerun_compiles_noth
   proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = {row["impl"]: row for row in map(json.loads, jsonl.read_text().splitlines())}
-  kernel, xla = rows["pallas (Mosaic, C=128)"], rows["chunked (XLA, C=64)"]
+  kernel, xla = rows["pallas_tpu (Mosaic, C=128)"], rows["chunked (XLA, C=64)"]
   assert kernel["devices"] == 4 and kernel["device_kind"] == "TPU v4" and not kernel["note"]
   # The Mosaic kernels' estimate: 12 heads x 2 chunks of 128 per chip, K and V padded to 128 lanes;
   # per step 4, 6 and 11 dots of 2·128³ (forward, dq, dk/dv; the backward's state products in two
@@ -86,7 +86,7 @@ def test_script_reports_kernel_estimates_and_xla_forms_and_a_rerun_compiles_noth
   assert xla["flops"] > xla["xla_flops"] and xla["roofline_s"] > 0
   text = out.read_text()
   assert "compile-time cost of the attention ops on 4 × TPU v4 (v4-8) (AOT on a CPU host)" in text
-  assert "| gated | pallas (Mosaic, C=128) | 256 | 1 |" in text and "kernel estimate (" in text
+  assert "| gated | pallas_tpu (Mosaic, C=128) | 256 | 1 |" in text and "kernel estimate (" in text
   assert "| gated | chunked (XLA, C=64) | 256 | 1 |" in text and "| 1.00× |" in text
 
   def must_not_compile(*args, **kwargs):

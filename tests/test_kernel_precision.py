@@ -23,8 +23,9 @@ from sanatan_jax import sanatan_attention
 B, T, H, D, DV = 2, 77, 2, 16, 32  # T: a partial chunk and block
 BF16_LIMIT = kernel_check.LIMITS["bfloat16"]
 # Each op's GPU (Triton) kernels and TPU (Mosaic) kernels by implementation name (None: none).
-KERNELS = {"sanatan_p1": "pallas_fused", "sanatan_p2": "pallas_flash", "gated": "pallas", "taylor": "pallas"}
-TPU_KERNELS = {"sanatan_p1": "pallas_tpu", "sanatan_p2": None, "gated": "pallas", "taylor": "pallas"}
+KERNELS = {"sanatan_p1": "pallas_fused", "sanatan_p2": "pallas_flash", "gated": "pallas_triton",
+           "taylor": "pallas_blocked"}
+TPU_KERNELS = {"sanatan_p1": "pallas_tpu", "sanatan_p2": None, "gated": "pallas_tpu", "taylor": "pallas_tpu"}
 
 
 def _op(name, rng):
@@ -41,17 +42,9 @@ def _op(name, rng):
       "gated": (lambda impl, **o: lambda q, k, v: gated_linear_attention(
           q, k, v, log_forget, implementation=impl, **o)[0], "chunked", 0.25),
       "taylor": (lambda impl, **o: lambda q, k, v: taylor_linear_attention(
-          q, k, v, implementation=_taylor_backend(impl), **o)[0], "chunked", 0.5),
+          q, k, v, implementation=impl, **o)[0], "chunked", 0.5),
   }
   return ops[name]
-
-
-def _taylor_backend(implementation: str) -> str:
-  """Taylor's backend for this file's "pallas": the Mosaic kernels on a TPU, elsewhere the blocked
-  Triton kernels ("auto"'s on a GPU at T = 77); other names as they are."""
-  if implementation != "pallas":
-    return implementation
-  return "pallas_tpu" if pu.backend() == "tpu" else "pallas_blocked"
 
 
 def _bf16_inputs(rng, scale):

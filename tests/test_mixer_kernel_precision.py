@@ -29,9 +29,9 @@ SMALL = {
     "linear_transformer": dict(n_heads=2, head_dim=8),
     "performer": dict(n_heads=2, head_dim=8, n_features=16),
     "cosformer": dict(n_heads=2, head_dim=8, max_len=64),
-    "taylor": dict(n_heads=2, feature_dim=4, chunk_size=16),
+    "taylor": dict(n_heads=2, feature_dim=4),
 }
-KERNELS = {"sanatan": "pallas_fused"}  # each kind's Triton kernels (else "pallas")
+KERNELS = {"sanatan": "pallas_fused", "taylor": "pallas_fused"}  # each kind's Triton kernels (else GLA's)
 
 
 def _mixer_config(kind, **fields):
@@ -42,7 +42,7 @@ def _mixer_config(kind, **fields):
 
 def _bf16_output(kind, kernel_precision, x_BxTxD, seed):
   """y of a bf16 Pallas ``kind`` mixer with parameters drawn from ``seed``, on ``x``."""
-  config = _mixer_config(kind, **SMALL[kind], implementation=KERNELS.get(kind, "pallas"),
+  config = _mixer_config(kind, **SMALL[kind], implementation=KERNELS.get(kind, "pallas_triton"),
                          kernel_precision=kernel_precision)
   mixer = mixer_class(kind)(config, d_model=D, init=INIT, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
   graphdef, params = nnx.split(mixer)
@@ -72,7 +72,7 @@ def test_kernel_split_state_reaches_the_gated_kernels_backward(kind):
   x = jnp.asarray(np.random.default_rng(3).normal(size=(2, T, D)), jnp.bfloat16)
 
   def outputs_and_grads(split):
-    config = _mixer_config(kind, **SMALL[kind], implementation="pallas", kernel_split_state=split)
+    config = _mixer_config(kind, **SMALL[kind], implementation="pallas_triton", kernel_split_state=split)
     mixer = mixer_class(kind)(config, d_model=D, init=INIT, dtype=jnp.bfloat16, rngs=nnx.Rngs(3))
     graphdef, params = nnx.split(mixer)
     loss = lambda params: jnp.sum(nnx.merge(graphdef, params)(x)[0].astype(jnp.float32) ** 2)

@@ -46,12 +46,12 @@ MIXERS = {
     "taylor": dict(n_heads=2, feature_dim=4, implementation="pallas_fused", tiles={"chunk": 8}),
     "swa": dict(n_heads=2, window=4, block_size=8),
     "base_conv": {},
-    "gla": dict(n_heads=2, chunk_size=8, implementation="pallas"),
-    "gdn": dict(HEADS, chunk_size=8),
-    "cyfa": dict(HEADS, v_head_dim=8, chunk_size=8),
-    "linear_transformer": dict(HEADS, chunk_size=8),
-    "performer": dict(HEADS, n_features=8, chunk_size=8),
-    "cosformer": dict(HEADS, chunk_size=8, max_len=SEQ_LEN),
+    "gla": dict(n_heads=2, implementation="pallas_triton", tiles={"chunk": 8}),
+    "gdn": dict(HEADS, tiles={"chunk": 8}),
+    "cyfa": dict(HEADS, v_head_dim=8, tiles={"chunk": 8}),
+    "linear_transformer": dict(HEADS, tiles={"chunk": 8}),
+    "performer": dict(HEADS, n_features=8, tiles={"chunk": 8}),
+    "cosformer": dict(HEADS, tiles={"chunk": 8}, max_len=SEQ_LEN),
 }
 
 

@@ -569,7 +569,8 @@ class PallasMosaicTpu(Backend[MosaicTiles]):
   def __call__(self, q, k, v, g, S0, *, scale: float, doc_BxT, tiles: MosaicTiles, options: Options):
     if options.precision != "input":
       raise ValueError(f"gated_linear_attention: kernel_precision={options.precision!r} is for the GPU "
-                       "kernels; the TPU kernels compute in the inputs' dtype (pass fp32 inputs for fp32)")
+                       "kernels; the TPU kernels compute in the inputs' dtype: use kernel_precision='input', "
+                       "or pass fp32 inputs")
     kernel = functools.partial(chunked, scale=scale, chunk_size=tiles.chunk, sub_chunk=tiles.sub_chunk,
                                block_v=tiles.block_v, split=options.split_state)
     return shard_map.run_sharded(kernel, kernel_inputs(q, k, v, g, S0, doc_BxT), KERNEL_LAYOUTS,
