@@ -132,8 +132,11 @@ def test_gla():
   assert mixer(GLA, implementation="chunked").flops_per_token(T) == dense + chunked
   assert mixer(GLA, implementation="auto").flops_per_token(T) == dense + pallas
   assert mixer(GLA, implementation="recurrent").flops_per_token(T) == dense + recurrent
-  assert mixer(GLA, implementation="chunked", chunk_size=32).flops_per_token(T) == dense + 4 * (
+  assert mixer(GLA, implementation="chunked", tiles={"chunk": 32}).flops_per_token(T) == dense + 4 * (
       2 * 32 * (8 + 16) + 4 * 8 * 16)
+  # The TPU kernels counted on a TPU, at their compiled chunk of at least 128 tokens (min(C, T)).
+  assert mixer(GLA, implementation="pallas_tpu").flops_per_token(T) == dense + 4 * (
+      2 * min(128, T) * (8 + 16) + 4 * 8 * 16)
 
 
 def test_cyfa():
@@ -157,7 +160,7 @@ def test_gated_deltanet():
       dense + convs + wy)
   assert mixer(GatedDeltaNet, implementation="recurrent", **fields).flops_per_token(T) == (
       dense + convs + recurrent)
-  # The chunk is min(chunk_size, T).
+  # The chunk is min(chunk, T).
   assert mixer(GatedDeltaNet, implementation="chunked", **fields).flops_per_token(16) == (
       dense + convs + 4 * (16 * (5 * 16 + 3 * 32) + 6 * 16 * 32))
 
