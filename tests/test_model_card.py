@@ -240,13 +240,13 @@ def test_convolutions():
 
 
 def test_auto_counts_as_its_gpu_form_on_any_host():
-  """The CPU running this test resolves GLA's "auto" to XLA chunked; the card counts the GPU kernel."""
+  """The CPU running this test resolves GLA's "auto" to XLA chunked; the card counts the GPU kernels."""
   model = preset("baselines", "gla_tiny").model
   with_impl = lambda name: with_mixer_overrides(model, implementation=name)
   auto = model_card.card(with_impl("auto"), 64)
-  pallas = model_card.card(with_impl("pallas"), 64)
+  kernel = model_card.card(with_impl("pallas_triton"), 64)
   chunked = model_card.card(with_impl("chunked"), 64)
-  assert auto["flops_per_token_train"] == pallas["flops_per_token_train"]
+  assert auto["flops_per_token_train"] == kernel["flops_per_token_train"]
   assert auto["flops_per_token_train"] != chunked["flops_per_token_train"]  # chunk 16 vs 64
   assert auto["state_bytes_per_sequence"] == chunked["state_bytes_per_sequence"] > 0
 
