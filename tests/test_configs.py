@@ -1,6 +1,10 @@
 """Every preset of every config file loads into typed configs; paper models have the sizes of docs/MATH.md."""
 
 import importlib
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -94,3 +98,25 @@ def test_paper_presets_use_auto_where_a_kernel_is_faster_and_tiny_presets_keep_x
   assert implementation("sanatan", "tiny", "sanatan") == "parallel"
   assert implementation("based", "tiny", "taylor") == "chunked"
   assert implementation("baselines", "gla_tiny", "gla") == "chunked"
+
+
+def _model_card(*overrides: str) -> subprocess.CompletedProcess:
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  command = [sys.executable, "scripts/model_card.py", "--config=configs/baselines.py:gla_tiny", "--json",
+             "--config.model.mixers.gla.implementation=chunked", *overrides]
+  return subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=300)
+
+
+def test_a_mixers_tiles_are_set_from_the_command_line_and_reach_its_flop_count():
+  """``--config.model.mixers.gla.tiles='{"chunk": 32}'`` (a None field is an overridable placeholder)
+  becomes the backend's typed tiling: the card counts chunks of 32 (2 · C · (K + V) per head and token
+  less than at the default 64); a field the tiling lacks is one line naming it."""
+  default, halved = (_model_card(*flag) for flag in ((), ('--config.model.mixers.gla.tiles={"chunk": 32}',)))
+  assert default.returncode == halved.returncode == 0, default.stderr[-2000:] + halved.stderr[-2000:]
+  mixers = [json.loads(p.stdout)["flops_per_token_forward_parts"]["mixers"] for p in (default, halved)]
+  layers, keys, values = 4, 64, 128  # gla_tiny: D = 128, expand_k 0.5, expand_v 1 (summed over the heads)
+  assert mixers[0] - mixers[1] == layers * 2 * (64 - 32) * (keys + values)
+  bad = _model_card('--config.model.mixers.gla.tiles={"chunks": 32}')
+  lines = bad.stderr.strip().splitlines()
+  assert bad.returncode == 2 and len(lines) == 1, bad.stderr[-2000:]
+  assert lines[0] == "ConfigError: model.mixers.gla: GLA tiles: ChunkTiles has no field 'chunks'; valid: chunk"
