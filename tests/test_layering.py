@@ -1,13 +1,21 @@
 """The architecture as tests: imports go downward (entry points -> families -> lmcore; inside an op,
 api -> backends -> base -> lmcore.ops.common), there are no import cycles, lmcore names no model
-family and no benchmark code, and no module uses another module's private names."""
+family and no benchmark code, no module uses another module's private names, every module of an op is
+reachable from its registry, and every mixer knob reaches the backend that runs."""
 
 import ast
 import dataclasses
 import importlib
 import os
 
+import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
+
+from lmcore.errors import ConfigError
+from lmcore.mixers.base import InitSpec
+from lmcore.registry import mixer_class, mixer_kinds
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("lmcore", "sanatan_jax", "based_jax", "benchmarks", "configs")
@@ -162,8 +170,6 @@ def _attributes_read(module: str) -> set[str]:
 
 def test_every_mixer_knob_is_read_by_its_mixer():
   """A field of a mixer's Config that its module never reads is a knob that changes nothing."""
-  from lmcore.registry import mixer_class, mixer_kinds
-
   unread = []
   for kind in mixer_kinds():
     cls = mixer_class(kind)
@@ -172,3 +178,82 @@ def test_every_mixer_knob_is_read_by_its_mixer():
     read = set().union(*(_attributes_read(m) for m in modules if m in MODULES))
     unread += [f"{kind}.{name}" for name in sorted(config_fields - read)]
   assert not unread, f"mixer config fields no code reads: {unread}"
+
+
+# Each mixer kind with an op, the op's package and small config fields.
+MIXER_OPS = {
+    "sanatan": ("sanatan_jax.ops.sanatan_attention", dict(n_heads=2, head_dim=4)),
+    "taylor": ("based_jax.ops.taylor_attention", dict(n_heads=2, feature_dim=4)),
+    "gla": ("lmcore.ops.gated_linear_attention", dict(n_heads=2)),
+    "cyfa": ("lmcore.ops.gated_linear_attention", dict(n_heads=2, head_dim=4, v_head_dim=4)),
+    "linear_transformer": ("lmcore.ops.gated_linear_attention", dict(n_heads=2, head_dim=4)),
+    "performer": ("lmcore.ops.gated_linear_attention", dict(n_heads=2, head_dim=4, n_features=8)),
+    "cosformer": ("lmcore.ops.gated_linear_attention", dict(n_heads=2, head_dim=4, max_len=16)),
+    "gdn": ("lmcore.ops.gated_delta_rule", dict(n_heads=2, head_dim=4)),
+}
+# Mixer knobs -> (a value other than the default, the field of the ``options`` a backend receives).
+OPTION_KNOBS = {"kernel_precision": ("tf32", "precision"), "chunked_remat": (False, "remat"),
+                "kernel_split_state": (False, "split_state")}
+
+
+class _Reached(Exception):
+  pass
+
+
+def _changed(tiles):
+  """``tiles`` with its first integer field (nested tilings too) doubled."""
+  for field in dataclasses.fields(tiles):
+    value = getattr(tiles, field.name)
+    if dataclasses.is_dataclass(value):
+      return dataclasses.replace(tiles, **{field.name: _changed(value)})
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+      return dataclasses.replace(tiles, **{field.name: 2 * value})
+  raise AssertionError(f"{tiles!r} has no integer field")
+
+
+def _backend_kwargs(monkeypatch, kind: str, backend, **fields) -> dict:
+  """The keyword arguments ``backend`` receives when a ``kind`` mixer built from ``fields`` runs (traced
+  only: the backend stops the trace)."""
+  seen = {}
+
+  def spy(self, *args, **kwargs):
+    seen.update(kwargs)
+    raise _Reached
+
+  monkeypatch.setattr(type(backend), "__call__", spy)
+  cls = mixer_class(kind)
+  mixer = cls(cls.Config(**MIXER_OPS[kind][1], **fields), d_model=8, init=InitSpec(), rngs=nnx.Rngs(0))
+  with pytest.raises(_Reached):
+    jax.eval_shape(lambda x: mixer(x)[0], jax.ShapeDtypeStruct((1, 16, 8), jnp.float32))
+  return seen
+
+
+def _runs(registry, name: str, kind: str) -> bool:
+  try:
+    mixer_class(kind).Config(**MIXER_OPS[kind][1], implementation=name)
+  except ConfigError:  # a backend the mixer's own variant cannot use (e.g. SANATAN p = 1's flash)
+    return False
+  return "cpu" in registry.backends[name].platforms
+
+
+@pytest.mark.parametrize("kind", MIXER_OPS)
+def test_every_mixer_knob_reaches_the_backend_that_runs(kind, monkeypatch):
+  """For every backend a mixer can name, a non-default ``tiles`` value is the tiling that backend is
+  called with, and the kernel knobs the mixer has (precision, recomputation, split state dots) arrive
+  in the options it is called with: no knob of a mixer stops short of what runs."""
+  registry = importlib.import_module(f"{MIXER_OPS[kind][0]}.api").REGISTRY
+  knobs = {f.name for f in dataclasses.fields(mixer_class(kind).Config)} & set(OPTION_KNOBS)
+  checked = []
+  for name, backend in registry.backends.items():
+    if backend.tiles_type is None or not _runs(registry, name, kind):
+      continue
+    tiles = _changed(registry.tiles(name, {}, "test"))
+    options = {knob: OPTION_KNOBS[knob][0] for knob in knobs}
+    if name == "pallas_tpu":
+      options.pop("kernel_precision", None)  # the TPU kernels take "input" only
+    kwargs = _backend_kwargs(monkeypatch, kind, backend, implementation=name, tiles=tiles, **options)
+    assert kwargs["tiles"] == tiles, (kind, name)
+    for knob, value in options.items():
+      assert getattr(kwargs["options"], OPTION_KNOBS[knob][1]) == value, (kind, name, knob)
+    checked.append(name)
+  assert checked, f"{kind}: no backend with tiles"

@@ -35,6 +35,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
+from lmcore.errors import ConfigError
 from lmcore.ops.common import pallas_utils
 from lmcore.ops.common.backend import Registry
 from sanatan_jax.ops.sanatan_attention import pallas_mosaic_tpu_p1
@@ -69,14 +70,14 @@ def problem(q: jax.Array, v: jax.Array, *, p: int = 1, channels: int = 6, kernel
 
 
 def check_variant(implementation: str | None, p: int, channels: int, where: str) -> None:
-  """Raises ValueError naming ``where`` when the backend ``implementation`` (a valid name) computes
+  """Raises ConfigError naming ``where`` when the backend ``implementation`` (a valid name) computes
   the power p and channel variant on no platform, listing the names that do; "auto" and None pass."""
   if implementation in ("auto", None):
     return
   variant = Problem("cpu", p, channels)
   if not REGISTRY.backends[implementation].supports(variant):
     names = [name for name, backend in REGISTRY.backends.items() if backend.supports(variant)]
-    raise ValueError(f"{where}: implementation {implementation!r} needs "
+    raise ConfigError(f"{where}: implementation {implementation!r} needs "
                      f"{REGISTRY.backends[implementation].requirement}, got p={p} with {channels} "
                      f"channels; use one of {', '.join([*names, 'auto'])}")
 
