@@ -24,17 +24,17 @@ import optax
 from flax import nnx
 
 from lmcore import data as data_lib
+from lmcore import loss as loss_lib
+from lmcore import model_card
+from lmcore.config import ExperimentConfig, to_jsonable
+from lmcore.errors import Diverged
 from lmcore.eval import evaluate
 from lmcore.train import metrics
 from lmcore.train import perf
 from lmcore.train import sharding
-from lmcore.config import ExperimentConfig, to_jsonable
-from lmcore.errors import Diverged
-from lmcore.train import loss as loss_lib
 from lmcore.train import state as state_lib
 from lmcore.train.optim import learning_rate_schedule
 from lmcore.train.state import Run, build_run
-
 
 
 class StopRequested:
@@ -129,8 +129,6 @@ def _save(run: Run, last_loss: float | None) -> None:
 def write_run_info(run: Run, writer: metrics.MetricWriter) -> dict[str, Any]:
   """The first log lines: what is being trained and on what (with the corpus fingerprint); returns the
   model card."""
-  from lmcore import model_card  # Imported here: the card builds abstract models of its own.
-
   card = model_card.card(run.config.model, run.config.data.seq_len)
   info = {"config": to_jsonable(run.config), "model_card": card, "tokenizer": run.tokenizer.name,
           "data_fingerprint": run.meta["data_fingerprint"], "devices": [str(d) for d in jax.devices()]}
