@@ -79,6 +79,14 @@ def test_every_mixer_family_trains_the_same_on_three_meshes_as_on_one_device(tmp
     else:  # tensor parallelism gathers features within the tensor group, never the batch
       assert all(g["dimension"] != 0 for g in gathers), (name, gathers)
   assert results["indivisible_batch_max_abs_diff"] <= 1e-6
+  # The gate statistics under jit on (data 2, fsdp 4): SANATAN's layer only, the one-device numbers
+  # (fp32 sums of the same roots; the counts exact).
+  one, mesh = results["gate_stats"]["1x1x1"], results["gate_stats"]["2x4x1"]
+  assert [r["layer"] for r in one] == [r["layer"] for r in mesh] == [1]
+  assert 0 < one[0]["mismatch_fraction"] < 1 and 0 < one[0]["mismatch_gate_mean"] < 1
+  assert mesh[0]["num_pairs"] == one[0]["num_pairs"] and mesh[0]["num_mismatched"] == one[0]["num_mismatched"]
+  for key in ("frac_saturated_q", "frac_saturated_k", "mismatch_fraction", "mismatch_gate_mean"):
+    assert mesh[0][key] == pytest.approx(one[0][key], rel=1e-5), key
 
 
 TRAIN = ["--config.model.d_model=32", "--config.model.n_layers=2", "--config.model.pattern=sanatan*2",
