@@ -152,6 +152,7 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str) -> dict[str, Any]
     heldout = data_lib.load_or_build_heldout(config.data, run.tokenizer, heldout_path(config, workdir))
     with jax.set_mesh(run.shardings.mesh):  # the Pallas kernels' shard_map reads the mesh from here
       _loop(run, writer, stop, heldout, card["flops_per_token_train"])
+      _close_data(run)  # the evaluation reads the held-out set, not the training stream
       if stop.signal_name:
         writer.console(_stopped_line(run, stop.signal_name))
         return {"stopped_by": stop.signal_name, "step": run.step}
@@ -164,10 +165,18 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str) -> dict[str, Any]
                       f"eval.py --config=<the same config> --workdir={run.workdir}.") from None
   finally:
     if run is not None:
+      _close_data(run)
       run.checkpointer.close()
     if writer is not None:
       writer.close()
     StopRequested.restore(previous_handlers)
+
+
+def _close_data(run: Run) -> None:
+  """Stops the data iterator's worker processes once the saves that record its position are written
+  (idempotent; otherwise they would only be stopped at interpreter exit, by Grain's finalizers)."""
+  run.checkpointer.wait()
+  run.data_iterator.close()
 
 
 def _stopped_line(run: Run, signal_name: str) -> str:
