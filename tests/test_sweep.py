@@ -38,8 +38,9 @@ def parsed(argv: list[str]) -> flags.FlagValues:
 
 def test_fixed_overrides_are_passed_on_as_typed_one_argument_each():
   config = os.path.join(REPO, "configs", "baselines.py") + ":tiny"
-  argv = ["sweep.py", f"--config={config}", "--sweep=train.learning_rate=1e-3,3e-3", "--config.train.steps=10",
-          "--config.data.seq_len", "32", "--noconfig.model.remat", "--", "--config.train.seed=3"]
+  argv = ["sweep.py", f"--config={config}", "--sweep=train.learning_rate=1e-3,3e-3",
+          "--config.train.steps=10", "--config.data.seq_len", "32", "--noconfig.model.remat", "--",
+          "--config.train.seed=3"]
   values = parsed(argv)
   assert values.config.train.steps == 10 and values.config.data.seq_len == 32
   assert cli.config_overrides(argv[1:], values) == [

@@ -113,9 +113,9 @@ def _signalled_run(workdir, steps: int, fault: dict) -> tuple[subprocess.Complet
   """train.py with two Grain worker processes in a process group of its own, signalled by
   ``tests/fault_train.py``'s ``fault``; returns the finished process and whether any process of the
   group (a worker) was still alive a few seconds after train.py exited."""
-  proc = subprocess.Popen(train_cmd(workdir, f"--config.train.steps={steps}", "--config.train.checkpoint_every=2",
-                                    "--config.data.worker_count=2", script="tests/fault_train.py"),
-                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+  cmd = train_cmd(workdir, f"--config.train.steps={steps}", "--config.train.checkpoint_every=2",
+                  "--config.data.worker_count=2", script="tests/fault_train.py")
+  proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env={**os.environ, **fault}, start_new_session=True)
   out, err = proc.communicate(timeout=600)
   deadline = time.time() + 10

@@ -217,8 +217,9 @@ def shard_records(path: str, key: str = "path") -> int:
     reader.close()  # a truncated shard reports its failure here
   except RuntimeError as e:
     reason = str(e) or "its footer cannot be read"
-    raise DataError(f"{path} ({os.path.getsize(path):,} bytes) is not a complete ArrayRecord shard ({reason}): "
-                    f"an interrupted write or copy. Write it again (scripts/prepare_data.py) or move it out "
+    size = os.path.getsize(path)
+    raise DataError(f"{path} ({size:,} bytes) is not a complete ArrayRecord shard ({reason}): an "
+                    f"interrupted write or copy. Write it again (scripts/prepare_data.py) or move it out "
                     f"of {key}'s glob.") from None
   return count
 

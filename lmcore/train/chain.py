@@ -110,8 +110,8 @@ def step_view(workdir: str, step: int) -> str:
   if not os.path.isdir(source):
     kept = sorted(int(n) for n in os.listdir(os.path.dirname(source)) if n.isdigit()) if os.path.isdir(
         os.path.dirname(source)) else []
-    raise ckpt_lib.CheckpointError(f"{workdir} keeps no checkpoint of step {step} (kept: {kept}); it was trained with "
-                          "other settings. Use a new workdir.")
+    raise ckpt_lib.CheckpointError(f"{workdir} keeps no checkpoint of step {step} (kept: {kept}); it was "
+                                   "trained with other settings. Use a new workdir.")
   view = view_path(workdir, step)
   link = os.path.join(view, "checkpoints", str(step))
   if not os.path.islink(link):

@@ -28,7 +28,7 @@ def test_no_paired_evaluation_without_a_fixed_state_mixer_or_without_a_constant_
     assert len(lines) == 1 and not any("paired" in line for line in lines)
   reasons = [r.getMessage() for r in caplog.records if r.name == "lmcore.eval.evaluate"]
   assert reasons[0] == "paired evaluation does not apply: no fixed-state mixer in this model"
-  assert reasons[1].startswith("paired evaluation does not apply: ") and len(reasons) == 2  # the mixer says why
+  assert len(reasons) == 2 and reasons[1].startswith("paired evaluation does not apply: ")  # the mixer's why
 
 
 def test_a_requested_pair_that_cannot_run_is_printed_with_its_reason(caplog):

@@ -34,7 +34,8 @@ def _assert_close(got: dict, expected: dict) -> None:
 def test_the_compiled_form_equals_the_fp64_numpy_form(num_positions):
   rq, rk = _roots(num_positions)
   expected = gate_stats.gate_statistics(rq, rk, num_positions=num_positions, seed=5)
-  compiled = jax.jit(lambda q, k: gate_stats.gate_statistics_arrays(q, k, num_positions=num_positions, seed=5))
+  compiled = jax.jit(lambda q, k: gate_stats.gate_statistics_arrays(q, k, num_positions=num_positions,
+                                                                    seed=5))
   got = jax.device_get(compiled(rq.astype(np.float32), rk.astype(np.float32)))
   _assert_close({k: np.asarray(v).item() for k, v in got.items()}, expected)
   assert got["num_pairs"] == expected["num_pairs"] and got["num_mismatched"] == expected["num_mismatched"]

@@ -145,7 +145,8 @@ def gate_statistics_on_meshes(devices_of_mesh: dict) -> dict[str, list[dict]]:
     rows = (config.eval.gate_stats_sequences, config.data.seq_len + 1)
     heldout = {"tokens": np.random.default_rng(2).integers(0, config.model.vocab_size, rows, dtype=np.int32)}
     with jax.set_mesh(mesh):
-      results["x".join(map(str, mesh_shape))] = evaluate.gate_statistics(config, graphdef, params, rest, heldout)
+      name = "x".join(map(str, mesh_shape))
+      results[name] = evaluate.gate_statistics(config, graphdef, params, rest, heldout)
   return results
 
 
