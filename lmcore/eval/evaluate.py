@@ -113,7 +113,7 @@ def _paired_kinds(config: ModelConfig) -> set[str]:
           if kind != "softmax" and "implementation" in {f.name for f in dataclasses.fields(cfg)}}
 
 
-def _has_constant_state(config: ModelConfig) -> str | None:
+def _why_no_constant_state(config: ModelConfig) -> str | None:
   """None when every mixer of the model has a decode state, else the mixer's reason why not (SANATAN
   p >= 2 has no constant-size state, so its recurrent form does not exist)."""
   try:
@@ -129,7 +129,7 @@ def paired_evaluation(config: ExperimentConfig, params, rest, heldout) -> dict[s
   constant-size state) it returns nothing and logs why at INFO; ``{"paired_skipped": reason}`` when
   the requested implementations cannot run."""
   kinds = _paired_kinds(config.model)
-  reason = _has_constant_state(config.model) if kinds else "no fixed-state mixer in this model"
+  reason = _why_no_constant_state(config.model) if kinds else "no fixed-state mixer in this model"
   if reason is not None:
     logger.info("paired evaluation does not apply: %s", reason)
     return {}

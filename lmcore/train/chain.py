@@ -61,11 +61,11 @@ def evaluate_checkpoint(config: ExperimentConfig, workdir: str, step: int | None
     check_prompts([prompt_ids], max_new_tokens, config.model)
   graphdef, abstract_params, abstract_rest = state_lib.abstract_model(config.model)
   mesh = sharding.current_mesh()
+  param_shardings = sharding.param_shardings(abstract_params, mesh, config.model.d_model)
+  rest_shardings = jax.tree.map(lambda _: sharding.replicated(mesh), abstract_rest)
   params, rest, step, _ = ckpt_lib.load_params(
-      workdir, sharding.with_shardings(abstract_params, sharding.param_shardings(abstract_params, mesh,
-                                                                                 config.model.d_model)),
-      jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.replicated(mesh)),
-                   abstract_rest), step=step)
+      workdir, sharding.with_shardings(abstract_params, param_shardings),
+      sharding.with_shardings(abstract_rest, rest_shardings), step=step)
   heldout = data_lib.load_or_build_heldout(config.data, tokenizer, train_lib.heldout_path(config, workdir))
   record = evaluate.evaluate_params(config, out_dir or workdir, graphdef, params, rest, heldout, step,
                                     tokenizer)
