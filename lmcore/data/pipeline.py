@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 from typing import Any
 
 import grain
@@ -40,6 +41,12 @@ logger = logging.getLogger(__name__)
 # Documents are read and tokenized ahead of the packer in threads of this process; worker processes
 # (data.worker_count) scale further.
 READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=64)
+
+
+# Batches leave the worker processes pickled through their queues, not in shared memory segments: token
+# batches are small, and a segment still in flight when a stopped run exits is left to Python's
+# resource tracker, which warns about it.
+WORKER_BATCHES_COPIED = grain.experimental.DatasetOptions(min_shm_size=sys.maxsize)
 
 
 def derive_seed(*parts: int) -> int:
@@ -234,8 +241,8 @@ def make_train_iterator(cfg: DataConfig, tokenizer: Tokenizer, *, batch_size: in
   tokens = documents.map(TokenizeDocument(tokenizer)).to_iter_dataset(READ_OPTIONS)
   batches = pack(tokens, cfg.seq_len).batch(local, drop_remainder=True).map(FinishWindows(cfg.segment_ids))
   if cfg.worker_count:
-    batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count),
-                                  worker_init_fn=leave_signals_to_the_parent)
+    batches = grain.experimental.WithOptionsIterDataset(batches, WORKER_BATCHES_COPIED).mp_prefetch(
+        grain.MultiprocessingOptions(num_workers=cfg.worker_count), worker_init_fn=leave_signals_to_the_parent)
   return JsonSafeIterator(iter(batches))
 
 
