@@ -14,8 +14,8 @@ from ml_collections import config_flags
 
 from lmcore import cli
 from lmcore import config as cfg_lib
-from lmcore.eval import evaluate, generate
-from lmcore.train import sharding
+from lmcore.eval import generate
+from lmcore.train import chain, sharding
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file and preset the run was trained with.",
                                           lock_config=True)
@@ -39,8 +39,8 @@ def main(argv):
   config = cfg_lib.experiment_config(_CONFIG.value)
   sampling = generate.Sampling(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value)
   with jax.set_mesh(sharding.make_mesh(config.mesh)):  # the kernels' shard_map reads the mesh from here
-    evaluate.evaluate_checkpoint(config, _WORKDIR.value, _STEP.value, _PROMPT.value, _MAX_NEW_TOKENS.value,
-                                 _OUT_DIR.value, sampling=sampling, seed=_SEED.value)
+    chain.evaluate_checkpoint(config, _WORKDIR.value, _STEP.value, _PROMPT.value, _MAX_NEW_TOKENS.value,
+                              _OUT_DIR.value, sampling=sampling, seed=_SEED.value)
 
 
 if __name__ == "__main__":

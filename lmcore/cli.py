@@ -136,6 +136,29 @@ def _override_error(config_arg: str | None, argv: Sequence[str]) -> ConfigError 
   return None
 
 
+def config_overrides(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS) -> list[str]:
+  """The ``--config.a.b=v`` overrides of a parsed command line ``argv``, in order, each as one
+  argument (a value given as the next argument joined with "="): what ``train.py`` takes."""
+  overrides, args = [], iter(argv)
+  for arg in args:
+    if arg == "--":
+      break
+    match = _OVERRIDE_FLAG.match(arg)
+    if match is None:
+      continue
+    boolean = flag_values[f"config.{match.group(1)}"].boolean  # --config.x / --noconfig.x take no value
+    overrides.append(arg if "=" in arg or boolean else f"{arg}={next(args)}")
+  return overrides
+
+
+def override_key(arg: str) -> str:
+  """``"--config.train.steps=10"`` (or ``--noconfig.x``) -> ``"train.steps"``."""
+  match = _OVERRIDE_FLAG.match(arg)
+  if match is None:
+    raise ValueError(f"{arg!r} is not a --config.<key> override")
+  return match.group(1)
+
+
 def unknown_override(config: Mapping[str, Any], dotted: str) -> ConfigError | None:
   """The error for override path ``dotted`` (``"train.stpes"``) if it names no field of ``config``."""
   node, walked = config, "config"

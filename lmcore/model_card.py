@@ -60,8 +60,8 @@ def card(config: ModelConfig, seq_len: int) -> dict[str, Any]:
 
 
 def format_card(c: dict[str, Any]) -> str:
-  def num(x, unit=""):
-    return "n/a" if x is None else f"{x:,.0f}{unit}"
-  return (f"model: {c['params']:,} params ({c['params_non_embedding']:,} non-embedding) | "
-          f"state {num(c['state_bytes_per_sequence'], ' B')}/sequence at T={c['seq_len']} | "
-          f"FLOPs/token fwd {num(c['flops_per_token_forward'])}, train {num(c['flops_per_token_train'])}")
+  state = c["state_bytes_per_sequence"]
+  state = ("no constant-size state" if state is None
+           else f"state {state:,.0f} B/sequence at T={c['seq_len']}")
+  return (f"model: {c['params']:,} params ({c['params_non_embedding']:,} non-embedding) | {state} | "
+          f"FLOPs/token fwd {c['flops_per_token_forward']:,.0f}, train {c['flops_per_token_train']:,.0f}")

@@ -19,8 +19,10 @@ import re
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 from typing import Any
 
+from lmcore import cli
 from lmcore.errors import ConfigError, Diverged
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,6 +47,18 @@ def parse_axis(spec: str) -> tuple[str, list[str]]:
   if not sep or not values:
     raise ConfigError(f"--sweep {spec!r}: expected KEY=V1,V2,... (e.g. train.learning_rate=1e-3,3e-3)")
   return key.strip(), [v.strip() for v in values.split(",")]
+
+
+def check_axes(specs: list[str], fixed: list[str], config: Mapping[str, Any]) -> None:
+  """``ConfigError`` before anything runs for an axis that names no key of ``config`` (the ConfigDict
+  of the preset), or one that a fixed ``--config.<key>=`` override also sets."""
+  fixed_keys = {cli.override_key(arg) for arg in fixed}
+  for key, _ in map(parse_axis, specs):
+    error = cli.unknown_override(config, key)
+    if error is not None:
+      raise error
+    if key in fixed_keys:
+      raise ConfigError(f"--sweep {key}=... and --config.{key} both set {key}; keep one of them.")
 
 
 def grid(specs: list[str]) -> list[dict[str, str]]:

@@ -167,7 +167,8 @@ class SanatanMixer(nnx.Module):
     return tuple(features.soft_roots(features.angles(u.astype(jnp.float32)), omega_Hxd)
                  for u in (q_BxTxHxd, k_BxTxHxd))
 
-  def gate_statistics(self, x_BxTxD: jax.Array) -> dict[str, float]:
-    """The evaluation hook for MATH §1.3: this layer's root-gate statistics (``gate_stats``)."""
+  def gate_statistics(self, x_BxTxD: jax.Array) -> dict[str, jax.Array]:
+    """The evaluation hook for MATH §1.3: this layer's root-gate statistics as 0-d arrays
+    (``gate_stats.gate_statistics_arrays``), traced inside the evaluation's compiled program."""
     r_q, r_k = self.roots(x_BxTxD)
-    return {k: float(v) for k, v in gate_stats.gate_statistics(r_q, r_k).items()}
+    return gate_stats.gate_statistics_arrays(r_q, r_k)

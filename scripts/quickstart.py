@@ -48,8 +48,9 @@ def unadapted_readout(stage1: cfg_lib.ExperimentConfig, stage1_dir: str, step: i
 
 
 def results_table(stage1: dict, readout: dict, stage2: dict) -> str:
-  if "paired_skipped" in stage2:
-    raise SystemExit(f"stage 2's paired evaluation did not run: {stage2['paired_skipped']}")
+  if "paired_diff" not in stage2:
+    reason = stage2.get("paired_skipped", "eval.paired is off, or it does not apply to this model")
+    raise SystemExit(f"stage 2's paired evaluation did not run: {reason}")
   rows = [("stage 1, p = 2 (parallel)", stage1["loss"]),
           ("stage 1 read out at p = 1, no adaptation", readout["loss"]),
           ("stage 2, p = 1 (parallel)", stage2["loss_parallel"]),

@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from lmcore import errors
 from lmcore.data import embedded, heldout, pipeline, sources, tokenizers
 from lmcore.data.config import DataConfig, HeldoutConfig, SourceConfig, TokenizerConfig
 from data_cases import CharTokenizer
@@ -274,6 +275,28 @@ def test_prepare_data_uncompressed_shards_hold_the_same_records(tmp_path):
   raw_docs, raw_keys = read("raw", "group_size:1,uncompressed")
   assert raw_docs == zstd_docs == [d * 50 for d in DOCS]
   assert (raw_keys == zstd_keys).all(), "the held-out split does not depend on the writer options"
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated"])
+def test_an_empty_or_truncated_shard_is_named_when_the_source_opens(tmp_path, stdlib_tokenizer, damage):
+  """Before any data worker starts (``worker_count`` 2): one ``DataError`` naming the shard, its size,
+  the config key of its glob and how to fix it."""
+  from lmcore.data.convert import convert_to_array_record
+  for i, doc in enumerate(DOCS):
+    (tmp_path / f"in{i}.txt").write_text(doc * 50)
+  good, = convert_to_array_record(f"{tmp_path}/in*.txt", str(tmp_path / "shards"), kind="text",
+                                  show_progress=False)
+  bad = tmp_path / "shards" / "z_bad.array_record"
+  data = pathlib.Path(good).read_bytes()
+  bad.write_bytes(b"" if damage == "empty" else data[:len(data) // 2])
+  cfg = DataConfig(sources=(SourceConfig(name="web", kind="array_record", path=f"{tmp_path}/shards/*"),),
+                   seq_len=16, worker_count=2)
+  with pytest.raises(errors.DataError) as error:
+    pipeline.make_train_iterator(cfg, stdlib_tokenizer, batch_size=2, seed=0)
+  message = str(error.value)
+  assert message.startswith(f"{bad} ({bad.stat().st_size:,} bytes) is not a complete ArrayRecord shard")
+  assert "scripts/prepare_data.py" in message and "data.sources.web.path" in message
+  assert "\n" not in message
 
 
 # ------------------------------------------------------------------------------- mixture and order

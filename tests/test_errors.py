@@ -25,6 +25,7 @@ from lmcore.data import spm_training
 from lmcore.errors import ConfigError, Diverged, MissingFileError
 from lmcore.eval import evaluate
 from lmcore.model import LanguageModel
+from lmcore.train import chain
 from lmcore.train import checkpoint as ckpt_lib
 from lmcore.train import loop as train_lib
 from lmcore.train import metrics
@@ -220,7 +221,7 @@ def test_evaluation_never_prints_or_writes_nan(own_text, tmp_path, capsys):
 def test_prompt_on_a_model_without_a_decode_state_fails_before_evaluating(tmp_path):
   config = cfg_lib.experiment_config(sanatan.get_config("tiny"))  # p = 2: no constant-size state
   with pytest.raises(ConfigError, match=r"--prompt needs a model that decodes token by token.*p=2"):
-    evaluate.evaluate_checkpoint(config, str(tmp_path / "no_run_here"), prompt="def ")
+    chain.evaluate_checkpoint(config, str(tmp_path / "no_run_here"), prompt="def ")
 
 
 def test_wandb_offline_without_the_package_falls_back_to_disabled(tmp_path, monkeypatch, capsys):

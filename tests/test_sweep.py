@@ -1,5 +1,7 @@
-"""Sweeps are grids of overrides: parsing, naming, skipping finished points, diverged points recorded
-and the grid continued, and a real two-point run from another directory that tabulates and plots."""
+"""Sweeps are grids of overrides: parsing, naming, fixed ``--config.*`` overrides passed to every point
+as typed, axes checked against the preset before anything runs, skipping finished points, diverged
+points recorded and the grid continued, and a real two-point run from another directory that tabulates
+and plots."""
 
 import json
 import os
@@ -7,9 +9,11 @@ import subprocess
 import sys
 
 import pytest
+from absl import flags
+from ml_collections import config_flags
 
-from lmcore import sweep
-from lmcore.errors import Diverged
+from lmcore import cli, sweep
+from lmcore.errors import ConfigError, Diverged
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,6 +25,38 @@ def test_grid_is_the_product_of_the_axes():
   assert sweep.point_name(points[1]) == "d_model=48_learning_rate=1e-3"
   with pytest.raises(ValueError, match="KEY=V1,V2"):
     sweep.parse_axis("model.d_model")
+
+
+def parsed(argv: list[str]) -> flags.FlagValues:
+  """Fresh flags with a ``--config`` flag, parsed from ``argv`` (as scripts/sweep.py's are)."""
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, flag_values=values, sys_argv=argv)
+  flags.DEFINE_multi_string("sweep", [], "", flag_values=values)
+  values(argv)
+  return values
+
+
+def test_fixed_overrides_are_passed_on_as_typed_one_argument_each():
+  config = os.path.join(REPO, "configs", "baselines.py") + ":tiny"
+  argv = ["sweep.py", f"--config={config}", "--sweep=train.learning_rate=1e-3,3e-3",
+          "--config.train.steps=10", "--config.data.seq_len", "32", "--noconfig.model.remat", "--",
+          "--config.train.seed=3"]
+  values = parsed(argv)
+  assert values.config.train.steps == 10 and values.config.data.seq_len == 32
+  assert cli.config_overrides(argv[1:], values) == [
+      "--config.train.steps=10", "--config.data.seq_len=32", "--noconfig.model.remat"]
+  assert [cli.override_key(a) for a in cli.config_overrides(argv[1:], values)] == [
+      "train.steps", "data.seq_len", "model.remat"]
+
+
+def test_an_axis_the_preset_lacks_or_that_is_also_fixed_fails_before_anything_runs():
+  values = parsed(["sweep.py", f"--config={os.path.join(REPO, 'configs', 'baselines.py')}:tiny"])
+  sweep.check_axes(["train.learning_rate=1e-3,3e-3"], ["--config.train.steps=10"], values.config)
+  with pytest.raises(ConfigError, match=r"unknown key 'config.train.learnig_rate'. "
+                                        r"Did you mean 'config.train.learning_rate'"):
+    sweep.check_axes(["train.learnig_rate=1e-3"], [], values.config)
+  with pytest.raises(ConfigError, match=r"--sweep train.steps=... and --config.train.steps both set"):
+    sweep.check_axes(["train.steps=5,10"], ["--config.train.steps=10"], values.config)
 
 
 def fake_train(outcomes: dict[str, int], calls: list[str]):
@@ -67,11 +103,11 @@ def test_two_point_sweep_from_another_directory_marks_the_diverged_point(tmp_pat
   root = tmp_path / "sweep"
   cmd = [sys.executable, os.path.join(REPO, "scripts", "sweep.py"),
          f"--config={os.path.join(REPO, 'configs', 'baselines.py')}:tiny", "--root=sweep",
-         "--sweep=model.init_std=0.02,1e30", "--",
+         "--sweep=model.init_std=0.02,1e30",
          "--config.train.steps=3", "--config.model.d_model=32", "--config.model.mlp_hidden=64",
-         "--config.model.mixers.softmax.n_heads=2", "--config.data.seq_len=32",
+         "--config.model.mixers.softmax.n_heads=2", "--config.data.seq_len", "32",
          "--config.train.batch_size=4", "--config.data.heldout.num_sequences=4",
-         "--config.eval.batch_size=4", "--config.wandb.mode=disabled"]
+         "--config.eval.batch_size=4", "--", "--config.wandb.mode=disabled"]
   proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   table = (root / "sweep_results.md").read_text()

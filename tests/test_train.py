@@ -101,21 +101,48 @@ def test_exact_resume_after_sigkill(tmp_path):
     np.testing.assert_array_equal(value, params_b[name], err_msg=name)
 
 
+def _group_alive(pgid: int) -> bool:
+  try:
+    os.killpg(pgid, 0)
+  except ProcessLookupError:
+    return False
+  return True
+
+
+def _signalled_run(workdir, steps: int, fault: dict) -> tuple[subprocess.CompletedProcess, bool]:
+  """train.py with two Grain worker processes in a process group of its own, signalled by
+  ``tests/fault_train.py``'s ``fault``; returns the finished process and whether any process of the
+  group (a worker) was still alive a few seconds after train.py exited."""
+  cmd = train_cmd(workdir, f"--config.train.steps={steps}", "--config.train.checkpoint_every=2",
+                  "--config.data.worker_count=2", script="tests/fault_train.py")
+  proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, **fault}, start_new_session=True)
+  out, err = proc.communicate(timeout=600)
+  deadline = time.time() + 10
+  while _group_alive(proc.pid) and time.time() < deadline:
+    time.sleep(0.2)
+  left = _group_alive(proc.pid)
+  if left:
+    os.killpg(proc.pid, signal.SIGKILL)
+  return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), left
+
+
 @pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
-  workdir = tmp_path / "run"
-  proc = subprocess.Popen(train_cmd(workdir, "--config.train.steps=100000", "--config.train.checkpoint_every=100000"),
-                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  deadline = time.time() + 300
-  while not (workdir / "metrics.jsonl").exists() and time.time() < deadline:
-    time.sleep(0.5)
-  time.sleep(1.0)
-  proc.send_signal(signal.SIGTERM)
-  out, _ = proc.communicate(timeout=300)
-  assert proc.returncode == 0, out[-3000:]
-  assert "SIGTERM received" in out
-  steps = [int(s) for s in os.listdir(workdir / "checkpoints") if s.isdigit()]
-  assert len(steps) == 1 and 0 < steps[0] < 100000
+def test_sigterm_to_the_process_group_saves_and_every_process_exits_quietly(tmp_path):
+  """SIGTERM to train.py and its data workers at once (a job scheduler, or Ctrl-C's SIGINT alike): during
+  training the run saves the step and exits 0; during the final evaluation it exits 143. Either way
+  one line says so, no process (worker) prints anything else, and none is left."""
+  training, left = _signalled_run(tmp_path / "train", 100, {"TERM_GROUP_AFTER_STEP": "2"})
+  assert training.returncode == 0, training.stderr[-3000:]
+  assert "SIGTERM received: saved step 2 and stopped." in training.stdout
+  evaluating, left_eval = _signalled_run(tmp_path / "eval", 4, {"TERM_GROUP_AT_EVAL": "1"})
+  assert evaluating.returncode == 143, evaluating.stderr[-3000:]
+  assert evaluating.stderr.strip().splitlines()[-1].startswith(
+      "SIGTERM received: stopped. The evaluation was interrupted; step 4 is saved")
+  for proc in (training, evaluating):
+    assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr[-3000:]
+    assert "leaked" not in proc.stderr, proc.stderr[-3000:]  # shared memory of batches in flight
+  assert not left and not left_eval
 
 
 @pytest.mark.slow

@@ -78,7 +78,8 @@ def train_corpus_tokenizer(input_glob: str, output: str, *, kind: str, vocab_siz
   """Trains a BPE model on a sample of the corpus ``input_glob`` and writes it to ``output``."""
   _check_arguments(kind, vocab_size, max_documents, max_chars, heldout_fraction)
   files = resolve_files(input_glob, source=f"The {kind} corpus", key="--input")
-  source = file_source(kind, files, text_key=text_key, key="--text_key", root=glob_root(input_glob))
+  source = file_source(kind, files, text_key=text_key, key="--text_key", root=glob_root(input_glob),
+                       path_key="--input")
   held = heldout_mask(source, heldout_fraction) if heldout_fraction else np.zeros(len(source), bool)
   start = time.perf_counter()
   sample = spm_training.sample_documents(source, np.flatnonzero(~held), max_documents=max_documents,

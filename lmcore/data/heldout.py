@@ -10,6 +10,7 @@ warning says so (the embedded corpus holds ~0.3 MB of held-out text, about 95k t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -135,16 +136,21 @@ def unigram_baseline(cfg: DataConfig, tokenizer: Tokenizer, heldout_tokens: np.n
                      num_tokens: int = 500_000) -> dict[str, float]:
   """What a context-free model achieves, as the yardstick for a trained LM's held-out loss.
 
-  ``unigram_entropy``: entropy (nats) of the training stream's token distribution, estimated from its
-  first ``num_tokens`` tokens (a fresh iterator: the run's own stream is not touched);
+  ``unigram_entropy``: entropy (nats) of the training stream's token distribution, estimated from the
+  first ``num_tokens`` tokens of a fresh iterator read in this process (the run's own stream is not
+  touched, and no worker process starts for a bounded read);
   ``unigram_heldout_xent``: the held-out cross-entropy of that unigram model (add-½ smoothing).
   """
-  iterator = pipeline.make_train_iterator(cfg, tokenizer, batch_size=16, seed=0)
+  iterator = pipeline.make_train_iterator(dataclasses.replace(cfg, worker_count=0), tokenizer, batch_size=16,
+                                          seed=0)
   windows, count = [], 0
-  while count < num_tokens:
-    window = next(iterator)["tokens"][:, 1:].reshape(-1)
-    windows.append(window)
-    count += window.size
+  try:
+    while count < num_tokens:
+      window = next(iterator)["tokens"][:, 1:].reshape(-1)
+      windows.append(window)
+      count += window.size
+  finally:
+    iterator.close()
   train_tokens = np.concatenate(windows)
   counts = np.bincount(train_tokens, minlength=tokenizer.vocab_size) + 0.5
   log_p = np.log(counts / counts.sum())

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import signal
+import sys
 from typing import Any
 
 import grain
@@ -38,6 +41,12 @@ logger = logging.getLogger(__name__)
 # Documents are read and tokenized ahead of the packer in threads of this process; worker processes
 # (data.worker_count) scale further.
 READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=64)
+
+
+# Batches leave the worker processes pickled through their queues, not in shared memory segments: token
+# batches are small, and a segment still in flight when a stopped run exits is left to Python's
+# resource tracker, which warns about it.
+WORKER_BATCHES_COPIED = grain.experimental.DatasetOptions(min_shm_size=sys.maxsize)
 
 
 def derive_seed(*parts: int) -> int:
@@ -199,20 +208,41 @@ def local_batch_size(batch_size: int, process_count: int) -> int:
   return batch_size // process_count
 
 
+def leave_signals_to_the_parent(worker_index: int, worker_count: int) -> None:
+  """Grain worker start-up (``data.worker_count`` > 0): SIGINT and SIGTERM are the training process's.
+
+  A Ctrl-C or a job scheduler signals the whole process group; the training process then saves and
+  stops its workers (closing the iterator), so a worker that died of the signal first would only
+  make it fail or leave tracebacks. A worker whose parent is gone exits on them at once.
+  """
+  del worker_index, worker_count
+  parent = os.getppid()
+
+  def handle(signum, frame):
+    del frame
+    if os.getppid() != parent:
+      os._exit(128 + signum)
+
+  for signum in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(signum, handle)
+
+
 def make_train_iterator(cfg: DataConfig, tokenizer: Tokenizer, *, batch_size: int, seed: int,
                         process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
   """Endless batches ``{tokens, segment_ids, positions}``: int32 [batch_size / process_count, T + 1].
 
   The iterator is checkpointable (``get_state`` / ``set_state``, or ``grain.checkpoint.CheckpointSave``
   inside an Orbax composite); a state restores into an identically configured iterator in any process,
-  which is how a later stage continues the data stream where an earlier one stopped.
+  which is how a later stage continues the data stream where an earlier one stopped. ``close()`` it when
+  done: that stops its worker processes.
   """
   local = local_batch_size(batch_size, process_count)
   documents = training_documents(cfg, seed=seed, process_index=process_index, process_count=process_count)
   tokens = documents.map(TokenizeDocument(tokenizer)).to_iter_dataset(READ_OPTIONS)
   batches = pack(tokens, cfg.seq_len).batch(local, drop_remainder=True).map(FinishWindows(cfg.segment_ids))
   if cfg.worker_count:
-    batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
+    batches = grain.experimental.WithOptionsIterDataset(batches, WORKER_BATCHES_COPIED).mp_prefetch(
+        grain.MultiprocessingOptions(num_workers=cfg.worker_count), worker_init_fn=leave_signals_to_the_parent)
   return JsonSafeIterator(iter(batches))
 
 

@@ -28,7 +28,7 @@ from array_record.python.array_record_module import ArrayRecordReader
 
 from lmcore.data import embedded
 from lmcore.data.config import SourceConfig
-from lmcore.errors import ConfigError, MissingFileError, MissingKeyError
+from lmcore.errors import ConfigError, DataError, MissingFileError, MissingKeyError
 
 _GLOB_MAGIC = re.compile(r"[*?[]")
 # splitmix64 (Steele et al. 2014): a 64-bit mixer with full avalanche, vectorised over numpy uint64.
@@ -208,21 +208,37 @@ class ParquetSource:
     return f"ParquetSource({len(self._files)} files, {len(self)} documents)"
 
 
-class ArrayRecordSource:
-  """ArrayRecord shards whose records are utf-8 documents (``scripts/prepare_data.py`` writes them)."""
+def shard_records(path: str, key: str = "path") -> int:
+  """The number of records of ArrayRecord shard ``path``; a ``DataError`` naming the file when it is
+  empty, truncated or not an ArrayRecord file (``key``: the setting whose glob matched it)."""
+  try:
+    reader = ArrayRecordReader(path)
+    count = reader.num_records()
+    reader.close()  # a truncated shard reports its failure here
+  except RuntimeError as e:
+    reason = str(e) or "its footer cannot be read"
+    size = os.path.getsize(path)
+    raise DataError(f"{path} ({size:,} bytes) is not a complete ArrayRecord shard ({reason}): an "
+                    f"interrupted write or copy. Write it again (scripts/prepare_data.py) or move it out "
+                    f"of {key}'s glob.") from None
+  return count
 
-  def __init__(self, files: list[str], root: str = "."):
+
+class ArrayRecordSource:
+  """ArrayRecord shards whose records are utf-8 documents (``scripts/prepare_data.py`` writes them).
+
+  Every shard is checked when the source opens (``shard_records``): an empty or truncated file is named
+  here, in the process that builds the data pipeline, not in a data worker's first read.
+  """
+
+  def __init__(self, files: list[str], root: str = ".", key: str = "path"):
     self._files = list(files)
     self._root = root
+    self._counts = [shard_records(path, key) for path in self._files]
     self._source = grain.sources.ArrayRecordDataSource(self._files)
 
   def document_keys(self) -> np.ndarray:
-    counts = []
-    for path in self._files:
-      reader = ArrayRecordReader(path)
-      counts.append(reader.num_records())
-      reader.close()
-    return _file_keys(self._files, counts, self._root)
+    return _file_keys(self._files, self._counts, self._root)
 
   def __len__(self) -> int:
     return len(self._source)
@@ -309,13 +325,14 @@ def make_source(cfg: SourceConfig, split: str):
     return TfdsSource(_open_tfds(cfg, split, key), cfg.text_key, f"{key}.text_key",
                       identity=f"{cfg.path}/{split}")
   return file_source(cfg.kind, source_files(cfg, split), text_key=cfg.text_key, key=f"{key}.text_key",
-                     root=glob_root(cfg.path.replace("{split}", split)))
+                     root=glob_root(cfg.path.replace("{split}", split)), path_key=f"{key}.path")
 
 
 def file_source(kind: str, files: list[str], *, text_key: str = "text", key: str = "text_key",
-                root: str = "."):
-  """A text / jsonl / parquet / array_record source over ``files``; ``key`` names the setting of
-  ``text_key`` in errors; document keys use paths relative to ``root``."""
+                root: str = ".", path_key: str = "path"):
+  """A text / jsonl / parquet / array_record source over ``files``; ``key`` and ``path_key`` name the
+  settings of ``text_key`` and of the files' glob in errors; document keys use paths relative to
+  ``root``."""
   if kind == "text":
     return TextFilesSource(files, root)
   if kind == "jsonl":
@@ -323,5 +340,5 @@ def file_source(kind: str, files: list[str], *, text_key: str = "text", key: str
   if kind == "parquet":
     return ParquetSource(files, text_key, key, root)
   if kind == "array_record":
-    return ArrayRecordSource(files, root)
+    return ArrayRecordSource(files, root, path_key)
   raise ConfigError(f"kind={kind!r} is not a file source; choose text, jsonl, parquet or array_record.")

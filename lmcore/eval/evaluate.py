@@ -1,14 +1,20 @@
-"""Held-out evaluation (MATH §6.3): token-mean cross-entropy in nats, perplexity, paired implementations.
+"""Held-out evaluation (MATH §6.3): token-mean cross-entropy in nats, perplexity, paired
+implementations, and the gate statistics of mixers that have them (MATH §1.3).
 
 The model is used functionally: ``graphdef`` (structure) + ``params`` + ``rest`` (non-trainable state)
 are merged inside jitted functions, so the same parameters can be read out by another implementation
-or another power p by changing only the graphdef (``model_graphdef``).
+or another power p by changing only the graphdef (``model_graphdef``). Every model call here is one
+compiled program per model structure and batch shape (the graphdef and the options are static, so
+the compilation is kept across calls), run on the parameters' own shardings; per-batch results stay
+on the device and become Python numbers once, after the last batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import logging
 import math
 import os
 from typing import Any
@@ -18,17 +24,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lmcore import data as data_lib
 from lmcore.config import ExperimentConfig, ModelConfig
 from lmcore.errors import Diverged
-from lmcore.eval.generate import Sampling, check_decodable, check_prompts, generate
+from lmcore.eval.generate import check_can_decode
+from lmcore.loss import forward, nll_sum, split_batch, token_nll
 from lmcore.model import LanguageModel, with_mixer_overrides
-from lmcore.train.loss import forward, nll_sum, split_batch, token_nll
+
+logger = logging.getLogger(__name__)
 
 
 def model_graphdef(config: ModelConfig):
   """The structure of ``LanguageModel(config)`` without allocating its parameters."""
-  abstract = nnx.eval_shape(lambda: LanguageModel(config, rngs=nnx.Rngs(0)))
-  return nnx.split(abstract, nnx.Param, ...)[0]
+  return nnx.split(_abstract_model(config), nnx.Param, ...)[0]
+
+
+def _abstract_model(config: ModelConfig) -> LanguageModel:
+  return nnx.eval_shape(lambda: LanguageModel(config, rngs=nnx.Rngs(0)))
 
 
 def _batches(heldout: dict[str, np.ndarray], batch_size: int, max_batches: int):
@@ -40,47 +52,55 @@ def _batches(heldout: dict[str, np.ndarray], batch_size: int, max_batches: int):
     yield {k: v[start:start + batch_size] for k, v in heldout.items()}
 
 
+def _host_sum(values) -> float:
+  """The fp64 sum of per-batch device scalars, fetched together."""
+  return float(np.sum(np.asarray(jax.device_get(values), np.float64)))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "use_segments", "loss_impl", "block_tokens"))
+def _batch_nll(graphdef, params, rest, batch, *, use_segments: bool, loss_impl: str, block_tokens: int):
+  """Σ over the batch's tokens of −log p(target), fp32 (``loss.nll_sum``)."""
+  inputs, targets, positions, segments = split_batch(batch, use_segments)
+  return nll_sum(graphdef, params, rest, inputs, targets, positions, segments, loss_impl=loss_impl,
+                 block_tokens=block_tokens)
+
+
 def heldout_loss(graphdef, params, rest, heldout: dict[str, np.ndarray], *, batch_size: int,
                  use_segments: bool = False, max_batches: int = 0, loss_impl: str = "auto",
                  block_tokens: int = 0) -> dict[str, float]:
   """Token-mean cross-entropy (nats) and perplexity over the held-out windows (``loss_impl`` as in
   training: the fused loss never forms the [B, T, V] logits)."""
-
-  @jax.jit
-  def batch_nll(params, rest, batch):
-    inputs, targets, positions, segments = split_batch(batch, use_segments)
-    return nll_sum(graphdef, params, rest, inputs, targets, positions, segments, loss_impl=loss_impl,
-                   block_tokens=block_tokens)
-
-  total, count = 0.0, 0
+  sums, count = [], 0
   for batch in _batches(heldout, batch_size, max_batches):
-    total += float(batch_nll(params, rest, batch))
+    sums.append(_batch_nll(graphdef, params, rest, batch, use_segments=use_segments, loss_impl=loss_impl,
+                           block_tokens=block_tokens))
     count += batch["tokens"][:, 1:].size
-  loss = total / count
+  loss = _host_sum(sums) / count
   return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef_a", "graphdef_b", "use_segments"))
+def _paired_batch(graphdef_a, graphdef_b, params, rest, batch, *, use_segments: bool):
+  """Both implementations' NLL sums over the batch and the max |Δlogit| between them."""
+  inputs, targets, positions, segments = split_batch(batch, use_segments)
+  logits_a = forward(graphdef_a, params, rest, inputs, positions, segments)
+  logits_b = forward(graphdef_b, params, rest, inputs, positions, segments)
+  nll_a, nll_b = token_nll(logits_a, targets), token_nll(logits_b, targets)
+  return nll_a.sum(), nll_b.sum(), jnp.abs(logits_a - logits_b).max()
 
 
 def paired_loss(graphdef_a, graphdef_b, params, rest, heldout: dict[str, np.ndarray], *, batch_size: int,
                 use_segments: bool = False, max_batches: int = 0) -> dict[str, float]:
   """The same parameters and sequences through two implementations: both losses, their paired
   difference (mean of per-token NLL_b − NLL_a) and the max |Δlogit| over every position."""
-
-  @jax.jit
-  def compare(params, rest, batch):
-    inputs, targets, positions, segments = split_batch(batch, use_segments)
-    logits_a = forward(graphdef_a, params, rest, inputs, positions, segments)
-    logits_b = forward(graphdef_b, params, rest, inputs, positions, segments)
-    nll_a, nll_b = token_nll(logits_a, targets), token_nll(logits_b, targets)
-    return nll_a.sum(), nll_b.sum(), jnp.abs(logits_a - logits_b).max()
-
-  sum_a = sum_b = 0.0
-  count, max_dlogit = 0, 0.0
+  results, count = [], 0
   for batch in _batches(heldout, batch_size, max_batches):
-    a, b, d = compare(params, rest, batch)
-    sum_a, sum_b, max_dlogit = sum_a + float(a), sum_b + float(b), max(max_dlogit, float(d))
+    results.append(_paired_batch(graphdef_a, graphdef_b, params, rest, batch, use_segments=use_segments))
     count += batch["tokens"][:, 1:].size
+  sums_a, sums_b, max_dlogits = zip(*results)
+  sum_a, sum_b = _host_sum(sums_a), _host_sum(sums_b)
   return {"loss_a": sum_a / count, "loss_b": sum_b / count, "paired_diff": (sum_b - sum_a) / count,
-          "max_abs_dlogit": max_dlogit, "tokens": count}
+          "max_abs_dlogit": float(np.max(jax.device_get(max_dlogits))), "tokens": count}
 
 
 def override_graphdef(config: ModelConfig, kinds=None, **mixer_overrides):
@@ -93,12 +113,26 @@ def _paired_kinds(config: ModelConfig) -> set[str]:
           if kind != "softmax" and "implementation" in {f.name for f in dataclasses.fields(cfg)}}
 
 
+def _why_no_constant_state(config: ModelConfig) -> str | None:
+  """None when every mixer of the model has a decode state, else the mixer's reason why not (SANATAN
+  p >= 2 has no constant-size state, so its recurrent form does not exist)."""
+  try:
+    check_can_decode(_abstract_model(config))
+  except (ValueError, NotImplementedError) as e:
+    return str(e)
+  return None
+
+
 def paired_evaluation(config: ExperimentConfig, params, rest, heldout) -> dict[str, Any]:
   """MATH §6.3: the same sequences with implementation ``paired_a`` (default: as trained) and
-  ``paired_b`` (default: recurrent). Returns ``{"paired_skipped": reason}`` where not applicable."""
+  ``paired_b`` (default: recurrent). Where it does not apply (no fixed-state mixer, or one without a
+  constant-size state) it returns nothing and logs why at INFO; ``{"paired_skipped": reason}`` when
+  the requested implementations cannot run."""
   kinds = _paired_kinds(config.model)
-  if not kinds:
-    return {"paired_skipped": "no fixed-state mixer in this model"}
+  reason = _why_no_constant_state(config.model) if kinds else "no fixed-state mixer in this model"
+  if reason is not None:
+    logger.info("paired evaluation does not apply: %s", reason)
+    return {}
   ev = config.eval
   name_a = ev.paired_a or "as_trained"
   try:
@@ -113,16 +147,23 @@ def paired_evaluation(config: ExperimentConfig, params, rest, heldout) -> dict[s
           "paired_diff": result["paired_diff"], "max_abs_dlogit": result["max_abs_dlogit"]}
 
 
-def gate_statistics(config: ExperimentConfig, graphdef, params, rest, heldout) -> list[dict[str, Any]]:
-  """MATH §1.3: one record per layer whose mixer has a ``gate_statistics(x_BxTxD) -> dict`` hook, on
-  the first ``eval.gate_stats_sequences`` windows (empty when no mixer has one)."""
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _gate_statistics(graphdef, params, rest, tokens_BxT) -> dict[int, dict[str, jax.Array]]:
+  """{layer: the mixer's ``gate_statistics(x_BxTxD)`` arrays} for every layer that has the hook."""
   model = nnx.merge(graphdef, params, rest)
-  tokens_BxT = jnp.asarray(heldout["tokens"][:config.eval.gate_stats_sequences, :-1])
-  records = []
-  for layer, (block, x_BxTxD) in enumerate(zip(model.blocks, model.mixer_inputs(tokens_BxT))):
-    if hasattr(block.mixer, "gate_statistics"):
-      records.append({"layer": layer, **block.mixer.gate_statistics(x_BxTxD)})
-  return records
+  return {layer: block.mixer.gate_statistics(x_BxTxD)
+          for layer, (block, x_BxTxD) in enumerate(zip(model.blocks, model.mixer_inputs(tokens_BxT)))
+          if hasattr(block.mixer, "gate_statistics")}
+
+
+def gate_statistics(config: ExperimentConfig, graphdef, params, rest, heldout) -> list[dict[str, Any]]:
+  """MATH §1.3: one record per layer whose mixer has a ``gate_statistics(x_BxTxD) -> dict of arrays``
+  hook (traced: it runs inside one compiled program with the whole model), on the first
+  ``eval.gate_stats_sequences`` windows; empty when no mixer has one."""
+  tokens_BxT = heldout["tokens"][:config.eval.gate_stats_sequences, :-1]
+  layers = jax.device_get(_gate_statistics(graphdef, params, rest, tokens_BxT))
+  return [{"layer": layer, **{k: np.asarray(v).item() for k, v in stats.items()}}
+          for layer, stats in sorted(layers.items())]
 
 
 def summary_lines(config: ExperimentConfig, record: dict[str, Any]) -> list[str]:
@@ -152,8 +193,6 @@ def _check_finite(record: dict[str, Any], step: int) -> None:
 def evaluate_params(config: ExperimentConfig, out_dir: str, graphdef, params, rest, heldout, step: int,
                     tokenizer, writer=None) -> dict[str, Any]:
   """The full held-out evaluation of one set of parameters; writes ``<out_dir>/eval_<step>.json``."""
-  from lmcore import data as data_lib
-
   os.makedirs(out_dir, exist_ok=True)
   record: dict[str, Any] = {"step": step, "name": config.name}
   record.update(heldout_loss(graphdef, params, rest, heldout, batch_size=config.eval.batch_size,
@@ -184,38 +223,4 @@ def evaluate_params(config: ExperimentConfig, out_dir: str, graphdef, params, re
   else:
     print("\n".join(lines), flush=True)
   print(f"wrote {path}", flush=True)
-  return record
-
-
-def evaluate_checkpoint(config: ExperimentConfig, workdir: str, step: int | None = None,
-                        prompt: str = "", max_new_tokens: int = 64, out_dir: str = "", *,
-                        sampling: Sampling = Sampling(), seed: int = 0) -> dict[str, Any]:
-  """eval.py: held-out evaluation of a run's checkpoint (latest unless ``step``), optional sample of
-  ``max_new_tokens`` after ``prompt``. Results go to ``out_dir`` (default: the workdir)."""
-  from lmcore.train import checkpoint as ckpt_lib
-  from lmcore import data as data_lib
-  from lmcore.train import sharding
-
-  if prompt:
-    check_decodable(config.model)
-  tokenizer = data_lib.load_tokenizer(config.data.tokenizer, data_lib.cache_dir(config.data))
-  data_lib.check_vocab(tokenizer, config.model.vocab_size)
-  prompt_ids = tokenizer.encode(prompt) if prompt else []
-  if prompt:  # before the held-out evaluation: a prompt that cannot be sampled fails at once
-    check_prompts([prompt_ids], max_new_tokens, config.model)
-  abstract = nnx.eval_shape(lambda: LanguageModel(config.model, rngs=nnx.Rngs(0)))
-  graphdef, abstract_params, abstract_rest = nnx.split(abstract, nnx.Param, ...)
-  to_struct = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.replicated())
-  params, rest, step, _ = ckpt_lib.load_params(
-      workdir, jax.tree.map(to_struct, nnx.to_pure_dict(abstract_params)),
-      jax.tree.map(to_struct, nnx.to_pure_dict(abstract_rest)), step=step)
-  heldout_path = config.data.heldout.path or os.path.join(workdir, "heldout.npz")
-  heldout = data_lib.load_or_build_heldout(config.data, tokenizer, heldout_path)
-  record = evaluate_params(config, out_dir or workdir, graphdef, params, rest, heldout, step, tokenizer)
-  if prompt:
-    model = nnx.merge(graphdef, params, rest)
-    ids, = generate(model, [prompt_ids], max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-                    eos_id=tokenizer.eos_id)
-    record["sample"] = tokenizer.decode(ids)
-    print(f"--- sample ---\n{prompt}{record['sample']}\n--------------", flush=True)
   return record

@@ -1,8 +1,10 @@
-"""Chains of runs (staged training) that a rerun continues: a finished run or evaluation is read back
-from its ``eval_<step>.json`` instead of being trained or computed again, and what a run logged to
-``metrics.jsonl`` is read back as a loss curve and a training time.
+"""Checkpoints evaluated, and chains of runs (staged training) that a rerun continues.
 
-``scripts/quickstart.py`` and ``scripts/reproduce.py`` build their chains from these pieces.
+``evaluate_checkpoint`` (``eval.py``) loads a run's parameters in the model's shardings and evaluates
+them (``lmcore.eval``); a finished run or evaluation is read back from its ``eval_<step>.json`` instead
+of being trained or computed again, and what a run logged to ``metrics.jsonl`` is read back as a loss
+curve and a training time. ``scripts/quickstart.py`` and ``scripts/reproduce.py`` build their chains
+from these pieces.
 """
 
 from __future__ import annotations
@@ -14,13 +16,17 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
+from lmcore import data as data_lib
 from lmcore.config import ExperimentConfig
 from lmcore.eval import evaluate
+from lmcore.eval.generate import Sampling, check_decodable, check_prompts, generate
 from lmcore.model import with_mixer_overrides
+from lmcore.train import checkpoint as ckpt_lib
 from lmcore.train import loop as train_lib
 from lmcore.train import sharding
-from lmcore.train.checkpoint import CheckpointError
+from lmcore.train import state as state_lib
 
 
 def read_record(out_dir: str, step: int) -> dict[str, Any] | None:
@@ -40,6 +46,37 @@ def train_or_read(config: ExperimentConfig, workdir: str) -> dict[str, Any]:
   return record if record is not None else train_lib.train_and_evaluate(config, workdir)
 
 
+def evaluate_checkpoint(config: ExperimentConfig, workdir: str, step: int | None = None,
+                        prompt: str = "", max_new_tokens: int = 64, out_dir: str = "", *,
+                        sampling: Sampling = Sampling(), seed: int = 0) -> dict[str, Any]:
+  """eval.py: held-out evaluation of a run's checkpoint (latest unless ``step``), optional sample of
+  ``max_new_tokens`` after ``prompt``. Results go to ``out_dir`` (default: the workdir). The
+  parameters are restored in the model's shardings on the mesh in context (``jax.set_mesh``)."""
+  if prompt:
+    check_decodable(config.model)
+  tokenizer = data_lib.load_tokenizer(config.data.tokenizer, data_lib.cache_dir(config.data))
+  data_lib.check_vocab(tokenizer, config.model.vocab_size)
+  prompt_ids = tokenizer.encode(prompt) if prompt else []
+  if prompt:  # before the held-out evaluation: a prompt that cannot be sampled fails at once
+    check_prompts([prompt_ids], max_new_tokens, config.model)
+  graphdef, abstract_params, abstract_rest = state_lib.abstract_model(config.model)
+  mesh = sharding.current_mesh()
+  param_shardings = sharding.param_shardings(abstract_params, mesh, config.model.d_model)
+  rest_shardings = jax.tree.map(lambda _: sharding.replicated(mesh), abstract_rest)
+  params, rest, step, _ = ckpt_lib.load_params(
+      workdir, sharding.with_shardings(abstract_params, param_shardings),
+      sharding.with_shardings(abstract_rest, rest_shardings), step=step)
+  heldout = data_lib.load_or_build_heldout(config.data, tokenizer, train_lib.heldout_path(config, workdir))
+  record = evaluate.evaluate_params(config, out_dir or workdir, graphdef, params, rest, heldout, step,
+                                    tokenizer)
+  if prompt:
+    ids, = generate(nnx.merge(graphdef, params, rest), [prompt_ids], max_new_tokens=max_new_tokens,
+                    sampling=sampling, seed=seed, eos_id=tokenizer.eos_id)
+    record["sample"] = tokenizer.decode(ids)
+    print(f"--- sample ---\n{prompt}{record['sample']}\n--------------", flush=True)
+  return record
+
+
 def evaluate_step(config: ExperimentConfig, workdir: str, step: int, out_dir: str = "") -> dict[str, Any]:
   """The held-out evaluation of checkpoint ``step`` of ``workdir`` under ``config``, written to
   ``<out_dir>/eval_<step>.json`` (default: the workdir) or read back from it."""
@@ -47,7 +84,7 @@ def evaluate_step(config: ExperimentConfig, workdir: str, step: int, out_dir: st
   record = read_record(out_dir, step)
   if record is None:
     with jax.set_mesh(sharding.make_mesh(config.mesh)):  # the kernels' shard_map reads the mesh from here
-      record = evaluate.evaluate_checkpoint(config, workdir, step, out_dir=out_dir)
+      record = evaluate_checkpoint(config, workdir, step, out_dir=out_dir)
   return record
 
 
@@ -73,8 +110,8 @@ def step_view(workdir: str, step: int) -> str:
   if not os.path.isdir(source):
     kept = sorted(int(n) for n in os.listdir(os.path.dirname(source)) if n.isdigit()) if os.path.isdir(
         os.path.dirname(source)) else []
-    raise CheckpointError(f"{workdir} keeps no checkpoint of step {step} (kept: {kept}); it was trained with "
-                          "other settings. Use a new workdir.")
+    raise ckpt_lib.CheckpointError(f"{workdir} keeps no checkpoint of step {step} (kept: {kept}); it was "
+                                   "trained with other settings. Use a new workdir.")
   view = view_path(workdir, step)
   link = os.path.join(view, "checkpoints", str(step))
   if not os.path.islink(link):

@@ -13,6 +13,7 @@ that passes the same check.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
@@ -83,18 +84,41 @@ def resolve_checkpoint_dir(path: str) -> str:
   return candidate if os.path.isdir(candidate) else path
 
 
+class _ReadOnlyNotice(logging.Filter):
+  """Drops Orbax's "Given directory is read only" WARNING, which every read-only manager logs: this
+  project opens other runs' checkpoints read-only on purpose (staged training, evaluation)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.msg != "Given directory is read only=%s"
+
+
+def _manager(directory: str, options: ocp.CheckpointManagerOptions) -> ocp.CheckpointManager:
+  if not options.read_only:
+    return ocp.CheckpointManager(directory, options=options)
+  absl_logger, notice = logging.getLogger("absl"), _ReadOnlyNotice()  # Orbax logs through absl
+  absl_logger.addFilter(notice)
+  try:
+    return ocp.CheckpointManager(directory, options=options)
+  finally:
+    absl_logger.removeFilter(notice)
+
+
 class Checkpointer:
-  """Thin wrapper around ``ocp.CheckpointManager`` with this project's items and policies."""
+  """Thin wrapper around ``ocp.CheckpointManager`` with this project's items and policies. A
+  ``read_only`` one reads (another run's) checkpoints and never writes or deletes anything."""
 
   def __init__(self, directory: str, train: TrainConfig | None = None, *, read_only: bool = False):
     self.directory = os.path.abspath(directory)
-    policies = [ocp.checkpoint_managers.LatestN(train.keep_last if train else 2)]
-    if train and train.keep_every:
-      policies.append(ocp.checkpoint_managers.EveryNSteps(train.keep_every))
-    options = ocp.CheckpointManagerOptions(
-        create=not read_only, read_only=read_only, enable_async_checkpointing=not read_only,
-        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies))
-    self.manager = ocp.CheckpointManager(self.directory, options=options)
+    if read_only:  # no saves: no save interval, no preservation policy
+      options = ocp.CheckpointManagerOptions(create=False, read_only=True, save_interval_steps=0,
+                                             enable_async_checkpointing=False)
+    else:
+      policies = [ocp.checkpoint_managers.LatestN(train.keep_last if train else 2)]
+      if train and train.keep_every:
+        policies.append(ocp.checkpoint_managers.EveryNSteps(train.keep_every))
+      options = ocp.CheckpointManagerOptions(
+          create=True, preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies))
+    self.manager = _manager(self.directory, options)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()

@@ -24,17 +24,17 @@ import optax
 from flax import nnx
 
 from lmcore import data as data_lib
+from lmcore import loss as loss_lib
+from lmcore import model_card
+from lmcore.config import ExperimentConfig, to_jsonable
+from lmcore.errors import Diverged
 from lmcore.eval import evaluate
 from lmcore.train import metrics
 from lmcore.train import perf
 from lmcore.train import sharding
-from lmcore.config import ExperimentConfig, to_jsonable
-from lmcore.errors import Diverged
-from lmcore.train import loss as loss_lib
 from lmcore.train import state as state_lib
 from lmcore.train.optim import learning_rate_schedule
 from lmcore.train.state import Run, build_run
-
 
 
 class StopRequested:
@@ -129,8 +129,6 @@ def _save(run: Run, last_loss: float | None) -> None:
 def write_run_info(run: Run, writer: metrics.MetricWriter) -> dict[str, Any]:
   """The first log lines: what is being trained and on what (with the corpus fingerprint); returns the
   model card."""
-  from lmcore import model_card  # Imported here: the card builds abstract models of its own.
-
   card = model_card.card(run.config.model, run.config.data.seq_len)
   info = {"config": to_jsonable(run.config), "model_card": card, "tokenizer": run.tokenizer.name,
           "data_fingerprint": run.meta["data_fingerprint"], "devices": [str(d) for d in jax.devices()]}
@@ -154,6 +152,7 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str) -> dict[str, Any]
     heldout = data_lib.load_or_build_heldout(config.data, run.tokenizer, heldout_path(config, workdir))
     with jax.set_mesh(run.shardings.mesh):  # the Pallas kernels' shard_map reads the mesh from here
       _loop(run, writer, stop, heldout, card["flops_per_token_train"])
+      _close_data(run)  # the evaluation reads the held-out set, not the training stream
       if stop.signal_name:
         writer.console(_stopped_line(run, stop.signal_name))
         return {"stopped_by": stop.signal_name, "step": run.step}
@@ -166,10 +165,18 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str) -> dict[str, Any]
                       f"eval.py --config=<the same config> --workdir={run.workdir}.") from None
   finally:
     if run is not None:
+      _close_data(run)
       run.checkpointer.close()
     if writer is not None:
       writer.close()
     StopRequested.restore(previous_handlers)
+
+
+def _close_data(run: Run) -> None:
+  """Stops the data iterator's worker processes once the saves that record its position are written
+  (idempotent; otherwise they would only be stopped at interpreter exit, by Grain's finalizers)."""
+  run.checkpointer.wait()
+  run.data_iterator.close()
 
 
 def _stopped_line(run: Run, signal_name: str) -> str:

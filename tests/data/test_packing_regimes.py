@@ -23,7 +23,7 @@ from lmcore.data.config import DataConfig, SourceConfig
 from lmcore.model import LanguageModel
 from lmcore.numerics import relative_l2
 from lmcore.registry import mixer_kinds
-from lmcore.train import loss as loss_lib
+from lmcore import loss as loss_lib
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 SEQ = 24

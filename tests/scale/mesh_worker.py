@@ -9,7 +9,9 @@ one-device run of the losses and the gradient norms, that of the final parameter
 L2 and max |Δ| / max |p|; a zero-initialised bias taken alone can differ by 2e-5 of itself after Adam's
 first, sign-like steps), and the all-gathers in the compiled step whose result has a sequence-length dimension
 (activations; parameter all-gathers of FSDP are expected). Also: a Pallas kernel on a batch the mesh
-does not divide (one sequence on 8 devices) gives the one-device result.
+does not divide (one sequence on 8 devices) gives the one-device result, and the end-of-run gate
+statistics (SANATAN's layer, MATH §1.3: one compiled program with the parameters in their shardings)
+on the (data 2, fsdp 4) mesh give the one-device statistics.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np  # noqa: E402
 
 from configs import common  # noqa: E402
 from lmcore import config as cfg_lib  # noqa: E402
+from lmcore.eval import evaluate  # noqa: E402
 from lmcore.train import loop, sharding, state  # noqa: E402
 from lmcore.train.optim import make_optimizer  # noqa: E402
 
@@ -127,6 +130,27 @@ def indivisible_batch_difference(mesh_shape: tuple[int, int, int]) -> float:
   return float(np.max(np.abs(np.asarray(got) - np.asarray(expected))))
 
 
+def gate_statistics_on_meshes(devices_of_mesh: dict) -> dict[str, list[dict]]:
+  """``evaluate.gate_statistics`` (layer 1, SANATAN's) of one softmax + SANATAN model's fresh
+  parameters on each mesh of ``devices_of_mesh`` (mesh shape -> devices), in the parameters' shardings."""
+  mixers = {kind: MIXERS[kind] for kind in ("softmax", "sanatan")}
+  initial = None
+  results = {}
+  for mesh_shape, devices in devices_of_mesh.items():
+    config = experiment(mesh_shape, mixers)
+    mesh = sharding.make_mesh(config.mesh, devices)
+    graphdef, _, _, shardings = state.make_shardings(config, mesh, make_optimizer(config.train))
+    if initial is None:
+      initial = jax.tree.map(np.asarray, state.init_params(config, shardings))
+    params, rest = jax.device_put(initial, (shardings.params, shardings.rest))
+    rows = (config.eval.gate_stats_sequences, config.data.seq_len + 1)
+    heldout = {"tokens": np.random.default_rng(2).integers(0, config.model.vocab_size, rows, dtype=np.int32)}
+    with jax.set_mesh(mesh):
+      name = "x".join(map(str, mesh_shape))
+      results[name] = evaluate.gate_statistics(config, graphdef, params, rest, heldout)
+  return results
+
+
 def rel(a, b) -> float:
   return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
@@ -152,6 +176,7 @@ def main(out_path: str) -> None:
         "worst_leaf": worst, "worst_leaf_rel": leaf_rel[worst],
         "activation_all_gathers": run["activation_all_gathers"]}
   results["indivisible_batch_max_abs_diff"] = indivisible_batch_difference((2, 2, 2))
+  results["gate_stats"] = gate_statistics_on_meshes({(1, 1, 1): jax.devices()[:1], (2, 4, 1): jax.devices()})
   results["cpu_seconds"] = time.process_time() - start
   with open(out_path, "w") as f:
     json.dump(results, f, indent=1)

@@ -79,6 +79,14 @@ def test_every_mixer_family_trains_the_same_on_three_meshes_as_on_one_device(tmp
     else:  # tensor parallelism gathers features within the tensor group, never the batch
       assert all(g["dimension"] != 0 for g in gathers), (name, gathers)
   assert results["indivisible_batch_max_abs_diff"] <= 1e-6
+  # The gate statistics under jit on (data 2, fsdp 4): SANATAN's layer only, the one-device numbers
+  # (fp32 sums of the same roots; the counts exact).
+  one, mesh = results["gate_stats"]["1x1x1"], results["gate_stats"]["2x4x1"]
+  assert [r["layer"] for r in one] == [r["layer"] for r in mesh] == [1]
+  assert 0 < one[0]["mismatch_fraction"] < 1 and 0 < one[0]["mismatch_gate_mean"] < 1
+  assert mesh[0]["num_pairs"] == one[0]["num_pairs"] and mesh[0]["num_mismatched"] == one[0]["num_mismatched"]
+  for key in ("frac_saturated_q", "frac_saturated_k", "mismatch_fraction", "mismatch_gate_mean"):
+    assert mesh[0][key] == pytest.approx(one[0][key], rel=1e-5), key
 
 
 TRAIN = ["--config.model.d_model=32", "--config.model.n_layers=2", "--config.model.pattern=sanatan*2",
@@ -86,7 +94,7 @@ TRAIN = ["--config.model.d_model=32", "--config.model.n_layers=2", "--config.mod
          "--config.data.seq_len=32", "--config.train.batch_size=16", "--config.train.grad_accum=2",
          "--config.train.steps=4", "--config.train.checkpoint_every=2", "--config.train.warmup_steps=1",
          "--config.train.log_every=1", "--config.data.heldout.num_sequences=8", "--config.eval.batch_size=8",
-         "--config.eval.paired=False", "--config.eval.gate_stats=False", "--config.wandb.mode=disabled",
+         "--config.eval.paired=False", "--config.eval.gate_stats=True", "--config.wandb.mode=disabled",
          "--config.mesh.data=2", "--config.mesh.fsdp=4"]
 
 
@@ -107,7 +115,8 @@ def _losses(workdir):
 @pytest.mark.slow
 def test_train_py_on_a_data_fsdp_mesh_resumes_bitwise_and_restores_onto_another_mesh(tmp_path):
   """train.py on (data 2, fsdp 4): 4 steps straight == 2 steps, SIGKILL, resume for 2 (same losses,
-  bitwise-equal checkpoints); the final checkpoint then restores onto (4, 2, 1) with every parameter and
+  bitwise-equal checkpoints), evaluated with the gate statistics on that mesh; the final checkpoint then
+  restores onto (4, 2, 1) with every parameter and
   optimizer array bitwise equal, each sharded for that mesh. The processes share a persistent
   compilation cache of their own (every program, however quick to compile): the later ones load the
   programs the first compiled, as train.py's compilation cache does when a run restarts."""
@@ -119,6 +128,10 @@ def test_train_py_on_a_data_fsdp_mesh_resumes_bitwise_and_restores_onto_another_
   second = _run(_train_cmd(resumed), env=env)
   assert "Resumed from step 2" in second.stdout
   assert _losses(straight) == _losses(resumed) and len(_losses(straight)) == 4
+  # The end-of-run gate statistics, one compiled program on the (data 2, fsdp 4) mesh: one record a layer.
+  gate_layers = [json.loads(line) for line in (straight / "gate_stats_4.jsonl").read_text().splitlines()]
+  assert [g["layer"] for g in gate_layers] == [0, 1]
+  assert all(0 < g["mismatch_fraction"] < 1 for g in gate_layers)
 
   out = tmp_path / "restore.json"
   overrides = [a.removeprefix("--config.") for a in TRAIN if not a.startswith("--config.mesh")]

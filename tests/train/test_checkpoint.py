@@ -6,6 +6,8 @@ parameters, and resumes with the seed that built it: a checkpoint that lost the 
 features. Here the restoring model is built from another seed, so everything must come from disk.
 """
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,6 +82,21 @@ def test_load_params_for_init_from_brings_the_fixed_features_too(saved):
   assert step == 3 and meta["param_signature"] == ckpt_lib.param_signature(params_b)
   assert_trees_equal(params, state["params"])
   assert_trees_equal(rest, state["rest"])
+
+
+def test_reading_another_runs_checkpoints_logs_no_warning_and_writes_nothing(saved, caplog):
+  """Read-only access (train.init_from, eval.py) says nothing: Orbax's notices about the options of a
+  read-only manager are not warnings here. The folder is left exactly as it was."""
+  directory, _, _ = saved
+  before = sorted((p.relative_to(directory), p.stat().st_mtime_ns) for p in directory.rglob("*"))
+  with caplog.at_level(logging.INFO):
+    checkpointer = ckpt_lib.Checkpointer(str(directory), read_only=True)
+    assert checkpointer.latest_step() == 3 and checkpointer.read_meta(3)["version"] == ckpt_lib.META_VERSION
+    checkpointer.close()
+  assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+  assert sorted((p.relative_to(directory), p.stat().st_mtime_ns) for p in directory.rglob("*")) == before
+  logging.getLogger("absl").warning("Given directory is read only=%s", "x")  # the filter was scoped
+  assert caplog.records[-1].getMessage() == "Given directory is read only=x"
 
 
 def test_keep_last_and_keep_every_decide_which_steps_survive(tmp_path):

@@ -12,7 +12,7 @@ from flax import nnx
 
 from lmcore.config import model_config
 from lmcore.model import LanguageModel
-from lmcore.train import loss as loss_lib
+from lmcore import loss as loss_lib
 
 
 def _rel(a, b):
