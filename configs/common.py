@@ -25,6 +25,12 @@ def _merged(defaults: Any, overrides: dict[str, Any], path: str) -> dict[str, An
     if key not in values:
       raise cfg_lib.ConfigError(f"preset sets unknown key '{path}.{key}'; valid: {', '.join(values)}")
     values[key] = value
+  return overridable(defaults, values)
+
+
+def overridable(defaults: Any, values: dict[str, Any]) -> dict[str, Any]:
+  """``values`` of dataclass ``defaults``' fields with each None made a typed placeholder
+  (``_overridable``)."""
   hints = typing.get_type_hints(type(defaults))
   return {key: _overridable(hints[key]) if value is None else value for key, value in values.items()}
 

@@ -3,22 +3,21 @@
 Presets (``--config=configs/mqar.py:<preset>``):
   tiny     CPU smoke run: softmax, vocab 256, 4,096 examples of (64, 4), 2 epochs, lr 1e-2
   based    one zoology run: BASED d = 64, d' = 16, the full recipe, all four learning rates
-  sweep    the default grid on one H200 in ≈ 13 minutes (the budget below)
+  sweep    the default grid at a reduced recipe (below)
   paper    zoology's full recipe (32 epochs, 180k examples) over the full grid (hours on one GPU)
 
-``sweep`` budget (one H200): 11 points (``lmcore.mqar.sweep.default_grid``), each training zoology's
-four learning rates side by side (one vmapped model), for 8 epochs (cosine T_max 8) on a quarter of
-every train segment (45k examples, 178 steps of 256 per epoch), early stop at 0.99, TF32 matmuls
-(``matmul_precision="default"``). Measured 2026-11-29 (docs/mqar/README.md): 770 s for the grid,
-dominated by compilation (the first epoch of a point 40–90 s, every later epoch ≈ 1 s).
-``time_budget_s = 480`` stops starting points before a 10-minute command limit; the next call
-resumes from the JSONL (two calls cover the grid).
+``sweep``: 11 points (``lmcore.mqar.sweep.default_grid``), each training zoology's four learning rates
+side by side (one vmapped model), for 8 epochs (cosine T_max 8) on a quarter of every train segment (45k
+examples, 178 steps of 256 per epoch), early stop at 0.99, TF32 matmuls (``matmul_precision="default"``).
+Compilation dominates a point's time. ``time_budget_s`` stops starting new points after that many
+seconds; the next call resumes from the JSONL (docs/mqar/README.md has a measured run).
 
     python scripts/mqar_sweep.py --config=configs/mqar.py:sweep --out=runs/mqar/sweep.jsonl
 """
 
 import ml_collections
 
+from configs import common
 from lmcore import config as cfg_lib
 from lmcore.registry import mixer_class
 from lmcore.mqar.config import LEARNING_RATES, MQARConfig, SweepConfig, segments_as_tuples
@@ -31,7 +30,7 @@ def _mixer_fields(kind: str, fields: dict) -> dict:
   if unknown:
     raise cfg_lib.ConfigError(f"preset sets unknown mixer_fields {sorted(unknown)} for {kind!r}; "
                               f"valid: {', '.join(values)}")
-  return {**values, **fields}
+  return common.overridable(mixer_class(kind).Config(), {**values, **fields})
 
 
 def _config(*, mixer: str, label: str, d_model: int, mixer_fields: dict, sweep: dict | None = None,

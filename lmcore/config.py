@@ -74,7 +74,7 @@ class TrainConfig:
   init_from: str = ""  # a checkpoint directory (or a workdir) to load parameters from (staged training)
   init_data_from: str = ""  # continue the data stream of that run (MATH §1.4 stage 2)
   monitor_every: int = 0  # per-layer mixer monitors (CyFA), 0: off
-  loss_impl: str = "auto"  # "fused" | "materialized" | "auto" (per backend: lmcore.train.loss.AUTO_LOSS_IMPL)
+  loss_impl: str = "auto"  # "fused" | "materialized" | "auto" (per backend: lmcore.loss.AUTO_LOSS_IMPL)
   loss_block_tokens: int = 0  # tokens per block of the fused loss (0: 2^27 logits per block)
   compilation_cache: bool = True  # persistent XLA compilation cache under the cache dir (data.cache_dir)
   profile_steps: str = ""  # "10,12": a jax.profiler trace of steps 10..12 in <workdir>/profile

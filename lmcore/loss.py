@@ -25,8 +25,7 @@ AUTO_LOSS_IMPL = {"gpu": "fused", "tpu": "fused", "cpu": "fused"}
 BLOCK_LOGITS = 2 ** 27
 # The fused loss pads the vocabulary once to a multiple of this (masked columns): a width such as
 # 126,349 would otherwise be padded (copied) by XLA for every block's matmuls (cuBLAS and the TPU's
-# lanes want aligned widths; docs/BENCHMARKS.md, "The 184M train step with factor-fed fused kernels and
-# an aligned loss").
+# lanes want aligned widths).
 VOCAB_MULTIPLE = 128
 
 

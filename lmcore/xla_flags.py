@@ -2,8 +2,7 @@
 
 ``DEFAULTS`` (``XLA_FLAGS``): ``--xla_gpu_enable_triton_gemm=false`` runs XLA's matrix multiplications
 on cuBLAS instead of its Triton GEMM emitter, which is slower on the tied output layer of a large
-vocabulary (docs/BENCHMARKS.md, "The 184M train step with the fused (p = 1) and flash (p = 2) kernels,
-cuBLAS GEMMs, head shapes"). The flag only concerns GPUs; other backends ignore it. A flag already
+vocabulary (docs/BENCHMARKS.md, XLA's GEMMs on cuBLAS). The flag only concerns GPUs; other backends ignore it. A flag already
 named in ``XLA_FLAGS`` is left as the user set it.
 
 ``JAX_PLATFORMS=cpu`` on a host with no accelerator device: libtpu is installed (``jax[tpu]``) so

@@ -30,14 +30,15 @@ SEQ = 24
 # Small sizes for the kinds this repository registers, chunks of 8 so that documents cross chunk
 # boundaries; a kind registered later runs with its defaults. Taylor's "auto" takes segment ids
 # ("chunked" does not).
-SMALL = {"softmax": {"n_heads": 2}, "gla": {"n_heads": 2, "chunk_size": 8},
-         "cyfa": {"n_heads": 2, "head_dim": 8, "v_head_dim": 8, "chunk_size": 8},
-         "gdn": {"n_heads": 2, "head_dim": 8, "chunk_size": 8},
-         "linear_transformer": {"n_heads": 2, "head_dim": 8, "chunk_size": 8},
-         "performer": {"n_heads": 2, "head_dim": 8, "n_features": 8, "chunk_size": 8},
-         "cosformer": {"n_heads": 2, "head_dim": 8, "max_len": 64, "chunk_size": 8},
-         "sanatan": {"n_heads": 2, "head_dim": 8, "implementation": "chunked", "chunk_size": 8},
-         "taylor": {"n_heads": 2, "feature_dim": 4, "chunk_size": 8, "implementation": "auto"},
+CHUNK = {"tiles": {"chunk": 8}}
+SMALL = {"softmax": {"n_heads": 2}, "gla": {"n_heads": 2, **CHUNK},
+         "cyfa": {"n_heads": 2, "head_dim": 8, "v_head_dim": 8, **CHUNK},
+         "gdn": {"n_heads": 2, "head_dim": 8, **CHUNK},
+         "linear_transformer": {"n_heads": 2, "head_dim": 8, **CHUNK},
+         "performer": {"n_heads": 2, "head_dim": 8, "n_features": 8, **CHUNK},
+         "cosformer": {"n_heads": 2, "head_dim": 8, "max_len": 64, **CHUNK},
+         "sanatan": {"n_heads": 2, "head_dim": 8, "implementation": "chunked", **CHUNK},
+         "taylor": {"n_heads": 2, "feature_dim": 4, "implementation": "auto"},
          "swa": {"n_heads": 2, "window": 4, "block_size": 8}}
 TEXTS = ["abcdefg", "h", "ijklmnopqrstuvwxyzABCDEFGHIJKLM", "NO", "PQRSTUVWXY", "Z0123", "456789abcdefghij"]
 
