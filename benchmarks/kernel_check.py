@@ -10,8 +10,8 @@ bf16) or, in bf16, no larger than the XLA reference's own largest error in bf16:
 its dot operands to bf16 as XLA does cannot be asked to round less. For scale, a bf16 row also reports
 that XLA error and the rounding floor: the largest error of the fp32 reference's own results merely rounded to bf16, which no
 bf16 kernel can go below. (A kernel with bf16 outputs also gets a bf16 output gradient, which puts its
-input gradients about √2 times the floor away even with exact arithmetic; the ``pallas (tf32)`` and
-``pallas (float32)`` cases, ``kernel_precision`` other than "input", return fp32 and reach the floor.)
+input gradients about √2 times the floor away even with exact arithmetic; the ``<kernel> (tf32)`` and
+``<kernel> (float32)`` cases, ``kernel_precision`` other than "input", return fp32 and reach the floor.)
 """
 
 from __future__ import annotations
@@ -113,14 +113,6 @@ def load(path: str) -> list[Agreement]:
     return []
   with open(path) as f:
     return [Agreement(**json.loads(line)) for line in f if line.strip()]
-
-
-def load_latest(path: str) -> list[Agreement]:
-  """``load``, keeping the last row of each (op, kernel, dtype, length, batch), in order of first appearance."""
-  rows = {}
-  for row in load(path):
-    rows[row.op, row.impl, row.dtype, row.length, row.batch] = row
-  return list(rows.values())
 
 
 def run(*, ops: list[str], dtypes: list[str], length: int, batch: int, jsonl: str = "",

@@ -2,8 +2,8 @@
 
 ``DEFAULTS`` (``XLA_FLAGS``): ``--xla_gpu_enable_triton_gemm=false`` runs XLA's matrix multiplications
 on cuBLAS instead of its Triton GEMM emitter, which is slower on the tied output layer of a large
-vocabulary (docs/BENCHMARKS.md, XLA's GEMMs on cuBLAS). The flag only concerns GPUs; other backends ignore it. A flag already
-named in ``XLA_FLAGS`` is left as the user set it.
+vocabulary (docs/BENCHMARKS.md, XLA's GEMMs on cuBLAS). The flag only concerns GPUs; other backends
+ignore it. A flag already named in ``XLA_FLAGS`` is left as the user set it.
 
 ``JAX_PLATFORMS=cpu`` on a host with no accelerator device: libtpu is installed (``jax[tpu]``) so
 that TPU programs compile ahead of time on any host (``lmcore.tpu_slices``, which loads it on its own

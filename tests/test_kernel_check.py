@@ -12,7 +12,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_gated_kernels_agree_with_xla_and_rows_are_not_checked_twice(tmp_path, monkeypatch):
   jsonl = tmp_path / "agreement.jsonl"
   rows = kernel_check.run(ops=["gated"], dtypes=["float32"], length=40, batch=1, jsonl=str(jsonl))
-  assert [r.impl for r in rows] == ["pallas"]
+  assert [r.impl for r in rows] == ["pallas_triton"]
   for r in rows:
     assert r.reference == "chunked (xla)" and set(r.grad_rel) == {"d_arg0", "d_arg1", "d_arg2", "d_arg3"}
     assert r.passed and r.worst <= kernel_check.LIMITS["float32"], r
@@ -23,7 +23,7 @@ def test_gated_kernels_agree_with_xla_and_rows_are_not_checked_twice(tmp_path, m
   monkeypatch.setattr(kernel_check, "check_op", must_not_run)
   again = kernel_check.run(ops=["gated"], dtypes=["float32"], length=40, batch=1, jsonl=str(jsonl))
   assert [(r.impl, r.worst) for r in again] == [(r.impl, r.worst) for r in rows]
-  assert "| gated | pallas | chunked (xla) | float32 | 40 | 1 |" in kernel_check.format_table(again)
+  assert "| gated | pallas_triton | chunked (xla) | float32 | 40 | 1 |" in kernel_check.format_table(again)
   assert all(r.xla_worst is None for r in again)  # only bf16 rows measure the XLA path's own error
 
 

@@ -175,8 +175,6 @@ def replicated(mesh: Mesh | None = None) -> NamedSharding:
   return NamedSharding(mesh if mesh is not None else current_mesh(), P())
 
 
-def replicate(tree, mesh: Mesh | None = None):
-  return jax.device_put(tree, replicated(mesh))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

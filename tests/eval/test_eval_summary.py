@@ -35,7 +35,7 @@ def test_a_requested_pair_that_cannot_run_is_printed_with_its_reason(caplog):
   config = cfg_lib.experiment_config(sanatan.get_config("tiny_p1_adapt"))
   config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, paired_b="no_such_form"))
   record, lines = _lines(config, caplog)
-  assert record["paired_skipped"].startswith("ValueError: ") and "no_such_form" in record["paired_skipped"]
+  assert record["paired_skipped"].startswith("ConfigError: ") and "no_such_form" in record["paired_skipped"]
   assert lines[-1] == f"paired evaluation skipped: {record['paired_skipped']}"
 
 
