@@ -104,9 +104,10 @@ def train(config: cfg_lib.ExperimentConfig, devices, initial=None) -> dict:
   with jax.set_mesh(mesh):
     for i, batch in enumerate(batches(config)):
       batch = sharding.global_batch(batch, mesh)
-      if i == 0:
-        hlo = step_fn.lower(params, opt_state, rest, batch, 0).compile().as_text()
-      params, opt_state, metrics = step_fn(params, opt_state, rest, batch, i)
+      if i == 0:  # one compilation: its HLO is read, and it runs every step
+        compiled = step_fn.lower(params, opt_state, rest, batch, 0).compile()
+        hlo = compiled.as_text()
+      params, opt_state, metrics = compiled(params, opt_state, rest, batch, i)
       losses.append(float(metrics["loss"]))
       grad_norms.append(float(metrics["grad_norm"]))
   flat = {"/".join(sharding.path_names(p)): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
