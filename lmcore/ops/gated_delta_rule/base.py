@@ -8,28 +8,15 @@ tiling (``lmcore.ops.common.backend``).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from lmcore.ops.common.backend import HeadProblem
+
 OP = "gated_delta_rule"
-CHUNK = 64  # tokens per chunk of the chunked form
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-  """What decides the backend and its FLOP count: the platform, the head widths K x V and the
-  length T (None: not known)."""
-
-  platform: str
-  key_dim: int = 0
-  value_dim: int = 0
-  length: int | None = None
-
-  def describe(self) -> str:
-    return f"heads of {self.key_dim} x {self.value_dim} on {self.platform}"
+Problem = HeadProblem
 
 
 class DeltaRuleState(NamedTuple):
@@ -55,9 +42,3 @@ def check_shapes(q, k, v, log_alpha, beta, state, segment_ids) -> None:
     if tuple(got) != tuple(want):
       raise ValueError(f"{OP}: {name} has shape {tuple(got)}, expected {tuple(want)} "
                        f"(q {tuple(q.shape)} is [B, T, H, K], v {tuple(v.shape)} is [B, T, H, V])")
-
-
-def check_chunk_size(chunk_size: int) -> None:
-  """Raises ValueError unless ``chunk_size`` >= 1."""
-  if chunk_size < 1:
-    raise ValueError(f"{OP}: chunk_size must be >= 1, got {chunk_size}")

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
 from lmcore.ops.common.segments import document_index
-from lmcore.ops.common.backend import Backend, ChunkTiles
-from lmcore.ops.gated_delta_rule.base import CHUNK, Problem, check_chunk_size
+from lmcore.ops.common.backend import ChunkedBackend, ChunkTiles
+from lmcore.ops.gated_delta_rule.base import Problem
 
 
 def _dot(spec: str, *operands: jax.Array) -> jax.Array:
@@ -117,8 +117,7 @@ def _scan_chunks(S0_BxHxKxV, W_NxBxHxCxK, U_NxBxHxCxV, k_end_NxBxHxCxK, whole_Nx
 
 def chunked(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxV: jax.Array,
             log_alpha_BxTxH: jax.Array, beta_BxTxH: jax.Array, S0_BxHxKxV: jax.Array, *,
-            scale: float, segment_ids_BxT: jax.Array | None,
-            chunk_size: int = CHUNK) -> tuple[jax.Array, jax.Array]:
+            scale: float, segment_ids_BxT: jax.Array | None, chunk_size: int) -> tuple[jax.Array, jax.Array]:
   """Chunked form of ``reference.recurrent`` (same arguments plus ``chunk_size`` >= 1).
 
   q, k, v stay in their dtype for the q.k / k.k products (fp32 accumulation); gates, decays, the
@@ -126,7 +125,6 @@ def chunked(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxV: jax.Array,
   last chunk is padded with beta = 0, log alpha = 0 and zero q, k, v, which leave the state as is.
   Returns (o [B, T, H, V] fp32, final S [B, H, K, V] fp32).
   """
-  check_chunk_size(chunk_size)
   batch_size, length = q_BxTxHxK.shape[:2]
   chunk = min(chunk_size, length)
   pad = math.ceil(length / chunk) * chunk - length
@@ -153,14 +151,8 @@ def chunked(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxV: jax.Array,
   return o_BxTxHxV[:, :length], S_BxHxKxV
 
 
-class Chunked(Backend[ChunkTiles]):
-  """``chunked`` as a backend: any platform, chunks of ``ChunkTiles.chunk`` tokens."""
-
-  tiles_type = ChunkTiles
-
-  def heuristic_config(self, problem: Problem) -> ChunkTiles:
-    del problem
-    return ChunkTiles(CHUNK)
+class Chunked(ChunkedBackend):
+  """``chunked`` as a backend."""
 
   def flops_per_head(self, problem: Problem, tiles: ChunkTiles | None = None) -> float:
     """Per chunk of C' = min(C, T) tokens: K Kᵀ 2 C'² K; the unit-lower triangular solve for W and U,

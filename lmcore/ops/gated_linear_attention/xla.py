@@ -31,10 +31,9 @@ import jax
 import jax.numpy as jnp
 
 from lmcore.ops.common import flops
-from lmcore.ops.common.backend import Backend, ChunkTiles
-from lmcore.ops.gated_linear_attention.base import Options, Problem, check_chunk_size
+from lmcore.ops.common.backend import ChunkedBackend, ChunkTiles, check_power_of_two
+from lmcore.ops.gated_linear_attention.base import OP, Options, Problem
 
-CHUNK = 64
 SUB_CHUNK = 16
 
 
@@ -123,7 +122,7 @@ def _chunk_states(k_BxHxNxCxK, v_BxHxNxCxV, b_BxHxNxCxG, S0_BxHxKxV, masks: _Doc
 
 
 def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: float, doc_BxT,
-            chunk_size: int = CHUNK, remat: bool = True):
+            chunk_size: int, remat: bool = True):
   """Returns (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32); G = 1 (scalar gate) or K (per channel).
 
   Works head-major, [B, H, N, C, ·], so that every contraction has its batch axes leading.
@@ -138,7 +137,7 @@ def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: fl
   so outputs and gradients are those without it; it costs one more forward pass of the op in the
   backward pass.
   """
-  check_chunk_size(chunk_size)
+  check_power_of_two(OP, chunk_size=chunk_size)
   core = functools.partial(_chunked_core, scale=scale, chunk_size=chunk_size)
   if remat:
     core = jax.checkpoint(core)
@@ -173,14 +172,8 @@ def _chunked_core(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, doc_Bx
   return jnp.moveaxis(o_BxHxTxV, 1, 2), S_end_BxHxKxV
 
 
-class Chunked(Backend[ChunkTiles]):
-  """``chunked`` as a backend: any platform, chunks of ``ChunkTiles.chunk`` tokens (a power of two)."""
-
-  tiles_type = ChunkTiles
-
-  def heuristic_config(self, problem: Problem) -> ChunkTiles:
-    del problem
-    return ChunkTiles(CHUNK)
+class Chunked(ChunkedBackend):
+  """``chunked`` as a backend (chunks of a power of two tokens)."""
 
   def flops_per_head(self, problem: Problem, tiles: ChunkTiles | None = None) -> float:
     chunk = self.config(problem, tiles).chunk
