@@ -9,18 +9,11 @@ Per head, with the fp32 state S_t in R^{d_k x d_v}::
     S_t = f_t ⊙ S_{t-1} + min(w_t, w_max) i_t k̂_t v_tᵀ,     o_t = S_tᵀ q_t
     y   = W_o [RMSNorm(o_t) (⊙ swish(x W_g) when ``output_gate``)]
 
-GLA-shaped, so it runs on the shared gated op with log_forget = log_sigmoid(x W_f + b_f) (stable for
-any logit) and the write gate × clipped strength folded into k̂.
-
-Initial gate biases (the seed warns about saturated gates; all start where sigmoid' >= 0.017):
-  * b_f evenly spaced over the heads from ``forget_bias_min`` = 1 to ``forget_bias_max`` = 4 in
-    logit space: f from 0.73 to 0.98, memory half-lives of about 2 to 38 tokens;
-  * b_i = 0: i = 0.5, the middle of the sigmoid;
-  * b_w = log(e - 1): w = 1, a quarter of the default w_max = 4.
-Weights N(0, std), output projection N(0, out_std); only the three gate projections have biases.
-
-Monitors (the seed's three): ``monitors(x)`` — a method, which the training loop calls on a batch
-every N steps — returns the final-state norm and the gate and write-strength statistics.
+It runs on the gated op with log_forget = log_sigmoid(x W_f + b_f) and i_t min(w_t, w_max) folded
+into k̂. Gate biases start unsaturated (sigmoid' >= 0.017): b_f spaced over the heads from
+``forget_bias_min`` = 1 to ``forget_bias_max`` = 4 (half-lives of about 2 to 38 tokens), b_i = 0,
+b_w = log(e - 1) (w = 1). Only the gate projections have biases. ``monitors(x)`` returns the seed's
+three statistics (final-state norm, gates, write strength) for the training loop.
 """
 
 from __future__ import annotations
@@ -33,12 +26,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lmcore.ops.gated_linear_attention import LinearAttentionState
-
-from lmcore.ops.gated_linear_attention import gated_linear_attention
-
-from lmcore.mixers.base import InitSpec, dense
 from lmcore.mixers import flops
+from lmcore.mixers.base import InitSpec, dense
+from lmcore.ops.gated_linear_attention import LinearAttentionState, gated_linear_attention
 from lmcore.mixers.common import (HeadRMSNorm, check_linear_attention, decode_tiles, implementation_for,
                                   linear_attention_flops, linear_state_bytes, merge_heads, split_heads)
 

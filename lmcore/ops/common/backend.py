@@ -40,9 +40,7 @@ class HeadProblem:
 
 
 class Backend(Generic[TilesT]):
-  """One implementation of an op. Subclasses set the class attributes and override ``supports``,
-  ``heuristic_config`` and ``flops_per_head``; each op's backends share one call signature
-  (its ``base.py``)."""
+  """One implementation of an op, with the call signature of its ``base.py``."""
 
   platforms: ClassVar[tuple[str, ...]] = PLATFORMS
   tiles_type: ClassVar[type | None] = None
@@ -129,8 +127,8 @@ class Registry:
     return self.backends[self.resolve_name(implementation, problem)]
 
   def counting_platform(self, implementation: str | None) -> str:
-    """The platform a model card counts ``implementation`` on: a GPU for "auto" (the kernels the papers
-    train with) and for a backend that runs there, else the backend's own (the TPU kernels on a TPU)."""
+    """Where a model card counts ``implementation``: a GPU (the papers' kernels) unless it runs only
+    elsewhere."""
     if implementation in AUTO or "gpu" in self.backends[implementation].platforms:
       return "gpu"
     return self.backends[implementation].platforms[0]
@@ -139,10 +137,8 @@ class Registry:
     return ", ".join([*self.supported(problem), "auto"])
 
   def tiles(self, implementation: str | None, value: Any, where: str) -> Any:
-    """``value`` as the typed tiling of backend ``implementation``: None stays None, a mapping of
-    fields becomes ``tiles_type(**fields)`` (nested dataclasses too), an instance passes. Raises
-    ConfigError naming ``where`` for tiles without a named backend, or a backend without tiles, or a
-    field the tiling does not have."""
+    """``value`` (None, an instance, or a mapping of fields) as backend ``implementation``'s typed
+    tiling; ConfigError naming ``where`` for "auto", a backend without tiles or an unknown field."""
     if value is None:
       return None
     self.check_name(implementation)

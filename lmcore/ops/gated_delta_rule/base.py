@@ -1,9 +1,7 @@
-"""Gated delta rule (MATH §4, Gated DeltaNet): the state and the argument checks every form shares.
-Imported by every backend; imports no backend.
+"""Gated delta rule (MATH §4, Gated DeltaNet): the state and the checks every form shares.
 
-The backend contract: ``backend(q, k, v, log_alpha_BxTxH, beta_BxTxH, S0_BxHxKxV, *, scale,
-segment_ids_BxT, tiles) -> (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32)``, ``tiles`` the backend's
-tiling (``lmcore.ops.common.backend``).
+Backend contract: ``backend(q, k, v, log_alpha_BxTxH, beta_BxTxH, S0_BxHxKxV, *, scale,
+segment_ids_BxT, tiles) -> (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32)``.
 """
 
 from __future__ import annotations

@@ -503,10 +503,7 @@ class PallasMosaicTpu(Backend[MosaicTiles]):
     return flops.chunked(problem.key_dim, problem.value_dim, chunk, problem.length or chunk)
 
   def __call__(self, q, k, v, g, S0, *, scale: float, doc_BxT, tiles: MosaicTiles, options: Options):
-    if options.precision != "input":
-      raise ValueError(f"gated_linear_attention: kernel_precision={options.precision!r} is for the GPU "
-                       "kernels; the TPU kernels compute in the inputs' dtype: use kernel_precision='input', "
-                       "or pass fp32 inputs")
+    pu.check_tpu_precision(options.precision, OP)
     kernel = functools.partial(chunked, scale=scale, chunk_size=tiles.chunk, sub_chunk=tiles.sub_chunk,
                                block_v=tiles.block_v, split=options.split_state)
     return shard_map.run_sharded(kernel, kernel_inputs(q, k, v, g, S0, doc_BxT), KERNEL_LAYOUTS,
