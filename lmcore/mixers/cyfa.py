@@ -105,10 +105,7 @@ class CyFA(nnx.Module):
     return linear_state_bytes(batch_size, c.n_heads, c.head_dim, c.v_head_dim)
 
   def flops_per_token(self, seq_len: int) -> float:
-    """Forward FLOPs per token (``lmcore.mixers.flops``): the dense kernels (q, k, v, the three gate
-    projections, the output gate when on, o), plus the gated op per head at F = d_k, V = d_v for
-    the configured implementation (``linear_attention_flops``: chunked
-    2 · C' · (d_k + d_v) + 4 · d_k · d_v)."""
+    """Forward FLOPs per token: the dense kernels plus the op per head at F = d_k, V = d_v."""
     c = self.config
     return flops.dense(self) + linear_attention_flops(
         c.implementation, c.tiles, c.n_heads, c.head_dim, c.v_head_dim, seq_len)
@@ -150,13 +147,9 @@ class CyFA(nnx.Module):
 
   def monitors(self, x_BxTxD: jax.Array,
                segment_ids_BxT: jax.Array | None = None) -> dict[str, jax.Array]:
-    """The seed's three monitors on a batch (from the start of each row), fp32 scalars.
-
-    ``state_norm``: Frobenius norm of the final state, mean over batch and heads;
-    ``forget_{mean,std}``, ``write_gate_{mean,std}``: statistics of f and i over all entries;
-    ``write_strength_{mean,std,max}`` of the unclipped w, and ``write_strength_clipped_frac``,
-    the fraction of (token, head) entries with w > w_max.
-    """
+    """The seed's three monitors on a batch, fp32 scalars: ``state_norm`` (the final state's Frobenius
+    norm, mean over batch and heads), mean and std of f and i, statistics of the unclipped w and
+    ``write_strength_clipped_frac`` (the share of entries with w > w_max)."""
     _, state, gates = self._forward(x_BxTxD, None, segment_ids_BxT)
     forget, write, strength = jnp.exp(gates.log_forget), gates.write, gates.strength
     return {
