@@ -68,8 +68,8 @@ class CyFA(nnx.Module):
     implementation: str = "chunked"
     tiles: Any = None  # the named backend's tiling, e.g. {"chunk": 32}; None: its heuristic
     kernel_precision: str = "input"  # "pallas_triton" only: "tf32"/"float32" run the kernels in fp32
-    # The kernels' backward state dots in two bf16 parts (the gate gradient within the XLA path's own
-    # bf16 error); False: one rounding, faster (docs/BENCHMARKS.md, Gated linear attention: split state dots).
+    # The kernels' backward state dots in two bf16 parts; False: one rounding, faster
+    # (docs/BENCHMARKS.md, Gated linear attention: split state dots).
     kernel_split_state: bool = True
 
     def __post_init__(self):

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from lmcore.ops.common import layout
 from lmcore.ops.common.backend import HeadProblem
 
 OP = "gated_delta_rule"
@@ -36,7 +37,4 @@ def check_shapes(q, k, v, log_alpha, beta, state, segment_ids) -> None:
     expected["state.S"] = (state.S.shape, (batch_size, n_heads, key_dim, v.shape[-1]))
   if segment_ids is not None:
     expected["segment_ids"] = (segment_ids.shape, (batch_size, length))
-  for name, (got, want) in expected.items():
-    if tuple(got) != tuple(want):
-      raise ValueError(f"{OP}: {name} has shape {tuple(got)}, expected {tuple(want)} "
-                       f"(q {tuple(q.shape)} is [B, T, H, K], v {tuple(v.shape)} is [B, T, H, V])")
+  layout.check_shapes(OP, expected, q.shape, v.shape)

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from lmcore.ops.common import flops, layout
 from lmcore.ops.common.backend import HeadProblem
 from lmcore.ops.common.pallas_utils import pad_axis
 from lmcore.ops.common.segments import document_index
@@ -58,11 +59,7 @@ def check_shapes(q, k, v, log_forget, state, segment_ids) -> None:
     expected["state.z"] = (state.z.shape, (batch_size, n_heads, key_dim))
   if segment_ids is not None:
     expected["segment_ids"] = (segment_ids.shape, (batch_size, length))
-  for name, (got, want) in expected.items():
-    if tuple(got) != tuple(want):
-      raise ValueError(f"{OP}: {name} has shape {tuple(got)}, expected "
-                       f"{tuple(want)} (q is {tuple(q.shape)} = [B, T, H, K], v is "
-                       f"{tuple(v.shape)} = [B, T, H, V])")
+  layout.check_shapes(OP, expected, q.shape, v.shape)
 
 
 def run_backend(backend, q: jax.Array, k: jax.Array, v: jax.Array, log_forget: jax.Array | None = None,
@@ -113,6 +110,11 @@ def pad_inputs(q, k, v, g, S0, Tp: int, Kp: int, Vp: int):
   G = 1 if g.shape[-1] == 1 else Kp
   return (pad(q, {1: Tp, 3: Kp}), pad(k, {1: Tp, 3: Kp}), pad(v, {1: Tp, 3: Vp}),
           pad(g.astype(jnp.float32), {1: Tp, 3: G}), pad(S0.astype(jnp.float32), {2: Kp, 3: Vp}))
+
+
+def chunked_flops(problem: Problem, chunk: int) -> float:
+  """``flops.chunked`` of a chunked form at ``chunk`` tokens per chunk (T unknown: one chunk)."""
+  return flops.chunked(problem.key_dim, problem.value_dim, chunk, problem.length or chunk)
 
 
 def gate_grad(q, k, dq, dk, final, G: int) -> jax.Array:

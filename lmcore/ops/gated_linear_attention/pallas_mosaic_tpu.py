@@ -32,11 +32,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from lmcore.ops.common import flops, shard_map
+from lmcore.ops.common import shard_map
 from lmcore.ops.common import pallas_utils as pu
 from lmcore.ops.common.backend import MOSAIC_TPU, Backend, check_power_of_two
 from lmcore.ops.common.segments import ChunkDocuments, chunk_documents
-from lmcore.ops.gated_linear_attention.base import (KERNEL_LAYOUTS, OP, Options, Problem,
+from lmcore.ops.gated_linear_attention.base import (KERNEL_LAYOUTS, OP, Options, Problem, chunked_flops,
                                                     gate_grad, kernel_inputs, pad_inputs)
 
 LANES, SUBLANES = pu.TPU_LANES, pu.TPU_SUBLANES
@@ -498,9 +498,7 @@ class PallasMosaicTpu(Backend[MosaicTiles]):
 
   def flops_per_head(self, problem: Problem, tiles: MosaicTiles | None = None) -> float:
     chunk = self.config(problem, tiles).chunk
-    if problem.platform == "tpu":
-      chunk = max(chunk, LANES)
-    return flops.chunked(problem.key_dim, problem.value_dim, chunk, problem.length or chunk)
+    return chunked_flops(problem, max(chunk, LANES) if problem.platform == "tpu" else chunk)
 
   def __call__(self, q, k, v, g, S0, *, scale: float, doc_BxT, tiles: MosaicTiles, options: Options):
     pu.check_tpu_precision(options.precision, OP)

@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lmcore.ops.common import chunk_scan, flops, shard_map
+from lmcore.ops.common import chunk_scan, shard_map
 from lmcore.ops.common import pallas_utils as pu
 from lmcore.ops.common.backend import TRITON, Backend, check_power_of_two
-from lmcore.ops.gated_linear_attention.base import (KERNEL_LAYOUTS, OP, Options, Problem,
+from lmcore.ops.gated_linear_attention.base import (KERNEL_LAYOUTS, OP, Options, Problem, chunked_flops,
                                                     gate_grad, kernel_inputs, pad_inputs)
 
 CHUNK = 16
@@ -410,8 +410,7 @@ class PallasTriton(Backend[TritonTiles]):
     return TritonTiles()
 
   def flops_per_head(self, problem: Problem, tiles: TritonTiles | None = None) -> float:
-    chunk = self.config(problem, tiles).chunk
-    return flops.chunked(problem.key_dim, problem.value_dim, chunk, problem.length or chunk)
+    return chunked_flops(problem, self.config(problem, tiles).chunk)
 
   def __call__(self, q, k, v, g, S0, *, scale: float, doc_BxT, tiles: TritonTiles, options: Options):
     kernel = functools.partial(chunked, scale=scale, chunk_size=tiles.chunk, sub_chunk=tiles.sub_chunk,

@@ -25,9 +25,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lmcore.ops.common import flops
 from lmcore.ops.common.backend import ChunkedBackend, ChunkTiles, check_power_of_two
-from lmcore.ops.gated_linear_attention.base import OP, Options, Problem
+from lmcore.ops.gated_linear_attention.base import OP, Options, Problem, chunked_flops
 
 SUB_CHUNK = 16
 
@@ -164,8 +163,7 @@ class Chunked(ChunkedBackend):
   """``chunked`` as a backend (chunks of a power of two tokens)."""
 
   def flops_per_head(self, problem: Problem, tiles: ChunkTiles | None = None) -> float:
-    chunk = self.config(problem, tiles).chunk
-    return flops.chunked(problem.key_dim, problem.value_dim, chunk, problem.length or chunk)
+    return chunked_flops(problem, self.config(problem, tiles).chunk)
 
   def __call__(self, q, k, v, g, S0, *, scale: float, doc_BxT, tiles: ChunkTiles, options: Options):
     return chunked(q, k, v, g, S0, scale=scale, doc_BxT=doc_BxT, chunk_size=tiles.chunk,
