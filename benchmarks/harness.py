@@ -495,6 +495,7 @@ def tuning_cases(op_name: str, batch: int, length: int, dtype) -> tuple[tuple, d
   fused-chunk kernel at every FUSED_TUNING tiling; for "sanatan_p1_spans" and "taylor_spans", the
   fused-chunk kernels at every SPANS_TUNING count (``spans_tuning_cases``)."""
   from lmcore.ops.gated_linear_attention import pallas_triton as pallas
+  from lmcore.ops.gated_linear_attention.base import run_backend
 
   if op_name == "sanatan_p2":
     return flash_tuning_cases(batch, length, dtype)
@@ -510,7 +511,8 @@ def tuning_cases(op_name: str, batch: int, length: int, dtype) -> tuple[tuple, d
     raise ValueError(f"no tuning settings for op {op_name!r}; tunable: "
                      f"{', '.join([*TUNING, 'sanatan_p2', 'sanatan_p1_fused', *TUNED_OPS])}")
   args, _, _ = OPS[op_name](batch, length, dtype)
-  kernel = {"gated": pallas.gated_linear_attention_pallas}[op_name]
+  kernels = {"gated": lambda *a, **setting: run_backend(functools.partial(pallas.chunked, **setting), *a)}
+  kernel = kernels[op_name]
   features = HEAD_DIM
   cases, flops = {}, {}
   for setting in TUNING[op_name]:

@@ -101,13 +101,8 @@ class WandbConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """The device mesh (docs/SCALING.md): sizes of the axes ``data``, ``fsdp`` and ``tensor``.
-
-  Each is a positive int or -1 (all devices the other two leave; at most one -1); their product must be
-  the device count. ``data`` and ``fsdp`` both split the batch; ``fsdp`` also shards parameters and
-  optimizer state; ``tensor`` splits heads and MLP columns. The default is data parallelism over every
-  device with replicated parameters.
-  """
+  """The device mesh (docs/SCALING.md, ``lmcore.train.sharding``): axis sizes whose product is the
+  device count; one may be -1 (the devices the others leave). Default: data parallelism."""
 
   data: int = -1
   fsdp: int = 1

@@ -1,9 +1,7 @@
 """Errors a user can fix. Their message is one line naming the field (or file) and the fix.
 
-``train.py``, ``eval.py`` and the scripts print such an error as that one line and exit with
-``exit_code``, without a traceback (``lmcore.cli``); anything else is a bug and keeps its traceback.
-Each class also derives from the builtin a caller would expect (``ValueError``, ``FileNotFoundError``,
-...), so ``except ValueError`` still catches a bad value.
+The entry points print one as that line and exit with ``exit_code`` (``lmcore.cli``); anything else
+is a bug and keeps its traceback. Each class also derives from the builtin a caller would expect.
 """
 
 from __future__ import annotations

@@ -82,13 +82,11 @@ def fused_cross_entropy(h_BxTxD, w_DxV, targets_BxT, weights_BxT=None, *, comput
                         block_tokens: int = 0):
   """Σ_{b,t} weights · (logsumexp(h W) − (h W)[target]) without a [B, T, V] array.
 
-  The logits h·W are formed one block of time steps at a time (all B rows, ``block_tokens`` tokens per
-  block, default ``BLOCK_LOGITS / V``) from ``compute_dtype`` operands with fp32 accumulation, as the
-  model's head computes them; the log-sum-exp and everything after it is fp32. W is padded once to a
-  multiple of ``VOCAB_MULTIPLE`` columns, whose logits are masked to −inf. The result must be the
-  loss being differentiated (its cotangent a scalar): the forward of a gradient computes the gradients
-  of h and W in the same pass over the blocks (softmax − one-hot, two matmuls), so the backward only
-  scales them and no block is computed twice. ``weights`` (default 1) are not differentiated.
+  Logits are formed ``block_tokens`` time steps at a time (default ``BLOCK_LOGITS / V``) from
+  ``compute_dtype`` operands with fp32 accumulation, as the head computes them; the rest is fp32. W is
+  padded to a multiple of ``VOCAB_MULTIPLE`` columns masked to −inf. The forward of a gradient computes
+  the gradients of h and W in the same pass (softmax − one-hot), so the result must be the loss being
+  differentiated (a scalar cotangent). ``weights`` (default 1) are not differentiated.
   """
   B, T, _ = h_BxTxD.shape
   weights_BxT = jnp.ones((B, T), jnp.float32) if weights_BxT is None else weights_BxT.astype(jnp.float32)

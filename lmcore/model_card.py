@@ -9,11 +9,8 @@ FLOPs are counted analytically, per token of a fresh sequence of the configured 
     train = 3 × forward (the backward pass costs twice the forward; remat's recomputation is
     not counted, as in the usual MFU convention).
 
-Each mixer counts its dense kernels and the sequence-mixing work of its configured implementation,
-"auto" as it resolves on a GPU; the conventions (causal half for quadratic forms, the whole
-intra-chunk block for chunked ones, multiply-adds as 2 FLOPs, elementwise work not counted) are in
-``lmcore/mixers/flops.py``. XLA's cost analysis is not used: it counts a ``lax.scan`` body once and
-sees a Pallas kernel only through the estimate the kernel passes (the Mosaic kernels', padding included).
+Each mixer counts by the conventions of ``lmcore/mixers/flops.py``. XLA's cost analysis is not used:
+it counts a ``lax.scan`` body once and a Pallas kernel only by the estimate the kernel passes.
 """
 
 from __future__ import annotations

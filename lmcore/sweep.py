@@ -1,11 +1,8 @@
 """Sweeps as lists of config overrides (never edited files): a grid of ``--config.k=v`` runs.
 
-Each grid point trains through the repository's ``train.py`` (from any working directory) in its own
-workdir, so a rerun resumes an unfinished point. A finished point is recorded in
-``<workdir>/sweep_point.json`` with its command and outcome; a rerun with the same command skips it
-without training or evaluating again. A point whose loss became NaN/inf (``train.py`` exits with
-``Diverged.exit_code``) is recorded as diverged, also skipped on a rerun, and the grid continues; any
-other failure is recorded and retried on the next run. The table marks failures with their reason.
+Each point trains through ``train.py`` in its own workdir (a rerun resumes it) and records its
+command and outcome in ``<workdir>/sweep_point.json``: a rerun with the same command skips a finished
+or diverged point (``Diverged.exit_code``); any other failure is retried on the next run.
 """
 
 from __future__ import annotations

@@ -79,10 +79,8 @@ def gated_inputs(rng, T, gate, normalize, *, B, H, K, V, decay=(0.01, 0.3)):
 
 
 def run_gated(fn, inputs, projections, **options):
-  """Outputs, final state and gradients of a random projection of both w.r.t. every input; a kernel's
-  own entry point ``fn`` runs at chunks of ``CHUNK``."""
-  if getattr(fn, "func", None) is not gated_linear_attention:
-    options = dict(options, chunk_size=CHUNK)
+  """Outputs, final state and gradients of a random projection of both w.r.t. every input; ``fn`` has
+  ``gated_linear_attention``'s signature."""
   q, k, v, log_forget, state = inputs
   B, T, H, K = q.shape
   state = state or LinearAttentionState.zeros(B, H, K, v.shape[-1])

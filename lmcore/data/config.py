@@ -20,38 +20,22 @@ def _check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class SourceConfig:
-  """One document source of the training mixture.
+  """One document source of the training mixture. ``heldout_skip``: on the training split, training
+  stops there, so the two never overlap. ``heldout_fraction``: documents held out by a stable hash of
+  (path relative to the glob's folder, index in the file); -1: 0.01 for text / jsonl / parquet /
+  array_record sources without a held-out split or skip, else 0 (off)."""
 
-  Attributes:
-    name: label used in errors, metadata and logs; unique within a mixture.
-    kind: embedded | text (one document per file) | jsonl (one per line) | parquet | array_record | tfds.
-    path: glob of files (``{split}`` is replaced by the split), or the TFDS dataset name for ``tfds``.
-    split: training split (embedded: "train"; tfds: any split name).
-    text_key: JSON key, parquet column or TFDS feature holding the text.
-    weight: document sampling probability; normalised over the sources of the mixture.
-    skip: documents skipped at the start of this source.
-    heldout_split: split the held-out set is drawn from; "" = ``split`` ("heldout" for the embedded corpus).
-    heldout_skip: documents skipped when drawing the held-out set ("deep in each stream", MATH §1.4).
-      When the held-out split equals the training split, training stops at this document, so
-      the two never overlap.
-    heldout_fraction: share of the documents held out by a stable hash of their identity (file path
-      relative to the glob's folder, and index within the file); training never reads them. -1 (the
-      default) means 0.01 for text / jsonl / parquet / array_record sources that have neither a
-      separate held-out split nor heldout_skip, and 0 otherwise; 0 turns it off.
-    data_dir: TFDS data_dir ("" = TFDS default).
-  """
-
-  name: str = "embedded"
-  kind: str = "embedded"
-  path: str = ""
+  name: str = "embedded"  # in errors, metadata and logs; unique within a mixture
+  kind: str = "embedded"  # SOURCE_KINDS: text is one document per file, jsonl one per line
+  path: str = ""  # glob of files (``{split}`` replaced by the split), or the TFDS dataset name
   split: str = "train"
-  text_key: str = "text"
-  weight: float = 1.0
-  skip: int = 0
-  heldout_split: str = ""
-  heldout_skip: int = 0
+  text_key: str = "text"  # JSON key, parquet column or TFDS feature holding the text
+  weight: float = 1.0  # sampling weight, normalised over the mixture
+  skip: int = 0  # documents skipped at the start
+  heldout_split: str = ""  # "": ``split`` ("heldout" for the embedded corpus)
+  heldout_skip: int = 0  # documents skipped before the held-out set ("deep in each stream", MATH §1.4)
   heldout_fraction: float = -1.0
-  data_dir: str = ""
+  data_dir: str = ""  # TFDS data_dir ("": TFDS's default)
 
   def __post_init__(self):
     _check_choice(f"data.sources.{self.name}", self.kind, SOURCE_KINDS)
@@ -86,19 +70,12 @@ class SourceConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerConfig:
-  """Tokenizer: the embedded SentencePiece model, a SentencePiece ``.model`` or an HF ``tokenizer.json``.
+  """The embedded SentencePiece model, a SentencePiece ``.model`` or an HF ``tokenizer.json``."""
 
-  Attributes:
-    kind: embedded | sentencepiece | hf_json.
-    path: local file for sentencepiece / hf_json (nothing is fetched at run time).
-    vocab_size: vocabulary of the embedded tokenizer when it is trained (ignored otherwise).
-    eos_id: document separator id; -1 = the tokenizer's own EOS.
-  """
-
-  kind: str = "embedded"
-  path: str = ""
-  vocab_size: int = 8192
-  eos_id: int = -1
+  kind: str = "embedded"  # TOKENIZER_KINDS
+  path: str = ""  # the local file of sentencepiece / hf_json (nothing is fetched)
+  vocab_size: int = 8192  # of the embedded tokenizer when it is trained
+  eos_id: int = -1  # the document separator; -1: the tokenizer's own EOS
 
   def __post_init__(self):
     _check_choice("data.tokenizer", self.kind, TOKENIZER_KINDS)
@@ -108,17 +85,11 @@ class TokenizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class HeldoutConfig:
-  """The fixed held-out evaluation set (MATH §1.4, §6.3).
+  """The fixed held-out evaluation set (MATH §1.4, §6.3)."""
 
-  Attributes:
-    seed: shuffles the held-out documents of each source.
-    num_sequences: windows of seq_len + 1 tokens.
-    path: where the set is written once; "" = the caller's default (``<workdir>/heldout.npz``).
-  """
-
-  seed: int = 4321
-  num_sequences: int = 256
-  path: str = ""
+  seed: int = 4321  # shuffles each source's held-out documents
+  num_sequences: int = 256  # windows of seq_len + 1 tokens
+  path: str = ""  # where it is written once; "": ``<workdir>/heldout.npz``
 
   def __post_init__(self):
     if self.num_sequences < 1:
@@ -127,28 +98,17 @@ class HeldoutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Everything the data layer needs.
-
-  Attributes:
-    sources: the mixture; document sampling probabilities are the normalised weights.
-    tokenizer: see ``TokenizerConfig``.
-    heldout: see ``HeldoutConfig``.
-    seq_len: T; windows hold T + 1 tokens (inputs and shifted targets).
-    shuffle_seed: document order seed, combined with the run seed.
-    segment_ids: MATH §6.4 — positions restart at document boundaries (and mixers reset state);
-      False reproduces the papers (one stream window, positions 0..T).
-    worker_count: Grain worker processes (0 = in the training process).
-    cache_dir: tokenizer cache; "" = $FSLM_CACHE or ~/.cache/fixed_state_lm.
-  """
+  """Everything the data layer needs. ``segment_ids`` (MATH §6.4): positions restart at document
+  boundaries and mixers reset their state; False is the papers' one stream, positions 0..T."""
 
   sources: tuple[SourceConfig, ...] = (SourceConfig(),)
   tokenizer: TokenizerConfig = TokenizerConfig()
   heldout: HeldoutConfig = HeldoutConfig()
-  seq_len: int = 128
-  shuffle_seed: int = 0
+  seq_len: int = 128  # T: windows hold T + 1 tokens (inputs and shifted targets)
+  shuffle_seed: int = 0  # combined with the run seed
   segment_ids: bool = False
-  worker_count: int = 0
-  cache_dir: str = ""
+  worker_count: int = 0  # Grain worker processes (0: in the training process)
+  cache_dir: str = ""  # tokenizer cache; "": $FSLM_CACHE or ~/.cache/fixed_state_lm
 
   def __post_init__(self):
     if not self.sources:

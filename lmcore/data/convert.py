@@ -88,12 +88,9 @@ def convert_to_array_record(input_glob: str, output_dir: str, *, kind: str, text
                             show_progress: bool = True) -> list[str]:
   """Writes ``<output_dir>/<prefix>-NNNNN.array_record`` shards; returns their paths in order.
 
-  Files are read in sorted order, or in a seeded random order with ``shuffle_seed`` (then every shard
-  is a uniform sample of the files, and any subset of shards is a smaller corpus of the same mix).
-  ``writer_options`` are ArrayRecord's (e.g. "group_size:1,uncompressed" for shards that an external
-  compressor such as xz shrinks further); the records, and so the training data, do not depend on them.
-
-  Progress (documents, MB, documents/s, ETA when the total is known) goes to stderr about once a second.
+  Files are read sorted, or shuffled with ``shuffle_seed`` (every shard then a uniform sample of the
+  files). ``writer_options`` are ArrayRecord's; the records do not depend on them. Progress goes to
+  stderr about once a second.
   """
   if kind not in CONVERTIBLE_KINDS:
     raise ValueError(f"--kind={kind!r} cannot be converted; choose one of {', '.join(CONVERTIBLE_KINDS)}.")

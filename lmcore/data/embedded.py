@@ -1,18 +1,11 @@
 """The embedded default corpus (MATH §6.2): the running interpreter's Python standard library source.
 
 Every Python installation carries it, so a fresh machine trains on real text without a download.
-Documents are whole ``.py`` files under ``sysconfig.get_paths()["stdlib"]``, excluding test folders
-(``test``, ``tests``, ``idle_test``) and ``site-packages`` (CPython 3.12: 686 files, 11.6 MB).
-
-A file is held out when the first 32 bits of ``sha256(relative path)``, mod 1000, are below 30 (~3 % of
-files; 20 files, 0.30 MB on CPython 3.12.1). The rule depends on the path alone, so the split is stable
-across machines and versions. The fingerprint (file list, sizes) does change with the interpreter
-version, and with it the cached tokenizer; runs record it (``lmcore.data.fingerprint``) and held-out sets
-refuse a different one.
-
-The tokenizer is a SentencePiece BPE model (byte fallback, so any text encodes; identity
-normalisation, so whitespace and indentation round-trip) trained on the train split's lines on first
-use and cached under ``<cache_dir>/embedded/`` keyed by the corpus fingerprint and the vocabulary size.
+Documents are whole ``.py`` files under ``sysconfig.get_paths()["stdlib"]`` outside test folders and
+``site-packages``. A file is held out when the first 32 bits of ``sha256(relative path)`` mod 1000 are
+below 30 (about 3 %): stable across machines and versions. The fingerprint (file list, sizes) changes
+with the interpreter, and with it the cached tokenizer; runs record it and held-out sets refuse another.
+The tokenizer (``spm_training``) is trained on first use and cached under ``<cache_dir>/embedded/``.
 """
 
 from __future__ import annotations
@@ -127,11 +120,8 @@ def _file_lock(path: pathlib.Path):
 
 
 def tokenizer_model_path(vocab_size: int, cache_dir: str = "") -> pathlib.Path:
-  """The cached SentencePiece model for this corpus and vocabulary, trained on first use.
-
-  Training writes a temporary file and renames it; a lock makes a concurrent second process wait
-  and then find the cached model instead of training its own.
-  """
+  """The cached SentencePiece model for this corpus and vocabulary, trained on first use (under a
+  lock, written to a temporary file and renamed: a concurrent process waits and reads it)."""
   folder = resolve_cache_dir(cache_dir) / "embedded"
   folder.mkdir(parents=True, exist_ok=True)
   target = folder / f"stdlib_bpe{vocab_size}_{fingerprint().sha256[:16]}.model"

@@ -1,11 +1,9 @@
 """The fixed held-out set (MATH §1.4, §6.3) and the unigram-entropy reference.
 
-Per source: the documents ``[heldout_skip, end)`` of its held-out split (or, with a
-``heldout_fraction``, the documents its hash holds out of the training split), shuffled once with the
-held-out seed, mixed by the source weights and packed exactly like training data. The first
-``num_sequences`` full windows are written once (atomically, npz + JSON metadata) and reused by every
-later run. The held-out data is never repeated: when it has fewer windows, the set is smaller and a
-warning says so (the embedded corpus holds ~0.3 MB of held-out text, about 95k tokens).
+Per source: the documents ``[heldout_skip, end)`` of its held-out split (or those its hash holds out),
+shuffled once with the held-out seed, mixed by weight and packed like training data. The first
+``num_sequences`` windows are written once (atomically, npz + JSON) and reused; the data is never
+repeated, so a smaller corpus gives a smaller set and a warning.
 """
 
 from __future__ import annotations
@@ -99,11 +97,8 @@ def _read(path: pathlib.Path, expected: dict) -> dict[str, np.ndarray]:
 
 def load_or_build_heldout(cfg: DataConfig, tokenizer: Tokenizer,
                           path: str | os.PathLike) -> dict[str, np.ndarray]:
-  """The held-out set at ``cfg.heldout.path`` (or ``path`` when that is ""), built on first use.
-
-  Returns ``tokens``, ``segment_ids`` and ``positions`` (int32 [N, T + 1]); positions follow documents
-  when ``cfg.segment_ids`` is on and count 0..T otherwise, as in training batches.
-  """
+  """The held-out set at ``cfg.heldout.path`` (or ``path``), built on first use: ``tokens``,
+  ``segment_ids`` and ``positions`` int32 [N, T + 1], as in training batches."""
   path = pathlib.Path(cfg.heldout.path or path).expanduser()
   expected = metadata(cfg, tokenizer)
   if path.exists():
@@ -118,11 +113,8 @@ def load_or_build_heldout(cfg: DataConfig, tokenizer: Tokenizer,
 
 
 def unigram_entropy(tokens: np.ndarray, vocab_size: int | None = None) -> float:
-  """Entropy in nats of the token frequencies in ``tokens``: -sum_v p_v log p_v.
-
-  The loss of a model that ignores context and predicts the unigram distribution of these tokens;
-  a trained LM's held-out loss should be well below it. ``vocab_size``, when given, checks the ids.
-  """
+  """-sum_v p_v log p_v (nats) of the token frequencies: the loss of a context-free model.
+  ``vocab_size``, when given, checks the ids."""
   tokens = np.asarray(tokens).reshape(-1)
   if vocab_size is not None and tokens.size and not 0 <= tokens.min() <= tokens.max() < vocab_size:
     raise ValueError(f"Token ids span [{tokens.min()}, {tokens.max()}], outside a vocabulary of "
@@ -134,13 +126,9 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int | None = None) -> float:
 
 def unigram_baseline(cfg: DataConfig, tokenizer: Tokenizer, heldout_tokens: np.ndarray,
                      num_tokens: int = 500_000) -> dict[str, float]:
-  """What a context-free model achieves, as the yardstick for a trained LM's held-out loss.
-
-  ``unigram_entropy``: entropy (nats) of the training stream's token distribution, estimated from the
-  first ``num_tokens`` tokens of a fresh iterator read in this process (the run's own stream is not
-  touched, and no worker process starts for a bounded read);
-  ``unigram_heldout_xent``: the held-out cross-entropy of that unigram model (add-½ smoothing).
-  """
+  """The yardstick for a held-out loss: ``unigram_entropy`` of the first ``num_tokens`` tokens of a
+  fresh training iterator (in this process) and ``unigram_heldout_xent``, the held-out cross-entropy
+  of that unigram model (add-½ smoothing)."""
   iterator = pipeline.make_train_iterator(dataclasses.replace(cfg, worker_count=0), tokenizer, batch_size=16,
                                           seed=0)
   windows, count = [], 0

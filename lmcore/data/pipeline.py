@@ -1,21 +1,13 @@
 """The training input pipeline (MATH §1.4, §6.1, §6.4) as one checkpointable Grain iterator.
 
-Per source: documents ``[skip, stop)`` -> seeded shuffle (a new permutation every epoch) -> repeat
-forever. Sources are mixed by Grain's weighted interleave (deterministic and evenly spread, so the
-weights hold over any stretch of documents, not only in expectation); process ``p`` of ``n`` takes
-documents ``p::n`` of the mixed stream, tokenizes them with EOS appended, packs and batches. The seed
-of source ``i`` is derived from (run seed, ``data.shuffle_seed``, ``i``).
+Per source: documents ``[skip, stop)`` (or the complement of a hashed ``heldout_fraction``) -> a
+seeded shuffle per epoch -> repeat. Sources are mixed by Grain's deterministic weighted interleave;
+process ``p`` of ``n`` takes documents ``p::n``, tokenizes them with EOS appended, packs and batches.
+``stop`` is ``heldout_skip`` when the held-out set shares the training split (``heldout.py``).
 
-Packing is Grain's ``ConcatThenSplitIterDataset``: documents are concatenated into one stream and cut
-into consecutive windows of T + 1 tokens, as in the papers, so no token is padding and a long document
-continues in the next window. Its state is the parent's position plus a slice into the current
-document, so ``get_state`` stays tiny and a restore re-tokenizes one document at most.
-
-``stop`` is ``heldout_skip`` when the held-out set is drawn from the training split, so training never
-sees the held-out region (see ``heldout.py``). A source with a ``heldout_fraction`` (by default 1 % of
-text / jsonl / parquet / array_record documents when nothing else picks a held-out set) is split by a
-stable hash of each document's identity instead: training reads the complement, the held-out set the
-chosen documents.
+Packing (Grain's ``ConcatThenSplitIterDataset``) cuts the concatenated documents into consecutive
+windows of T + 1 tokens, as in the papers: no padding, and a small state (a restore re-tokenizes one
+document at most).
 """
 
 from __future__ import annotations
@@ -38,14 +30,10 @@ from lmcore.errors import DataError
 
 logger = logging.getLogger(__name__)
 
-# Documents are read and tokenized ahead of the packer in threads of this process; worker processes
-# (data.worker_count) scale further.
+# Documents are read and tokenized ahead of the packer in threads (worker processes scale further).
 READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=64)
-
-
-# Batches leave the worker processes pickled through their queues, not in shared memory segments: token
-# batches are small, and a segment still in flight when a stopped run exits is left to Python's
-# resource tracker, which warns about it.
+# Batches leave the workers pickled through their queues, not in shared memory: batches are small, and a
+# segment in flight when a stopped run exits would be left to the resource tracker's warning.
 WORKER_BATCHES_COPIED = grain.experimental.DatasetOptions(min_shm_size=sys.maxsize)
 
 
@@ -182,11 +170,8 @@ def _slices_as_tuples(state: Any) -> Any:
 
 
 class JsonSafeIterator(grain.DatasetIterator):
-  """Passes a Grain iterator through, restoring states that went through JSON (Orbax's Grain handler).
-
-  Grain 0.2.18's packer marks "no partial document" with the tuple (-1, -1) and compares by
-  equality, so the list [-1, -1] that JSON gives back would drop a document on restore.
-  """
+  """A Grain iterator whose states may go through JSON (Orbax's Grain handler): the packer compares
+  its "no partial document" mark (-1, -1) as a tuple, and a JSON list would drop a document."""
 
   def __init__(self, parent: grain.DatasetIterator):
     super().__init__(parent)
@@ -209,12 +194,8 @@ def local_batch_size(batch_size: int, process_count: int) -> int:
 
 
 def leave_signals_to_the_parent(worker_index: int, worker_count: int) -> None:
-  """Grain worker start-up (``data.worker_count`` > 0): SIGINT and SIGTERM are the training process's.
-
-  A Ctrl-C or a job scheduler signals the whole process group; the training process then saves and
-  stops its workers (closing the iterator), so a worker that died of the signal first would only
-  make it fail or leave tracebacks. A worker whose parent is gone exits on them at once.
-  """
+  """Grain worker start-up: SIGINT and SIGTERM, sent to the whole process group, are for the training
+  process (which saves, then stops its workers); a worker whose parent is gone exits on them."""
   del worker_index, worker_count
   parent = os.getppid()
 
@@ -231,10 +212,8 @@ def make_train_iterator(cfg: DataConfig, tokenizer: Tokenizer, *, batch_size: in
                         process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
   """Endless batches ``{tokens, segment_ids, positions}``: int32 [batch_size / process_count, T + 1].
 
-  The iterator is checkpointable (``get_state`` / ``set_state``, or ``grain.checkpoint.CheckpointSave``
-  inside an Orbax composite); a state restores into an identically configured iterator in any process,
-  which is how a later stage continues the data stream where an earlier one stopped. ``close()`` it when
-  done: that stops its worker processes.
+  Checkpointable (``get_state`` / ``set_state``): a state restores into an identically configured
+  iterator in any process (a later stage continues the stream). ``close()`` stops its workers.
   """
   local = local_batch_size(batch_size, process_count)
   documents = training_documents(cfg, seed=seed, process_index=process_index, process_count=process_count)
@@ -252,9 +231,8 @@ def take_batches(iterator, n: int) -> list[dict[str, np.ndarray]]:
 
 
 def fingerprint(cfg: DataConfig) -> dict[str, Any]:
-  """JSON-ready identity of the data for run records: sources, packing, and the embedded corpus's
-  fingerprint (file list, sizes, interpreter version) when a source uses it. The tokenizer is
-  identified by its own ``name``."""
+  """JSON-ready identity of the data for run records: sources, packing and, when used, the embedded
+  corpus's fingerprint (the tokenizer has its own ``name``)."""
   uses_embedded = any(s.kind == "embedded" for s in cfg.sources)
   return {"sources": [dataclasses.asdict(s) for s in cfg.sources], "seq_len": cfg.seq_len,
           "segment_ids": cfg.segment_ids,

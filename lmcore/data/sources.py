@@ -1,14 +1,10 @@
 """Random-access document sources (MATH §6.1): ``len(source)`` documents, ``source[i]`` -> str.
 
-Each satisfies Grain's ``RandomAccessDataSource`` protocol, pickles cheaply (open handles and caches
-are rebuilt in each process) and reads documents on demand. For corpora beyond a few GB prefer
-ArrayRecord (``scripts/prepare_data.py`` converts text / jsonl / parquet): its reads are O(1) per
-document, jsonl needs a line-offset scan at start-up and parquet decodes a whole row group per miss.
-
-File sources also give every document a stable 64-bit key (``document_keys``) from its identity: the
-file path relative to the glob's folder and the document's index within the file. The hashed held-out
-split (``heldout_fraction``) compares these keys with a threshold, so it does not depend on the
-machine, the working directory or where the corpus folder lives.
+Each is a Grain ``RandomAccessDataSource`` that pickles cheaply (handles are reopened per process).
+ArrayRecord (``scripts/prepare_data.py``) reads in O(1) per document; jsonl scans line offsets at
+start-up and parquet decodes a row group per miss. File sources key every document by its path
+relative to the glob's folder and its index in the file (``document_keys``): the hashed held-out split
+compares these keys with a threshold, so it does not depend on the machine or the folder's location.
 """
 
 from __future__ import annotations
@@ -225,11 +221,8 @@ def shard_records(path: str, key: str = "path") -> int:
 
 
 class ArrayRecordSource:
-  """ArrayRecord shards whose records are utf-8 documents (``scripts/prepare_data.py`` writes them).
-
-  Every shard is checked when the source opens (``shard_records``): an empty or truncated file is named
-  here, in the process that builds the data pipeline, not in a data worker's first read.
-  """
+  """ArrayRecord shards of utf-8 documents, each checked on opening (``shard_records``), so that an
+  empty or truncated file is named here and not in a data worker's first read."""
 
   def __init__(self, files: list[str], root: str = ".", key: str = "path"):
     self._files = list(files)

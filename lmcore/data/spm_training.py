@@ -56,12 +56,8 @@ def _cut(line: str) -> Iterator[str]:
 
 def train_bpe(lines: Iterable[str], vocab_size: int, writer: BinaryIO, *, num_threads: int = 1,
               at_most: bool = False) -> None:
-  """Trains the recipe's BPE model on ``lines`` and writes the serialized model to ``writer``.
-
-  SentencePiece gives different models for different thread counts; one thread is reproducible.
-  When the text cannot fill ``vocab_size`` pieces: with ``at_most`` the model gets as many as the text
-  supports, otherwise ``DataError`` says how many that is.
-  """
+  """Trains the recipe's BPE model on ``lines`` (one thread: reproducible) into ``writer``. Text that
+  cannot fill ``vocab_size`` pieces gets as many as it supports with ``at_most``, else ``DataError``."""
   try:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines), model_writer=writer, model_type="bpe", vocab_size=vocab_size,

@@ -1,12 +1,9 @@
 """Held-out evaluation (MATH §6.3): token-mean cross-entropy in nats, perplexity, paired
 implementations, and the gate statistics of mixers that have them (MATH §1.3).
 
-The model is used functionally: ``graphdef`` (structure) + ``params`` + ``rest`` (non-trainable state)
-are merged inside jitted functions, so the same parameters can be read out by another implementation
-or another power p by changing only the graphdef (``model_graphdef``). Every model call here is one
-compiled program per model structure and batch shape (the graphdef and the options are static, so
-the compilation is kept across calls), run on the parameters' own shardings; per-batch results stay
-on the device and become Python numbers once, after the last batch.
+``graphdef`` + ``params`` + ``rest`` are merged inside jitted functions, so the same parameters can be
+read out by another implementation or power p by changing only the graphdef (``model_graphdef``).
+Per-batch results stay on the device until the last batch.
 """
 
 from __future__ import annotations
@@ -124,10 +121,9 @@ def _why_no_constant_state(config: ModelConfig) -> str | None:
 
 
 def paired_evaluation(config: ExperimentConfig, params, rest, heldout) -> dict[str, Any]:
-  """MATH §6.3: the same sequences with implementation ``paired_a`` (default: as trained) and
-  ``paired_b`` (default: recurrent). Where it does not apply (no fixed-state mixer, or one without a
-  constant-size state) it returns nothing and logs why at INFO; ``{"paired_skipped": reason}`` when
-  the requested implementations cannot run."""
+  """MATH §6.3: the same sequences with ``paired_a`` (default: as trained) and ``paired_b`` (default:
+  recurrent); nothing (logged) without a fixed-state mixer, ``{"paired_skipped": reason}`` when the
+  requested implementations cannot run."""
   kinds = _paired_kinds(config.model)
   reason = _why_no_constant_state(config.model) if kinds else "no fixed-state mixer in this model"
   if reason is not None:

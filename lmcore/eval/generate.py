@@ -1,30 +1,13 @@
 """Sampling from a trained model through its decode state (MATH §5): prefill once, then a compiled loop.
 
-``generate(model, prompts, max_new_tokens=N)`` samples a continuation of every prompt of a batch:
-
-1. **Prefill** (one jitted call): the first ``min_len`` tokens of every row, ``min_len`` the shortest
-   prompt's length, go through the model at once into a fresh decode state (``model.init_state``).
-2. **Decode** (one jitted call, the state donated): a ``lax`` loop over tokens on the device. Each step
-   picks the next token of every row, records it and feeds it back through the model (``T = 1``: each
-   mixer's one-token path), updating the state in place.
-
-Prompts of different lengths form a right-padded batch: row ``b`` holds its ``len_b`` prompt tokens
-and then its samples. While a row is still inside its prompt (step ``i < len_b - min_len``), the loop
-feeds the row's next prompt token instead of the sample, so every row of the batch is always at the
-same position and no pad token ever enters a state (exact for every mixer: no masking, no per-row
-positions). Row ``b`` stops after ``max_new_tokens`` samples or at ``eos_id``; the loop stops when
-every row has stopped. Without an ``eos_id`` the trip count is fixed, and the loop is a ``fori_loop``
-(an XLA while loop with a known trip count: on a GPU it runs without reading its predicate back to
-the host every token).
-
-The decode state is constant in size for the fixed-state mixers; softmax attention keeps a KV cache
-preallocated for ``max(len_b) + max_new_tokens`` tokens. SANATAN with p >= 2 has no constant-size
-state and raises a one-line ``ValueError`` before anything runs (``check_can_decode``).
-
-Weights are read in the compute dtype: every ``nnx.Linear`` kernel and bias that its layer casts to
-the activation dtype, and the head's matrix, are cast once before decoding (the same numbers the
-layers would compute per token), so each token reads the bf16 weights once instead of the fp32
-parameters.
+Prefill (one jitted call) feeds the shortest prompt's ``min_len`` tokens of every row into a fresh
+decode state; decode (one jitted call, the state donated) loops on the device, each step picking every
+row's next token and feeding it back (T = 1). A row still inside its prompt is fed its next prompt
+token instead of the sample, so all rows stay at one position and no pad enters a state (exact for
+every mixer). A row stops after ``max_new_tokens`` samples or at ``eos_id``; without an ``eos_id`` the
+loop is a ``fori_loop`` (no predicate read back per token). Softmax attention preallocates its KV cache;
+SANATAN p >= 2 has no decode state and raises before anything runs. Linear layers' weights and the
+head are cast to the compute dtype once (the numbers the layers compute per token).
 """
 
 from __future__ import annotations
@@ -57,12 +40,9 @@ def check_decodable(config: ModelConfig) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-  """How the next token is drawn from the logits.
-
-  ``temperature`` 0 is greedy (argmax, first index on ties); otherwise logits / temperature, kept to
-  the ``top_k`` most likely tokens (0: all) and then to the smallest set whose probability reaches
-  ``top_p`` (1: all; the most likely token is always kept), then one categorical draw.
-  """
+  """How the next token is drawn: ``temperature`` 0 is greedy (argmax); otherwise logits / temperature,
+  kept to the ``top_k`` most likely (0: all), then to the smallest set whose probability reaches
+  ``top_p`` (1: all; the most likely token stays), then one categorical draw."""
 
   temperature: float = 1.0
   top_k: int = 0
@@ -142,9 +122,8 @@ _prefill = jax.jit(_forward, static_argnames=("graphdef",), donate_argnames=("st
                    donate_argnames=("state",))
 def _decode(graphdef, weights: DecodeWeights, logits_BxV, state, forced_BxF, n_forced_B, key, *,
             max_new_tokens: int, sampling: Sampling, eos_id: int | None):
-  """The sampling loop (module docstring): tokens [B, F + max_new_tokens] (prompt tails, then samples,
-  then ``pad``), the number of samples of each row [B] and the final state (returned so that the
-  donated state's buffers carry the loop's state in place)."""
+  """The sampling loop (``Generator.decode``); the final state is returned so that the donated
+  buffers carry it in place."""
   B, F = forced_BxF.shape
   steps = F + max_new_tokens
   pad = 0 if eos_id is None else eos_id
@@ -185,12 +164,8 @@ def _decode(graphdef, weights: DecodeWeights, logits_BxV, state, forced_BxF, n_f
 
 
 class Generator:
-  """Compiled sampling for one model: ``Generator(model)(prompts, max_new_tokens=N)``.
-
-  Holds the decode weights (cast once) and exposes the two compiled calls for callers that manage
-  the state themselves (``scripts/bench_decode.py``): ``init_state``, ``prefill``, ``decode``.
-  Compilations are cached per model structure and shapes, across instances.
-  """
+  """Compiled sampling for one model: ``Generator(model)(prompts, max_new_tokens=N)``; ``init_state``,
+  ``prefill`` and ``decode`` serve callers that manage the state (``scripts/bench_decode.py``)."""
 
   def __init__(self, model: LanguageModel):
     check_can_decode(model)
@@ -205,9 +180,8 @@ class Generator:
 
   def compile(self, batch_size: int, max_len: int, *, prefill_lengths=(), max_new_tokens: int = 0,
               sampling: Sampling = Sampling(), eos_id: int | None = None, forced_len: int = 0) -> None:
-    """Compiles ``prefill`` for every length of ``prefill_lengths`` and, with ``max_new_tokens``,
-    ``decode`` for these shapes, ahead of the calls (which then find them compiled). Several threads
-    may call it at once: XLA compiles in parallel."""
+    """Compiles ``prefill`` for ``prefill_lengths`` and, with ``max_new_tokens``, ``decode`` ahead of
+    the calls (thread-safe: XLA compiles in parallel)."""
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     state = jax.eval_shape(lambda: self.init_state(batch_size, max_len))
     for length in prefill_lengths:
@@ -226,13 +200,9 @@ class Generator:
   def decode(self, logits_BxV, state, *, max_new_tokens: int, sampling: Sampling = Sampling(),
              key: jax.Array | None = None, eos_id: int | None = None, forced_BxF=None,
              n_forced_B=None):
-    """The compiled sampling loop after a prefill (``state`` is donated).
-
-    ``forced_BxF`` / ``n_forced_B``: each row's remaining prompt tokens, fed before its samples
-    (default none). Returns device arrays: tokens [B, F + max_new_tokens] (each row's prompt tail,
-    its samples, then padding), the number of samples of each row [B], and the state after the last
-    token fed (every recorded token but the last of each row).
-    """
+    """The sampling loop after a prefill (``state`` donated); ``forced_BxF`` / ``n_forced_B``: each
+    row's remaining prompt tokens. Returns tokens [B, F + max_new_tokens] (prompt tail, samples,
+    padding), each row's sample count [B] and the state after the last token fed."""
     B = logits_BxV.shape[0]
     if forced_BxF is None:
       forced_BxF, n_forced_B = np.zeros((B, 0), np.int32), np.zeros((B,), np.int32)

@@ -8,23 +8,15 @@ and called, for training, prefill and one-token decode alike, as::
 
     y_BxTxD, new_state = mixer(x_BxTxD, state=None, positions_BxT=None, segment_ids_BxT=None)
 
-* ``x_BxTxD`` arrives in the compute dtype (bf16 in training, fp32 in tests); ``y`` has the same dtype.
-  Parameters are fp32; recurrent state, normalisers and gates are accumulated in fp32.
-* ``state=None`` means "start of a sequence". Fixed-state mixers then still return the final state
-  (XLA drops it when unused). Mixers whose state grows (softmax KV cache) return ``None`` when called
-  with ``state=None``; to decode, call ``init_state(batch_size, max_len)`` first and prefill with it.
-* ``positions_BxT`` are the 0-based positions inside the document (the backbone always passes them;
-  a mixer used alone defaults to ``arange(T)`` offset by the state's own counter).
-* ``segment_ids_BxT`` (optional) marks packed documents; a mixer that supports it lets no token see
-  another segment and resets its state at a boundary. A mixer or implementation that cannot honour it
-  raises ``NotImplementedError`` naming the supported alternative.
-* ``init_state(batch_size, max_len)`` returns the zero state pytree; ``state_bytes(batch_size, max_len)``
-  the bytes that state occupies (the accounting of docs/MATH.md §6.5, used by model cards and the MQAR plot).
-* ``flops_per_token(seq_len)`` returns the layer's forward FLOPs per token over a causal sequence of
-  ``seq_len`` tokens (dense kernels plus the configured implementation's sequence mixing; the
-  conventions are in ``lmcore/mixers/flops.py``), which the model card sums.
-* Every mixer class has a nested frozen dataclass ``Config`` whose fields all have defaults; the
-  config files set its fields by name and unknown names are rejected.
+* ``x`` and ``y`` in the compute dtype; parameters fp32; states, normalisers and gates accumulate in fp32.
+* ``state=None`` starts a sequence; fixed-state mixers still return the final state. A growing state
+  (softmax KV cache) comes back None then: to decode, prefill from ``init_state(batch_size, max_len)``.
+* ``positions_BxT``: 0-based within the document (a mixer alone counts on from its state).
+* ``segment_ids_BxT``: packed documents; no token sees another segment and the state resets at a
+  boundary, or ``NotImplementedError`` names the supported alternative.
+* ``init_state(batch_size, max_len)``: the zero state; ``state_bytes`` its bytes (MATH §6.5).
+* ``flops_per_token(seq_len)``: forward FLOPs per token over a causal sequence (``mixers/flops.py``).
+* A nested frozen dataclass ``Config`` with defaults for every field.
 """
 
 from __future__ import annotations
@@ -39,10 +31,7 @@ from flax import nnx
 
 @dataclasses.dataclass(frozen=True)
 class InitSpec:
-  """Initialisation scales: every projection N(0, std); output projections N(0, out_std).
-
-  BASED (MATH §2.4) uses std 0.02 and out_std = 0.02 / sqrt(2 L).
-  """
+  """Projections N(0, std), output projections N(0, out_std); BASED (MATH §2.4): 0.02 / sqrt(2 L)."""
 
   std: float = 0.02
   out_std: float = 0.02

@@ -12,11 +12,8 @@ from lmcore.ops.gated_linear_attention import REGISTRY, Problem
 
 
 class HeadRMSNorm(nnx.Module):
-  """y = x / sqrt(mean(x²) + eps) ⊙ w over one head's channels (the last axis), w shared by heads.
-
-  FLA's group RMSNorm of GLA and Gated DeltaNet (a weight of size head_dim). With ``gate``, the
-  result is multiplied by swish(gate) (FLA's FusedRMSNormGated). fp32 inside, input dtype out.
-  """
+  """y = x / sqrt(mean(x²) + eps) ⊙ w over a head's channels, w shared by heads (FLA's group RMSNorm);
+  with ``gate``, times swish(gate) (FusedRMSNormGated). fp32 inside, input dtype out."""
 
   def __init__(self, dim: int, *, eps: float):
     self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
@@ -43,10 +40,7 @@ def merge_heads(x_BxTxHxd: jax.Array) -> jax.Array:
 
 
 def implementation_for(configured: str, length: int) -> str:
-  """One-token calls (decode) run the token-by-token ``recurrent`` scan, others the configured one.
-
-  Both compute the same function; the chunked form would pad a single token to a whole chunk.
-  """
+  """One-token calls (decode) run ``recurrent`` (a chunked form would pad the token to a chunk)."""
   return "recurrent" if length == 1 else configured
 
 
@@ -57,10 +51,8 @@ def linear_state_bytes(batch_size: int, n_heads: int, key_dim: int, value_dim: i
 
 def linear_attention_flops(implementation: str, tiles, n_heads: int, features: int, values: int,
                            seq_len: int) -> float:
-  """Sequence-mixing FLOPs per token of ``gated_linear_attention`` over ``n_heads`` heads of key width
-  F = ``features`` and V = ``values`` mixed columns (V + 1 for a normalised form): the count of the
-  backend ``implementation`` resolves to on its counting platform (``Registry.counting_platform``;
-  ``Backend.flops_per_head``, conventions of ``lmcore.mixers.flops``)."""
+  """Sequence-mixing FLOPs per token of ``gated_linear_attention`` over ``n_heads`` heads of F x V
+  (V + 1 normalised): the resolved backend's ``flops_per_head`` on its counting platform."""
   problem = Problem(REGISTRY.counting_platform(implementation), features, values, seq_len)
   return n_heads * REGISTRY.resolve(implementation, problem).flops_per_head(problem, tiles)
 

@@ -9,18 +9,11 @@ Per head, with the fp32 state S_t in R^{d_k x d_v}::
     S_t = f_t ⊙ S_{t-1} + min(w_t, w_max) i_t k̂_t v_tᵀ,     o_t = S_tᵀ q_t
     y   = W_o [RMSNorm(o_t) (⊙ swish(x W_g) when ``output_gate``)]
 
-GLA-shaped, so it runs on the shared gated op with log_forget = log_sigmoid(x W_f + b_f) (stable for
-any logit) and the write gate × clipped strength folded into k̂.
-
-Initial gate biases (the seed warns about saturated gates; all start where sigmoid' >= 0.017):
-  * b_f evenly spaced over the heads from ``forget_bias_min`` = 1 to ``forget_bias_max`` = 4 in
-    logit space: f from 0.73 to 0.98, memory half-lives of about 2 to 38 tokens;
-  * b_i = 0: i = 0.5, the middle of the sigmoid;
-  * b_w = log(e - 1): w = 1, a quarter of the default w_max = 4.
-Weights N(0, std), output projection N(0, out_std); only the three gate projections have biases.
-
-Monitors (the seed's three): ``monitors(x)`` — a method, which the training loop calls on a batch
-every N steps — returns the final-state norm and the gate and write-strength statistics.
+It runs on the gated op with log_forget = log_sigmoid(x W_f + b_f) and i_t min(w_t, w_max) folded
+into k̂. Gate biases start unsaturated (sigmoid' >= 0.017): b_f spaced over the heads from
+``forget_bias_min`` = 1 to ``forget_bias_max`` = 4 (half-lives of about 2 to 38 tokens), b_i = 0,
+b_w = log(e - 1) (w = 1). Only the gate projections have biases. ``monitors(x)`` returns the seed's
+three statistics (final-state norm, gates, write strength) for the training loop.
 """
 
 from __future__ import annotations
@@ -33,12 +26,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lmcore.ops.gated_linear_attention import LinearAttentionState
-
-from lmcore.ops.gated_linear_attention import gated_linear_attention
-
-from lmcore.mixers.base import InitSpec, dense
 from lmcore.mixers import flops
+from lmcore.mixers.base import InitSpec, dense
+from lmcore.ops.gated_linear_attention import LinearAttentionState, gated_linear_attention
 from lmcore.mixers.common import (HeadRMSNorm, check_linear_attention, decode_tiles, implementation_for,
                                   linear_attention_flops, linear_state_bytes, merge_heads, split_heads)
 
@@ -78,8 +68,8 @@ class CyFA(nnx.Module):
     implementation: str = "chunked"
     tiles: Any = None  # the named backend's tiling, e.g. {"chunk": 32}; None: its heuristic
     kernel_precision: str = "input"  # "pallas_triton" only: "tf32"/"float32" run the kernels in fp32
-    # The kernels' backward state dots in two bf16 parts (the gate gradient within the XLA path's own
-    # bf16 error); False: one rounding, faster (docs/BENCHMARKS.md, Gated linear attention: split state dots).
+    # The kernels' backward state dots in two bf16 parts; False: one rounding, faster
+    # (docs/BENCHMARKS.md, Gated linear attention: split state dots).
     kernel_split_state: bool = True
 
     def __post_init__(self):
@@ -115,10 +105,7 @@ class CyFA(nnx.Module):
     return linear_state_bytes(batch_size, c.n_heads, c.head_dim, c.v_head_dim)
 
   def flops_per_token(self, seq_len: int) -> float:
-    """Forward FLOPs per token (``lmcore.mixers.flops``): the dense kernels (q, k, v, the three gate
-    projections, the output gate when on, o), plus the gated op per head at F = d_k, V = d_v for
-    the configured implementation (``linear_attention_flops``: chunked
-    2 · C' · (d_k + d_v) + 4 · d_k · d_v)."""
+    """Forward FLOPs per token: the dense kernels plus the op per head at F = d_k, V = d_v."""
     c = self.config
     return flops.dense(self) + linear_attention_flops(
         c.implementation, c.tiles, c.n_heads, c.head_dim, c.v_head_dim, seq_len)
@@ -160,13 +147,9 @@ class CyFA(nnx.Module):
 
   def monitors(self, x_BxTxD: jax.Array,
                segment_ids_BxT: jax.Array | None = None) -> dict[str, jax.Array]:
-    """The seed's three monitors on a batch (from the start of each row), fp32 scalars.
-
-    ``state_norm``: Frobenius norm of the final state, mean over batch and heads;
-    ``forget_{mean,std}``, ``write_gate_{mean,std}``: statistics of f and i over all entries;
-    ``write_strength_{mean,std,max}`` of the unclipped w, and ``write_strength_clipped_frac``,
-    the fraction of (token, head) entries with w > w_max.
-    """
+    """The seed's three monitors on a batch, fp32 scalars: ``state_norm`` (the final state's Frobenius
+    norm, mean over batch and heads), mean and std of f and i, statistics of the unclipped w and
+    ``write_strength_clipped_frac`` (the share of entries with w > w_max)."""
     _, state, gates = self._forward(x_BxTxD, None, segment_ids_BxT)
     forget, write, strength = jnp.exp(gates.log_forget), gates.write, gates.strength
     return {

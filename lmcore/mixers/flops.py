@@ -1,25 +1,17 @@
 """Analytic forward FLOPs per token, the pieces every mixer's ``flops_per_token(seq_len)`` adds up.
 
-The model card (``lmcore/model_card.py``) sums them over the layers. Conventions, one for all mixers:
+The model card sums them over the layers. Conventions, one for all mixers:
 
-* A multiply-add is 2 FLOPs. Only contractions count (dense kernels, scores, mixing, state reads and
-  writes, depthwise convolution taps); elementwise work (biases, norms, activations, gate
-  nonlinearities, feature maps, softmax, decays) does not.
+* A multiply-add is 2 FLOPs; only contractions count (dense kernels, scores, mixing, state reads and
+  writes, convolution taps), not elementwise work.
 * Per token of a fresh causal sequence of T = ``seq_len`` tokens, averaged over its T positions.
 * Dense kernels: 2 · in · out each (``dense``).
-* Materialised, blocked and flash quadratic forms: the causal half, T (T + 1) / 2 visible pairs over
-  T tokens, i.e. per head 2 · (F + V) · (T + 1) / 2 for scores of width F and mixing of width V
-  (``quadratic``); what the implementation computes above the diagonal is not counted.
-* Chunked linear forms, chunk C' = min(C, T): per head 2 · C' · (F + V) + 4 · F · V (the whole
-  C' x C' intra-chunk block's scores and mixing, then the state read and the state write;
-  ``chunked``, the convention of ``benchmarks/rows.py``'s ``chunked_flops``).
-* Recurrent forms: per head 4 · F · V (the write k vᵀ and the read Sᵀ q; ``recurrent``).
+* Quadratic forms: the causal half only, per head 2 · (F + V) · (T + 1) / 2 (``quadratic``).
+* Chunked linear forms, C' = min(C, T): per head 2 · C' · (F + V) + 4 · F · V (``chunked``, as
+  ``benchmarks/rows.py``'s ``chunked_flops``); recurrent forms 4 · F · V (``recurrent``).
 * Depthwise causal convolutions: 2 · taps · channels (``short_conv``).
-* A normalised form (a denominator sum_j φ(q)·φ(k_j)) mixes V + 1 columns: the ones column the ops
-  append to v.
-* "auto" counts as the backend it resolves to on a GPU, whatever the host: the kernels the papers
-  train with. Each op's backend gives its own count (``Backend.flops_per_head``,
-  ``lmcore.ops.common.flops``).
+* A normalised form mixes V + 1 columns (the ones column appended to v).
+* "auto" counts as the backend it resolves to on a GPU (``Backend.flops_per_head``).
 """
 
 from __future__ import annotations

@@ -9,14 +9,9 @@ From x [B, T, D], per head h (H heads, key dim K, value dim V):
     S_t      = a_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = K^-1/2 S_t^T q_t
     y        = (RMSNorm(o) * swish(x Wg)) Wo                              (RMSNorm over V, per head)
 
-``A_log`` = log A, A ~ U(0, 16]; ``dt_bias`` = softplus^-1(dt), dt log-uniform in [1e-3, 0.1]
-(floored at 1e-4), both [H] as in FLA. Like FLA's ``_no_weight_decay`` they must be excluded from
-weight decay: a mask drops every parameter whose path ends in a name of ``NO_WEIGHT_DECAY``.
-
-Config defaults are small (tests, MQAR). FLA's layer defaults are ``head_dim=256, expand_v=2``
-(V = 2K); set ``expand_v=2.0`` to match them. The recurrence runs in ``gated_delta_rule``
-(lmcore/ops/gated_delta_rule) with ``implementation`` "chunked" (WY transform) or
-"recurrent" (token scan); they compute the same function. Positions are not used: the
+``A_log`` = log A, A ~ U(0, 16]; ``dt_bias`` = softplus^-1(dt), dt log-uniform in [1e-3, 0.1] (floored
+at 1e-4), both [H] and, as FLA's ``_no_weight_decay``, excluded from weight decay (``NO_WEIGHT_DECAY``).
+Defaults are small (tests, MQAR); FLA's are ``head_dim=256, expand_v=2``. Positions are not used: the
 short convolution and the decay carry order.
 """
 
@@ -129,10 +124,7 @@ class GatedDeltaNet(nnx.Module):
         DeltaRuleState.zeros(batch_size, config.n_heads, config.head_dim, config.value_dim))
 
   def state_bytes(self, batch_size: int, max_len: int | None = None) -> int:
-    """fp32 bytes of the decode state: S (4 H K V per sequence) plus conv windows
-    (4 (W-1)(2 H K + H V) per sequence). Defaults (H 4, K = V = 16, W 4): S 4,096 B + conv 2,304 B
-    = 6,400 B per sequence; FLA-like H 6, K 256, V 512, W 4: S 3,145,728 B + conv 73,728 B.
-    """
+    """fp32 bytes of the decode state per sequence: S, 4 H K V, and conv windows, 4 (W-1)(2 H K + H V)."""
     del max_len
     config = self.config
     S_bytes = float_bytes((batch_size, config.n_heads, config.head_dim, config.value_dim))
@@ -141,10 +133,8 @@ class GatedDeltaNet(nnx.Module):
     return S_bytes + conv_bytes
 
   def flops_per_token(self, seq_len: int) -> float:
-    """Forward FLOPs per token (``lmcore.mixers.flops``): the dense kernels, 2 · D · (2 H K + 2 H V
-    + 2 H) + 2 · H V · D, the three short convolutions, 2 · W · (2 H K + H V), and per head the
-    gated delta rule of the backend the implementation resolves to on a GPU
-    (``Backend.flops_per_head``: chunked C' · (5 K + 3 V) + 6 · K · V, recurrent 6 · K · V)."""
+    """Forward FLOPs per token: the dense kernels, the short convolutions and per head the rule's
+    backend on its counting platform (``Backend.flops_per_head``)."""
     c = self.config
     H, K, V = c.n_heads, c.head_dim, c.value_dim
     convs = flops.short_conv(c.conv_size, H * (2 * K + V))

@@ -7,9 +7,8 @@ Per head, with d_k = expand_k·D / H and d_v = expand_v·D / H (no biases except
     S_t = Diag(α_t) S_{t-1} + k_t v_tᵀ,    o_t = d_k^-1/2 S_tᵀ q_t
     y = W_o [RMSNorm(o_t) ⊙ swish(g_t)]    (RMSNorm over d_v, its weight shared by the heads)
 
-Parameters per layer (r = gate rank): 2·D·expand_k·D + 3·D·expand_v·D + D·r + r·expand_k·D
-+ expand_k·D + d_v; FLA's defaults at D = 768 (4 heads) give 2,378,304. FLA initialises every
-Linear N(0, 0.02) with zero bias; here the output projection uses ``init.out_std``.
+FLA initialises every Linear N(0, 0.02) with zero bias; here the output projection uses
+``init.out_std``.
 """
 
 from __future__ import annotations
@@ -22,12 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lmcore.ops.gated_linear_attention import LinearAttentionState
-
-from lmcore.ops.gated_linear_attention import gated_linear_attention
-
-from lmcore.mixers.base import InitSpec, dense
 from lmcore.mixers import flops
+from lmcore.mixers.base import InitSpec, dense
+from lmcore.ops.gated_linear_attention import LinearAttentionState, gated_linear_attention
 from lmcore.mixers.common import (HeadRMSNorm, check_linear_attention, decode_tiles, implementation_for,
                                   linear_attention_flops, linear_state_bytes, merge_heads, split_heads)
 
@@ -45,12 +41,11 @@ class GLA(nnx.Module):
     implementation: str = "chunked"
     tiles: Any = None  # the named backend's tiling, e.g. {"chunk": 32}; None: its heuristic
     kernel_precision: str = "input"  # "pallas_triton" only: "tf32"/"float32" run the kernels in fp32
-    # The kernels' backward state dots in two bf16 parts (the gate gradient within the XLA path's own
-    # bf16 error); False: one rounding, faster (docs/BENCHMARKS.md, Gated linear attention: split state dots).
+    # The kernels' backward state dots in two bf16 parts; False: one rounding, faster
+    # (docs/BENCHMARKS.md, Gated linear attention: split state dots).
     kernel_split_state: bool = True
-    # XLA "chunked" only: the backward pass recomputes the op's forward instead of keeping its chunk
-    # states and intra-chunk blocks (one more forward of the op for far less memory). Under
-    # model.remat the block is recomputed anyway: False there saves a third forward of the op.
+    # XLA "chunked" only: the backward recomputes the op's forward (far less memory); under model.remat
+    # the block is recomputed anyway, and False saves a third forward.
     chunked_remat: bool = True
     norm_eps: float = 1e-5
 
@@ -81,9 +76,7 @@ class GLA(nnx.Module):
     return linear_state_bytes(batch_size, self.config.n_heads, self.head_k_dim, self.head_v_dim)
 
   def flops_per_token(self, seq_len: int) -> float:
-    """Forward FLOPs per token (``lmcore.mixers.flops``): the dense kernels, 2 · D · (2 expand_k D
-    + 2 expand_v D + r) + 2 · r · expand_k D + 2 · expand_v D · D, plus the gated op per head at
-    F = d_k, V = d_v (``linear_attention_flops``: chunked 2 · C' · (d_k + d_v) + 4 · d_k · d_v)."""
+    """Forward FLOPs per token: the dense kernels plus the op per head at F = d_k, V = d_v."""
     c = self.config
     return flops.dense(self) + linear_attention_flops(
         c.implementation, c.tiles, c.n_heads, self.head_k_dim, self.head_v_dim, seq_len)

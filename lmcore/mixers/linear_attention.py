@@ -4,12 +4,10 @@ All three are, per head (head_dim d for q, k and v; no biases; scale 1; eps 1e-6
 
     o_t = sum_{j<=t} φ(q_t)·φ(k_j) v_j / (sum_{j<=t} φ(q_t)·φ(k_j) + eps),    y = W_o o
 
-computed by the shared op with ``normalize=True`` (state S = sum φ(k) vᵀ, z = sum φ(k), fp32);
-they differ only in the feature map φ:
+by the op with ``normalize=True``; they differ in the feature map φ:
   * LinearTransformer: φ(x) = elu(x) + 1 (Katharopoulos et al.);
-  * Performer (FAVOR+): φ(x) = exp(W x' - ||x'||² / 2) / sqrt(m) with x' = x / d^{1/4}, so that
-    E[φ(q)·φ(k)] = exp(q·k / sqrt(d)); W [m, d] per head, orthogonal random features drawn once
-    at init and never trained;
+  * Performer (FAVOR+): φ(x) = exp(W x' - ||x'||² / 2) / sqrt(m), x' = x / d^{1/4}, so E[φ(q)·φ(k)] =
+    exp(q·k / sqrt(d)); W [m, d] per head: orthogonal random features drawn once, never trained;
   * CosFormer: φ(x_i) = [relu(x) cos(π i / 2M), relu(x) sin(π i / 2M)] at position i, so that
     φ(q_i)·φ(k_j) = relu(q)·relu(k) cos(π (i - j) / 2M); M = ``max_len``.
 """
@@ -24,16 +22,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lmcore.ops.gated_linear_attention import LinearAttentionState
-
-from lmcore.ops.gated_linear_attention import gated_linear_attention
-
-from lmcore.ops.common.segments import document_index
-from lmcore.mixers.base import InitSpec, dense, float_bytes
-from lmcore.ops.common.layout import default_positions
 from lmcore.mixers import flops
-from lmcore.mixers.common import (check_linear_attention, decode_tiles, implementation_for, linear_attention_flops, linear_state_bytes,
-                                  merge_heads, split_heads)
+from lmcore.mixers.base import InitSpec, dense, float_bytes
+from lmcore.mixers.common import (check_linear_attention, decode_tiles, implementation_for,
+                                  linear_attention_flops, linear_state_bytes, merge_heads, split_heads)
+from lmcore.ops.common.layout import default_positions
+from lmcore.ops.common.segments import document_index
+from lmcore.ops.gated_linear_attention import LinearAttentionState, gated_linear_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +63,8 @@ class _NormalisedLinearAttention(nnx.Module):
     return self.config.head_dim
 
   def flops_per_token(self, seq_len: int) -> float:
-    """Forward FLOPs per token (``lmcore.mixers.flops``): the four projections, 2 · 4 · D · H d,
-    plus the normalised op per head at F = ``feature_width()`` and V = d + 1 (the normaliser's
-    ones column) for the configured implementation (``linear_attention_flops``: chunked
-    2 · C' · (F + d + 1) + 4 · F · (d + 1)); the feature maps are elementwise."""
+    """Forward FLOPs per token: the four projections plus the op per head at F = ``feature_width()``
+    and V = d + 1 (the ones column), ``linear_attention_flops``; feature maps are elementwise."""
     c = self.config
     return flops.dense(self) + linear_attention_flops(
         c.implementation, c.tiles, c.n_heads, self.feature_width(), c.head_dim + 1, seq_len)
@@ -118,12 +111,9 @@ class RandomFeatures(nnx.Variable):
 
 def orthogonal_random_features(key: jax.Array, n_heads: int, n_features: int,
                                dim: int) -> jax.Array:
-  """FAVOR+ orthogonal random features [H, m, d]: rows in blocks of d orthogonal directions.
-
-  Directions come from the QR decomposition of a Gaussian matrix (signs fixed so that they are
-  Haar distributed); each row is scaled to the norm of an independent Gaussian d-vector, so every
-  row is marginally N(0, I_d) and the kernel estimate stays unbiased.
-  """
+  """FAVOR+ orthogonal random features [H, m, d]: blocks of d Haar-distributed orthogonal directions
+  (QR of a Gaussian matrix, signs fixed), each row scaled to the norm of a Gaussian d-vector so that
+  rows are marginally N(0, I_d) and the kernel estimate unbiased."""
   blocks = -(-n_features // dim)
   direction_key, norm_key = jax.random.split(key)
   gaussian = jax.random.normal(direction_key, (n_heads, blocks, dim, dim), jnp.float32)
@@ -152,14 +142,12 @@ def _segmented_cummax(x_BxTxH: jax.Array, restart_BxTxH: jax.Array) -> jax.Array
 
 
 def running_key_max(key_max_BxTxH: jax.Array, initial_max_BxH: jax.Array, doc_BxT: jax.Array):
-  """The key stabiliser of the Performer: (running max m_t [B, T, H], log_forget [B, T, H]).
+  """The Performer's key stabiliser: (running max m_t [B, T, H], log_forget [B, T, H]).
 
-  m_t is the largest key log-feature of the current document up to t (and of the carried
-  ``initial_max`` while still in the first document). Storing S̃_t = S_t exp(-m_t) turns
-  S_t = S_{t-1} + φ(k_t) v_tᵀ into S̃_t = exp(m_{t-1} - m_t) S̃_{t-1} + exp(log φ(k_t) - m_t) v_tᵀ,
-  a gated linear attention with gate m_{t-1} - m_t <= 0 and key features <= 1, so the recurrent
-  and chunked forms stay identical. exp(-m_t) is common to the numerator and normaliser of query
-  t and cancels (up to eps). A document start resets the state, so the gate there is 0.
+  m_t is the largest key log-feature of the document up to t (with the carried ``initial_max`` in
+  the first document). S̃_t = S_t exp(-m_t) = exp(m_{t-1} - m_t) S̃_{t-1} + exp(log φ(k_t) - m_t) v_tᵀ
+  is a gated linear attention with gate <= 0 and key features <= 1; exp(-m_t) cancels between
+  numerator and normaliser (up to eps). The gate is 0 at a document start (the state resets).
   """
   first_BxH = key_max_BxTxH[:, 0]
   initial_max_BxH = jnp.where(jnp.isfinite(initial_max_BxH), initial_max_BxH, first_BxH)
@@ -174,13 +162,10 @@ def running_key_max(key_max_BxTxH: jax.Array, initial_max_BxH: jax.Array, doc_Bx
 
 
 class Performer(_NormalisedLinearAttention):
-  """FAVOR+ positive random features; state ``PerformerState``.
-
-  ``stabilize=True`` (MATH's "stabilised" Performer) subtracts maxima in log space: for a
-  query its own max over the m features (a per-row factor that cancels in the ratio), for keys the
-  running max of ``running_key_max`` (keeps decode exact; carried in the state). Both maxima are
-  constants to autodiff (stop_gradient), as in the Performer reference code.
-  """
+  """FAVOR+ positive random features; state ``PerformerState``. ``stabilize=True`` (MATH's
+  stabilised Performer) subtracts in log space a query's own max over the m features (it cancels) and
+  the keys' ``running_key_max`` (carried in the state), both constants to autodiff as in the
+  Performer reference code."""
 
   @dataclasses.dataclass(frozen=True)
   class Config(LinearAttentionConfig):
@@ -209,8 +194,7 @@ class Performer(_NormalisedLinearAttention):
     return self.config.n_features
 
   def flops_per_token(self, seq_len: int) -> float:
-    """The normalised form's count at F = m (see the base class) plus the random-feature
-    projections of q and k, 2 · 2 · d · m per head."""
+    """The base count at F = m plus the random-feature projections of q and k, 4 d m per head."""
     c = self.config
     return super().flops_per_token(seq_len) + c.n_heads * 4.0 * c.head_dim * c.n_features
 

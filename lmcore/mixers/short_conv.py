@@ -2,12 +2,9 @@
 
     y_t = act( sum_{i=0}^{W-1} w_i * x_{t-W+1+i} )      per channel, W = kernel_size,
 
-with the W - 1 inputs before the call taken from the state (zeros at the start of a sequence).
-The state is the last W - 1 pre-convolution inputs [B, W-1, F], kept in fp32 (lossless for bf16
-inputs, and one dtype whatever the compute dtype). The taps are summed in fp32 (elementwise work
-that XLA fuses, so it adds no memory traffic); the output has the input's dtype.
-Parameters: ``kernel`` [W, F], initialised like PyTorch's depthwise Conv1d as FLA's
-ShortConvolution is (U(-1/sqrt(W), 1/sqrt(W)), fan-in W); optional ``bias`` [F] (zero init).
+the W - 1 inputs before the call from the state: the last W - 1 inputs [B, W-1, F] in fp32 (zeros
+at a sequence start). Taps are summed in fp32, the output in the input's dtype. ``kernel`` [W, F] is
+initialised U(-1/sqrt(W), 1/sqrt(W)) like FLA's ShortConvolution; optional ``bias`` [F] zero.
 """
 
 from __future__ import annotations
@@ -45,10 +42,8 @@ class ShortConv(nnx.Module):
 
   def __call__(self, x_BxTxF: jax.Array, state: jax.Array | None = None,
                segment_ids_BxT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Causal depthwise convolution; ``segment_ids`` stop it from reading another document's tokens.
-
-    The incoming window belongs to the first token's segment (as for the recurrent state).
-    """
+    """Causal depthwise convolution within each document (the incoming window belongs to the first
+    token's segment)."""
     batch_size, length, _ = x_BxTxF.shape
     state = self.init_state(batch_size) if state is None else state
     xp_BxLxF = jnp.concatenate([state, x_BxTxF.astype(jnp.float32)], axis=1)

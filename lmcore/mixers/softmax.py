@@ -60,10 +60,8 @@ class SoftmaxAttention(nnx.Module):
                        itemsize=jnp.dtype(self.config.cache_dtype).itemsize)
 
   def flops_per_token(self, seq_len: int) -> float:
-    """Forward FLOPs per token (conventions: ``lmcore.mixers.flops``): the four projections,
-    2 · 4 · D · H d, plus per head the causal half of the scores and mixing, 2 · 2d · (T + 1) / 2,
-    for every implementation (XLA materialises T x T and masks; cuDNN's flash kernel skips the
-    masked blocks)."""
+    """Forward FLOPs per token: the four projections plus per head the causal half of the scores and
+    mixing, 2 · 2d · (T + 1) / 2, whatever the implementation."""
     d = self.head_dim
     return flops.dense(self) + self.n_heads * flops.quadratic(d, d, seq_len)
 

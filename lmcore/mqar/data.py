@@ -5,15 +5,11 @@ One example of length L with ``kv`` pairs (based_zoology.md §7.1)::
     inputs:  k1 v1 k2 v2 … k_kv v_kv | query region: keys at even offsets, random tokens elsewhere
     labels:  -100 everywhere except at the position of the queried key, which holds its value
 
-Keys come from [1, V/2), values from [V/2, V) (V = 8192); every key is queried exactly once, in a
-slot ``2·gap`` of the query region, the gaps drawn without replacement with p_i ∝ i^(a-1), a = 0.01,
-so that the first keys of the context tend to be queried first. The value is the next-token target
-at the query-key position; the token after a query is filler, never the value.
-
-The algorithm is zoology's, the random stream is not: zoology seeds numpy's and torch's global RNGs;
-here every segment draws from its own ``np.random.default_rng(seed)``, so the same seed gives the same
-data on every machine but not zoology's exact token ids. Per-segment seeds are drawn as zoology does
-(train seeds in [0, 2^31), test seeds in [2^31, 2^32), from one generator seeded with the data seed).
+Keys from [1, V/2), values from [V/2, V); every key is queried once, in slot ``2·gap`` of the query
+region, gaps drawn without replacement with p_i ∝ i^(a-1), a = 0.01. The value is the next-token
+target at the query key; the token after it is filler. zoology's algorithm and per-segment seeds
+(train in [0, 2^31), test in [2^31, 2^32)), but each segment draws from its own
+``np.random.default_rng(seed)``: the same data on every machine, not zoology's token ids.
 """
 
 from __future__ import annotations
@@ -141,25 +137,15 @@ def scale_specs(specs: Sequence[SegmentSpec], scale: float) -> tuple[SegmentSpec
 
 @dataclasses.dataclass(frozen=True)
 class Batches:
-  """A segment cut into equal batches, ready for a ``lax.scan`` over the leading axis.
-
-  Only the labelled positions are scored, so each example carries Q = L // 4 query slots (the most
-  an MQAR example of length L can have: 4·kv <= L), padded with weight 0. Every segment of length L
-  then has the same per-batch shapes, whatever its kv, and one compiled step serves them all. The
-  last partial batch is padded with weight-0 rows instead of being a smaller batch (one shape).
-
-  tokens int32 [Nb, B, L]; positions, targets int32 [Nb, B, Q]; weights float32 [Nb, B, Q].
-  """
+  """A segment cut into equal batches for a ``lax.scan``: tokens int32 [Nb, B, L]; positions, targets
+  int32 [Nb, B, Q]; weights fp32 [Nb, B, Q]. Q = L // 4 query slots (the most 4·kv <= L allows) and a
+  last batch padded with weight 0, so every segment of length L has one shape, whatever its kv."""
 
   spec: SegmentSpec
   tokens: np.ndarray
   positions: np.ndarray
   targets: np.ndarray
   weights: np.ndarray
-
-  @property
-  def num_batches(self) -> int:
-    return self.tokens.shape[0]
 
 
 def make_batches(segment: Segment, batch_size: int) -> Batches:

@@ -1,13 +1,9 @@
 """The MQAR sweep: mixers × widths × learning rates, one JSONL row per run, resumable (MATH §6.5).
 
-Each grid point is a mixer with its fields at one width; the learning rates of a point are trained
-side by side (``lmcore.mqar.train``). A run already in the JSONL (same point, lr, epochs and number
-of train examples) is skipped, so an interrupted sweep continues where it stopped.
-
-Mixer shapes follow zoology's BASED figure: one head wherever a mixer has heads, BASED's
-head_dim = d_model. The state-efficient mixers (GLA, Gated DeltaNet, CyFA) use d_k = D/2, d_v = D;
-the Linear Transformer d_k = d_v = D; SANATAN d = 16 with d_v = D (6·16 = 96 features against
-BASED's 153 at d' = 16). Sliding-window attention varies its window at D = 128 as zoology did.
+A point's learning rates train side by side (``lmcore.mqar.train``); a run already in the JSONL (same
+point, lr, epochs and train examples) is skipped. Shapes follow zoology's BASED figure: one head,
+BASED's head_dim = d_model; GLA, Gated DeltaNet and CyFA d_k = D/2, d_v = D; the Linear Transformer
+d_k = d_v = D; SANATAN d = 16, d_v = D; sliding-window attention varies its window at D = 128.
 """
 
 from __future__ import annotations
@@ -154,11 +150,8 @@ def result_rows(result: RunResult) -> list[dict[str, Any]]:
 
 def run_sweep(base: MQARConfig, points: Sequence[SweepPoint], out_path: str, *, time_budget_s: float = 0.0,
               log: Callable[[str], Any] = print) -> list[dict[str, Any]]:
-  """Runs every (point, lr) of the grid not yet in ``out_path``, appending rows as points finish.
-
-  With ``time_budget_s`` > 0, no point is started once the elapsed time plus the slowest point so far
-  would exceed it. Returns all rows of the grid found in ``out_path`` (old and new), for the table.
-  """
+  """Runs every (point, lr) not yet in ``out_path``, appending rows; with ``time_budget_s`` > 0 no point
+  starts that the slowest so far would carry past it. Returns all the grid's rows in ``out_path``."""
   os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
   done = {row_key(row) for row in report.read_rows(out_path)}
   examples = num_train_examples(base)

@@ -1,18 +1,13 @@
 """MQAR training and evaluation: zoology's recipe in JAX (MATH §6.5, based_zoology.md §7.3–7.5).
 
-Model: token embedding -> zoology BaseConv -> the mixer under test -> LayerNorm -> tied head; no MLP
-(zoology's Identity state mixer: residual += LN(residual) after each mixer), fp32. Recipe: AdamW
-(decoupled decay on every parameter, as torch's ``AdamW(model.parameters())``), lr constant within an
-epoch and cosine across epochs (T_max = epochs, eta_min 0, no warmup, no clipping), one pass over the
-train segments per epoch in config order, early stop once test accuracy > 0.99. Loss: cross-entropy
-over the labelled positions. Metric: per-example accuracy over its query positions, averaged over
-all test examples (overall) or over one slice.
+Model: embedding -> zoology BaseConv -> the mixer under test -> LayerNorm -> tied head, no MLP, fp32.
+Recipe: AdamW with decoupled decay on every parameter, lr cosine across epochs (constant within one, no
+warmup or clipping), the train segments in config order, early stop once test accuracy > 0.99; loss
+over the labelled positions; accuracy per example, averaged overall or per slice.
 
-Departures from zoology, none of which changes the task: no dropout (zoology: 0.1 on the embeddings
-and in attention); no out-projection init rescaling; only the labelled positions are sent through the
-vocabulary head (the loss and the metric never look at the others); and all learning rates of a run
-are trained side by side (``jax.vmap`` over a leading member axis, one shared data stream, identical
-initial parameters, as zoology's separate runs with seed 123 would have).
+Departures that leave the task unchanged: no dropout, no out-projection init rescaling, only labelled
+positions through the head, and all learning rates trained side by side (``jax.vmap`` over a member
+axis, one data stream, identical initial parameters as zoology's seed 123 gives).
 """
 
 from __future__ import annotations
@@ -52,13 +47,9 @@ def build_model(config: MQARConfig) -> LanguageModel:
 
 
 def decode_state_bytes(model: LanguageModel, max_len: int) -> int:
-  """Decode-state bytes of one sequence of ``max_len`` tokens (the sweep's x-axis).
-
-  Each mixer's own ``state_bytes``. A mixer without a constant-size state (SANATAN p >= 2, whose
-  exact state is (6d)^p·dv wide) is decoded by re-reading cached keys and values, so it is counted
-  as that cache: ``max_len · H · (d + dv) · 4`` bytes, the same accounting as softmax's KV cache.
-  Our zoology BaseConv keeps its last K-1 = 2 inputs (2·D·4 bytes); zoology counts 3·D·4.
-  """
+  """Decode-state bytes of one sequence of ``max_len`` tokens (the sweep's x-axis): each mixer's
+  ``state_bytes``; one without a constant-size state (SANATAN p >= 2) as the KV cache it decodes
+  from, ``max_len · H · (d + dv) · 4``. Our BaseConv keeps 2 inputs (2·D·4 bytes); zoology counts 3."""
   total = 0
   for block in model.blocks:
     try:
@@ -70,10 +61,7 @@ def decode_state_bytes(model: LanguageModel, max_len: int) -> int:
 
 
 def query_logits(model: LanguageModel, tokens_BxT: jax.Array, positions_BxQ: jax.Array) -> jax.Array:
-  """fp32 logits [B, Q, V] at the given positions only: the backbone's forward without the full head.
-
-  Only the labelled positions go through the vocabulary head (4–16× cheaper than all of them).
-  """
+  """fp32 logits [B, Q, V] at the labelled positions only (the rest never reach the head)."""
   h_BxTxD, _ = model.hidden_states(tokens_BxT)
   return model.logits(jnp.take_along_axis(h_BxTxD, positions_BxQ[..., None], axis=1))
 
@@ -109,12 +97,9 @@ class AdamW:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "adamw"), donate_argnames=("params", "opt_state"))
 def train_segment(graphdef, adamw: AdamW, params, opt_state, rest, lr_R, batches):
-  """One pass over a segment's batches (``lax.scan``), every member a step per batch.
-
-  params / opt_state carry a leading member axis R; ``lr_R`` is each member's learning rate for this
-  epoch (0 freezes a member: its decay is scaled by lr too). Returns (params, opt_state, loss [Nb, R]).
-  Compiled once per (sequence length, number of batches): every kv shares the padded query width.
-  """
+  """One pass over a segment's batches (``lax.scan``), every member (leading axis R) a step per batch
+  at its ``lr_R`` (0 freezes it). Returns (params, opt_state, loss [Nb, R]); compiled once per
+  (sequence length, batches)."""
   tx = adamw.transform()
 
   def member_step(params, opt_state, lr, batch):

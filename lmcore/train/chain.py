@@ -1,10 +1,8 @@
 """Checkpoints evaluated, and chains of runs (staged training) that a rerun continues.
 
-``evaluate_checkpoint`` (``eval.py``) loads a run's parameters in the model's shardings and evaluates
-them (``lmcore.eval``); a finished run or evaluation is read back from its ``eval_<step>.json`` instead
-of being trained or computed again, and what a run logged to ``metrics.jsonl`` is read back as a loss
-curve and a training time. ``scripts/quickstart.py`` and ``scripts/reproduce.py`` build their chains
-from these pieces.
+``evaluate_checkpoint`` (``eval.py``) evaluates a run's parameters; a finished run or evaluation is
+read back from its ``eval_<step>.json``, its ``metrics.jsonl`` as a loss curve and a training time
+(the pieces of ``scripts/quickstart.py`` and ``scripts/reproduce.py``).
 """
 
 from __future__ import annotations
@@ -137,13 +135,9 @@ def loss_curve(rows: list[dict[str, Any]], key: str = "loss") -> tuple[np.ndarra
 
 
 def training_seconds(rows: list[dict[str, Any]]) -> float:
-  """Seconds spent training, summed over every process that trained the run (resumes included).
-
-  Every step writes a row with its loss; every ``log_every``-th row also holds ``step_s``, the mean
-  seconds per step since the previous such row of the same process (compilation and checkpoint saves
-  included, evaluation and setup not). A process starts where the step count stops rising: its first
-  row is the step after the checkpoint it resumed from.
-  """
+  """Seconds spent training, summed over the run's processes (resumes included): every ``log_every``-th
+  row's ``step_s`` is the mean step time since the previous such row of its process; a process starts
+  where the step count stops rising."""
   total, previous, anchor = 0.0, None, 0
   for row in rows:
     if "loss" not in row:

@@ -1,13 +1,8 @@
 """Orbax checkpoints of {params, non-trainable model state, optimizer state, step, data iterator, meta}.
 
-Saves are asynchronous and atomic (Orbax writes into a temporary folder and renames it when complete),
-so a crash never leaves a half-written step that looks finished, and older steps are only removed by
-the keep-last-N / keep-every-K policy after a newer save has been committed.
-
-Bytes that change after the save and still parse (a flipped bit on disk, a bad copy) are caught on
-every restore: the metadata stores a checksum of each parameter (``param_checksums``), and restored
-parameters must match it and be finite. A failing step is named together with the latest earlier step
-that passes the same check.
+Saves are asynchronous and atomic (a temporary folder renamed when complete); old steps go by the
+keep-last-N / keep-every-K policy only after a newer save commits. The metadata holds a checksum of
+each parameter: a restore checks it and finiteness, and names the latest earlier step that passes.
 """
 
 from __future__ import annotations
@@ -75,7 +70,7 @@ def param_problem(params, stored: dict[str, int] | None) -> str | None:
 def param_signature(params) -> dict[str, list[int]]:
   """{"path/to/param": shape} — what decides whether a checkpoint fits a model."""
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  return {"/".join(str(getattr(k, "key", k)) for k in path): list(leaf.shape) for path, leaf in flat}
+  return {_path_name(path): list(leaf.shape) for path, leaf in flat}
 
 
 def resolve_checkpoint_dir(path: str) -> str:
@@ -85,8 +80,7 @@ def resolve_checkpoint_dir(path: str) -> str:
 
 
 class _ReadOnlyNotice(logging.Filter):
-  """Drops Orbax's "Given directory is read only" WARNING, which every read-only manager logs: this
-  project opens other runs' checkpoints read-only on purpose (staged training, evaluation)."""
+  """Drops the WARNING every read-only Orbax manager logs (other runs are read on purpose)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     return record.msg != "Given directory is read only=%s"
@@ -104,8 +98,7 @@ def _manager(directory: str, options: ocp.CheckpointManagerOptions) -> ocp.Check
 
 
 class Checkpointer:
-  """Thin wrapper around ``ocp.CheckpointManager`` with this project's items and policies. A
-  ``read_only`` one reads (another run's) checkpoints and never writes or deletes anything."""
+  """``ocp.CheckpointManager`` with this project's items and policies; ``read_only`` never writes."""
 
   def __init__(self, directory: str, train: TrainConfig | None = None, *, read_only: bool = False):
     self.directory = os.path.abspath(directory)

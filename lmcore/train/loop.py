@@ -1,13 +1,9 @@
 """``train_and_evaluate(config, workdir)``: the training loop.
 
-batch (Grain, per-process shard) -> global array on the mesh -> jitted step (bf16 activations, fp32
-params / optimizer state / loss, the head and cross-entropy fused by default (``loss.py``), gradient
-accumulation by ``lax.scan``) -> AdamW -> metrics fetched one step late (no host sync on the hot path)
--> JSONL + progress line (with MFU and peak device memory where known) + wandb -> Orbax save of
-{params, model state, optimizer state, step, data iterator}. A workdir with checkpoints resumes;
-SIGTERM/SIGINT save and return; ``train.init_from`` loads parameters only (staged training).
-Compiled steps are kept in a persistent cache (``train.compilation_cache``); ``train.profile_steps``
-traces chosen steps into ``<workdir>/profile``.
+batch (per-process shard) -> global array on the mesh -> jitted step (bf16 activations, fp32 params,
+optimizer state and loss; micro-batches by ``lax.scan``) -> AdamW -> metrics one step late (no host
+sync on the hot path) -> JSONL, progress line, wandb -> Orbax save. A workdir with checkpoints
+resumes; SIGTERM/SIGINT save and return; ``train.init_from`` loads parameters only.
 """
 
 from __future__ import annotations
@@ -61,12 +57,9 @@ class StopRequested:
 def make_train_step(graphdef, tx, config: ExperimentConfig, shardings: sharding.TrainShardings | None = None):
   """(params, opt_state, rest, batch, step) -> (params, opt_state, metrics); micro-batches via lax.scan.
 
-  With ``shardings`` the step is compiled with them as explicit in/out shardings (parameters and
-  optimizer state keep theirs and are donated) and every micro-batch is split over the batch axes like
-  the batch. FSDP: the parameters are gathered over ``fsdp`` once per step for the forward and
-  backward passes (so activations never are), and each micro-batch's gradient is reduce-scattered
-  into the parameters' sharding before it is accumulated. Trace it under
-  ``jax.set_mesh(shardings.mesh)`` (the Pallas kernels' ``shard_map`` reads the mesh from there).
+  ``shardings``: explicit in/out shardings (parameters and optimizer state donated); parameters are
+  gathered over ``fsdp`` once per step and each micro-batch's gradient reduce-scattered before it is
+  accumulated. Trace it under ``jax.set_mesh(shardings.mesh)`` (the kernels' ``shard_map`` reads it).
   """
   accum = config.train.grad_accum
   use_segments = config.data.segment_ids

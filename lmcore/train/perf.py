@@ -69,12 +69,9 @@ def enable_compilation_cache(cache_root: str) -> str:
 
 
 class ProfileWindow:
-  """A ``jax.profiler`` trace of steps FIRST..LAST (``train.profile_steps``, 1-based) in ``directory``.
-
-  ``first_step`` is the first step this process runs; it compiles the step function, so the trace
-  starts one step later at the earliest. Call ``before(step)`` before dispatching a step and
-  ``after(step, outputs)`` after; the trace ends once step LAST's outputs are ready.
-  """
+  """A ``jax.profiler`` trace of steps FIRST..LAST (``train.profile_steps``, 1-based) in ``directory``,
+  from after ``first_step`` (which compiles) at the earliest. Call ``before(step)`` before dispatching
+  a step and ``after(step, outputs)`` after; the trace ends once step LAST's outputs are ready."""
 
   def __init__(self, spec: str, directory: str, first_step: int):
     window = parse_profile_steps(spec)

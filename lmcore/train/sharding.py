@@ -1,22 +1,11 @@
-"""Where every array of a run lives: the device mesh, parameter/optimizer/batch shardings, and the
-multi-host start-up.
+"""Where every array of a run lives: the mesh, parameter/optimizer/batch shardings, multi-host start-up.
 
-The mesh has three axes (``lmcore.config.MeshConfig``, docs/SCALING.md):
-
-  data    the batch is split across it, parameters are replicated along it;
-  fsdp    the batch is split across it too, and parameters and optimizer state are sharded along it
-          (each device holds 1/fsdp of every large matrix; XLA gathers a matrix where it is used);
-  tensor  attention heads and MLP columns are split across it; the batch is not.
-
-A parameter's dimensions get *logical* names from its path and shape (``logical_axes``: embed, heads,
-mlp, vocab, ...), and one table (``RULES``) maps each logical name to mesh axes. A dimension that does
-not divide evenly by its mesh axes stays whole (replicated), so every model works on every mesh; the
-rules only decide memory and communication. The same rules drive the ``shard_map`` around the Pallas
-kernels (``lmcore.ops.common.shard_map``, where ``BATCH_AXES`` and ``HEAD_AXIS`` are defined).
-
-Multi-host: ``initialize_distributed()`` runs before anything touches a device; a detected cluster that
-does not come up is an error naming what was detected. Each process feeds its own rows of the batch
-(the data pipeline splits documents by ``process_index``), ``global_batch`` assembles the global array.
+Mesh axes (``MeshConfig``, docs/SCALING.md): ``data`` splits the batch; ``fsdp`` splits the batch and
+shards parameters and optimizer state (XLA gathers a matrix where it is used); ``tensor`` splits heads
+and MLP columns. A parameter's dimensions get logical names from its path and shape (``logical_axes``),
+and ``RULES`` maps them to mesh axes; a dimension its axes do not divide stays whole, so every model
+runs on every mesh. ``initialize_distributed()`` runs before anything touches a device; each process
+feeds its own rows, which ``global_batch`` assembles.
 """
 
 from __future__ import annotations
@@ -38,23 +27,16 @@ from lmcore.errors import ConfigError, UserError
 from lmcore.ops.common.shard_map import BATCH_AXES, HEAD_AXIS
 
 MESH_AXES = ("data", "fsdp", "tensor")
-# BATCH_AXES: the mesh axes the batch dimension is split over; HEAD_AXIS: the one heads are split over.
 
 # Logical axis -> mesh axis (or axes, or None: never split). The one table for every model.
 RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": BATCH_AXES,
     "embed": "fsdp",  # d_model, the dimension every large matrix has: FSDP shards it
-    # Not split: XLA looks rows up in a vocabulary split over devices by gathering activations over
-    # the batch; the table is still split along d_model by FSDP.
-    "vocab": None,
+    "vocab": None,  # split, a lookup would gather activations over the batch; FSDP splits d_model
     "heads": HEAD_AXIS,  # a mixer's projected width (heads × head dim)
     "mlp": "tensor",
     "positions": None,
 }
-
-
-# ----------------------------------------------------------------------------------------------------
-# The mesh
 
 
 def mesh_shape(config: MeshConfig, device_count: int) -> tuple[int, int, int]:
@@ -98,24 +80,15 @@ def check_batch(mesh: Mesh, batch_size: int, grad_accum: int) -> None:
         f"devices; make the micro-batch a multiple of {shards} (lower train.grad_accum or change the mesh).")
 
 
-# ----------------------------------------------------------------------------------------------------
-# Parameters: logical axes from paths, mesh axes from RULES
-
-
 def path_names(path) -> tuple[str, ...]:
   """A ``tree_flatten_with_path`` key path as strings, e.g. ("blocks", "3", "mixer", "wq", "kernel")."""
   return tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
 def logical_axes(names: Sequence[str], shape: Sequence[int], d_model: int) -> tuple[str | None, ...]:
-  """Logical names of a parameter's dimensions, from its path and shape.
-
-  Embedding tables are [vocab, embed] (positions: [positions, embed]), an untied head [embed, vocab];
-  the MLP's matrices [embed, mlp] / [mlp, embed]. Any other Linear kernel (leaf ``kernel``, 2-D) that
-  reads or writes the residual stream is [embed, heads] or [heads, embed], whichever side is d_model:
-  this covers every mixer's projections without naming them. Everything else (norm scales, biases,
-  convolution taps, per-head gates, a mixer's own small tensors) has no logical names: replicated.
-  """
+  """Logical names of a parameter's dimensions: embeddings [vocab | positions, embed], an untied head
+  [embed, vocab], the MLP [embed, mlp] / [mlp, embed], any other 2-D Linear kernel [embed, heads] or
+  [heads, embed] by which side is d_model (every mixer's projections); anything else is replicated."""
   none = (None,) * len(shape)
   if len(shape) != 2:
     return none
@@ -175,8 +148,6 @@ def replicated(mesh: Mesh | None = None) -> NamedSharding:
   return NamedSharding(mesh if mesh is not None else current_mesh(), P())
 
 
-
-
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """[B, ...] arrays: rows split over data × fsdp, replicated over tensor."""
   return NamedSharding(mesh, P(BATCH_AXES))
@@ -229,10 +200,6 @@ def global_batch(local_batch: Mapping[str, np.ndarray], mesh: Mesh | None = None
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local_batch.items()}
 
 
-# ----------------------------------------------------------------------------------------------------
-# Multi-host start-up
-
-
 class ClusterError(UserError, RuntimeError):
   """A multi-process cluster was detected but JAX's distributed runtime did not come up."""
 
@@ -253,12 +220,9 @@ def _int_env(environ: Mapping[str, str], name: str) -> int | None:
 
 def detect_cluster(environ: Mapping[str, str] = os.environ,
                    pci_devices: str = "/sys/bus/pci/devices") -> Cluster | None:
-  """The multi-process cluster this process belongs to, or None (one process alone).
-
-  In order: JAX_COORDINATOR_ADDRESS (+ JAX_NUM_PROCESSES, JAX_PROCESS_ID), a SLURM step of more than one
-  task, an Open MPI job of more than one rank, a multi-host TPU slice named by TPU_WORKER_HOSTNAMES /
-  TPU_PROCESS_ADDRESSES, a Cloud TPU VM (TPU chips on PCI; its metadata names the other hosts).
-  """
+  """The multi-process cluster of this process, or None: in order, JAX_COORDINATOR_ADDRESS, a SLURM
+  step or Open MPI job of several tasks, a TPU slice (TPU_WORKER_HOSTNAMES / TPU_PROCESS_ADDRESSES),
+  a Cloud TPU VM (TPU chips on PCI)."""
   if address := environ.get("JAX_COORDINATOR_ADDRESS"):
     count, index = environ.get("JAX_NUM_PROCESSES"), environ.get("JAX_PROCESS_ID")
     description = (f"JAX_COORDINATOR_ADDRESS={address} (JAX_NUM_PROCESSES={count}, JAX_PROCESS_ID={index})")
@@ -296,13 +260,9 @@ def _read(path: str) -> str:
 
 
 def initialize_distributed(environ: Mapping[str, str] = os.environ) -> Cluster | None:
-  """``jax.distributed.initialize()`` where ``detect_cluster`` finds a cluster; a no-op otherwise.
-
-  Must run before anything touches a device. A cluster that is detected but does not come up (a wrong
-  address, a process that never started, a timeout) raises ``ClusterError`` saying what was detected:
-  training alone on each host into one workdir is never what was meant. FSLM_DISTRIBUTED=off skips
-  the detection (one process, whatever the environment says).
-  """
+  """``jax.distributed.initialize()`` where ``detect_cluster`` finds a cluster, before anything touches
+  a device. A detected cluster that does not come up raises ``ClusterError`` (training alone on each
+  host is never what was meant); FSLM_DISTRIBUTED=off skips the detection."""
   if environ.get("FSLM_DISTRIBUTED", "auto").lower() == "off":
     return None
   cluster = detect_cluster(environ)

@@ -1,21 +1,11 @@
-"""Backends and the registry that picks one: every op's implementations as objects.
+"""Backends and the registry that picks one (openxla/tokamax's pattern).
 
-Each op's ``api.py`` builds one ``Registry`` of ``Backend`` objects (openxla/tokamax's pattern):
-
-* ``Backend.supported(problem)``: whether it runs this problem. ``problem`` is the op's frozen
-  ``Problem`` dataclass (``base.py``): the platform, the widths and the options that decide.
-* ``Backend.preferred(problem)``: whether "auto" may take it for the problem (a kernel that runs
-  wider heads than it was measured to win at says no there; naming it still runs it).
-* ``Backend.heuristic_config(problem)``: its tiling for the problem, a frozen dataclass of type
-  ``Backend.tiles_type`` (chunk, blocks, warps, stages), or None for a backend without one.
-* ``Backend.flops_per_head(problem, tiles)``: forward FLOPs per token and head (``flops``).
-* ``Registry.resolve(implementation, problem)``: the backend named, checked against the problem, or
-  for "auto" (or None) the first supported and preferred backend of the platform's ordered
-  preference (``Registry.auto``). A name that is unknown or does not run the problem is one
-  ``ConfigError`` line (a ``ValueError``) listing the names that do.
-
-A mixer holds its implementation's name and an optional ``tiles`` value (``Registry.tiles``: a
-mapping of fields becomes the backend's typed tiling); it never imports a backend module.
+Each op's ``api.py`` builds one ``Registry`` of ``Backend`` objects. A problem is a frozen dataclass with
+a ``platform`` and ``describe()`` (``HeadProblem``, or the op's own in ``base.py``): the widths and
+options that decide the backend, its tiling and its FLOP count. "auto" (or None) takes the first
+supported and preferred backend of the platform's list (``Registry.auto``); a name that is unknown or
+does not run the problem is one ``ConfigError`` (a ``ValueError``) listing the names that do. A mixer
+holds a name and optional ``tiles`` (``Registry.tiles``) and never imports a backend module.
 """
 
 from __future__ import annotations
@@ -23,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from lmcore.errors import ConfigError
 
@@ -35,18 +25,22 @@ MOSAIC_TPU = ("tpu", "cpu")  # Pallas Mosaic TPU kernels: compiled on TPUs, inte
 TilesT = TypeVar("TilesT")
 
 
-class Problem(Protocol):
-  """What every op's problem has: the platform it runs on and a few words saying what it is."""
+@dataclasses.dataclass(frozen=True)
+class HeadProblem:
+  """A linear-state op's problem: the platform, the kernel's head widths K x V (V + 1 for a normalised
+  form: the ones column) and the length T (None: not known)."""
 
   platform: str
+  key_dim: int = 0
+  value_dim: int = 0
+  length: int | None = None
 
-  def describe(self) -> str: ...
+  def describe(self) -> str:
+    return f"heads of {self.key_dim} x {self.value_dim} on {self.platform}"
 
 
 class Backend(Generic[TilesT]):
-  """One implementation of an op. Subclasses set the class attributes and override ``supports``,
-  ``heuristic_config`` and ``flops_per_head``; each op's backends share one call signature
-  (its ``base.py``)."""
+  """One implementation of an op, with the call signature of its ``base.py``."""
 
   platforms: ClassVar[tuple[str, ...]] = PLATFORMS
   tiles_type: ClassVar[type | None] = None
@@ -133,8 +127,8 @@ class Registry:
     return self.backends[self.resolve_name(implementation, problem)]
 
   def counting_platform(self, implementation: str | None) -> str:
-    """The platform a model card counts ``implementation`` on: a GPU for "auto" (the kernels the papers
-    train with) and for a backend that runs there, else the backend's own (the TPU kernels on a TPU)."""
+    """Where a model card counts ``implementation``: a GPU (the papers' kernels) unless it runs only
+    elsewhere."""
     if implementation in AUTO or "gpu" in self.backends[implementation].platforms:
       return "gpu"
     return self.backends[implementation].platforms[0]
@@ -143,10 +137,8 @@ class Registry:
     return ", ".join([*self.supported(problem), "auto"])
 
   def tiles(self, implementation: str | None, value: Any, where: str) -> Any:
-    """``value`` as the typed tiling of backend ``implementation``: None stays None, a mapping of
-    fields becomes ``tiles_type(**fields)`` (nested dataclasses too), an instance passes. Raises
-    ConfigError naming ``where`` for tiles without a named backend, or a backend without tiles, or a
-    field the tiling does not have."""
+    """``value`` (None, an instance, or a mapping of fields) as backend ``implementation``'s typed
+    tiling; ConfigError naming ``where`` for "auto", a backend without tiles or an unknown field."""
     if value is None:
       return None
     self.check_name(implementation)
@@ -197,3 +189,13 @@ class ChunkTiles:
   def __post_init__(self):
     if not isinstance(self.chunk, int) or self.chunk < 1:
       raise ConfigError(f"tiles: chunk must be a positive number of tokens, got {self.chunk!r}")
+
+
+class ChunkedBackend(Backend[ChunkTiles]):
+  """An XLA chunked form: any platform, ``ChunkTiles`` (its default chunk unless given)."""
+
+  tiles_type = ChunkTiles
+
+  def heuristic_config(self, problem) -> ChunkTiles:
+    del problem
+    return ChunkTiles()

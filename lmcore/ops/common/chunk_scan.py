@@ -6,15 +6,11 @@ decay, 0 where a new document starts inside it)::
     forward:  x_0 = edge,  x_{n+1} = a_n ⊙ x_n + c_n        (states entering each chunk)
     reverse:  x_N = edge,  x_n = a_n ⊙ x_{n+1} + c_n        (state gradients after each chunk)
 
-``chunk_scan`` returns the x *held when chunk n is reached* (forward: x_n; reverse: x_{n+1}) for every
-n, and the x the walk ends with (forward: x_N; reverse: x_0), fp32. Two implementations:
-
-* ``"pallas"``: a kernel over the grid (batch, head, row tile, value tile); each program carries one
-  fp32 [BR, BV] tile through the N chunks in a loop, loading several chunks' terms per step, and
-  writes the held tile of every chunk in ``out_dtype``. Default tiles [8, 64] and 16 chunks per
-  step: the fastest measured (``scripts/bench_chunk_scan.py``; docs/BENCHMARKS.md, Chunk scan). HBM traffic: c
-  read once in fp32, x written once in ``out_dtype``: the bandwidth floor of the recurrence.
-* ``"xla"``: ``jax.lax.associative_scan`` over the chunk axis (log-depth, several passes over c).
+``chunk_scan`` returns the x held when chunk n is reached (forward: x_n; reverse: x_{n+1}) for every
+n in ``out_dtype``, and the x the walk ends with (forward: x_N; reverse: x_0) in fp32. ``"pallas"``: a
+kernel over (batch, head, row tile, value tile), each program carrying one fp32 [BR, BV] tile through
+the chunks (c read once, x written once: the bandwidth floor; default tiles: docs/BENCHMARKS.md,
+Chunk scan). ``"xla"``: ``jax.lax.associative_scan`` over the chunks.
 """
 
 from __future__ import annotations
@@ -33,11 +29,8 @@ _F32 = jnp.float32
 
 
 def _scan_kernel(c_ref, a_ref, edge_ref, x_ref, end_ref, *, reverse: bool, unroll: int):
-  """One [BR, BV] tile through the chunks: c_ref [N, BR, BV], a_ref [N, BR], x_ref [N, BR, BV].
-
-  Each loop step takes ``unroll`` chunks and loads all their terms before the first multiply-add,
-  so that many loads are in flight at once: a step's time is one memory latency, not ``unroll``.
-  """
+  """One [BR, BV] tile through the chunks: c_ref [N, BR, BV], a_ref [N, BR], x_ref [N, BR, BV]. Each
+  step loads ``unroll`` chunks' terms before the first multiply-add: one memory latency per step."""
   n_steps = c_ref.shape[0] // unroll
 
   def step(m, x):
@@ -90,20 +83,9 @@ def chunk_scan(c_BxHxNxRxV: jax.Array, a_BxHxNxR: jax.Array, edge_BxHxRxV: jax.A
                block_rows: int = 8, block_v: int = 64, unroll: int = 16,
                interpret: bool | None = None,
                num_warps: int = 4, num_stages: int = 3) -> tuple[jax.Array, jax.Array]:
-  """The recurrence of the module docstring.
-
-  Args:
-    c_BxHxNxRxV: fp32 per-chunk terms; a_BxHxNxR: fp32 per-row carry factors; edge_BxHxRxV: fp32.
-    reverse: walk the chunks last to first.
-    out_dtype: dtype of the held states (the dtype their consumers' dots take them in).
-    implementation: "pallas" (compiled on GPU, interpreted elsewhere) or "xla".
-    block_rows, block_v, unroll, num_warps, num_stages: the Pallas kernel's largest tiles and
-      chunks per loop step (powers of two; smaller where R, V or N has fewer factors of two) and
-      Triton settings.
-
-  Returns:
-    held [B, H, N, R, V] in ``out_dtype`` and end [B, H, R, V] fp32.
-  """
+  """The recurrence of the module docstring: (held [B, H, N, R, V] in ``out_dtype``, end [B, H, R, V]
+  fp32). ``block_rows``, ``block_v``, ``unroll``: the kernel's largest tiles and chunks per step (powers
+  of two; smaller where R, V or N has fewer factors of two)."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"chunk_scan: unknown implementation {implementation!r}; valid: "
                      f"{', '.join(IMPLEMENTATIONS)}")

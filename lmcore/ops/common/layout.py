@@ -16,6 +16,14 @@ def default_positions(batch_size: int, length: int, start_B: jax.Array | None = 
   return pos_BxT
 
 
+def check_shapes(op: str, expected: dict, q_shape, v_shape) -> None:
+  """ValueError for the first ``name: (got, want)`` of ``expected`` whose shapes differ."""
+  for name, (got, want) in expected.items():
+    if tuple(got) != tuple(want):
+      raise ValueError(f"{op}: {name} has shape {tuple(got)}, expected {tuple(want)} (q {tuple(q_shape)} is "
+                       f"[B, T, H, K], v {tuple(v_shape)} is [B, T, H, V])")
+
+
 def heads_first(x_BxTxHxF: jax.Array, Tp: int, Fp: int) -> jax.Array:
   """[B, T, H, F] -> [B·H, Tp, Fp], zero padded along time and features."""
   B, T, H, F = x_BxTxHxF.shape

@@ -1,9 +1,7 @@
 """Helpers shared by the Pallas kernels: backend choice, interpret mode, padding, in-kernel dots.
 
-The GPU kernels are written for the Pallas Triton lowering, whose every load, store and dot works on
-blocks whose sizes are powers of two (``tl.dot`` further wants every side >= 16), so callers pad
-the time axis to whole chunks and the feature axes to ``block_size`` below; padded tokens and
-channels are zeros that the kernels mask or that contribute nothing.
+Triton blocks are powers of two (a dot's sides >= 16), so callers pad time to whole chunks and features
+to ``block_size`` with zeros that the kernels mask or that contribute nothing.
 """
 
 from __future__ import annotations
@@ -19,11 +17,8 @@ from jax.experimental.pallas import triton as pltriton
 
 TPU_LANES, TPU_SUBLANES = 128, 8  # a TPU vector register is (8 sublanes, 128 lanes)
 MIN_DOT = 16  # the smallest side of a Triton tensor-core dot
-# The GPU kernels' ``precision``: "input" (dots take operands in the inputs' dtype: bf16 inputs,
-# bf16 operands and outputs), "tf32" and "float32" (the kernels run on fp32 copies of the inputs
-# and return fp32, so features, scores, chunk states, outputs and the output gradients the backward
-# receives stay fp32; fp32 dots on TF32 tensor cores, or IEEE). With bf16 inputs only the input
-# gradients are rounded to bf16 (JAX gives a cotangent its primal's dtype).
+# The GPU kernels' ``precision``: "input" (dot operands and outputs in the inputs' dtype), "tf32" and
+# "float32" (the kernels run on fp32 copies and return fp32; fp32 dots on TF32 cores, or IEEE).
 PRECISIONS = ("input", "tf32", "float32")
 
 
@@ -32,8 +27,7 @@ _ASSUMED_BACKEND: list[str] = []
 
 @contextlib.contextmanager
 def assume_backend(platform: str):
-  """Within the block ``backend()`` says ``platform``: the ops build their problems (and "auto"
-  resolves) as on that platform; tests use it to reach a platform's error paths from a CPU host."""
+  """Within the block ``backend()`` says ``platform`` (tests reach a platform's paths from a CPU)."""
   _ASSUMED_BACKEND.append(platform)
   try:
     yield
@@ -42,10 +36,7 @@ def assume_backend(platform: str):
 
 
 def backend() -> str:
-  """The platform kernels compile for ("gpu", "tpu", "cpu").
-
-  ``assume_backend`` wins, then an abstract mesh's device (lowering on one host for another machine).
-  """
+  """The platform kernels compile for: ``assume_backend``, else an abstract mesh's device, else JAX's."""
   if _ASSUMED_BACKEND:
     return _ASSUMED_BACKEND[-1]
   device = jax.sharding.get_abstract_mesh().abstract_device
@@ -53,10 +44,7 @@ def backend() -> str:
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
-  """``None`` means interpret mode exactly where there is no GPU (CPU tests, TPU hosts).
-
-  The kernels are Triton-Pallas kernels; on TPU they run only interpreted (see ``check_backend``).
-  """
+  """The Triton kernels' interpret mode: None means wherever there is no GPU."""
   return backend() != "gpu" if interpret is None else interpret
 
 
@@ -69,12 +57,8 @@ def check_backend(interpret: bool, op: str, fallback: str) -> None:
 
 
 def resolve_tpu_interpret(interpret, op: str, fallback: str):
-  """``pallas_call``'s ``interpret`` for the Mosaic TPU kernels.
-
-  True runs Pallas' generic interpreter (a scan over the grid, scratch NaN-filled), a
-  ``pltpu.InterpretParams`` the slower TPU simulator (VMEM, DMAs, bounds checks); None interprets
-  wherever the kernels do not compile, i.e. off TPU. False compiles, which only a TPU can.
-  """
+  """The Mosaic kernels' ``interpret``: True (Pallas' interpreter), a ``pltpu.InterpretParams`` (the TPU
+  simulator), None (interpret off TPU) or False (compile: TPUs only, else NotImplementedError)."""
   if interpret is None:
     interpret = backend() != "tpu"
   if interpret:
@@ -117,17 +101,20 @@ def check_precision(precision: str, op: str) -> None:
     raise ValueError(f"{op}: unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
 
 
-def kernel_options(precision: str, op: str) -> dict:
-  """The keyword arguments that run an op's kernel at ``precision``: ``{"precision": ...}`` for
-  the GPU (Triton) kernels; the TPU (Mosaic) kernels take operands in the inputs' dtype only, so
-  there anything but "input" raises ValueError."""
-  check_precision(precision, op)
-  if backend() != "tpu":
-    return {"precision": precision}
+def check_tpu_precision(precision: str, op: str) -> None:
+  """Raises ValueError unless ``precision`` is "input", the only one the Mosaic kernels take."""
   if precision != "input":
     raise ValueError(f"{op}: kernel_precision={precision!r} is for the GPU kernels; the TPU "
                      f"kernels compute in the inputs' dtype: use kernel_precision='input', or pass "
                      f"fp32 inputs")
+
+
+def kernel_options(precision: str, op: str) -> dict:
+  """The keyword arguments that run an op's kernel at ``precision`` on this backend."""
+  check_precision(precision, op)
+  if backend() != "tpu":
+    return {"precision": precision}
+  check_tpu_precision(precision, op)
   return {}
 
 
@@ -137,8 +124,7 @@ def output_dtype(dtype, precision: str):
 
 
 def operands(precision: str, *xs: jax.Array) -> tuple[jax.Array, ...]:
-  """The arrays a kernel runs on: ``xs`` unchanged for "input", else fp32 copies (the custom VJP's
-  gradients are cast back to each input's dtype by the copy's own transpose)."""
+  """``xs`` unchanged for "input", else fp32 copies (whose transpose casts the gradients back)."""
   return xs if precision == "input" else tuple(x.astype(jnp.float32) for x in xs)
 
 
@@ -172,11 +158,9 @@ def block_bytes(spec: pl.BlockSpec, x) -> int:
 
 
 def pipeline_bytes(grid: tuple[int, ...], specs, arrays) -> int:
-  """HBM bytes a ``pallas_call`` over ``grid`` copies for ``arrays`` (inputs and outputs) in blocks
-  ``specs``, for its ``pl.CostEstimate``. A block is copied whenever its index changes between
-  consecutive steps (the last grid axis fastest), taken to be at every step of the innermost axis its
-  index map depends on; the map is probed at the origin and one step along each axis, which fits maps
-  that move with their axes (not clamped ones)."""
+  """HBM bytes a ``pallas_call`` over ``grid`` copies for ``arrays`` in blocks ``specs`` (for its
+  ``pl.CostEstimate``): a block is copied at every step of the innermost axis its index map moves
+  with, probed one step along each axis from the origin (not for clamped maps)."""
   origin = (0,) * len(grid)
   total = 0
   for spec, x in zip(specs, arrays):
@@ -188,12 +172,8 @@ def pipeline_bytes(grid: tuple[int, ...], specs, arrays) -> int:
 
 
 def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
-  """``a @ b`` (optionally transposing a 2-D operand) accumulated in fp32 inside a kernel.
-
-  fp32 operands use IEEE precision unless the kernel runs at precision "tf32" (Triton lowers
-  ``Precision.DEFAULT`` to TF32; its 10-bit mantissa is far outside the fp32 tests' tolerances,
-  and 8x finer than bf16's).
-  """
+  """``a @ b`` (optionally transposing a 2-D operand) accumulated in fp32 inside a kernel; fp32
+  operands in IEEE precision unless the kernel runs at "tf32" (``Precision.DEFAULT`` in Triton)."""
   contract = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
   precision = None
   if a.dtype == jnp.float32:
@@ -239,11 +219,8 @@ def store_rows(ref, start, value: jax.Array) -> None:
 
 
 def lower_for_gpu(fn, *args, device_kind: str = "NVIDIA H200"):
-  """Lowers ``jax.jit(fn)(*args)`` for a CUDA GPU from any host (args may be ShapeDtypeStructs).
-
-  Runs the Pallas Triton lowering (block sizes, supported primitives) without a GPU, through an
-  abstract mesh whose device the kernels' backend check also sees.
-  """
+  """Lowers ``jax.jit(fn)(*args)`` (args may be ShapeDtypeStructs) for a CUDA GPU from any host, through
+  an abstract mesh whose device ``backend()`` sees: the Triton lowering runs without a GPU."""
   device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
   mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
   with jax.sharding.use_abstract_mesh(mesh):
@@ -251,11 +228,7 @@ def lower_for_gpu(fn, *args, device_kind: str = "NVIDIA H200"):
 
 
 def lower_for_tpu(fn, *args, device_kind: str = "TPU v5p"):
-  """Lowers ``jax.jit(fn)(*args)`` for a TPU from any host (args may be ShapeDtypeStructs).
-
-  Runs the Pallas Mosaic lowering (block shapes, supported primitives; not Mosaic's own layout
-  passes and compilation, which run in libtpu) without a TPU, like ``lower_for_gpu``.
-  """
+  """``lower_for_gpu`` for a TPU: the Pallas Mosaic lowering (not libtpu's layout passes)."""
   device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="tpu")
   mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
   with jax.sharding.use_abstract_mesh(mesh):

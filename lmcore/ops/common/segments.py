@@ -1,8 +1,7 @@
-"""Packed documents (MATH §6.4): segment ids -> where documents start and which document each token is in.
+"""Packed documents (MATH §6.4): segment ids -> where documents start and each token's document.
 
-Every op resets its state where the segment id changes between consecutive tokens, and no token sees a
-token of another document. The first token of a call never starts a document: the incoming state
-belongs to its segment.
+Every op resets its state where the segment id changes between consecutive tokens; the first token
+of a call never starts a document (the incoming state belongs to its segment).
 """
 
 from __future__ import annotations
@@ -24,9 +23,8 @@ def document_starts(segment_ids_BxT: jax.Array | None, batch_size: int, length: 
 
 
 def document_index(segment_ids_BxT: jax.Array | None, batch_size: int, length: int) -> jax.Array:
-  """int32 [B, T]: 0 for the first document of each row, +1 at every start. Two tokens are in the
-  same document exactly when their indices are equal; None (one document) gives zeros, built as
-  zeros: a cumulative sum of constants is folded by XLA at compile time, seconds per call site."""
+  """int32 [B, T]: 0 for each row's first document, +1 at every start. None gives zeros directly (XLA
+  would fold a cumulative sum of constants at compile time, slowly)."""
   if segment_ids_BxT is None:
     return jnp.zeros((batch_size, length), jnp.int32)
   starts_BxT = document_starts(segment_ids_BxT, batch_size, length)
@@ -43,10 +41,9 @@ class ChunkDocuments(NamedTuple):
 
 
 def chunk_documents(doc_BxT: jax.Array, Tp: int, C: int) -> ChunkDocuments:
-  """Per-token document arrays for chunked kernels, from the document index padded to Tp (edge):
-  ``doc`` [B, Tp, 1] and ``doc_row`` [B, 1, Tp]; ``reads`` [B, Tp, 1] is 1 where the token is in the
-  document of the state entering its chunk of C tokens, ``writes`` 1 where it is in the document of
-  the chunk's last token (the state leaving the chunk)."""
+  """The document index edge-padded to Tp as ``doc`` [B, Tp, 1] and ``doc_row`` [B, 1, Tp]; ``reads``
+  [B, Tp, 1]: 1 in the document of the state entering the token's chunk of C; ``writes``: 1 in the
+  document of the chunk's last token."""
   B = doc_BxT.shape[0]
   doc = pad_axis(doc_BxT.astype(jnp.int32), 1, Tp, mode="edge")
   previous = jnp.concatenate([doc[:, :1], doc[:, :-1]], axis=1)

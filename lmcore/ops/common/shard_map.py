@@ -1,14 +1,9 @@
 """Pallas kernels on a device mesh: each device runs the kernel on its own batch rows (and heads).
 
-XLA cannot partition a Pallas call (a Mosaic or Triton custom call): on a mesh of more than one device
-a Mosaic kernel fails to lower and a Triton kernel would run on gathered inputs. ``run_sharded`` wraps
-the call in ``jax.shard_map`` over the mesh in context (``jax.set_mesh``, or an abstract mesh from
-``jax.sharding.use_abstract_mesh`` when compiling on one host for another), splitting every array's
-batch dimension over ``BATCH_AXES`` and its head dimension over ``HEAD_AXIS``, so no activation is
-gathered. Rows and heads are independent in every op, so the result is the unsharded call's.
-
-A dimension that the axes do not divide (a decode batch of 1 on 8 devices, 6 heads on 4) is not split
-for any argument: the devices then compute those rows or heads redundantly, which is correct.
+XLA cannot partition a Pallas custom call (a Mosaic kernel fails to lower, a Triton one would gather
+its inputs), so ``run_sharded`` wraps it in ``jax.shard_map`` over the mesh in context, splitting batch
+dimensions over ``BATCH_AXES`` and heads over ``HEAD_AXIS``. A dimension the axes do not divide (a
+decode batch of 1 on 8 devices) is split for no argument: the devices compute it redundantly.
 """
 
 from __future__ import annotations
@@ -50,15 +45,12 @@ def _spec(layout: str, ndim: int | None, batch: tuple[str, ...], heads: tuple[st
 
 def run_sharded(kernel: Callable[..., Any], inputs: Mapping[str, Any], layouts: Mapping[str, Any],
                 out_layouts: Any) -> Any:
-  """``kernel(**inputs)``, run per device by ``jax.shard_map`` when a mesh with batch or head axes
-  larger than one is in context, else called as it is.
+  """``kernel(**inputs)``, per device by ``jax.shard_map`` when the mesh in context splits batch or heads.
 
-  Layouts name an array's leading dimensions, one letter each: "B" batch (split over ``BATCH_AXES``),
-  "H" heads (split over ``HEAD_AXIS``), anything else not split; dimensions past the string are not
-  split. ``layouts`` maps each input name to a layout string, applied to every array under that input
-  (a state NamedTuple: "BH" reads [B, H, ...] for S and z and [B] for a position), or to a pytree of
-  strings; a missing name is replicated. ``out_layouts`` is the output's structure with a string for
-  every array (None where the kernel returns None).
+  A layout names an array's leading dimensions: "B" batch, "H" heads, any other letter (and every
+  dimension past the string) not split. ``layouts`` maps an input name to a string for every array
+  under it, or to a pytree of strings; a missing name is replicated. ``out_layouts``: the output's
+  structure with a string per array (None where the kernel returns None).
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:

@@ -1,20 +1,15 @@
 """A row of T tokens run as G rows of T / G ("spans"), for kernels that walk their state along T.
 
-A fused-chunk kernel gives each (row, head) programs that walk every chunk in order, so at B = 1 a
-long row leaves most of a GPU idle while each program walks a long chain. Cut into G spans, the row
-becomes G rows that the kernel walks side by side, each from the state entering its span. For an
-additive state (a sum over the keys a token sees, with document resets) the entering states follow
-from the spans' own totals L_g (over each span's last document, a cheap pass with no outputs):
+A fused-chunk kernel walks each (row, head) chunk by chunk, so at B = 1 a long row leaves most of a GPU
+idle; cut into G spans (G a power of two, spans of whole chunks), the row becomes G rows walked side by
+side. For an additive state the states entering the spans follow from the spans' totals L_g (over each
+span's last document):
 
     E_0 = E (the row's incoming state),  E_g = c_g · (L_{g-1} + k_{g-1} · E_{g-1})  (g >= 1),
 
-where k_g is 1 when span g is one document (it keeps what enters it) and c_g is 1 when span g's
-first token is in span g-1's last document (else it starts from zeros). The map (L, E) -> (E_g) is
-linear, so its transpose (``jax.linear_transpose``) takes the gradients of the entering states,
-which the kernels' backward returns, to those of the totals and of the incoming state.
-
-Which G: ``count``. The span length must be a multiple of the kernels' chunk (no padding inside the
-row), and G a power of two.
+k_g = 1 when span g is one document, c_g = 1 when its first token is in span g-1's last document.
+The map is linear: its transpose (``jax.linear_transpose``) takes the gradients of the entering
+states to those of the totals and of the incoming state.
 """
 
 from __future__ import annotations
@@ -25,23 +20,17 @@ import jax
 import jax.numpy as jnp
 
 
-# "auto": spans until the (row, head) pairs reach PAIRS, none shorter than MIN_LENGTH tokens (the
-# fastest rule measured: docs/BENCHMARKS.md, Spans).
+# "auto": spans until the (row, head) pairs reach PAIRS, none shorter than MIN_LENGTH tokens; totals
+# are summed in parts of PART_LENGTH tokens (docs/BENCHMARKS.md, Spans).
 PAIRS = 128
 MIN_LENGTH = 2048
-# The totals are summed over rows of this many tokens ("parts" of a span; ``parts``), whose programs
-# run side by side; parts of 2048 were the fastest measured, so the auto rule's spans are summed whole.
 PART_LENGTH = 2048
 
 
 def count(batch: int, heads: int, length: int, chunk: int, requested: int = 0) -> int:
-  """G for a [batch, length] row set of ``heads`` heads and kernels of ``chunk`` tokens per step.
-
-  ``requested`` > 0 asks for that many (it must be a power of two dividing ``length`` into
-  multiples of ``chunk``: ValueError otherwise); 0 means "auto": the smallest power of two with
-  batch · heads · G >= ``PAIRS``, as long as each span keeps ``MIN_LENGTH`` tokens and a whole
-  number of chunks (1 when no split qualifies).
-  """
+  """G for [batch, length] rows of ``heads`` heads: ``requested`` (a power of two cutting ``length``
+  into whole chunks, else ValueError), or for 0 the smallest power of two with batch · heads · G >=
+  ``PAIRS`` that keeps spans of ``MIN_LENGTH`` tokens and whole chunks (1 when none does)."""
   if requested:
     if requested < 1 or requested & (requested - 1) or length % (requested * chunk):
       raise ValueError(f"spans={requested}: expected a power of two that cuts T = {length} into "
@@ -122,12 +111,9 @@ def _weights(docs: Documents) -> jax.Array:
 
 
 def entering(totals_BxGm1, initial_B, docs: Documents):
-  """The states entering each of G spans, [B, G, ...] per leaf, from the totals of spans 0..G-2 (a
-  pytree of [B, G - 1, ...] arrays, each over its span's last document) and the row's incoming state
-  (the same pytree, [B, ...]): E_0 = initial, E_g = c_g (L_{g-1} + k_{g-1} E_{g-1}).
-
-  Unrolled, E_g = sum_{j <= g} W[g, j] X_j with X_0 = initial, X_j = c_j L_{j-1} (``_weights``): one
-  contraction over the spans, exact in fp32 (W is 0 or 1), rather than a chain of G steps."""
+  """The states entering each of G spans, [B, G, ...] per leaf, from the totals of spans 0..G-2
+  ([B, G - 1, ...] per leaf) and the incoming state ([B, ...]): unrolled, E_g = sum_{j <= g} W[g, j] X_j
+  with X_0 = initial, X_j = c_j L_{j-1} (``_weights``), one exact contraction instead of G steps."""
   W_BxGxG = _weights(docs)
 
   def spans(L_BxGm1x, E_Bx):
@@ -152,11 +138,9 @@ def states(totals_BxG, initial_B, docs: Documents):
 
 
 def leaving_grads(reads_BxG, final_B, docs: Documents):
-  """The transpose of ``states``: from the gradients that each span's own tokens give the state
-  entering it (``reads``, [B, G, ...] per leaf) and the cotangent of the row's final state, (the
-  gradients of the states leaving each span [B, G, ...], that of the row's incoming state [B, ...]).
-  A span's leaving state is its total plus what it keeps of its entering state, so the totals'
-  gradients are the leaving states' ones: those a reverse walk over each span starts from."""
+  """The transpose of ``states``: from the gradients each span's tokens give its entering state
+  ([B, G, ...] per leaf) and the final state's cotangent, (the gradients of the states leaving each
+  span, which are the totals' ones, [B, G, ...]; that of the incoming state [B, ...])."""
   totals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), reads_BxG)
   initial = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), final_B)
   transpose = jax.linear_transpose(lambda L, E: states(L, E, docs), totals, initial)

@@ -7,10 +7,8 @@ Per head, with the fp32 state S_t in R^{K x V}:
 alpha_t = exp(log_alpha_t) in (0, 1], beta_t in (0, 1), scale = K^-1/2 unless given. The caller
 L2-normalises q and k (FLA does the same in-kernel with ``use_qk_l2norm_in_kernel``).
 
-Backends (``REGISTRY``; all compute the same function, tests/ops/gated_delta_rule proves it):
-  * ``recurrent``: ``lax.scan`` over tokens in fp32 (reference.py); the decode path;
-  * ``chunked``: the WY / UT transform per chunk, ``lax.scan`` over chunks (xla.py; ``ChunkTiles``);
-  * ``auto`` (or None): ``chunked`` on every platform.
+Backends (``REGISTRY``; tests/ops/gated_delta_rule proves they agree): ``recurrent`` (reference.py;
+the decode path) and ``chunked`` (xla.py, the WY / UT transform), which "auto" takes everywhere.
 """
 
 from __future__ import annotations
@@ -37,21 +35,11 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, log_alpha: jax.Ar
                      state: DeltaRuleState | None = None, tiles: ChunkTiles | None = None,
                      scale: float | None = None,
                      segment_ids: jax.Array | None = None) -> tuple[jax.Array, DeltaRuleState]:
-  """Gated delta rule over a sequence; returns (o [B, T, H, V] in q's dtype, final DeltaRuleState).
+  """Gated delta rule; returns (o [B, T, H, V] in q's dtype, final DeltaRuleState).
 
-  Args:
-    q, k: [B, T, H, K], L2-normalised by the caller.
-    v: [B, T, H, V].
-    log_alpha: [B, T, H], log of the decay, <= 0 (accumulated in fp32).
-    beta: [B, T, H], the write strength in (0, 1).
-    implementation: a name of ``REGISTRY``, or "auto" / None.
-    state: the state before the first token; None means zeros (start of a sequence).
-    tiles: the backend's tiling (``chunked``: ``ChunkTiles``, ``min(chunk, T)`` is used); None: its
-      heuristic.
-    scale: read-out scale, default K^-1/2.
-    segment_ids: optional int [B, T]; where the id changes between consecutive tokens the state is
-      reset to zero (packed documents, MATH §6.4). The incoming ``state`` belongs to the first
-      token's segment.
+  q, k [B, T, H, K] L2-normalised; v [B, T, H, V]; log_alpha <= 0 and beta in (0, 1), [B, T, H].
+  ``state`` None: zeros. ``tiles`` None: the backend's heuristic. ``segment_ids`` [B, T]: the state
+  resets where the id changes (MATH §6.4); the incoming state belongs to the first token's segment.
   """
   check_shapes(q, k, v, log_alpha, beta, state, segment_ids)
   batch_size, length, n_heads, key_dim = q.shape

@@ -1,35 +1,21 @@
-"""Gated delta rule (MATH §4, Gated DeltaNet): the state and the argument checks every form shares.
-Imported by every backend; imports no backend.
+"""Gated delta rule (MATH §4, Gated DeltaNet): the state and the checks every form shares.
 
-The backend contract: ``backend(q, k, v, log_alpha_BxTxH, beta_BxTxH, S0_BxHxKxV, *, scale,
-segment_ids_BxT, tiles) -> (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32)``, ``tiles`` the backend's
-tiling (``lmcore.ops.common.backend``).
+Backend contract: ``backend(q, k, v, log_alpha_BxTxH, beta_BxTxH, S0_BxHxKxV, *, scale,
+segment_ids_BxT, tiles) -> (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32)``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from lmcore.ops.common import layout
+from lmcore.ops.common.backend import HeadProblem
+
 OP = "gated_delta_rule"
-CHUNK = 64  # tokens per chunk of the chunked form
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-  """What decides the backend and its FLOP count: the platform, the head widths K x V and the
-  length T (None: not known)."""
-
-  platform: str
-  key_dim: int = 0
-  value_dim: int = 0
-  length: int | None = None
-
-  def describe(self) -> str:
-    return f"heads of {self.key_dim} x {self.value_dim} on {self.platform}"
+Problem = HeadProblem
 
 
 class DeltaRuleState(NamedTuple):
@@ -51,13 +37,4 @@ def check_shapes(q, k, v, log_alpha, beta, state, segment_ids) -> None:
     expected["state.S"] = (state.S.shape, (batch_size, n_heads, key_dim, v.shape[-1]))
   if segment_ids is not None:
     expected["segment_ids"] = (segment_ids.shape, (batch_size, length))
-  for name, (got, want) in expected.items():
-    if tuple(got) != tuple(want):
-      raise ValueError(f"{OP}: {name} has shape {tuple(got)}, expected {tuple(want)} "
-                       f"(q {tuple(q.shape)} is [B, T, H, K], v {tuple(v.shape)} is [B, T, H, V])")
-
-
-def check_chunk_size(chunk_size: int) -> None:
-  """Raises ValueError unless ``chunk_size`` >= 1."""
-  if chunk_size < 1:
-    raise ValueError(f"{OP}: chunk_size must be >= 1, got {chunk_size}")
+  layout.check_shapes(OP, expected, q.shape, v.shape)

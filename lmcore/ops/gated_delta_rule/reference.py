@@ -1,12 +1,7 @@
-"""Token-by-token gated delta rule: the readable definition every other implementation must match.
+"""Token-by-token gated delta rule in fp32 (MATH §4): the definition every other form must match.
 
-Per head, with the state S_t in R^{K x V} (MATH §4, Gated DeltaNet):
-
-    S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = scale * S_t^T q_t,
-
-written as ``delta_t = beta_t (v_t - alpha_t S_{t-1}^T k_t)``,
-``S_t = alpha_t S_{t-1} + k_t delta_t^T`` (the same product, one rank-1 update instead of two).
-Everything runs in float32.
+S_t = alpha_t (I - beta_t k_t k_tᵀ) S_{t-1} + beta_t k_t v_tᵀ, o_t = scale * S_tᵀ q_t, computed as
+delta_t = beta_t (v_t - alpha_t S_{t-1}ᵀ k_t), S_t = alpha_t S_{t-1} + k_t delta_tᵀ (one rank-1 update).
 """
 
 from __future__ import annotations
@@ -38,11 +33,8 @@ def _step(S_BxHxKxV, inputs, *, scale: float):
 def recurrent(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxV: jax.Array,
               log_alpha_BxTxH: jax.Array, beta_BxTxH: jax.Array, S0_BxHxKxV: jax.Array, *,
               scale: float, segment_ids_BxT: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-  """``lax.scan`` over tokens in float32; returns (o [B, T, H, V] fp32, final S [B, H, K, V] fp32).
-
-  Where ``segment_ids`` changes between consecutive tokens the state is reset to zero first. One token
-  (decoding) is one step without a scan.
-  """
+  """``lax.scan`` over tokens; returns (o [B, T, H, V], final S [B, H, K, V]), fp32. The state resets
+  where ``segment_ids`` changes; one token (decoding) is one step without a scan."""
   batch_size, length = q_BxTxHxK.shape[:2]
   resets_BxT = document_starts(segment_ids_BxT, batch_size, length)
   if length == 1:

@@ -1,8 +1,7 @@
 """Chunked gated delta rule in plain jnp (the WY / UT transform of FLA §1.7-1.8), runs anywhere.
 
-Per head and chunk of C tokens, with the chunk-local cumulative log-decay
-``b_i = sum_{s<=i} log a_s`` (fp32) and the state S entering the chunk, unrolling MATH §4's
-recurrence gives
+Per head and chunk of C tokens, with b_i = sum_{s<=i} log a_s (fp32, chunk-local) and the state S
+entering the chunk, MATH §4's recurrence unrolls to
 
     delta_t = beta_t (v_t - alpha_t S_{t-1}^T k_t)   (so that S_t = alpha_t S_{t-1} + k_t delta_t^T)
     (I + A) Delta = diag(beta) V - diag(beta e^b) K S,  A_ij = beta_i (k_i.k_j) e^{b_i - b_j}, j < i
@@ -10,11 +9,9 @@ recurrence gives
     O = scale [ (Q * e^b) S + (Q K^T * e^{b_i - b_j})_{j<=i} Delta ]
     S_next = e^{b_C} S + (K * e^{b_C - b})^T Delta.
 
-W and U come from one unit-lower triangular solve per chunk (parallel over chunks); only
-``Delta = U - W S`` and the state update run in the sequential ``lax.scan`` over chunks, with the
-state in fp32. Segment resets act as a zero decay (alpha_t = 0) at a segment's first token: every
-decay factor across a reset is masked to exp(-inf) = 0 BEFORE the exponential, like the causal
-mask, so no exponent is ever positive and no inf reaches a gradient.
+W and U come from one triangular solve per chunk (all chunks in parallel); only Delta and the fp32
+state run in the ``lax.scan`` over chunks. A segment reset is a zero decay at its first token, masked
+to exp(-inf) = 0 before the exponential, so no exponent is positive and no inf reaches a gradient.
 """
 
 from __future__ import annotations
@@ -26,8 +23,8 @@ import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 
 from lmcore.ops.common.segments import document_index
-from lmcore.ops.common.backend import Backend, ChunkTiles
-from lmcore.ops.gated_delta_rule.base import CHUNK, Problem, check_chunk_size
+from lmcore.ops.common.backend import ChunkedBackend, ChunkTiles
+from lmcore.ops.gated_delta_rule.base import Problem
 
 
 def _dot(spec: str, *operands: jax.Array) -> jax.Array:
@@ -53,23 +50,17 @@ def _pad_tokens(x_BxTx: jax.Array, pad: int, mode: str = "constant") -> jax.Arra
 
 
 def _pair_log_decays(log_alpha_NxBxHxC: jax.Array) -> jax.Array:
-  """[..., i, j] = sum_{j < s <= i} log a_s (the log-decay from token j to token i; 0 for j >= i).
-
-  Summed directly rather than as b_i - b_j: after a strong decay b reaches -1e3, where fp32
-  cancellation in b_i - b_j would cost ~1e-4 relative accuracy in factors near 1.
-  """
+  """[..., i, j] = sum_{j < s <= i} log a_s (0 for j >= i), summed directly: as b_i - b_j, fp32
+  cancellation after a strong decay (b near -1e3) would cost accuracy in factors near 1."""
   chunk = log_alpha_NxBxHxC.shape[-1]
   strict_CxC = jnp.tril(jnp.ones((chunk, chunk), dtype=bool), k=-1)
   return jnp.cumsum(jnp.where(strict_CxC, log_alpha_NxBxHxC[..., :, None], 0.0), axis=-2)
 
 
 def _decay_factors(log_alpha_NxBxHxC: jax.Array, doc_NxBxC: jax.Array, doc_prev_NxB: jax.Array):
-  """The chunk's masked decay factors, all fp32 and all <= 1.
-
-  Returns (within_CxC = e^{b_i - b_j} for j <= i, to_end = e^{b_C - b_j}, from_start = e^{b_i},
-  whole = e^{b_C}), each zero across a segment reset; ``doc_prev`` is the document of the token
-  before the chunk (the state's document).
-  """
+  """The chunk's fp32 decay factors, each zero across a segment reset: (within_CxC = e^{b_i - b_j}
+  for j <= i, to_end = e^{b_C - b_j}, from_start = e^{b_i}, whole = e^{b_C}); ``doc_prev`` is the
+  state's document."""
   b_NxBxHxC = jnp.cumsum(log_alpha_NxBxHxC, axis=-1)
   doc_NxBx1xC = doc_NxBxC[:, :, None, :]
   chunk = b_NxBxHxC.shape[-1]
@@ -99,10 +90,8 @@ def _wy_factors(k_NxBxHxCxK, v_NxBxHxCxV, beta_NxBxHxC, within_NxBxHxCxC, from_s
 
 
 def _scan_chunks(S0_BxHxKxV, W_NxBxHxCxK, U_NxBxHxCxV, k_end_NxBxHxCxK, whole_NxBxHx1):
-  """The sequential part: Delta_n = U_n - W_n S_n, S_{n+1} = e^{b_C} S_n + (K e^{b_C-b})^T Delta_n.
-
-  Returns (final S, the state entering every chunk [N, B, H, K, V], Delta [N, B, H, C, V]).
-  """
+  """Delta_n = U_n - W_n S_n, S_{n+1} = e^{b_C} S_n + (K e^{b_C-b})^T Delta_n, by ``lax.scan``.
+  Returns (final S, the state entering every chunk [N, B, H, K, V], Delta [N, B, H, C, V])."""
   def step(S_BxHxKxV, xs):
     W_BxHxCxK, U_BxHxCxV, k_end_BxHxCxK, whole_BxHx1 = xs
     delta_BxHxCxV = U_BxHxCxV - _dot("bhck,bhkv->bhcv", W_BxHxCxK, S_BxHxKxV)
@@ -117,16 +106,9 @@ def _scan_chunks(S0_BxHxKxV, W_NxBxHxCxK, U_NxBxHxCxV, k_end_NxBxHxCxK, whole_Nx
 
 def chunked(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxV: jax.Array,
             log_alpha_BxTxH: jax.Array, beta_BxTxH: jax.Array, S0_BxHxKxV: jax.Array, *,
-            scale: float, segment_ids_BxT: jax.Array | None,
-            chunk_size: int = CHUNK) -> tuple[jax.Array, jax.Array]:
-  """Chunked form of ``reference.recurrent`` (same arguments plus ``chunk_size`` >= 1).
-
-  q, k, v stay in their dtype for the q.k / k.k products (fp32 accumulation); gates, decays, the
-  triangular solve, W, U and the state are fp32. The chunk is ``min(chunk_size, T)``; a partial
-  last chunk is padded with beta = 0, log alpha = 0 and zero q, k, v, which leave the state as is.
-  Returns (o [B, T, H, V] fp32, final S [B, H, K, V] fp32).
-  """
-  check_chunk_size(chunk_size)
+            scale: float, segment_ids_BxT: jax.Array | None, chunk_size: int) -> tuple[jax.Array, jax.Array]:
+  """``reference.recurrent`` in chunks of ``min(chunk_size, T)``: q.k and k.k in the inputs' dtype,
+  the rest fp32. A partial last chunk is padded with beta = 0, log alpha = 0 and zero q, k, v."""
   batch_size, length = q_BxTxHxK.shape[:2]
   chunk = min(chunk_size, length)
   pad = math.ceil(length / chunk) * chunk - length
@@ -153,19 +135,12 @@ def chunked(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxV: jax.Array,
   return o_BxTxHxV[:, :length], S_BxHxKxV
 
 
-class Chunked(Backend[ChunkTiles]):
-  """``chunked`` as a backend: any platform, chunks of ``ChunkTiles.chunk`` tokens."""
-
-  tiles_type = ChunkTiles
-
-  def heuristic_config(self, problem: Problem) -> ChunkTiles:
-    del problem
-    return ChunkTiles(CHUNK)
+class Chunked(ChunkedBackend):
+  """``chunked`` as a backend."""
 
   def flops_per_head(self, problem: Problem, tiles: ChunkTiles | None = None) -> float:
-    """Per chunk of C' = min(C, T) tokens: K Kᵀ 2 C'² K; the unit-lower triangular solve for W and U,
-    C'² (K + V); Δ = U - W S 2 C' K V; the state update 2 C' K V; the read 2 C' K V; Q Kᵀ 2 C'² K; the
-    scores times Δ 2 C'² V. Per token: C' · (5 K + 3 V) + 6 · K · V (T unknown: C' = C)."""
+    """Per token, C' = min(C, T): K Kᵀ and Q Kᵀ 2 C' K each, the solve C' (K + V), scores · Δ 2 C' V,
+    Δ = U - W S, the state update and the read 2 K V each: C' (5 K + 3 V) + 6 K V."""
     K, V = problem.key_dim, problem.value_dim
     chunk = self.config(problem, tiles).chunk
     if problem.length:

@@ -5,22 +5,16 @@ vector over the key channels, or 1 when ``log_forget`` is None)::
 
     S_t = diag(f_t) S_{t-1} + k_t v_tᵀ,     o_t = scale * S_tᵀ q_t     (write, then read)
 
-With ``normalize=True`` (Linear Transformer / Performer / cosFormer) the key sum decays the same
-way and divides the read-out; the scale multiplies the scores, so it cancels up to eps (as in FLA)::
+``normalize=True`` (Linear Transformer / Performer / cosFormer) decays the key sum the same way and
+divides by it; the scale cancels up to eps (as in FLA)::
 
     z_t = f_t ⊙ z_{t-1} + k_t,              o_t = scale * S_tᵀ q_t / (scale * q_t · z_t + eps)
 
-This is computed by appending a ones column to v: the last column of the augmented state is z and
-the last output column is the normaliser, so every backend covers both forms unchanged.
-
-Backends (``REGISTRY``; all compute the same function, tests/ops/gated_linear_attention proves it):
-  * ``recurrent``: ``lax.scan`` over tokens in fp32 (reference.py); the decode path;
-  * ``parallel``: the materialised T x T form (reference.py), for tests;
-  * ``chunked``: chunks of ``ChunkTiles.chunk`` tokens, ``lax.scan`` over chunks (xla.py);
-  * ``pallas_triton``: the Triton kernels (pallas_triton.py; GPUs, interpreted on CPUs);
-  * ``pallas_tpu``: the Mosaic TPU kernels (pallas_mosaic_tpu.py; TPUs, interpreted on CPUs);
-  * ``auto`` (or None): on GPUs ``pallas_triton`` for heads up to ``pallas_triton.MAX_KEY`` x
-    ``MAX_VALUE``, else ``chunked``; ``chunked`` on TPUs and CPUs.
+computed by appending a ones column to v (the augmented state's last column is z), so every backend
+covers both forms. Backends (``REGISTRY``; tests/ops/gated_linear_attention proves they agree):
+``recurrent`` and ``parallel`` (reference.py; recurrent is the decode path), ``chunked`` (xla.py),
+``pallas_triton`` and ``pallas_tpu`` (the kernels; interpreted on CPUs). "auto" / None: on GPUs
+``pallas_triton`` for heads up to ``pallas_triton.MAX_KEY`` x ``MAX_VALUE``, else ``chunked``.
 """
 
 from __future__ import annotations
@@ -66,28 +60,13 @@ def gated_linear_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                            chunked_remat: bool = True) -> tuple[jax.Array, LinearAttentionState]:
   """Gated (optionally normalised) linear attention; returns (o [B, T, H, V] in q's dtype, state).
 
-  Args:
-    q, k: [B, T, H, K] (any feature map already applied by the caller).
-    v: [B, T, H, V].
-    log_forget: [B, T, H] (scalar per head) or [B, T, H, K] (per key channel) log forget gate,
-      values <= 0 (not checked; the chunked forms rely on it), accumulated in fp32; None: no decay.
-    implementation: a name of ``REGISTRY``, or "auto" / None (see the module docstring).
-    state: the state before the first token; None means zeros (start of a sequence).
-    tiles: the backend's tiling (``ChunkTiles``, ``pallas_triton.TritonTiles``,
-      ``pallas_mosaic_tpu.MosaicTiles``); None: its heuristic.
-    normalize: divide by the decayed key sum (see the module docstring); the state then carries z.
-    eps: added to the normaliser.
-    scale: multiplies the scores q · k.
-    segment_ids: optional int [B, T]; where the id changes between consecutive tokens the state is
-      reset and no token sees another segment (packed documents, MATH §6.4). The incoming
-      ``state`` belongs to the first token's segment.
-    kernel_precision: the Triton kernels' dot operands, "input" (the inputs' dtype), "tf32" or
-      "float32" (fp32 throughout, and o in fp32; ``pallas_utils.PRECISIONS``); the TPU kernels take
-      "input" only; the XLA forms ignore it.
-    kernel_split_state: the kernels' backward takes its state dots' fp32 operands as two parts in the
-      inputs' dtype (``pallas_utils.split_dot``); False: one rounding, faster.
-    chunked_remat: ``chunked`` only: the backward pass recomputes the forward from the inputs instead
-      of keeping the chunk states and intra-chunk blocks (``xla.chunked``).
+  q, k [B, T, H, K] (feature maps already applied); v [B, T, H, V]; ``log_forget`` [B, T, H] or
+  [B, T, H, K], <= 0 (not checked; the chunked forms rely on it), None: no decay. ``state`` None: zeros.
+  ``tiles``: the backend's tiling (None: its heuristic). ``segment_ids`` [B, T]: the state resets where
+  the id changes (MATH §6.4); the incoming state belongs to the first token's segment.
+  ``kernel_precision``: the Triton kernels' dot operands (``pallas_utils.PRECISIONS``; not "input":
+  o in fp32), "input" only on TPU. ``kernel_split_state``: the kernels' backward state dots in two
+  parts (``pallas_utils.split_dot``). ``chunked_remat``: ``chunked``'s backward recomputes its forward.
   """
   check_shapes(q, k, v, log_forget, state, segment_ids)
   pallas_utils.check_precision(kernel_precision, OP)

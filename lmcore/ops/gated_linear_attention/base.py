@@ -1,48 +1,31 @@
-"""Gated linear attention (MATH §3, §4): the state, the argument checks and the wrapper every chunked
-form runs in (``run_backend``). Imported by every backend; imports no backend.
+"""Gated linear attention (MATH §3, §4): what every backend shares. Imports no backend.
 
-The backend contract: ``backend(q, k, v, g_BxTxHxG, S0_BxHxKxV, *, scale, doc_BxT, tiles, options)
--> (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32)``, with G = 1 (a scalar gate per head) or K (per key
-channel), ``doc_BxT`` the document index of ``lmcore.ops.common.segments.document_index``, ``tiles``
-the backend's tiling (``lmcore.ops.common.backend``) and ``options`` the ``Options`` it reads.
+Backend contract: ``backend(q, k, v, g_BxTxHxG, S0_BxHxKxV, *, scale, doc_BxT, tiles, options) ->
+(o [B, T, H, V] fp32, S_T [B, H, K, V] fp32)``; G = 1 (a gate per head) or K (per key channel),
+``doc_BxT`` from ``segments.document_index``. ``run_backend`` wraps one into the op's signature.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from lmcore.ops.common import flops, layout
+from lmcore.ops.common.backend import HeadProblem
+from lmcore.ops.common.pallas_utils import pad_axis
 from lmcore.ops.common.segments import document_index
 
 OP = "gated_linear_attention"
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-  """What decides the backend and its FLOP count: the platform, the kernel's head widths K x V (V + 1
-  for a normalised form: the ones column) and the length T (None: not known)."""
-
-  platform: str
-  key_dim: int = 0
-  value_dim: int = 0
-  length: int | None = None
-
-  def describe(self) -> str:
-    return f"heads of {self.key_dim} x {self.value_dim} on {self.platform}"
+Problem = HeadProblem
 
 
 class Options(NamedTuple):
-  """The options a backend may read besides its tiling.
-
-  precision: the GPU kernel's dot operands, "input" (the inputs' dtype), "tf32" or "float32"
-    (``pallas_utils.PRECISIONS``); the TPU kernel takes "input" only, the XLA forms ignore it.
-  split_state: the kernels' backward takes its state dots' fp32 operands as two parts in the inputs'
-    dtype (``pallas_utils.split_dot``); False: one rounding.
-  remat: ``chunked``'s backward recomputes the forward from the inputs (``xla.chunked``).
-  """
+  """What a backend may read besides its tiling: ``precision``, the Triton kernels' dot operands
+  (``pallas_utils.PRECISIONS``); ``split_state``, the kernels' backward state dots in two parts
+  (``pallas_utils.split_dot``); ``remat``, ``xla.chunked`` recomputes its forward in the backward."""
 
   precision: str = "input"
   split_state: bool = True
@@ -76,28 +59,17 @@ def check_shapes(q, k, v, log_forget, state, segment_ids) -> None:
     expected["state.z"] = (state.z.shape, (batch_size, n_heads, key_dim))
   if segment_ids is not None:
     expected["segment_ids"] = (segment_ids.shape, (batch_size, length))
-  for name, (got, want) in expected.items():
-    if tuple(got) != tuple(want):
-      raise ValueError(f"{OP}: {name} has shape {tuple(got)}, expected "
-                       f"{tuple(want)} (q is {tuple(q.shape)} = [B, T, H, K], v is "
-                       f"{tuple(v.shape)} = [B, T, H, V])")
+  layout.check_shapes(OP, expected, q.shape, v.shape)
 
 
-def check_chunk_size(chunk_size: int) -> None:
-  """Raises ValueError unless ``chunk_size`` is a power of two."""
-  if chunk_size < 1 or chunk_size & (chunk_size - 1):
-    raise ValueError(f"{OP}: chunk_size must be a power of two, got {chunk_size}")
-
-
-def run_backend(backend, q: jax.Array, k: jax.Array, v: jax.Array, log_forget: jax.Array | None,
-                state: LinearAttentionState | None, *, normalize: bool, eps: float, scale: float,
-                segment_ids: jax.Array | None, out_dtype=None
+def run_backend(backend, q: jax.Array, k: jax.Array, v: jax.Array, log_forget: jax.Array | None = None,
+                state: LinearAttentionState | None = None, *, normalize: bool = False, eps: float = 1e-6,
+                scale: float = 1.0, segment_ids: jax.Array | None = None, out_dtype=None
                 ) -> tuple[jax.Array, LinearAttentionState]:
-  """``gated_linear_attention`` around one backend (see the module docstring): fills in the zero
-  state, no decay and one document, and with ``normalize`` appends the ones column whose output
-  divides o (the state's last column is then z). Inputs as ``gated_linear_attention``'s, already
-  checked; o comes in ``out_dtype`` (None: q's).
-  """
+  """``gated_linear_attention``'s function of already checked inputs, computed by ``backend(q, k, v, g,
+  S0, *, scale, doc_BxT)``: zero state, no decay and one document by default; ``normalize`` appends
+  the ones column whose output divides o (the state's last column is then z). o in ``out_dtype``
+  (None: q's)."""
   out_dtype = q.dtype if out_dtype is None else out_dtype
   batch_size, length, n_heads, key_dim = q.shape
   value_dim = v.shape[-1]
@@ -120,8 +92,8 @@ def run_backend(backend, q: jax.Array, k: jax.Array, v: jax.Array, log_forget: j
   return o.astype(out_dtype), LinearAttentionState(S[..., :value_dim], S[..., value_dim])
 
 
-# The kernels' arguments by name and each one's leading dimensions, for their shard_map
-# (``lmcore.ops.common.shard_map.run_sharded``); outputs: o "BTH", S "BH".
+# The kernels' arguments by name and their leading dimensions (``shard_map.run_sharded``); outputs:
+# o "BTH", S "BH".
 KERNEL_LAYOUTS = dict(q_BxTxHxK="BTH", k_BxTxHxK="BTH", v_BxTxHxV="BTH", g_BxTxHxG="BTH",
                       S0_BxHxKxV="BH", doc_BxT="B")
 
@@ -129,3 +101,30 @@ KERNEL_LAYOUTS = dict(q_BxTxHxK="BTH", k_BxTxHxK="BTH", v_BxTxHxV="BTH", g_BxTxH
 def kernel_inputs(q, k, v, g, S0, doc_BxT) -> dict:
   """A backend's arrays by the kernels' argument names (``KERNEL_LAYOUTS``)."""
   return dict(zip(KERNEL_LAYOUTS, (q, k, v, g, S0, doc_BxT)))
+
+
+def pad_inputs(q, k, v, g, S0, Tp: int, Kp: int, Vp: int):
+  """The kernels' inputs padded with zeros, which leave states and outputs unchanged: q, k
+  [B, Tp, H, Kp], v [B, Tp, H, Vp], g fp32 [B, Tp, H, 1 or Kp], S0 fp32 [B, H, Kp, Vp]."""
+  pad = lambda x, sizes: functools.reduce(lambda y, a: pad_axis(y, a, sizes[a]), sizes, x)
+  G = 1 if g.shape[-1] == 1 else Kp
+  return (pad(q, {1: Tp, 3: Kp}), pad(k, {1: Tp, 3: Kp}), pad(v, {1: Tp, 3: Vp}),
+          pad(g.astype(jnp.float32), {1: Tp, 3: G}), pad(S0.astype(jnp.float32), {2: Kp, 3: Vp}))
+
+
+def chunked_flops(problem: Problem, chunk: int) -> float:
+  """``flops.chunked`` of a chunked form at ``chunk`` tokens per chunk (T unknown: one chunk)."""
+  return flops.chunked(problem.key_dim, problem.value_dim, chunk, problem.length or chunk)
+
+
+def gate_grad(q, k, dq, dk, final, G: int) -> jax.Array:
+  """dg, time on axis 1, from the kernels' fp32 dq, dk (q's layout) and final = sum_v S_T ⊙ dS_T.
+
+  o depends on the cumulative log gate B only through q ⊙ exp(B), k ⊙ exp(-B) and exp(B_T) in S_T,
+  so dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ final at t = T) and dg is the reverse cumulative sum of dB
+  (summed over keys for G = 1)."""
+  dB = q.astype(jnp.float32) * dq - k.astype(jnp.float32) * dk
+  dB = dB.at[:, -1].add(final)
+  if G == 1:
+    dB = jnp.sum(dB, axis=-1, keepdims=True)
+  return jnp.flip(jnp.cumsum(jnp.flip(dB, 1), axis=1), 1)

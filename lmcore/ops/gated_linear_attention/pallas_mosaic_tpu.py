@@ -1,38 +1,23 @@
-"""Pallas (Mosaic TPU lowering) kernels for chunked gated linear attention (MATH §3, §4), with VJP.
+"""Pallas (Mosaic TPU) kernels for chunked gated linear attention (MATH §3, §4), with a custom VJP.
 
-The function is xla.py's and pallas_triton.py's, per head, with b the chunk-local cumulative log
-gate::
+xla.py's function, per head, with b the chunk-local cumulative log gate::
 
     o_i     = scale * [(q_i ⊙ exp(b_i)) S_n  +  sum_{j<=i} (sum_k q_ik k_jk exp(b_ik - b_jk)) v_j]
     S_{n+1} = diag(exp(b_C)) S_n + sum_j (k_j ⊙ exp(b_C - b_j)) v_jᵀ
 
-TPU form. A TPU core runs the grid steps one after another, so the grid is (batch·head, value
-tile, chunk) with the chunk axis last and "arbitrary" (sequential; the first two are "parallel"
-and split over the cores of a chip), and the fp32 state tile lives in a VMEM scratch buffer carried
-from one chunk's step to the next: loaded from the initial state at chunk 0, written out as the
-final state after the last chunk. The state is kept transposed, Sᵀ [BV, K], so that every gate
-vector is a row over the key lanes, as in q and k: decaying it is Sᵀ * exp(b_C) [1, K] and reading
-it is a q kᵀ-shaped matmul. Arrays are head-major, [B·H, T, ·], in blocks of (C, 128 m): time is
-padded to whole chunks and K, V to multiples of 128 lanes (zeros, which leave state and outputs
-unchanged); compiled chunks hold at least 128 tokens, so that the [C, C] score block and the
-row-shaped [1, C] gate and document blocks fill whole lanes. Mosaic has no cumulative sum: b is
-computed outside the kernels.
+A TPU core runs grid steps in order, so the grid is (batch·head, value tile, chunk), the chunk axis
+last and "arbitrary", and the fp32 state tile is carried in VMEM scratch from chunk to chunk. The
+state is kept transposed, Sᵀ [BV, K], so that gate vectors are rows over the key lanes as in q and k.
+Arrays are head-major [B·H, T, ·]: T padded to whole chunks, K and V to multiples of 128 lanes
+(zeros); compiled chunks hold at least 128 tokens so that [C, C] and [1, C] blocks fill whole lanes.
+Mosaic has no cumulative sum: b is computed outside. A scalar gate makes the intra-chunk scores one
+matmul times exp(b_i - b_j) (b passed as a column and a row); a per-key-channel gate uses secondary
+chunking (earlier keys by one anchored matmul, keys inside the sub-chunk exactly in fp32, one at a
+time). Exponents are masked to -inf before ``exp``; documents as in pallas_triton.py.
 
-A scalar gate per head makes the intra-chunk scores one matmul times a decay matrix exp(b_i - b_j),
-from the gate as a column [C, 1] and as a row [1, C] (both passed in). A per-key-channel gate uses
-secondary chunking as pallas_triton.py does: for the query sub-chunk of ``sub_chunk`` rows starting
-at s, with its anchor r = b_{s-1}, all earlier keys of the chunk in one matmul of q ⊙ exp(b - r) and
-k ⊙ exp(r - b) (both exponents <= 0), and the keys inside the sub-chunk exactly in fp32, one key
-(a row slice) at a time. Masked exponents are set to -inf *before* ``exp``. Packed documents
-(``doc_BxT``, ``segments.document_index``) are honoured by masks: a token reads the carried state
-only while in the state's document, and a chunk hands on only its last document's writes.
-
-Backward (``jax.custom_vjp``): the forward saves its inputs and the final state only. A forward
-sweep recomputes the chunk states to get dq; a reverse sweep (the chunk index map runs backwards)
-carries dSᵀ in VMEM to get dk, dv and dS_0. The gate gradient is pallas_triton.py's: the output depends on
-the cumulative log gate B only through q ⊙ exp(B), k ⊙ exp(-B) and exp(B_T) in the final state, so
-dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ sum_v S_T ⊙ dS_T at t = T) and dg is the reverse cumulative sum of
-dB. With several value tiles the dq, dk of each tile are partial sums added outside.
+Backward: the forward saves its inputs and final state. A forward sweep recomputes the states for dq;
+a reverse sweep carries dSᵀ in VMEM for dk, dv and dS_0; dg is ``base.gate_grad``. Several value
+tiles give partial dq, dk summed outside.
 """
 
 from __future__ import annotations
@@ -47,13 +32,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from lmcore.ops.common import flops, shard_map
+from lmcore.ops.common import shard_map
 from lmcore.ops.common import pallas_utils as pu
 from lmcore.ops.common.backend import MOSAIC_TPU, Backend, check_power_of_two
-from lmcore.ops.common.layout import heads_first
 from lmcore.ops.common.segments import ChunkDocuments, chunk_documents
-from lmcore.ops.gated_linear_attention.base import (KERNEL_LAYOUTS, LinearAttentionState, Options, Problem,
-                                                    check_shapes, kernel_inputs, run_backend)
+from lmcore.ops.gated_linear_attention.base import (KERNEL_LAYOUTS, OP, Options, Problem, chunked_flops,
+                                                    gate_grad, kernel_inputs, pad_inputs)
 
 LANES, SUBLANES = pu.TPU_LANES, pu.TPU_SUBLANES
 SUB_CHUNK = 16
@@ -61,14 +45,8 @@ _F32 = jnp.float32
 
 
 class KernelConfig(NamedTuple):
-  """Static kernel parameters (hashable: they key the compiled kernels).
-
-  chunk: tokens per chunk C; sub_chunk: query rows per diagonal block (per-channel gates only);
-  block_v: value columns per grid step BV; n_heads: H (the document arrays are per batch row);
-  scalar_gate: one gate per head (G = 1); scale: multiplies the scores; interpret:
-  ``pallas_call``'s ``interpret`` argument; split: the backward's state dots take their fp32
-  operands as two parts in the inputs' dtype (``pallas_utils.split_dot``).
-  """
+  """Static kernel parameters (they key the compiled kernels); ``n_heads`` maps a batch·head row to
+  its batch row's document arrays."""
 
   chunk: int
   sub_chunk: int
@@ -460,85 +438,43 @@ def _fused_bwd(cfg, residuals, cotangents):
       _dkv_kernel, cfg, s, [dS_end_T, do], [s.state, s.values], [s.partial, s.values, s.state],
       (partial, jax.ShapeDtypeStruct(v.shape, _F32), jax.ShapeDtypeStruct(S0_T.shape, _F32)))
   dq, dk = dq.sum(0), dk.sum(0)
-  dg = _gate_grad(q, k, dq, dk, S_end_T, dS_end_T, g.shape[-1])
+  dg = gate_grad(q, k, dq, dk, jnp.sum(S_end_T * dS_end_T, axis=1), g.shape[-1])
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg, None, dS0_T
-
-
-def _gate_grad(q, k, dq, dk, S_end_T, dS_end_T, G):
-  """dg [BH, Tp, G]: reverse cumsum over time of dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ final state)."""
-  dB_BHxTxK = q.astype(_F32) * dq - k.astype(_F32) * dk
-  dB_BHxTxK = dB_BHxTxK.at[:, -1].add(jnp.sum(S_end_T * dS_end_T, axis=1))
-  if G == 1:
-    dB_BHxTxK = jnp.sum(dB_BHxTxK, axis=-1, keepdims=True)
-  return jnp.flip(jnp.cumsum(jnp.flip(dB_BHxTxK, 1), axis=1), 1)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _check_sizes(chunk_size: int, sub_chunk: int, block_v: int, compiled: bool) -> None:
-  """Raises ValueError for block sizes the kernels (or, when compiled, the TPU tiles) reject."""
-  for name, size in (("chunk_size", chunk_size), ("sub_chunk", sub_chunk)):
-    if size < 1 or size & (size - 1):
-      raise ValueError(f"gated_linear_attention: {name} must be a power of two, got {size}")
-  if compiled and (block_v % LANES or sub_chunk % SUBLANES):
-    raise ValueError(f"gated_linear_attention: on TPU block_v must be a multiple of {LANES} and "
-                     f"sub_chunk of {SUBLANES}, got block_v={block_v}, sub_chunk={sub_chunk}")
-
-
 def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: float, doc_BxT,
             chunk_size: int = 64, interpret: bool | pltpu.InterpretParams | None = None,
-            block_v: int = LANES,
-            sub_chunk: int = SUB_CHUNK, split: bool = True):
-  """The TPU backend with xla.chunked's contract: (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32).
-
-  Pads T to whole chunks, K to a multiple of 128 and V to a multiple of ``block_v`` (zeros), runs
-  the kernels head-major and undoes the layout; G = 1 (scalar gate) or K (per channel). Compiled,
-  chunks hold max(chunk_size, 128) tokens and ``block_v`` must be a multiple of 128; interpreted
-  (``interpret=True``, or None off TPU) any powers of two run, so that tests cross many chunks.
-  ``split`` takes the backward's state dots in two parts (``pallas_utils.split_dot``; False: one
-  rounding to the inputs' dtype).
-  """
-  interpret = pu.resolve_tpu_interpret(interpret, "gated_linear_attention",
-                                        "implementation='chunked'")
-  _check_sizes(chunk_size, sub_chunk, block_v, compiled=not interpret)
+            block_v: int = LANES, sub_chunk: int = SUB_CHUNK, split: bool = True):
+  """The backend contract of ``base`` by the kernels. Compiled, chunks hold max(chunk_size, 128)
+  tokens and ``block_v`` is a multiple of 128; interpreted (``interpret=True``, a
+  ``pltpu.InterpretParams``, or None off TPU) any powers of two run. ``split``: the backward's state
+  dots in two parts (``pallas_utils.split_dot``)."""
+  interpret = pu.resolve_tpu_interpret(interpret, OP, "implementation='chunked'")
+  check_power_of_two(OP, chunk_size=chunk_size, sub_chunk=sub_chunk)
+  if not interpret and (block_v % LANES or sub_chunk % SUBLANES):
+    raise ValueError(f"gated_linear_attention: on TPU block_v must be a multiple of {LANES} and "
+                     f"sub_chunk of {SUBLANES}, got block_v={block_v}, sub_chunk={sub_chunk}")
   B, T, H, K = q_BxTxHxK.shape
   V, G = v_BxTxHxV.shape[-1], g_BxTxHxG.shape[-1]
   C = chunk_size if interpret else max(chunk_size, LANES)
   Tp, Kp, Vp = pu.round_up(T, C), pu.round_up(K, LANES), pu.round_up(V, block_v)
   cfg = KernelConfig(chunk=C, sub_chunk=min(sub_chunk, C), block_v=block_v, n_heads=H,
                      scalar_gate=G == 1, scale=float(scale), interpret=interpret, split=split)
-  S0_T = pu.pad_axis(pu.pad_axis(jnp.swapaxes(S0_BxHxKxV.astype(_F32), 2, 3), 2, Vp), 3, Kp)
-  o, S_T = _fused(heads_first(q_BxTxHxK, Tp, Kp), heads_first(k_BxTxHxK, Tp, Kp),
-                  heads_first(v_BxTxHxV, Tp, Vp),
-                  heads_first(g_BxTxHxG.astype(_F32), Tp, 1 if G == 1 else Kp),
-                  chunk_documents(doc_BxT, Tp, C), S0_T.reshape(B * H, Vp, Kp), cfg)
+  q, k, v, g, S0 = pad_inputs(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, Tp, Kp, Vp)
+  heads = lambda x: jnp.swapaxes(x, 1, 2).reshape(B * H, Tp, x.shape[-1])
+  S0_T = jnp.swapaxes(S0, 2, 3).reshape(B * H, Vp, Kp)
+  o, S_T = _fused(heads(q), heads(k), heads(v), heads(g), chunk_documents(doc_BxT, Tp, C), S0_T, cfg)
   o_BxTxHxV = jnp.swapaxes(o.reshape(B, H, Tp, Vp)[:, :, :T, :V], 1, 2)
   return o_BxTxHxV, jnp.swapaxes(S_T.reshape(B, H, Vp, Kp)[:, :, :V, :K], 2, 3)
 
 
-def gated_linear_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array,
-                               log_forget: jax.Array | None = None, *,
-                               state: LinearAttentionState | None = None,
-                               chunk_size: int = 64, normalize: bool = False, eps: float = 1e-6,
-                               scale: float = 1.0, segment_ids: jax.Array | None = None,
-                               interpret: bool | pltpu.InterpretParams | None = None, **tuning
-                               ) -> tuple[jax.Array, LinearAttentionState]:
-  """``gated_linear_attention`` computed by the TPU kernels; same arguments and results.
-
-  ``tuning`` passes ``block_v``, ``sub_chunk`` and ``split`` to ``chunked``. Zero state, no decay and one
-  document by default, and normalisation: ``base.run_backend``.
-  """
-  check_shapes(q, k, v, log_forget, state, segment_ids)
-  backend = functools.partial(chunked, chunk_size=chunk_size, interpret=interpret, **tuning)
-  return run_backend(backend, q, k, v, log_forget, state, normalize=normalize, eps=eps,
-                     scale=scale, segment_ids=segment_ids)
-
-
 @dataclasses.dataclass(frozen=True)
 class MosaicTiles:
-  """``chunk`` tokens per chunk (at least 128 when compiled), ``sub_chunk`` tokens per diagonal block
-  (per-key-channel gates), ``block_v`` value columns per grid step (a multiple of 128 when compiled)."""
+  """Tokens per chunk (>= 128 compiled) and per diagonal block (per-key-channel gates), value columns
+  per grid step (a multiple of 128 compiled)."""
 
   chunk: int = 64
   sub_chunk: int = SUB_CHUNK
@@ -550,8 +486,8 @@ class MosaicTiles:
 
 
 class PallasMosaicTpu(Backend[MosaicTiles]):
-  """The Mosaic TPU kernels as a backend (named, not "auto": no TPU has timed them), each device of the
-  mesh in context on its own rows and heads (``shard_map.run_sharded``)."""
+  """The Mosaic kernels (named, not "auto": no TPU has timed them), each device of the mesh on its own
+  rows and heads (``shard_map``)."""
 
   platforms = MOSAIC_TPU
   tiles_type = MosaicTiles
@@ -562,15 +498,10 @@ class PallasMosaicTpu(Backend[MosaicTiles]):
 
   def flops_per_head(self, problem: Problem, tiles: MosaicTiles | None = None) -> float:
     chunk = self.config(problem, tiles).chunk
-    if problem.platform == "tpu":
-      chunk = max(chunk, LANES)
-    return flops.chunked(problem.key_dim, problem.value_dim, chunk, problem.length or chunk)
+    return chunked_flops(problem, max(chunk, LANES) if problem.platform == "tpu" else chunk)
 
   def __call__(self, q, k, v, g, S0, *, scale: float, doc_BxT, tiles: MosaicTiles, options: Options):
-    if options.precision != "input":
-      raise ValueError(f"gated_linear_attention: kernel_precision={options.precision!r} is for the GPU "
-                       "kernels; the TPU kernels compute in the inputs' dtype: use kernel_precision='input', "
-                       "or pass fp32 inputs")
+    pu.check_tpu_precision(options.precision, OP)
     kernel = functools.partial(chunked, scale=scale, chunk_size=tiles.chunk, sub_chunk=tiles.sub_chunk,
                                block_v=tiles.block_v, split=options.split_state)
     return shard_map.run_sharded(kernel, kernel_inputs(q, k, v, g, S0, doc_BxT), KERNEL_LAYOUTS,

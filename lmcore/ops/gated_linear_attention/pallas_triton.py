@@ -1,44 +1,23 @@
-"""Pallas (Triton lowering) kernels for chunked gated linear attention (MATH §3, §4), custom VJP.
+"""Pallas (Triton) kernels for chunked gated linear attention (MATH §3, §4), with a custom VJP.
 
-The function is xla.py's, per head, with b the chunk-local cumulative log gate (fp32) and a_n =
-exp(b_C) the decay over chunk n (b_C its total log gate)::
+xla.py's function, per head, with b the chunk-local cumulative log gate and a_n = exp(b_C)::
 
     o_i     = scale * [(q_i ⊙ exp(b_i)) S_n  +  sum_{j<=i} (sum_k q_ik k_jk exp(b_ik - b_jk)) v_j]
     S_{n+1} = diag(a_n) S_n + W_n,     W_n = sum_j (k_j ⊙ exp(b_C - b_j)) v_jᵀ
 
-in three phases (FLA's "chunk" form): (1) a kernel over (batch, head, chunk, value tile) writes
-every chunk's W_n [K, V] (fp32) to HBM; (2) ``chunk_scan`` runs the recurrence above through the
-chunks (``scan="pallas"``: one kernel, each program carrying a tile of the state; ``"xla"``: an
-associative scan) and hands on every S_n in the inputs' dtype, the dtype the later dots take it
-in; (3) a kernel over the same grid computes each chunk's outputs from S_n and its intra-chunk
-block. Phases 1 and 3 run every chunk in parallel, so the GPU fills even at small batch x heads.
+in FLA's three phases, over the grid (batch, head, chunk, value tile): (1) every chunk's W_n [K, V]
+fp32; (2) ``chunk_scan`` hands on every S_n in the inputs' dtype; (3) each chunk's outputs from S_n
+and its intra-chunk block. Phases 1 and 3 run all chunks in parallel (the GPU fills at small B·H).
+A per-key-channel gate uses xla.py's secondary chunking around the anchor r = b just before the
+query sub-chunk. Exponents are <= 0 (masked to -inf before ``exp``). Documents (``doc_BxT``): a token
+reads S_n only in the state's document; a chunk hands on only its last document's writes (a_n = 0
+when a document starts inside it).
 
-A scalar gate per head makes the intra-chunk scores one matmul times a decay matrix; a
-per-key-channel gate uses secondary chunking (sub-chunks of ``SUB_CHUNK`` tokens): blocks below
-the diagonal are a matmul of q ⊙ exp(b - r) and k ⊙ exp(r - b) around the query sub-chunk's
-anchor r = b just before it (both exponents <= 0), diagonal blocks exact elementwise fp32 sums.
-Every exponent is <= 0 for gates <= 0, and masked entries are set to -inf *before* ``exp``.
-
-Packed documents (``doc_BxT``, non-decreasing per row, as ``segments.document_index`` makes them)
-are honoured by masks inside the kernels: a token reads the carried state only while in the document
-the state belongs to, and a chunk hands on only its last document's writes (a_n = 0 when a document
-starts inside chunk n).
-
-Backward (``jax.custom_vjp``): the forward saves only its inputs; the chunk states are recomputed.
-With R_n = sum_i (q_i ⊙ exp(b_i)) do_iᵀ over the tokens reading S_n, the state gradients follow
-dS_N = dL/dS_T, dS_n = diag(a_n) dS_{n+1} + R_n. One kernel writes W_n and R_n per chunk, two
-chunk scans give every S_n and dS_n, and one kernel per chunk computes dq (from S_n), dk and
-dv (from dS_{n+1}). Those state dots (k ⊙ exp(b_C - b) and q ⊙ exp(b) into W_n and R_n, S_n and dS_n
-into dq, dk, dv) take each fp32 operand as two bf16 parts (hi, lo), so the chunk states and the
-gradients reaching the gate carry about 16 bits instead of 8 (``pallas_utils.split_dot``). The gate
-gradient needs no kernel: with B the cumulative log gate, the output depends on B only through q ⊙ exp(B),
-k ⊙ exp(-B) and the final state's exp(B_T), so
-dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ S_T ⊙ dS_T summed over values at t = T) and dg is the reverse
-cumulative sum of dB. With several value tiles each program returns partial dq, dk (sums over
-values) that are added outside.
-
-Default tiles (``TritonTiles``) are the fastest measured (docs/BENCHMARKS.md, Gated linear attention
-kernel tiles).
+Backward: the forward saves its inputs only. One kernel writes W_n and R_n = sum_i (q_i ⊙ exp(b_i))
+do_iᵀ (over the tokens reading S_n), two chunk scans give S_n and dS_n = diag(a_n) dS_{n+1} + R_n, one
+kernel takes dq (from S_n), dk and dv (from dS_{n+1}); the state dots take fp32 operands in two bf16
+parts (``pallas_utils.split_dot``); dg is ``base.gate_grad``. Several value tiles give partial dq, dk
+summed outside. Default tiles: docs/BENCHMARKS.md, Gated linear attention kernel tiles.
 """
 
 from __future__ import annotations
@@ -51,28 +30,21 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lmcore.ops.common import chunk_scan, flops, shard_map
+from lmcore.ops.common import chunk_scan, shard_map
 from lmcore.ops.common import pallas_utils as pu
 from lmcore.ops.common.backend import TRITON, Backend, check_power_of_two
-from lmcore.ops.gated_linear_attention.base import (KERNEL_LAYOUTS, LinearAttentionState, Options, Problem,
-                                                    check_chunk_size, kernel_inputs,
-                                                    check_shapes, run_backend)
+from lmcore.ops.gated_linear_attention.base import (KERNEL_LAYOUTS, OP, Options, Problem, chunked_flops,
+                                                    gate_grad, kernel_inputs, pad_inputs)
 
 CHUNK = 16
 SUB_CHUNK = 16
-# The widest heads "auto" gives these kernels: past them XLA "chunked" was faster
-# (docs/BENCHMARKS.md, Gated linear attention heads).
+# The widest heads "auto" gives these kernels (docs/BENCHMARKS.md, Gated linear attention heads).
 MAX_KEY, MAX_VALUE = 128, 256
 _F32 = jnp.float32
 
 
 class KernelConfig(NamedTuple):
-  """Static kernel parameters (hashable: they key the compiled kernels).
-
-  chunk: tokens per chunk C (a power of two); sub_chunk: tokens per diagonal block (C for a scalar
-  gate); block_v: value columns per program BV; scale: multiplies the scores; split: the backward's
-  state dots take their fp32 operands as two bf16 parts (``pallas_utils.split_dot``).
-  """
+  """Static kernel parameters (they key the compiled kernels); ``sub_chunk`` is C for a scalar gate."""
 
   chunk: int
   sub_chunk: int
@@ -99,10 +71,8 @@ class _Sub(NamedTuple):
 
 
 def _load_chunk(refs, cfg: KernelConfig, do_ref=None):
-  """Sub-chunks of the program's chunk, its total log gate [1, G] and its last document.
-
-  ``refs`` is (q, k, v, g, doc); a None q ref leaves ``_Sub.q`` None (kernels that never read q).
-  """
+  """Sub-chunks of the program's chunk of refs (q or None, k, v, g, doc), its total log gate [1, G]
+  and its last document."""
   q_ref, k_ref, v_ref, g_ref, doc_ref = refs
   c = cfg.sub_chunk
   anchor = jnp.zeros((1, g_ref.shape[-1]), _F32)
@@ -172,22 +142,19 @@ def _k_to_end(x: _Sub, b_end, last_doc):
 
 
 def _writes(subs, b_end, last_doc, split: bool):
-  """What a chunk adds to the state, sum_j (k_j ⊙ exp(b_C - b_j)) v_jᵀ over its last document:
-  fp32 [K, BV]."""
+  """W_n = sum_j (k_j ⊙ exp(b_C - b_j)) v_jᵀ over the chunk's last document: fp32 [K, BV]."""
   return sum(pu.split_dot(_k_to_end(x, b_end, last_doc), x.v, x.v.dtype, split, trans_a=True)
              for x in subs)
 
 
 def _reads_grad(subs, state_doc, split: bool):
-  """The chunk's own share of dL/dS_n (S_n: the state at its start), sum_i (q_i ⊙ exp(b_i)) do_iᵀ
-  over the tokens that read S_n, with do already scaled: fp32 [K, BV]."""
+  """R_n = sum_i (q_i ⊙ exp(b_i)) do_iᵀ over the tokens reading S_n (do scaled): fp32 [K, BV]."""
   return sum(pu.split_dot(_q_from_state(x, state_doc), x.do, x.do.dtype, split, trans_a=True)
              for x in subs)
 
 
 def _chunk_outputs(subs, S, state_doc):
-  """Unscaled outputs [c, BV] fp32 per sub-chunk: the read of S (the state at the chunk start)
-  plus the intra-chunk block."""
+  """Unscaled outputs [c, BV] fp32 per sub-chunk: the read of S_n plus the intra-chunk block."""
   dt = subs[0].v.dtype
   out = []
   for i, x in enumerate(subs):
@@ -249,27 +216,8 @@ def _dkv_chunk(subs, dS, b_end, last_doc, split: bool):
   return out
 
 
-def _input_grads(q, k, v, g, kernel_grads, S_end, dS_end):
-  """The VJP's cotangents from the kernels' dq, dk (partial sums per value tile), dv and dS_0."""
-  dq, dk, dv, dS0 = kernel_grads
-  dq, dk = dq.sum(0), dk.sum(0)
-  dg = _gate_grad(q, k, dq, dk, S_end, dS_end, g.shape[-1])
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg, None, dS0)
-
-
-def _gate_grad(q, k, dq, dk, S_end, dS_end, G):
-  """dg: reverse cumsum over time of dB_t = q_t ⊙ dq_t - k_t ⊙ dk_t (+ the final state term)."""
-  dB_BxTxHxK = q.astype(_F32) * dq - k.astype(_F32) * dk
-  final_BxHxK = jnp.sum(S_end * dS_end.astype(_F32), axis=-1)
-  dB_BxTxHxK = dB_BxTxHxK.at[:, -1].add(final_BxHxK)
-  if G == 1:
-    dB_BxTxHxK = jnp.sum(dB_BxTxHxK, axis=-1, keepdims=True)
-  return jnp.flip(jnp.cumsum(jnp.flip(dB_BxTxHxK, 1), axis=1), 1)
-
-
 def _state_doc(doc_ref, prev_doc_ref):
-  """The document of the state entering this program's chunk (grid axis 2): the previous chunk's
-  last document, or the first token's for chunk 0."""
+  """The document of S_n: the previous chunk's last one, or the first token's for chunk 0."""
   n = pl.program_id(2)
   return jnp.where(n > 0, jnp.max(prev_doc_ref[...]), jnp.min(doc_ref[...]))
 
@@ -289,8 +237,7 @@ def _outputs_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, prev_doc_ref, S_ref, o_
 
 def _writes_and_reads_grad_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, prev_doc_ref, do_ref,
                                   W_ref, R_ref, *, cfg):
-  """Backward phase 1: W_n again (the forward states are recomputed, not saved) and R_n, chunk
-  n's own share of dL/dS_n."""
+  """Backward phase 1: W_n (the states are recomputed) and R_n."""
   subs, b_end, last_doc = _load_chunk((q_ref, k_ref, v_ref, g_ref, doc_ref), cfg, do_ref)
   W_ref[...] = _writes(subs, b_end, last_doc, cfg.split)
   R_ref[...] = _reads_grad(subs, _state_doc(doc_ref, prev_doc_ref), cfg.split)
@@ -298,8 +245,7 @@ def _writes_and_reads_grad_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, prev_doc_
 
 def _grads_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, prev_doc_ref, do_ref, S_ref, dS_ref,
                   dq_ref, dk_ref, dv_ref, *, cfg):
-  """Backward phase 3: dq of chunk n from S_n, dk and dv from dS_{n+1} (the gradient of the state
-  after it), both with the intra-chunk terms."""
+  """Backward phase 3: dq of chunk n from S_n, dk and dv from dS_{n+1}, with the intra-chunk terms."""
   subs, b_end, last_doc = _load_chunk((q_ref, k_ref, v_ref, g_ref, doc_ref), cfg, do_ref)
   c = cfg.sub_chunk
   for i, dq in enumerate(_dq_chunk(subs, S_ref[...], _state_doc(doc_ref, prev_doc_ref), cfg.split)):
@@ -310,11 +256,8 @@ def _grads_kernel(q_ref, k_ref, v_ref, g_ref, doc_ref, prev_doc_ref, do_ref, S_r
 
 
 def _chunk_specs(K, G, cfg):
-  """BlockSpecs over the grid (batch, head, chunk, value tile): one chunk of rows, one value tile.
-
-  ``prev_doc`` is the previous chunk's document ids (chunk 0's own for chunk 0); ``state`` one
-  chunk's [K, BV] tile of a [B, H, N, K, V] stack of per-chunk states.
-  """
+  """BlockSpecs over the grid (batch, head, chunk, value tile); ``prev_doc``: the previous chunk's
+  documents (chunk 0's own for chunk 0); ``state``: a [K, BV] tile of the [B, H, N, K, V] states."""
   C, BV = cfg.chunk, cfg.block_v
   rows = lambda width: pl.BlockSpec((None, C, None, width), lambda b, h, n, j: (b, n, h, 0))
   return dict(
@@ -340,13 +283,8 @@ def _chunk_decays(g, doc, C):
 
 
 def _scan_states(decay_BxHxNxGx1, x_BxHxNxKxV, edge_BxHxKxV, cfg, *, reverse: bool, dtype):
-  """Phase 2, the inter-chunk recurrence (``chunk_scan``, ``cfg.scan``).
-
-  Forward: S_0 = edge, S_{n+1} = a_n S_n + x_n (x = the chunks' writes W); reverse: dS_N = edge,
-  dS_n = a_n dS_{n+1} + x_n (x = the chunks' reads' gradients R). Returns the state held at every
-  chunk [B, H, N, K, V] in ``dtype`` (forward: S_n; reverse: dS_{n+1}) and where the walk ends
-  (S_N; reverse: dS_0) [B, H, K, V] fp32.
-  """
+  """Phase 2 (``chunk_scan``): S_{n+1} = a_n S_n + W_n from S_0 = edge, or in reverse dS_n = a_n
+  dS_{n+1} + R_n from dS_N = edge. Returns every chunk's held state in ``dtype`` and the end, fp32."""
   a_BxHxNxK = jnp.broadcast_to(decay_BxHxNxGx1[..., 0], x_BxHxNxKxV.shape[:4])
   return chunk_scan.chunk_scan(x_BxHxNxKxV, a_BxHxNxK, edge_BxHxKxV, reverse=reverse,
                                out_dtype=dtype, implementation=cfg.scan, interpret=cfg.interpret)
@@ -408,7 +346,9 @@ def _gla_bwd(cfg, residuals, cotangents):
       [s["partial"], s["partial"], s["v"]],
       (partial, partial, jax.ShapeDtypeStruct((B, Tp, H, V), _F32)),
       q, k, v, g, doc, doc, do, S_BxHxNxKxV, dS_BxHxNxKxV)
-  return _input_grads(q, k, v, g, (dq, dk, dv, dS0), S_end, dS_end)
+  dq, dk = dq.sum(0), dk.sum(0)
+  dg = gate_grad(q, k, dq, dk, jnp.sum(S_end * dS_end, axis=-1), g.shape[-1])
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg, None, dS0
 
 
 _gla.defvjp(_gla_fwd, _gla_bwd)
@@ -418,71 +358,32 @@ def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: fl
             chunk_size: int = CHUNK, interpret: bool | None = None, block_v: int = 64,
             sub_chunk: int = SUB_CHUNK, num_warps: int = 8, num_stages: int = 2,
             scan: str = "pallas", precision: str = "input", split: bool = True):
-  """The Pallas backend with xla.chunked's contract: (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32).
-
-  Pads T to whole chunks and K, V to power-of-two blocks (zeros: they leave state and outputs
-  unchanged), runs the kernels and slices the padding off; G = 1 (scalar gate) or K (per channel).
-  ``block_v``, ``sub_chunk`` (per-channel gates only), ``num_warps``, ``num_stages`` and ``scan``
-  (phase 2: "pallas" or "xla") are GPU tuning knobs (defaults: the measured best, see the module
-  docstring), ``split`` takes the backward's state dots in two bf16 parts
-  (``pallas_utils.split_dot``), and ``precision`` the dots' operands ("input": the inputs' dtype;
-  "tf32" or "float32": fp32 copies, ``pu.PRECISIONS``); compiled kernels need chunk, sub-chunk and blocks of
-  at least 16.
-  """
+  """The backend contract of ``base`` by the kernels: T padded to whole chunks, K and V to power-of-two
+  blocks (at least 16 compiled). ``scan``: phase 2 by "pallas" or "xla"; ``precision``: the dots'
+  operands (``pallas_utils.PRECISIONS``); ``split``: the backward's state dots in two parts."""
   interpret = pu.resolve_interpret(interpret)
-  pu.check_backend(interpret, "gated_linear_attention", "implementation='chunked' (XLA)")
-  check_chunk_size(chunk_size)
-  pu.check_precision(precision, "gated_linear_attention")
+  pu.check_backend(interpret, OP, "implementation='chunked' (XLA)")
+  check_power_of_two(OP, chunk_size=chunk_size)
+  pu.check_precision(precision, OP)
   q_BxTxHxK, k_BxTxHxK, v_BxTxHxV = pu.operands(precision, q_BxTxHxK, k_BxTxHxK, v_BxTxHxV)
   B, T, H, K = q_BxTxHxK.shape
   V, G = v_BxTxHxV.shape[-1], g_BxTxHxG.shape[-1]
   C = max(chunk_size, 1 if interpret else pu.MIN_DOT)
   Kp, BV = pu.block_size(K, interpret), min(pu.block_size(V, interpret), block_v)
   Tp, Vp = pu.round_up(T, C), pu.round_up(V, BV)
-  per_channel = G > 1
-  cfg = KernelConfig(chunk=C, sub_chunk=min(sub_chunk, C) if per_channel else C, block_v=BV,
-                     scale=float(scale), interpret=interpret,
-                     num_warps=num_warps, num_stages=num_stages, scan=scan, precision=precision,
-                     split=split)
-  pad = lambda x, sizes: functools.reduce(lambda y, a: pu.pad_axis(y, a, sizes[a]), sizes, x)
-  q = pad(q_BxTxHxK, {1: Tp, 3: Kp})
-  k = pad(k_BxTxHxK, {1: Tp, 3: Kp})
-  v = pad(v_BxTxHxV, {1: Tp, 3: Vp})
-  g = pad(g_BxTxHxG.astype(_F32), {1: Tp, 3: Kp if per_channel else 1})
+  cfg = KernelConfig(chunk=C, sub_chunk=min(sub_chunk, C) if G > 1 else C, block_v=BV, scale=float(scale),
+                     interpret=interpret, num_warps=num_warps, num_stages=num_stages, scan=scan,
+                     precision=precision, split=split)
+  q, k, v, g, S0 = pad_inputs(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, Tp, Kp, Vp)
   doc = pu.pad_axis(doc_BxT.astype(jnp.int32), 1, Tp, mode="edge")
-  S0 = pad(S0_BxHxKxV.astype(_F32), {2: Kp, 3: Vp})
   o, S = _gla(q, k, v, g, doc, S0, cfg)
   return o[:, :T, :, :V], S[:, :, :K, :V]
 
 
-def gated_linear_attention_pallas(q: jax.Array, k: jax.Array, v: jax.Array,
-                                  log_forget: jax.Array | None = None, *,
-                                  state: LinearAttentionState | None = None,
-                                  chunk_size: int = CHUNK, normalize: bool = False,
-                                  eps: float = 1e-6, scale: float = 1.0,
-                                  segment_ids: jax.Array | None = None,
-                                  interpret: bool | None = None, precision: str = "input",
-                                  **tuning) -> tuple[jax.Array, LinearAttentionState]:
-  """``gated_linear_attention`` computed by the Pallas kernels; same arguments and results.
-
-  ``precision`` (``pu.PRECISIONS``): o in q's dtype for "input", else fp32 (see ``chunked``).
-  ``tuning`` passes ``block_v``, ``sub_chunk``, ``num_warps``, ``num_stages``, ``scan``, ``split`` to
-  ``chunked``.
-  Zero state, no decay and one document by default, and normalisation: ``base.run_backend``.
-  """
-  check_shapes(q, k, v, log_forget, state, segment_ids)
-  backend = functools.partial(chunked, chunk_size=chunk_size, interpret=interpret,
-                              precision=precision, **tuning)
-  return run_backend(backend, q, k, v, log_forget, state, normalize=normalize, eps=eps,
-                     scale=scale, segment_ids=segment_ids,
-                     out_dtype=pu.output_dtype(q.dtype, precision))
-
-
 @dataclasses.dataclass(frozen=True)
 class TritonTiles:
-  """``chunk`` tokens per chunk, ``sub_chunk`` tokens per diagonal block (per-key-channel gates),
-  ``block_v`` value columns per program (powers of two, >= 16 when compiled), Triton warps and
-  pipeline stages."""
+  """Tokens per chunk and per diagonal block (per-key-channel gates), value columns per program
+  (powers of two, >= 16 compiled), Triton warps and stages."""
 
   chunk: int = CHUNK
   sub_chunk: int = SUB_CHUNK
@@ -496,8 +397,7 @@ class TritonTiles:
 
 
 class PallasTriton(Backend[TritonTiles]):
-  """The Triton kernels as a backend, each device of the mesh in context on its own rows and heads
-  (``shard_map.run_sharded``)."""
+  """The Triton kernels, each device of the mesh on its own rows and heads (``shard_map``)."""
 
   platforms = TRITON
   tiles_type = TritonTiles
@@ -510,8 +410,7 @@ class PallasTriton(Backend[TritonTiles]):
     return TritonTiles()
 
   def flops_per_head(self, problem: Problem, tiles: TritonTiles | None = None) -> float:
-    chunk = self.config(problem, tiles).chunk
-    return flops.chunked(problem.key_dim, problem.value_dim, chunk, problem.length or chunk)
+    return chunked_flops(problem, self.config(problem, tiles).chunk)
 
   def __call__(self, q, k, v, g, S0, *, scale: float, doc_BxT, tiles: TritonTiles, options: Options):
     kernel = functools.partial(chunked, scale=scale, chunk_size=tiles.chunk, sub_chunk=tiles.sub_chunk,

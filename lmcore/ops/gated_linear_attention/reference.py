@@ -1,13 +1,10 @@
 """Readable references for gated linear attention: a token-by-token scan and the T x T form.
 
-Both compute, per head and in fp32 (g the log forget gate, one scalar per head broadcast over the
-key channels when G = 1, or one value per key channel when G = K)::
+Both compute in fp32, per head, with g the log forget gate (G = 1: one per head; G = K: per key)::
 
     S_t = diag(exp(g_t)) S_{t-1} + k_t v_tᵀ,     o_t = scale * S_tᵀ q_t
 
-and return (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32). ``doc_BxT`` numbers the documents of a
-packed row (0 at the first token, +1 at every segment change); the state is reset where it
-changes. Normalisation is layered on top by ``base.run_backend`` (a ones column appended to v carries z).
+with the backend contract of ``base`` (the state resets where ``doc_BxT`` changes).
 """
 
 from __future__ import annotations
@@ -27,14 +24,13 @@ def _f32(x: jax.Array) -> jax.Array:
 
 
 def recurrent(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: float, doc_BxT):
-  """``lax.scan`` over tokens: decay, add k vᵀ, then read, so token t sees itself. Also the decode
-  path: one token is one step without a scan."""
+  """``lax.scan`` over tokens: decay, add k vᵀ, then read (token t sees itself). One token (decode) is
+  one step without a scan."""
   starts_BxT = jnp.concatenate([jnp.zeros_like(doc_BxT[:, :1], bool),
                                 doc_BxT[:, 1:] != doc_BxT[:, :-1]], axis=1)
 
   def step(S_BxHxKxV, inputs):
-    # The readout as products and a sum over K rather than a dot, so that XLA can compute the new
-    # state and the readout in one pass over S (a decode step reads the state once, writes it once).
+    # The read as products summed over K, not a dot: XLA fuses it with the update (one pass over S).
     q_BxHxK, k_BxHxK, v_BxHxV, g_BxHxG, start_B = inputs
     S_BxHxKxV = jnp.where(start_B[:, None, None, None], 0.0, S_BxHxKxV)
     S_BxHxKxV = (jnp.exp(g_BxHxG)[..., None] * S_BxHxKxV
@@ -52,12 +48,9 @@ def recurrent(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: 
 
 
 def parallel(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: float, doc_BxT):
-  """The materialised form (tests only: it holds a [B, H, T, T, K] decay tensor).
-
-  With b_t = sum_{s<=t} g_s (fp32), token i reads key j <= i of its own document with weight
-  exp(b_i - b_j) per key channel, and the initial state (first document only) with exp(b_i).
-  Exponents are masked to -inf before ``exp``, so no positive difference is ever exponentiated.
-  """
+  """The materialised form (tests only: a [B, H, T, T, K] decay tensor). With b_t = sum_{s<=t} g_s,
+  token i reads key j <= i of its document with weight exp(b_i - b_j) per key channel and the initial
+  state (first document only) with exp(b_i); exponents are masked to -inf before ``exp``."""
   q, k, v, S0 = _f32(q_BxTxHxK), _f32(k_BxTxHxK), _f32(v_BxTxHxV), _f32(S0_BxHxKxV)
   T, K = q.shape[1], q.shape[-1]
   b_BxTxHxG = jnp.cumsum(_f32(g_BxTxHxG), axis=1)

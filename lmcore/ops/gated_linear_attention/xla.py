@@ -1,25 +1,20 @@
 """Chunked gated linear attention in pure JAX (the algorithm of FLA's chunk_simple_gla / chunk_gla).
 
-Per chunk n of C tokens, with b_i the sum of g over the chunk up to and including token i (fp32)::
+Per chunk n of C tokens, with b_i the fp32 sum of g over the chunk up to and including token i::
 
     o_i     = scale * [(q_i ⊙ exp(b_i)) S_n + sum_{j<=i} (sum_k q_ik k_jk exp(b_ik - b_jk)) v_j]
     S_{n+1} = diag(exp(b_C)) S_n + sum_j (k_j ⊙ exp(b_C - b_j)) v_jᵀ
 
-Every exponent is a difference b_i - b_j with j <= i, hence <= 0 for gates g <= 0: nothing that
-could overflow is ever exponentiated, however strong the decay. Differences that would be positive
-(j > i) are masked to -inf *before* ``exp``. A scalar gate per head makes the intra-chunk scores
-one matmul times a decay matrix; a per-key-channel gate cannot factor that way, so it uses FLA's
-secondary chunking: sub-chunks of ``SUB_CHUNK`` tokens, blocks below the diagonal as a matmul of
-q ⊙ exp(b - b_r) and k ⊙ exp(b_r - b) around the first row r of the query sub-chunk (both
-exponents <= 0), diagonal blocks elementwise in fp32.
+Every exponent is a difference b_i - b_j with j <= i, so <= 0 for gates <= 0; pairs j > i are masked
+to -inf before ``exp``: nothing overflows however strong the decay. A scalar gate makes the intra-chunk
+scores one matmul times a decay matrix; a per-key-channel gate uses FLA's secondary chunking: blocks
+below the diagonal as a matmul of q ⊙ exp(b - b_r) and k ⊙ exp(b_r - b) around the first row r of the
+query sub-chunk (``SUB_CHUNK`` tokens), diagonal blocks elementwise in fp32.
 
-Matmul operands stay in the input dtype with fp32 accumulation; gates, decays, scores and states
-are fp32. Intra-chunk work runs for all chunks at once (head-major layout [B, H, N, C, ·], so every
-contraction has its batch axes leading); ``lax.scan`` over chunks carries only the fp32 state.
-By default the backward pass recomputes the forward from the inputs (``chunked``'s ``remat``).
-The last chunk is padded with k = v = 0 and g = 0, which leaves the state untouched. Packed
-documents (``doc_BxT``) are honoured by masks: a token reads the carried state only while still in
-the document the state belongs to, and a chunk hands on only its last document's writes.
+Matmul operands stay in the input dtype (fp32 accumulation); gates, decays, scores and states are
+fp32. Intra-chunk work runs for all chunks at once, head-major [B, H, N, C, ·]; ``lax.scan`` carries
+only the state. The last chunk is padded with k = v = g = 0. Documents (``doc_BxT``): a token reads
+the carried state only in the state's document, and a chunk hands on only its last document's writes.
 """
 
 from __future__ import annotations
@@ -30,11 +25,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lmcore.ops.common import flops
-from lmcore.ops.common.backend import Backend, ChunkTiles
-from lmcore.ops.gated_linear_attention.base import Options, Problem, check_chunk_size
+from lmcore.ops.common.backend import ChunkedBackend, ChunkTiles, check_power_of_two
+from lmcore.ops.gated_linear_attention.base import OP, Options, Problem, chunked_flops
 
-CHUNK = 64
 SUB_CHUNK = 16
 
 
@@ -44,7 +37,7 @@ def _dot(spec: str, *operands):
 
 
 class _DocumentMasks(NamedTuple):
-  """Which pairs/tokens interact inside each chunk when rows pack several documents."""
+  """Which pairs and tokens interact inside each chunk of packed documents."""
 
   same_doc_BxNxCxC: jax.Array  # query i and key j are in the same document
   reads_state_BxNxC: jax.Array  # token is in the document the incoming state belongs to
@@ -123,22 +116,15 @@ def _chunk_states(k_BxHxNxCxK, v_BxHxNxCxV, b_BxHxNxCxG, S0_BxHxKxV, masks: _Doc
 
 
 def chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, *, scale: float, doc_BxT,
-            chunk_size: int = CHUNK, remat: bool = True):
-  """Returns (o [B, T, H, V] fp32, S_T [B, H, K, V] fp32); G = 1 (scalar gate) or K (per channel).
+            chunk_size: int, remat: bool = True):
+  """The backend contract of ``base``; ``chunk_size`` a power of two.
 
-  Works head-major, [B, H, N, C, ·], so that every contraction has its batch axes leading.
-  ``chunk_size`` must be a power of two.
-
-  ``remat``: the backward pass recomputes the forward from the op's inputs (``jax.checkpoint``
-  around the whole form), so what waits for it is q, k, v, g, S0 and the int document index:
-  O(B T H (K + V)). Autodiff of the form itself keeps, per layer until its backward pass, the
-  chunk-start states [B, H, N, K, V] (fp32 and in q's dtype), the blocks A [B, H, N, C, C], the
-  decayed q and k [B, H, N, C, K] and, with per-channel gates, the diagonal sub-chunk terms
-  [B, H, N, C/c, c, c, K] (fp32, c = ``SUB_CHUNK``). The recomputation runs the same operations,
-  so outputs and gradients are those without it; it costs one more forward pass of the op in the
-  backward pass.
+  ``remat``: the backward recomputes the forward from the inputs (``jax.checkpoint``), so only q, k, v,
+  g, S0 and the document index wait for it, instead of the chunk states [B, H, N, K, V], the blocks
+  [B, H, N, C, C], the decayed q and k and, per-channel, the diagonal terms [B, H, N, C/c, c, c, K];
+  same outputs and gradients, one more forward pass of the op.
   """
-  check_chunk_size(chunk_size)
+  check_power_of_two(OP, chunk_size=chunk_size)
   core = functools.partial(_chunked_core, scale=scale, chunk_size=chunk_size)
   if remat:
     core = jax.checkpoint(core)
@@ -173,18 +159,11 @@ def _chunked_core(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxG, S0_BxHxKxV, doc_Bx
   return jnp.moveaxis(o_BxHxTxV, 1, 2), S_end_BxHxKxV
 
 
-class Chunked(Backend[ChunkTiles]):
-  """``chunked`` as a backend: any platform, chunks of ``ChunkTiles.chunk`` tokens (a power of two)."""
-
-  tiles_type = ChunkTiles
-
-  def heuristic_config(self, problem: Problem) -> ChunkTiles:
-    del problem
-    return ChunkTiles(CHUNK)
+class Chunked(ChunkedBackend):
+  """``chunked`` as a backend (chunks of a power of two tokens)."""
 
   def flops_per_head(self, problem: Problem, tiles: ChunkTiles | None = None) -> float:
-    chunk = self.config(problem, tiles).chunk
-    return flops.chunked(problem.key_dim, problem.value_dim, chunk, problem.length or chunk)
+    return chunked_flops(problem, self.config(problem, tiles).chunk)
 
   def __call__(self, q, k, v, g, S0, *, scale: float, doc_BxT, tiles: ChunkTiles, options: Options):
     return chunked(q, k, v, g, S0, scale=scale, doc_BxT=doc_BxT, chunk_size=tiles.chunk,

@@ -18,23 +18,27 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from kernel_cases import (assert_close, document_ids, gated_abstract_inputs, gated_bf16_gradient_errors,
-                          gated_inputs, normal, normals, run_gated)
+from kernel_cases import (CHUNK, assert_close, document_ids, gated_abstract_inputs,
+                          gated_bf16_gradient_errors, gated_inputs, normal, normals, run_gated)
 from lmcore.ops.common import pallas_utils
 from lmcore.ops.gated_linear_attention import LinearAttentionState, gated_linear_attention
 from lmcore.ops.gated_linear_attention import pallas_mosaic_tpu as pallas_tpu
+from lmcore.ops.gated_linear_attention.base import run_backend
 
 from .test_base import GatedLinearAttentionTestBase
 
 
 class TestPallasMosaicTpu(GatedLinearAttentionTestBase):
-  """The shared checks on ``pallas_mosaic_tpu.gated_linear_attention_tpu``, interpreted."""
+  """The shared checks on implementation "pallas_tpu" (interpreted on CPU)."""
 
   implementation = "pallas_tpu"
 
-  def op(self, chunk_size: int = 16, **options):
-    return functools.partial(pallas_tpu.gated_linear_attention_tpu, chunk_size=chunk_size, interpret=True,
-                             **options)
+
+def _kernel(**knobs):
+  """``gated_linear_attention`` computed by ``pallas_tpu.chunked`` at chunks of ``CHUNK`` with ``knobs``
+  (interpret modes and tuning knobs that the tiles do not hold)."""
+  kernel = functools.partial(pallas_tpu.chunked, **{"chunk_size": CHUNK, **knobs})
+  return functools.partial(run_backend, kernel)
 
 
 def _inputs(seed, T, gate, normalize, *, with_state, B=2, H=2, K=8, V=5):
@@ -51,8 +55,7 @@ def _inputs(seed, T, gate, normalize, *, with_state, B=2, H=2, K=8, V=5):
 def _assert_same_as_recurrent(seed, T, gate, normalize, with_state, scale=1.0, **tuning):
   inputs, segment_ids, projections = _inputs(seed, T, gate, normalize, with_state=with_state)
   options = dict(normalize=normalize, segment_ids=segment_ids, scale=scale)
-  got = run_gated(functools.partial(pallas_tpu.gated_linear_attention_tpu, **tuning), inputs,
-                  projections, **options)
+  got = run_gated(_kernel(**tuning), inputs, projections, **options)
   want = run_gated(functools.partial(gated_linear_attention, implementation="recurrent"), inputs,
                    projections, **options)
   assert_close(got, want, f"T={T} gate={gate} normalize={normalize} {tuning}")
@@ -100,19 +103,19 @@ def test_default_implementation_on_tpu_is_still_xla():
 def test_compiling_off_tpu_and_bad_block_sizes_raise_clear_errors():
   (q, k, v, log_forget, _), _, _ = _inputs(3, 9, "head", False, with_state=False)
   with pytest.raises(NotImplementedError, match="implementation='chunked'"):
-    pallas_tpu.gated_linear_attention_tpu(q, k, v, log_forget, interpret=False)
+    _kernel(interpret=False)(q, k, v, log_forget)
   with pytest.raises(ValueError, match="power of two"):
-    pallas_tpu.gated_linear_attention_tpu(q, k, v, log_forget, chunk_size=24, interpret=True)
-  compiled = functools.partial(pallas_tpu.gated_linear_attention_tpu, interpret=False, block_v=64)
+    _kernel(chunk_size=24, interpret=True)(q, k, v, log_forget)
   with pytest.raises(ValueError, match="multiple of 128"):
-    pallas_utils.lower_for_tpu(compiled, q, k, v, log_forget)
+    pallas_utils.lower_for_tpu(_kernel(interpret=False, block_v=64), q, k, v, log_forget)
 
 
 def test_bf16_state_dots_in_two_parts_keep_every_gradient_within_the_xla_paths_bf16_error():
   """``kernel_cases.gated_bf16_gradient_errors`` at chunk 16 (interpreted): as the Triton kernel, the
   backward's state dots in two bf16 parts (the default) keep every gradient within the XLA chunked
   path's own bf16 error; with one rounding (``split=False``) the gate gradient is not."""
-  kernel = functools.partial(pallas_tpu.gated_linear_attention_tpu, chunk_size=16, interpret=True)
-  errors = gated_bf16_gradient_errors(kernel, functools.partial(kernel, split=False))
+  kernel = functools.partial(gated_linear_attention, implementation="pallas_tpu",
+                             tiles=pallas_tpu.MosaicTiles(chunk=16))
+  errors = gated_bf16_gradient_errors(kernel, functools.partial(kernel, kernel_split_state=False))
   assert np.all(errors["split"] <= errors["xla"]), errors
   assert errors["one"][3] > errors["xla"][3] > errors["split"][3], errors

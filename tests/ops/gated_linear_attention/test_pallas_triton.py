@@ -20,18 +20,23 @@ from kernel_cases import (CHUNK, FAST_COMPILE, assert_close, document_ids, gated
 from lmcore.ops.common import pallas_utils
 from lmcore.ops.gated_linear_attention import LinearAttentionState, gated_linear_attention
 from lmcore.ops.gated_linear_attention import pallas_triton as pallas
+from lmcore.ops.gated_linear_attention.base import run_backend
 
 from .test_base import GatedLinearAttentionTestBase
 
 
 class TestPallasTriton(GatedLinearAttentionTestBase):
-  """The shared checks on ``pallas_triton.gated_linear_attention_pallas`` (interpreted on CPU)."""
+  """The shared checks on implementation "pallas_triton" (interpreted on CPU)."""
 
   implementation = "pallas_triton"
   compiler_options = FAST_COMPILE
 
-  def op(self, chunk_size: int = 16, **options):
-    return functools.partial(pallas.gated_linear_attention_pallas, chunk_size=chunk_size, **options)
+
+def _kernel(**knobs):
+  """``gated_linear_attention`` computed by ``pallas.chunked`` at chunks of ``CHUNK`` with ``knobs``
+  (interpret mode and tuning knobs that the tiles do not hold)."""
+  kernel = functools.partial(pallas.chunked, **{"chunk_size": CHUNK, **knobs})
+  return functools.partial(run_backend, kernel)
 
 
 def _inputs(seed, T, gate, normalize, *, B=2, H=2, K=8, V=5, with_state=True):
@@ -71,8 +76,7 @@ def _recurrent(seed, T, gate, normalize, with_state=True, segments=False):
 def test_pallas_equals_recurrent_with_gradients_for_tuning_knobs_and_partial_chunks(T, gate, normalize, with_state,
                                                                    tuning):
   inputs, _, projections = _inputs(T, T, gate, normalize, with_state=with_state)
-  got = run_gated(functools.partial(pallas.gated_linear_attention_pallas, **tuning), inputs,
-                  projections, normalize=normalize)
+  got = run_gated(_kernel(**tuning), inputs, projections, normalize=normalize)
   want = _recurrent(T, T, gate, normalize, with_state)
   assert_close(got, want, f"T={T} gate={gate} normalize={normalize} {tuning}")
 
@@ -81,8 +85,7 @@ def test_pallas_equals_recurrent_with_gradients_for_tuning_knobs_and_partial_chu
 def test_pallas_resets_state_at_segment_boundaries_like_recurrent(gate):
   """Row 1 holds four documents (see ``_inputs``); row 0 one continuing the state."""
   inputs, segment_ids, projections = _inputs(7, 37, gate, True)
-  got = run_gated(functools.partial(pallas.gated_linear_attention_pallas, sub_chunk=8),
-                  inputs, projections, normalize=True, segment_ids=segment_ids)
+  got = run_gated(_kernel(sub_chunk=8), inputs, projections, normalize=True, segment_ids=segment_ids)
   assert_close(got, _recurrent(7, 37, gate, True, segments=True), f"segments, gate={gate}")
 
 
@@ -94,7 +97,7 @@ def test_kernels_lower_to_triton_for_an_h200_with_bfloat16_inputs(gate_shape):
   value dims that need padding: three forward kernels (chunk writes, the state scan, outputs) and
   four backward ones (writes and the reads' gradient, two state scans, then dq/dk/dv)."""
   def loss(q, k, v, log_forget):
-    o, new = pallas.gated_linear_attention_pallas(q, k, v, log_forget, interpret=False)
+    o, new = gated_linear_attention(q, k, v, log_forget, implementation="pallas_triton")
     return o.astype(jnp.float32).sum() + new.S.sum()
 
   lowered = pallas_utils.lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2, 3)),
@@ -105,16 +108,16 @@ def test_kernels_lower_to_triton_for_an_h200_with_bfloat16_inputs(gate_shape):
 def test_compiling_off_gpu_and_bad_chunk_sizes_raise_clear_errors():
   (q, k, v, log_forget, _), _, _ = _inputs(3, 9, "head", False)
   with pytest.raises(NotImplementedError, match="implementation='chunked'"):
-    pallas.gated_linear_attention_pallas(q, k, v, log_forget, interpret=False)
+    _kernel(interpret=False)(q, k, v, log_forget)
   with pytest.raises(ValueError, match="power of two"):
-    pallas.gated_linear_attention_pallas(q, k, v, log_forget, chunk_size=24)
+    _kernel(chunk_size=24)(q, k, v, log_forget)
 
 
 def test_bf16_state_dots_in_two_parts_keep_every_gradient_within_the_xla_paths_bf16_error():
   """``kernel_cases.gated_bf16_gradient_errors``: with the backward's state dots in two bf16 parts (the
   default) every gradient is within the XLA chunked path's own bf16 error; with one rounding
   (``split=False``) the gate gradient is not (H200, T = 1000: 5.7e-3 against XLA's 3.3e-3)."""
-  errors = gated_bf16_gradient_errors(pallas.gated_linear_attention_pallas,
-                                      functools.partial(pallas.gated_linear_attention_pallas, split=False))
+  kernel = functools.partial(gated_linear_attention, implementation="pallas_triton")
+  errors = gated_bf16_gradient_errors(kernel, functools.partial(kernel, kernel_split_state=False))
   assert np.all(errors["split"] <= errors["xla"]), errors
   assert errors["one"][3] > errors["xla"][3] > errors["split"][3], errors
