@@ -4,11 +4,13 @@ VENV_STAMP := .venv/.installed-stamp
 
 .PHONY: demo test bench lint clean-venv
 
+# pip's output goes to .venv/install.log, shown only if the install fails.
 $(VENV_STAMP): pyproject.toml
-	test -x $(PY) || python3.12 -m venv .venv
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,wandb,lint,tpu]"
-	touch $(VENV_STAMP)
+	@test -x $(PY) || python3.12 -m venv .venv
+	@echo "installing the project into .venv (log: .venv/install.log)"
+	@( $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e ".[test,wandb,lint,tpu]" ) \
+	  > .venv/install.log 2>&1 || { cat .venv/install.log; exit 1; }
+	@touch $(VENV_STAMP)
 
 demo: $(VENV_STAMP)
 	$(PY) scripts/quickstart.py --workdir=runs/quickstart
