@@ -6,16 +6,28 @@ fixed-state models, and writes ``DIR/eval_<step>.json``. ``--prompt`` also sampl
 compiled decode loop of ``lmcore/eval/generate.py``.
 A p = 2 SANATAN run read out at p = 1 (the paper's unadapted control):
 ``--config.model.mixers.sanatan.p=1``.
+
+``--tasks=swde,fda,...`` scores the checkpoint on lm-evaluation-harness tasks instead (``lmcore/eval/
+harness.py``; ``--task_path`` a folder of task YAMLs, ``--limit``, ``--batch_size``, ``--num_fewshot``,
+``--long_context``), offline: datasets come from the local Hugging Face cache or local files. The
+table is printed and written to ``DIR/eval_<step>_<tasks>.json``.
 """
+
+import os
 
 import jax
 from absl import flags
 from ml_collections import config_flags
 
 from lmcore import cli
+from lmcore import data as data_lib
 from lmcore import config as cfg_lib
 from lmcore.eval import generate
+from lmcore.errors import ConfigError
+from lmcore.model_card import card
 from lmcore.train import chain, sharding
+from lmcore.train import checkpoint as ckpt_lib
+from lmcore.train import state as state_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file and preset the run was trained with.",
                                           lock_config=True)
@@ -29,7 +41,49 @@ _TOP_P = flags.DEFINE_float("top_p", 1.0, "Sample only from the smallest set of 
                             "reaches top_p (1: all).")
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed of the sample.")
 _OUT_DIR = flags.DEFINE_string("out_dir", "", "Where eval_<step>.json goes (default: --workdir).")
+_TASKS = flags.DEFINE_list("tasks", [], "lm-eval tasks or groups to score the checkpoint on, e.g. swde,fda "
+                           "(instead of the held-out evaluation).")
+_TASK_PATH = flags.DEFINE_string("task_path", "", "A folder of lm-eval task YAMLs (local-file tasks).")
+_LIMIT = flags.DEFINE_integer("limit", 0, "Score at most this many examples per task (0: all).")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 0, "Sequences per scored batch (0: eval.batch_size).")
+_NUM_FEWSHOT = flags.DEFINE_integer("num_fewshot", -1, "Few-shot examples per prompt (-1: the task's own).")
+_LONG_CONTEXT = flags.DEFINE_enum("long_context", "truncate", ["truncate", "stream"],
+                                  "Contexts longer than data.seq_len: keep the last seq_len tokens, or stream "
+                                  "them through a fixed-size decode state.")
 flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _restore(config, workdir: str, step: int | None):
+  """The run's graphdef, parameters and step, in the model's shardings on the mesh in context."""
+  graphdef, abstract_params, abstract_rest = state_lib.abstract_model(config.model)
+  mesh = sharding.current_mesh()
+  params_sh = sharding.param_shardings(abstract_params, mesh, config.model.d_model)
+  rest_sh = jax.tree.map(lambda _: sharding.replicated(mesh), abstract_rest)
+  params, rest, step, _ = ckpt_lib.load_params(workdir, sharding.with_shardings(abstract_params, params_sh),
+                                               sharding.with_shardings(abstract_rest, rest_sh), step=step)
+  return graphdef, params, rest, step
+
+
+def evaluate_tasks(config, workdir: str, tasks: list[str], *, step: int | None = None, task_path: str = "",
+                   limit: int = 0, batch_size: int = 0, num_fewshot: int = -1, long_context: str = "truncate",
+                   out_dir: str = "") -> dict:
+  """``--tasks``: the checkpoint through lm-evaluation-harness (``lmcore.eval.harness``), offline unless
+  HF_DATASETS_OFFLINE / HF_HUB_OFFLINE say otherwise."""
+  os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read when the datasets package is imported
+  os.environ.setdefault("HF_HUB_OFFLINE", "1")
+  try:
+    from lmcore.eval import harness  # noqa: PLC0415 (lm-eval is an optional dependency)
+  except ImportError as e:
+    raise ConfigError(f"--tasks needs lm-evaluation-harness ({e}); install it with "
+                      "pip install -e '.[eval]'") from None
+  tokenizer = data_lib.load_tokenizer(config.data.tokenizer, data_lib.cache_dir(config.data))
+  data_lib.check_vocab(tokenizer, config.model.vocab_size)
+  graphdef, params, rest, step = _restore(config, workdir, step)
+  lm = harness.HarnessLM(graphdef, params, rest, tokenizer, window=config.data.seq_len,
+                         batch_size=batch_size or config.eval.batch_size, long_context=long_context)
+  return harness.evaluate_tasks(lm, tasks, out_dir=out_dir or workdir, step=step, name=config.name,
+                                card=card(config.model, config.data.seq_len), task_path=task_path,
+                                limit=limit or None, num_fewshot=None if num_fewshot < 0 else num_fewshot)
 
 
 def main(argv):
@@ -39,6 +93,11 @@ def main(argv):
   config = cfg_lib.experiment_config(_CONFIG.value)
   sampling = generate.Sampling(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value)
   with jax.set_mesh(sharding.make_mesh(config.mesh)):  # the kernels' shard_map reads the mesh from here
+    if _TASKS.value:
+      evaluate_tasks(config, _WORKDIR.value, _TASKS.value, step=_STEP.value, task_path=_TASK_PATH.value,
+                     limit=_LIMIT.value, batch_size=_BATCH_SIZE.value, num_fewshot=_NUM_FEWSHOT.value,
+                     long_context=_LONG_CONTEXT.value, out_dir=_OUT_DIR.value)
+      return
     chain.evaluate_checkpoint(config, _WORKDIR.value, _STEP.value, _PROMPT.value, _MAX_NEW_TOKENS.value,
                               _OUT_DIR.value, sampling=sampling, seed=_SEED.value)
 
