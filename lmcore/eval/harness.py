@@ -377,11 +377,11 @@ def result_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
   for task, metrics in results["results"].items():
     n = results.get("n-samples", {}).get(task, {}).get("effective")
     for key, value in metrics.items():
-      metric, _, filter_name = key.partition(",")
-      if metric == "alias" or metric.endswith("_stderr") or not isinstance(value, (int, float)):
+      metric, comma, filter_name = key.partition(",")  # other keys (alias, sample_len) are no metrics
+      if not comma or metric.endswith("_stderr") or not isinstance(value, (int, float)):
         continue
       stderr = metrics.get(f"{metric}_stderr,{filter_name}")
-      rows.append({"task": task, "metric": metric if filter_name in ("", "none") else key,
+      rows.append({"task": task, "metric": metric if filter_name == "none" else key,
                    "value": float(value), "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
                    "n": n})
   return rows

@@ -4,6 +4,7 @@ truncated to the window, or the whole sequence when streaming), scores do not de
 request order, rolling scores cover every token once, and generate_until is greedy decoding cut at the
 stop sequence."""
 
+import functools
 import os
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # before lm-eval imports the datasets package
@@ -45,11 +46,26 @@ def make_lm(tokenizer, kind="gla", batch_size=3, long_context="truncate"):
                            long_context=long_context)
 
 
+REFERENCE_LEN = 128  # the references' one compiled length (right padding: causality makes it harmless)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(graphdef, params, rest, tokens_1xT):
+  return nnx.merge(graphdef, params, rest)(tokens_1xT)[0][0]
+
+
+def forward(lm, tokens):
+  """fp64 log-softmax [len(tokens), V] of one causal forward over ``tokens`` from position 0."""
+  padded = np.zeros((1, REFERENCE_LEN), np.int32)
+  padded[0, :len(tokens)] = tokens
+  logits_TxV = np.asarray(_logits(lm.graphdef, lm.params, lm.rest, padded), np.float64)[:len(tokens)]
+  return logits_TxV - np.log(np.exp(logits_TxV - logits_TxV.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+      - logits_TxV.max(-1, keepdims=True)
+
+
 def direct_logprobs(lm, tokens):
-  """log p(tokens[t+1] | tokens[:t+1]) and the argmax after each prefix: one unpadded forward, fp64 sums."""
-  model = nnx.merge(lm.graphdef, lm.params, lm.rest)
-  logits_1xTxV, _ = model(np.asarray(tokens[:-1], np.int32)[None])
-  logp_TxV = np.asarray(jax.nn.log_softmax(logits_1xTxV[0].astype(np.float64)))
+  """log p(tokens[t+1] | tokens[:t+1]) and whether it is the argmax, for every t."""
+  logp_TxV = forward(lm, tokens[:-1])
   targets = np.asarray(tokens[1:])
   return logp_TxV[np.arange(len(targets)), targets], logp_TxV.argmax(-1) == targets
 
@@ -112,11 +128,9 @@ def test_rolling_loglikelihood_scores_every_token_once(tokenizer):
 def greedy_reference(lm, context, max_gen_toks, until):
   """Greedy decoding by one full forward per new token, stopped at EOS, cut at the stop string."""
   tokens = (lm.tok_encode(context) or [lm.eot_token_id])[-(WINDOW - max_gen_toks):]
-  model = nnx.merge(lm.graphdef, lm.params, lm.rest)
   new = []
   for _ in range(max_gen_toks):
-    logits_1xTxV, _ = model(np.asarray(tokens + new, np.int32)[None])
-    token = int(np.argmax(logits_1xTxV[0, -1]))
+    token = int(np.argmax(forward(lm, tokens + new)[-1]))
     if token == lm.eot_token_id:
       break
     new.append(token)
