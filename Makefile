@@ -8,7 +8,7 @@ VENV_STAMP := .venv/.installed-stamp
 $(VENV_STAMP): pyproject.toml
 	@test -x $(PY) || python3.12 -m venv .venv
 	@echo "installing the project into .venv (log: .venv/install.log)"
-	@( $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e ".[test,wandb,lint,tpu]" ) \
+	@( $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q -e ".[test,wandb,lint,tpu,eval]" ) \
 	  > .venv/install.log 2>&1 || { cat .venv/install.log; exit 1; }
 	@touch $(VENV_STAMP)
 
