@@ -48,8 +48,8 @@ _LIMIT = flags.DEFINE_integer("limit", 0, "Score at most this many examples per 
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 0, "Sequences per scored batch (0: eval.batch_size).")
 _NUM_FEWSHOT = flags.DEFINE_integer("num_fewshot", -1, "Few-shot examples per prompt (-1: the task's own).")
 _LONG_CONTEXT = flags.DEFINE_enum("long_context", "truncate", ["truncate", "stream"],
-                                  "Contexts longer than data.seq_len: keep the last seq_len tokens, or stream "
-                                  "them through a fixed-size decode state.")
+                                  "Contexts longer than data.seq_len: keep the last seq_len tokens, or "
+                                  "stream them through a fixed-size decode state.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 

@@ -2,7 +2,8 @@
 
 Each point trains through ``train.py`` in its own workdir (a rerun resumes it) and records its
 command and outcome in ``<workdir>/sweep_point.json``: a rerun with the same command skips a finished
-or diverged point (``Diverged.exit_code``); any other failure is retried on the next run.
+or diverged point (``Diverged.exit_code``); any other failure is retried on the next run. Downstream
+task results that ``eval.py --tasks`` wrote into the points' workdirs are tabulated with them.
 """
 
 from __future__ import annotations
@@ -76,6 +77,37 @@ def latest_eval(workdir: str) -> dict[str, Any] | None:
   newest = max(evals, key=lambda f: int(f[5:-5]))
   with open(os.path.join(workdir, newest)) as f:
     return json.load(f)
+
+
+TASK_RECORD = re.compile(r"eval_(\d+)_(.+)\.json")
+
+
+def task_rows(workdir: str) -> list[dict[str, Any]]:
+  """The downstream-task results of one run (``eval.py --tasks`` writes ``eval_<step>_<tasks>.json``):
+  one row per (task, metric), from the latest step that scored it."""
+  names = os.listdir(workdir) if os.path.isdir(workdir) else []
+  latest: dict[tuple[str, str], dict[str, Any]] = {}
+  records = sorted((int(m[1]), m[0]) for m in map(TASK_RECORD.fullmatch, names) if m)
+  for _, name in records:
+    with open(os.path.join(workdir, name)) as f:
+      record = json.load(f)
+    for row in record["results"]:
+      latest[(row["task"], row["metric"])] = {**row, "step": record["step"]}
+  return [latest[key] for key in sorted(latest)]
+
+
+def task_table(workdirs: Mapping[str, str]) -> str:
+  """Markdown: one row per (run, task, metric) of ``task_rows`` over ``{run name: workdir}``; empty
+  when no run has any."""
+  lines = []
+  for run, workdir in workdirs.items():
+    for r in task_rows(workdir):
+      stderr = "" if r["stderr"] is None else f" ± {r['stderr']:.4f}"
+      lines.append(f"| {run} | {r['task']} | {r['metric']} | {r['value']:.4f}{stderr} | {r['n']} | "
+                   f"{r['step']} |")
+  if not lines:
+    return ""
+  return "\n".join(["| run | task | metric | value | n | step |", "|---|---|---|---|---|---|", *lines])
 
 
 def point_args(config: str, overrides: dict[str, str], workdir: str, extra: list[str]) -> list[str]:
@@ -175,8 +207,12 @@ def plot(results: list[PointResult], path: str, title: str) -> None:
 def run_sweep(config: str, specs: list[str], root: str, extra: list[str]) -> tuple[str, list[PointResult]]:
   """Runs every grid point (continuing past failures); writes and returns the table, and the results."""
   os.makedirs(root, exist_ok=True)
-  results = [run_point(config, o, os.path.join(root, point_name(o)), extra) for o in grid(specs)]
+  points = {point_name(o): os.path.join(root, point_name(o)) for o in grid(specs)}
+  results = [run_point(config, o, points[point_name(o)], extra) for o in grid(specs)]
   text = table(results)
+  tasks = task_table(points)
+  if tasks:
+    text += f"\n\ndownstream tasks (eval.py --tasks):\n\n{tasks}"
   with open(os.path.join(root, "sweep_results.md"), "w") as f:
     f.write(f"config: `{config}`\n\n{text}\n")
   plot(results, os.path.join(root, "sweep_results.png"), config)

@@ -9,7 +9,9 @@ overrides, as train.py takes them, apply to every point; a key may be swept or f
 key the preset does not have fails before anything runs. Each point trains in ``<root>/<point name>``: a
 rerun resumes unfinished points and skips finished ones (same command) without evaluating them again. A
 point that diverges (NaN loss) is marked as such and the grid goes on. The table (failures marked) is
-printed and goes to ``<root>/sweep_results.md``, a bar chart to ``<root>/sweep_results.png``. Arguments
+printed and goes to ``<root>/sweep_results.md``, a bar chart to ``<root>/sweep_results.png``;
+downstream task results that ``eval.py --tasks`` wrote into the points' workdirs follow as a second
+table (rerun the same command after evaluating the points to collect them). Arguments
 after ``--`` are passed to every run unchecked. Exit status: 0 when every point finished or diverged, 1
 when a point failed otherwise (its reason is in the table; the next run retries it).
 """

@@ -206,8 +206,8 @@ class HarnessLM(TemplateLM):
     sums_B, greedy_B = jnp.zeros((self.batch_size,)), jnp.ones((self.batch_size,), bool)
     for c in range(n_chunks):
       cut = slice(c * self.window, (c + 1) * self.window)
-      chunk_sums_B, chunk_greedy_B, state = _score_chunk(self.graphdef, self.params, self.rest,
-                                                         inputs[:, cut], targets[:, cut], weights[:, cut], state)
+      chunk_sums_B, chunk_greedy_B, state = _score_chunk(
+          self.graphdef, self.params, self.rest, inputs[:, cut], targets[:, cut], weights[:, cut], state)
       sums_B, greedy_B = sums_B + chunk_sums_B, greedy_B & chunk_greedy_B
     return sums_B, greedy_B
 
@@ -278,7 +278,8 @@ class HarnessLM(TemplateLM):
                         f"{self.window} tokens; ask the task for fewer tokens")
     return ids[-(self.window - max_gen_toks):]
 
-  def _generate_batch(self, prompts: list[list[int]], max_gen_toks: int, sampling: Sampling) -> list[list[int]]:
+  def _generate_batch(self, prompts: list[list[int]], max_gen_toks: int,
+                      sampling: Sampling) -> list[list[int]]:
     """Prefill the shortest prompt's length in power-of-two chunks, then the decode loop (which feeds
     every row's remaining prompt tokens before sampling)."""
     if self._generator is None:
@@ -381,9 +382,8 @@ def result_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
       if not comma or metric.endswith("_stderr") or not isinstance(value, (int, float)):
         continue
       stderr = metrics.get(f"{metric}_stderr,{filter_name}")
-      rows.append({"task": task, "metric": metric if filter_name == "none" else key,
-                   "value": float(value), "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
-                   "n": n})
+      rows.append({"task": task, "metric": metric if filter_name == "none" else key, "value": float(value),
+                   "stderr": float(stderr) if isinstance(stderr, (int, float)) else None, "n": n})
   return rows
 
 

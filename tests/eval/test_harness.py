@@ -91,7 +91,7 @@ def check_scores(got, want):
 
 
 @pytest.mark.parametrize("kind", ["gla", "softmax"])
-def test_loglikelihood_is_the_direct_sum_of_logprobs_with_long_contexts_truncated_on_the_left(tokenizer, kind):
+def test_loglikelihood_is_the_direct_sum_of_logprobs_with_long_contexts_cut_on_the_left(tokenizer, kind):
   lm = make_lm(tokenizer, kind)
   got = lm.loglikelihood(requests("loglikelihood", PAIRS), disable_tqdm=True)
   check_scores(got, [reference(lm, c, x, WINDOW) for c, x in PAIRS])

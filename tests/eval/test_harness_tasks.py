@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 from configs import common  # noqa: E402
 from lmcore import config as cfg_lib  # noqa: E402
 from lmcore import data as data_lib  # noqa: E402
+from lmcore import sweep  # noqa: E402
 from lmcore.errors import ConfigError, MissingFileError  # noqa: E402
 from lmcore.eval import harness  # noqa: E402
 from lmcore.train import loop as train_lib  # noqa: E402
@@ -33,7 +34,8 @@ def bigram_config():
       train=dict(steps=16, batch_size=8, learning_rate=1e-2, warmup_steps=2, log_every=8, checkpoint_every=16,
                  compilation_cache=False),
       data=dict(seq_len=32), heldout=dict(num_sequences=2),
-      sources={"bigram": dict(kind="jsonl", path=os.path.join(FIXTURES, "corpus.jsonl"), heldout_fraction=0.05)},
+      sources={"bigram": dict(kind="jsonl", path=os.path.join(FIXTURES, "corpus.jsonl"),
+                              heldout_fraction=0.05)},
       tokenizer=dict(kind="hf_json", path=os.path.join(FIXTURES, "char_tokenizer.json")),
       eval=dict(paired=False, batch_size=8), wandb=dict(mode="disabled"), name="bigram"))
 
@@ -45,7 +47,8 @@ def trained(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("bigram"))
   config = bigram_config()
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(data_lib, "unigram_baseline", lambda *args: {"unigram_entropy": 0.0, "unigram_heldout_xent": 0.0})
+    patch.setattr(data_lib, "unigram_baseline",
+                  lambda *args: {"unigram_entropy": 0.0, "unigram_heldout_xent": 0.0})
     train_lib.train_and_evaluate(config, workdir)
   return config, workdir
 
@@ -64,6 +67,8 @@ def test_eval_tasks_scores_a_trained_checkpoint_on_local_tasks(trained, capsys):
   assert record["model_card"]["params"] > 0 and record["examples"] == 56
   table = capsys.readouterr().out
   assert "bigram_mc" in table and "acc" in table and path in table
+  collected = sweep.task_table({"bigram": workdir, "no_tasks": os.path.dirname(workdir)})
+  assert f"| bigram | bigram_mc | acc | {mc['value']:.4f} ± {mc['stderr']:.4f} | 32 | 16 |" in collected
 
 
 def test_a_task_whose_dataset_is_missing_offline_is_one_line_naming_it(tmp_path):
