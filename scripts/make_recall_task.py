@@ -1,18 +1,20 @@
 """Builds a recall task from the held-out files of a corpus of C sources, as an lm-eval local-file task.
 
   python scripts/make_recall_task.py --input='runs/linux/shards/*.array_record' --kind=array_record \\
-      --output_dir=runs/linux/recall_task
-  python eval.py --config=configs/sanatan.py:repro_p1_scratch --workdir=runs/reproduce/... \\
+      --tokenizer=runs/linux/tokenizer.model --max_tokens=1000 --output_dir=runs/linux/recall_task
+  python eval.py --config=configs/sanatan.py:repro_p1_scratch --workdir=runs/reproduce/p1_scratch \\
       --tasks=code_recall --task_path=runs/linux/recall_task
 
 Each example is a window of one held-out file that holds a whole function definition, followed by a
 query: a line of that function's body (unique in the window) in a comment, then the function's return
-type and qualifiers, as a new declaration of it starts. The answer is the function's name, which appears only
-in the definition earlier in the window; a generation is scored by containment of the name (as
-FDA and SWDE are). Only documents the training run holds out are used: the same hash of file path and
+type and qualifiers, as a new declaration of it starts. The answer is the function's name, which
+appears only in the definition earlier in the window; a generation is scored by containment of the
+name (as FDA and SWDE are). Only documents the training run holds out are used: the same hash of file path and
 index as ``data.sources.<name>.heldout_fraction`` (give the training config's glob and fraction; 0 uses
-every document, for corpora no run trained on). The folder gets ``<task>.yaml``, ``<task>.jsonl`` and
-the ``utils.py`` they read (the folder can be moved).
+every document, for corpora no run trained on). With ``--tokenizer``, a window is cut on the right
+(never into the definition) until the prompt fits ``--max_tokens``, so that the model's left truncation
+never drops the definition. The folder gets ``<task>.yaml``, ``<task>.jsonl`` and the ``utils.py``
+they read (the folder can be moved).
 """
 
 import argparse
@@ -25,6 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lmcore import cli  # noqa: E402
+from lmcore.data import TokenizerConfig, load_tokenizer  # noqa: E402
 from lmcore.data.pipeline import heldout_mask  # noqa: E402
 from lmcore.data.sources import file_source, glob_root, resolve_files  # noqa: E402
 from lmcore.errors import ConfigError  # noqa: E402
@@ -90,8 +93,20 @@ def definitions(text: str):
       yield kind, name, match.start(), close.end(), match.end()
 
 
+def fit(prompt_parts: tuple[str, str], definition_end: int, tokenizer, max_tokens: int) -> str | None:
+  """``window + query`` with the window cut on the right (never before the definition's end, at a line
+  end) until it encodes to at most ``max_tokens`` tokens; None when it cannot."""
+  window, query = prompt_parts
+  while len(tokenizer.encode(window + query)) > max_tokens:
+    cut = window.rfind("\n", definition_end, definition_end + int(0.9 * (len(window) - definition_end)))
+    if cut < 0:
+      return None
+    window = window[:cut]
+  return window + query
+
+
 def example(text: str, kind: str, name: str, start: int, end: int, body_start: int, *, max_chars: int,
-            rng: random.Random) -> dict | None:
+            rng: random.Random, tokenizer=None, max_tokens: int = 0) -> dict | None:
   """The example of one definition, or None when the definition is longer than ``max_chars`` / 2, the
   name is short, ``main`` or a macro's (all capitals) or appears elsewhere in the window, or the body
   has no code line unique to the window."""
@@ -109,10 +124,14 @@ def example(text: str, kind: str, name: str, start: int, end: int, body_start: i
     return None
   cue = max(unique, key=len)
   # No trailing space: tokenizers write a word's leading space into its first piece.
-  return {"prompt": f"{window}\n\n/* {cue} */\n{kind}", "answer": name}
+  prompt = f"{window}\n\n/* {cue} */\n{kind}"
+  if tokenizer is not None:
+    prompt = fit((window, f"\n\n/* {cue} */\n{kind}"), end - left, tokenizer, max_tokens)
+  return None if prompt is None else {"prompt": prompt, "answer": name}
 
 
-def build(documents, *, examples: int, max_chars: int, seed: int) -> list[dict]:
+def build(documents, *, examples: int, max_chars: int, seed: int, tokenizer=None,
+          max_tokens: int = 0) -> list[dict]:
   """Up to ``examples`` examples, at most one per document, from the documents in a seeded order."""
   rng = random.Random(seed)
   order = list(range(len(documents)))
@@ -123,7 +142,8 @@ def build(documents, *, examples: int, max_chars: int, seed: int) -> list[dict]:
     candidates = list(definitions(text))
     rng.shuffle(candidates)
     for candidate in candidates:
-      found = example(text, *candidate, max_chars=max_chars, rng=rng)
+      found = example(text, *candidate, max_chars=max_chars, rng=rng, tokenizer=tokenizer,
+                      max_tokens=max_tokens)
       if found is not None:
         out.append(found)
         break
@@ -167,13 +187,22 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--max_chars", type=int, default=3000,
                       help="characters of file per prompt; keep the prompt within the model's window")
   parser.add_argument("--max_gen_toks", type=int, default=24, help="tokens generated per example at most")
+  parser.add_argument("--tokenizer", default="",
+                      help="the run's tokenizer (.model or tokenizer.json): prompts are cut to --max_tokens")
+  parser.add_argument("--max_tokens", type=int, default=1000,
+                      help="tokens per prompt at most (with --tokenizer): the window less --max_gen_toks")
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
   if not 0 <= args.heldout_fraction < 1:
     raise ConfigError(f"--heldout_fraction={args.heldout_fraction}; give the training source's share in "
                       "[0, 1).")
   documents = heldout_documents(args.input, args.kind, args.text_key, args.heldout_fraction)
-  rows = build(documents, examples=args.examples, max_chars=args.max_chars, seed=args.seed)
+  tokenizer = None
+  if args.tokenizer:
+    kind = "sentencepiece" if args.tokenizer.endswith(".model") else "hf_json"
+    tokenizer = load_tokenizer(TokenizerConfig(kind=kind, path=args.tokenizer))
+  rows = build(documents, examples=args.examples, max_chars=args.max_chars, seed=args.seed,
+               tokenizer=tokenizer, max_tokens=args.max_tokens)
   if not rows:
     raise ConfigError(f"no example in the {len(documents)} held-out documents of {args.input!r}: it needs C "
                       "function definitions whose closing brace is at column 0.")

@@ -76,3 +76,15 @@ def test_the_written_folder_is_an_lm_eval_task_scored_by_containment(tmp_path):
   assert len(docs) == 3 and task.config.generation_kwargs["until"] == ["(", "\n"]
   assert task.process_results(docs[0], [f" {docs[0]['answer']}"]) == {"contains": 1.0}
   assert task.process_results(docs[0], [" something_else"]) == {"contains": 0.0}
+
+
+def test_with_the_tokenizer_prompts_fit_the_token_budget_and_keep_the_definition(tmp_path):
+  (tmp_path / "corpus").mkdir()
+  filler = "\n".join(f"int filler_{k};" for k in range(60))
+  (tmp_path / "corpus" / "long.c").write_text(C_FILE.format(i=1) + filler)
+  tokenizer = os.path.join(REPO, "tests", "eval", "fixtures", "char_tokenizer.json")
+  make_recall_task.main([f"--input={tmp_path / 'corpus' / '*.c'}", "--kind=text", "--heldout_fraction=0",
+                         f"--output_dir={tmp_path / 'task'}", f"--tokenizer={tokenizer}", "--max_tokens=420"])
+  row, = [json.loads(line) for line in (tmp_path / "task" / "code_recall.jsonl").read_text().splitlines()]
+  assert 300 < len(row["prompt"]) <= 420  # one token per character
+  assert f"{row['answer']}(" in row["prompt"] and "filler_59" not in row["prompt"]
