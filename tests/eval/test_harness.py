@@ -37,12 +37,12 @@ def tokenizer():
     return HuggingFaceTokenizer(f.read(), name="char")
 
 
-def make_lm(tokenizer, kind="gla", batch_size=3, long_context="truncate"):
+def make_lm(tokenizer, kind="gla", batch_size=3, long_context="truncate", window=WINDOW):
   pattern, mixers = MIXERS[kind]
   config = cfg_lib.model_config(dict(vocab_size=128, d_model=32, n_layers=2, pattern=pattern, mlp_hidden=48,
                                      dtype="float32", tie_embeddings=False, init_std=0.2, mixers=mixers))
   graphdef, params, rest = nnx.split(LanguageModel(config, rngs=nnx.Rngs(0)), nnx.Param, ...)
-  return harness.HarnessLM(graphdef, params, rest, tokenizer, window=WINDOW, batch_size=batch_size,
+  return harness.HarnessLM(graphdef, params, rest, tokenizer, window=window, batch_size=batch_size,
                            long_context=long_context)
 
 
@@ -126,24 +126,33 @@ def test_rolling_loglikelihood_scores_every_token_once(tokenizer):
 
 
 def greedy_reference(lm, context, max_gen_toks, until):
-  """Greedy decoding by one full forward per new token, stopped at EOS, cut at the stop string."""
-  tokens = (lm.tok_encode(context) or [lm.eot_token_id])[-(WINDOW - max_gen_toks):]
+  """Greedy decoding by one full forward per new token, stopped at EOS, cut at the first stop string."""
+  tokens = lm.tok_encode(context) or [lm.eot_token_id]
+  if lm.long_context == "truncate":
+    tokens = tokens[-(lm.window - max_gen_toks):]
   new = []
   for _ in range(max_gen_toks):
     token = int(np.argmax(forward(lm, tokens + new)[-1]))
     if token == lm.eot_token_id:
       break
     new.append(token)
-  return lm.tok_decode(new).split(until, 1)[0]
+  text = lm.tok_decode(new)
+  for stop in until:
+    text = text.split(stop, 1)[0]
+  return text
 
 
-@pytest.mark.parametrize("kind", ["gla", "softmax"])
-def test_generate_until_is_greedy_decoding_cut_at_the_stop_string(tokenizer, kind):
-  lm = make_lm(tokenizer, kind)
-  contexts = ["", "abc", "a context of twenty chars", "the quick brown fox jumps", "0123456789" * 4]
-  kwargs = {"until": ["e"], "max_gen_toks": 5, "do_sample": False}
+# GLA streams its prompts through the state in chunks of its window; softmax attention (window 64) prefills
+# one chunk into its KV cache. Batches of 3 sorted by length: [50, 40, 33] tokens (a prefill of 32, then
+# up to 18 prompt tokens fed by the decode loop), [25, 3, EOS] (no prefill).
+@pytest.mark.parametrize("kind,long_context,window", [("gla", "stream", WINDOW), ("softmax", "truncate", 64)])
+def test_generate_until_is_greedy_decoding_cut_at_the_stop_string(tokenizer, kind, long_context, window):
+  lm = make_lm(tokenizer, kind, long_context=long_context, window=window)
+  contexts = ["", "abc", "a context of twenty chars", "the quick brown fox jumps over it", "0123456789" * 4,
+              "0123456789" * 5]
+  kwargs = {"until": ["~", "U"], "max_gen_toks": 5, "do_sample": False}  # stops this model generates
   got = lm.generate_until(requests("generate_until", [(c, kwargs) for c in contexts]), True)
-  assert got == [greedy_reference(lm, c, 5, "e") for c in contexts]
+  assert got == [greedy_reference(lm, c, 5, ["~", "U"]) for c in contexts]
 
 
 def test_streaming_a_model_whose_state_grows_is_one_line_error(tokenizer):
