@@ -160,6 +160,7 @@ class HarnessLM(TemplateLM):
                           f"{reason}. Use long_context='truncate'.")
     self.long_context = long_context
     self._generator: Generator | None = None
+    self.seconds = 0.0  # spent in the request methods (tokenizing, compiling, scoring, decoding)
 
   @property
   def eot_token_id(self) -> int:
@@ -212,9 +213,11 @@ class HarnessLM(TemplateLM):
     return sums_B, greedy_B
 
   def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+    start = time.perf_counter()
     window = None if self.long_context == "stream" else self.window
     results = self.score_rows([continuation_row(context, continuation, window)
                                for _, context, continuation in requests])
+    self.seconds += time.perf_counter() - start
     for (key, _, _), result in zip(requests, results):
       self.cache_hook.add_partial("loglikelihood", key, result)
     return results
@@ -230,8 +233,10 @@ class HarnessLM(TemplateLM):
             for context, continuation in map(lm_eval_utils.make_disjoint_window, windows)]
 
   def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+    start = time.perf_counter()
     per_request = [self.rolling_rows(request.args[0]) for request in requests]
     scores = self.score_rows([row for rows in per_request for row in rows])
+    self.seconds += time.perf_counter() - start
     results, start = [], 0
     for request, rows in zip(requests, per_request):
       total = sum(score for score, _ in scores[start:start + len(rows)])
@@ -243,15 +248,17 @@ class HarnessLM(TemplateLM):
   # -- generation ---------------------------------------------------------------------------------
 
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+    start = time.perf_counter()
     groups: dict[str, list[int]] = {}
     for i, request in enumerate(requests):
       groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(i)
     results: list[str | None] = [None] * len(requests)
-    for key, indices in groups.items():
+    for indices in groups.values():
       kwargs = dict(requests[indices[0]].args[1])
       for i, text in zip(indices, self.generate([requests[i].args[0] for i in indices], **kwargs)):
         results[i] = text
         self.cache_hook.add_partial("generate_until", requests[i].args, text)
+    self.seconds += time.perf_counter() - start
     return results
 
   def generate(self, contexts: Sequence[str], *, until=None, max_gen_toks: int = 256, do_sample: bool = False,
@@ -406,10 +413,12 @@ def record_path(out_dir: str, step: int, names: Sequence[str]) -> str:
 def evaluate_tasks(lm: HarnessLM, names: Sequence[str], *, out_dir: str, step: int, name: str, card: dict,
                    task_path: str = "", limit: int | None = None, num_fewshot: int | None = None
                    ) -> dict[str, Any]:
-  """``eval.py --tasks``: runs the tasks, prints their table, writes ``record_path(...)`` (process 0)."""
-  start = time.perf_counter()
+  """``eval.py --tasks``: runs the tasks, prints their table, writes ``record_path(...)`` (process 0).
+  ``examples_per_s``: examples over the seconds spent in the model's request methods (compilation
+  included, loading the tasks not)."""
+  start = lm.seconds
   results = run_tasks(lm, names, task_path=task_path, limit=limit, num_fewshot=num_fewshot)
-  seconds = time.perf_counter() - start
+  seconds = lm.seconds - start
   rows = result_rows(results)
   examples = sum(n["effective"] for n in results.get("n-samples", {}).values())
   record = {"step": step, "name": name, "tasks": list(names), "limit": limit, "num_fewshot": num_fewshot,
@@ -423,6 +432,6 @@ def evaluate_tasks(lm: HarnessLM, names: Sequence[str], *, out_dir: str, step: i
       json.dump(record, f, indent=1)
     os.replace(path + ".tmp", path)
   print(format_table(rows), flush=True)
-  print(f"{examples} examples in {seconds:.1f} s; wrote {path}", flush=True)
+  print(f"{examples} examples, {seconds:.1f} s in the model; wrote {path}", flush=True)
   return record
 
