@@ -12,9 +12,9 @@
 * Contexts longer than the training window (``data.seq_len``): ``long_context="truncate"`` keeps the
   last ``window`` tokens, as lm-eval's Hugging Face model does; ``"stream"`` feeds the whole context
   through the decode state in chunks of ``window`` tokens. Streaming needs every mixer to carry a
-  state whose size does not grow with the context and no learned position table: SANATAN p = 1,
-  BASED (Taylor, sliding window, BaseConv), GLA, Gated DeltaNet, CyFA and the linear baselines
-  stream; softmax attention (its KV cache grows) and SANATAN p >= 2 (no decode state) truncate.
+  state whose size does not grow with the context and no learned position table: SANATAN p = 1
+  (6 channels), BASED (Taylor, sliding window, BaseConv), GLA, Gated DeltaNet, CyFA and the linear
+  baselines stream; softmax attention (its KV cache grows) and SANATAN p >= 2 (no decode state) do not.
 """
 
 from __future__ import annotations
