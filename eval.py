@@ -20,8 +20,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from lmcore import cli
-from lmcore import data as data_lib
 from lmcore import config as cfg_lib
+from lmcore import data as data_lib
 from lmcore.eval import generate
 from lmcore.errors import ConfigError
 from lmcore.model_card import card
