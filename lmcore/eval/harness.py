@@ -372,8 +372,8 @@ def load_tasks(manager, names: Sequence[str]) -> list[Any]:
 def run_tasks(lm: HarnessLM, names: Sequence[str], *, task_path: str = "", limit: int | None = None,
               num_fewshot: int | None = None, bootstrap_iters: int = 1000) -> dict[str, Any]:
   """``lm_eval.simple_evaluate`` of ``lm`` on ``names``; returns lm-eval's results dict. Means have a
-  closed-form stderr; ``bootstrap_iters`` resamples serve the other aggregations (lm-eval's default of
-  100,000 takes minutes on the host)."""
+  closed-form stderr; the other aggregations get ``bootstrap_iters`` resamples on the host (lm-eval's
+  default is 100,000)."""
   manager = task_manager(task_path, names)
   return lm_eval.simple_evaluate(model=lm, tasks=load_tasks(manager, names), limit=limit,
                                  num_fewshot=num_fewshot, bootstrap_iters=bootstrap_iters, log_samples=False,
