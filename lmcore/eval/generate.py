@@ -403,3 +403,27 @@ def write_jsonl(path: str, records: Sequence[dict[str, Any]]) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w", encoding="utf-8") as f:
     f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+
+
+def sample_to_jsonl(model: LanguageModel | Generator, tokenizer, prompts: Sequence[str], path: str, *,
+                    max_new_tokens: int, sampling: Sampling = Sampling(), seed: int = 0,
+                    segment: int = 8) -> list[dict[str, Any]]:
+  """``sample_texts`` with the text printed as it is sampled (``print_text``) and the records written
+  to ``path`` as JSON lines (``eval.py --prompt`` / ``--prompt_file``); returns the records."""
+  header = f"{prompts[0]}" if len(prompts) == 1 else "\n".join(f"[{b}] {p}" for b, p in enumerate(prompts))
+  print(f"--- sample ---\n{header}", end="" if len(prompts) == 1 else "\n", flush=True)
+  records = sample_texts(model, tokenizer, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                         seed=seed, segment=segment, on_text=print_text(len(prompts)))
+  write_jsonl(path, records)
+  print(f"\n--------------\nwrote {len(records)} sample(s) to {path}", flush=True)
+  return records
+
+
+def prompts_of(prompt: str, prompt_file: str, stream_tokens: int = 8) -> list[str]:
+  """The prompts of ``eval.py``'s flags: ``--prompt``, the lines of ``--prompt_file``, or none; a
+  ``ConfigError`` for both at once or a ``--stream_tokens`` below 1."""
+  if prompt and prompt_file:
+    raise ConfigError("give --prompt or --prompt_file, not both (put the prompt on a line of the file)")
+  if not stream_tokens >= 1:
+    raise ConfigError(f"--stream_tokens must be >= 1, got {stream_tokens}")
+  return read_prompt_file(prompt_file) if prompt_file else [prompt] if prompt else []

@@ -15,8 +15,8 @@ from flax import nnx
 
 from lmcore import config as cfg_lib
 from lmcore.errors import ConfigError
-from lmcore.eval.generate import (Generator, Sampling, generate, print_text, read_prompt_file, sample_logits,
-                                  sample_texts, write_jsonl)
+from lmcore.eval.generate import (Generator, Sampling, generate, print_text, prompts_of, read_prompt_file,
+                                  sample_logits, sample_to_jsonl)
 from lmcore.mixers.base import InitSpec
 from lmcore.mixers.softmax import SoftmaxAttention
 from lmcore.model import LanguageModel
@@ -155,26 +155,28 @@ class Letters:
     return "".join(self.ALPHABET[i - 1] for i in ids if i)
 
 
-def test_text_prompts_give_jsonl_records_and_their_text_streams_as_it_is_sampled(tmp_path):
-  """sample_texts: one record per prompt, its completion the decoded tokens (a final EOS kept in the
-  tokens, not in the text), the streamed pieces adding up to it, the tokens those of one call on the
-  prompts' ids (seed 12 stops row 2 at EOS in the second of the segments of 3 steps while the others
-  run to the end); the records written as JSON lines read back equal."""
+def test_text_prompts_give_jsonl_records_and_their_text_streams_as_it_is_sampled(tmp_path, capsys):
+  """sample_to_jsonl (eval.py's sampling): one record per prompt, its completion the decoded tokens (a
+  final EOS kept in the tokens, not in the text), the tokens those of one call on the prompts' ids
+  (seed 12 stops row 2 at EOS in the second of the segments of 3 steps while the others run to the
+  end); the pieces printed as they come add up to each completion; the JSON lines read back equal."""
   gen = Generator(make_model(*FAMILIES["sanatan_p1"]))
-  prompts, pieces = ["abc e", "x", "yz "], {}
-  records = sample_texts(gen, Letters(), prompts, max_new_tokens=8, sampling=Sampling(temperature=1.0),
-                         seed=12, segment=3, on_text=lambda b, text: pieces.setdefault(b, []).append(text))
+  prompts, path = ["abc e", "x", "yz "], tmp_path / "out" / "samples.jsonl"
+  records = sample_to_jsonl(gen, Letters(), prompts, str(path), max_new_tokens=8,
+                            sampling=Sampling(temperature=1.0), seed=12, segment=3)
   ids = [Letters().encode(p) for p in prompts]
   whole = gen(ids, max_new_tokens=8, sampling=Sampling(temperature=1.0), seed=12, eos_id=0)
   assert [r["tokens"] for r in records] == whole and [r["seed"] for r in records] == [12, 13, 14]
   assert [(len(r["tokens"]), r["stop"]) for r in records] == [(8, "length"), (8, "length"), (5, "eos")]
+  printed = capsys.readouterr().out.splitlines()
   for b, r in enumerate(records):
     assert r["prompt"] == prompts[b] and r["prompt_tokens"] == len(ids[b])
-    assert r["completion"] == Letters().decode(r["tokens"]) == "".join(pieces.get(b, []))
+    pieces = [line[len(f"[{b}] "):] for line in printed[4:-2] if line.startswith(f"[{b}] ")]
+    assert r["completion"] == Letters().decode(r["tokens"]) == "".join(pieces) and len(pieces) > 1
     assert (r["temperature"], r["top_k"], r["top_p"], r["max_new_tokens"]) == (1.0, 0, 1.0, 8)
-  assert max(len(p) for p in pieces.values()) > 1
-  write_jsonl(str(tmp_path / "out" / "samples.jsonl"), records)
-  assert [json.loads(line) for line in open(tmp_path / "out" / "samples.jsonl")] == records
+  assert printed[:4] == ["--- sample ---", "[0] abc e", "[1] x", "[2] yz "]
+  assert printed[-1] == f"wrote 3 sample(s) to {path}"
+  assert [json.loads(line) for line in open(path)] == records
 
 
 def test_streamed_text_waits_for_whole_characters(capsys):
@@ -196,7 +198,7 @@ def test_streamed_text_waits_for_whole_characters(capsys):
   assert capsys.readouterr().out == "[1] xy\nz"
 
 
-def test_a_prompt_file_gives_its_lines_and_a_missing_or_empty_one_says_so(tmp_path):
+def test_a_prompt_file_gives_its_lines_and_bad_sampling_flags_say_what_to_fix(tmp_path):
   path = tmp_path / "prompts.txt"
   path.write_text("first prompt\n\n  second one \n")
   assert read_prompt_file(str(path)) == ["first prompt", "  second one "]
@@ -205,6 +207,12 @@ def test_a_prompt_file_gives_its_lines_and_a_missing_or_empty_one_says_so(tmp_pa
   (tmp_path / "blank.txt").write_text("\n \n")
   with pytest.raises(ConfigError, match=r"blank.txt holds no prompt; write one prompt per line"):
     read_prompt_file(str(tmp_path / "blank.txt"))
+  assert prompts_of("one", "") == ["one"] and prompts_of("", str(path)) == read_prompt_file(str(path))
+  assert prompts_of("", "") == []
+  with pytest.raises(ConfigError, match="give --prompt or --prompt_file, not both"):
+    prompts_of("one", str(path))
+  with pytest.raises(ConfigError, match="--stream_tokens must be >= 1"):
+    prompts_of("one", "", stream_tokens=0)
 
 
 def test_decode_returns_the_state_after_the_fed_tokens():
