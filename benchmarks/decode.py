@@ -28,6 +28,7 @@ import datetime
 import gc
 import json
 import os
+import re
 import statistics
 import time
 from typing import Any
@@ -89,6 +90,7 @@ class DecodeRow:
   state_bytes_per_seq: int | None = None
   weight_bytes: int | None = None
   floor_ms: float | None = None
+  kernels_per_token: int | None = None
   compile_s: float | None = None
   note: str = ""
 
@@ -147,9 +149,10 @@ def _prefill_lengths(context: int, decode_tokens: int) -> list[int]:
   return [min(decode_tokens, prefill - start) for start in range(0, prefill, decode_tokens)]
 
 
-def compile_grid(gen, grid, decode_tokens: int, workers: int = 0) -> float:
+def compile_grid(gen, grid, decode_tokens: int, workers: int = 0) -> tuple[float, dict[tuple[int, int], int]]:
   """Compiles prefill and decode for every (batch, context) of ``grid`` (shapes deduplicated) in parallel
-  threads before anything runs; returns the wall seconds."""
+  threads before anything runs; returns the wall seconds and each (batch, context)'s kernels per token
+  (``kernels_per_token`` of its compiled decode loop)."""
   import concurrent.futures
 
   from lmcore.eval.generate import Sampling
@@ -158,17 +161,68 @@ def compile_grid(gen, grid, decode_tokens: int, workers: int = 0) -> float:
   for _, batch, context in grid:
     state = jax.eval_shape(lambda: gen.init_state(batch, context))
     key = (batch, str(jax.tree.map(lambda x: (x.shape, x.dtype), state)))
-    lengths = jobs.setdefault(key, (batch, context, set()))[2]
-    lengths.update(_prefill_lengths(context, decode_tokens))
+    job = jobs.setdefault(key, (batch, context, set(), []))
+    job[2].update(_prefill_lengths(context, decode_tokens))
+    job[3].append((batch, context))
   workers = workers or max(1, min(len(jobs), (os.cpu_count() or 2) // 2))
   start = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-    futures = [pool.submit(gen.compile, batch, context, prefill_lengths=sorted(lengths),
-                           max_new_tokens=decode_tokens, sampling=Sampling(temperature=0))
-               for batch, context, lengths in jobs.values()]
-    for future in futures:
-      future.result()
-  return time.perf_counter() - start
+    futures = [(rows, pool.submit(gen.compile, batch, context, prefill_lengths=sorted(lengths),
+                                  max_new_tokens=decode_tokens, sampling=Sampling(temperature=0)))
+               for batch, context, lengths, rows in jobs.values()]
+    kernels = {row: kernels_per_token(future.result().as_text()) for rows, future in futures for row in rows}
+  return time.perf_counter() - start, kernels
+
+
+# Instructions of a compiled HLO computation that launch no kernel of their own.
+_NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier",
+              "partition-id", "replica-id", "add-dependency"}
+
+
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+  """Computation name -> its instruction lines (``ENTRY`` for the entry computation)."""
+  found, name = {}, None
+  for line in hlo_text.splitlines():
+    head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
+    if head and not line.startswith(" "):
+      name = "ENTRY" if head.group(1) else head.group(2)
+      found[name] = []
+    elif line.startswith("}"):
+      name = None
+    elif name and " = " in line:
+      found[name].append(line)
+  return found
+
+
+def _opcode(line: str) -> str:
+  """The opcode of an instruction line ``%x = <shape> opcode(...)``; tuple shapes hold spaces."""
+  rest = line.split(" = ", 1)[1]
+  if rest.startswith("("):  # skip the balanced tuple shape
+    depth = 0
+    for i, c in enumerate(rest):
+      depth += {"(": 1, ")": -1}.get(c, 0)
+      if depth == 0:
+        rest = rest[i + 1:]
+        break
+  else:
+    rest = rest.split(" ", 1)[1]
+  return rest.strip().split("(", 1)[0]
+
+
+def kernels_per_token(hlo_text: str) -> int:
+  """Instructions that launch work per token in a compiled decode loop: those of the largest ``while``
+  body of the entry computation and of its condition, less the bookkeeping ones (``_NO_KERNEL``; of an
+  async pair, the start). On GPU each is one kernel (a fusion, a library call, a copy); on CPU the same
+  count measures the step's op granularity."""
+  computations = _computations(hlo_text)
+  loops = [re.search(r"condition=%?([\w.\-]+), body=%?([\w.\-]+)", line)
+           for line in computations.get("ENTRY", []) if _opcode(line) == "while"]
+  loops = [m.groups() for m in loops if m]
+  if not loops:
+    raise ValueError("the compiled decode has no while loop")
+  condition, body = max(loops, key=lambda names: len(computations[names[1]]))
+  return sum(1 for line in computations[condition] + computations[body]
+             if (op := _opcode(line)) not in _NO_KERNEL and not op.endswith("-done"))
 
 
 def measure(gen, row: DecodeRow, *, repeats: int, bandwidth: float | None, seed: int = 0) -> DecodeRow:
@@ -236,10 +290,10 @@ def run(models: list[str], *, batches: list[int], contexts: list[int], long_cont
       model = LanguageModel(config, rngs=nnx.Rngs(0))
       gen = Generator(model)
       try:
-        compile_s = compile_grid(gen, grid, decode_tokens)
+        compile_s, kernels = compile_grid(gen, grid, decode_tokens)
         print(f"{name}: compiled the prefill and decode of {len(grid)} rows in {compile_s:.1f} s", flush=True)
       except Exception as e:  # each row compiles (and fails) on its own then, with its own note
-        compile_s = None
+        compile_s, kernels = None, {}
         print(f"{name}: ahead-of-time compilation failed ({type(e).__name__}); rows compile as they run",
               flush=True)
     for grid_name, batch, context in grid:
@@ -249,6 +303,7 @@ def run(models: list[str], *, batches: list[int], contexts: list[int], long_cont
       else:
         row.params, row.weight_bytes = count_params(model), _weight_bytes(gen.weights)
         row.state_bytes_per_seq, row.compile_s = _state_bytes_per_seq(model, context), compile_s
+        row.kernels_per_token = kernels.get((batch, context))
         try:
           measure(gen, row, repeats=repeats, bandwidth=bandwidth)
         except BenchError:
@@ -277,15 +332,15 @@ def format_row_line(r: DecodeRow) -> str:
 
 def format_table(rows: list[DecodeRow]) -> str:
   lines = ["| model | mixers | params | position table | batch | context | ms/token | tokens/s | "
-           "state bytes / seq | weights MB | floor ms | compile s | note |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "state bytes / seq | weights MB | floor ms | kernels / token | compile s | note |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     lines.append(
         f"| {r.model} | {r.mixers} | {fmt(r.params or None, ',.1f', 1e-6)}M | "
         f"{'yes' if r.position_table else 'no'} | {r.batch} | {r.context:,} | {fmt(r.ms_per_token, '.3f')} | "
         f"{fmt(r.tokens_per_s, ',.0f')} | {fmt(r.state_bytes_per_seq, ',.0f')} | "
-        f"{fmt(r.weight_bytes, ',.1f', 1e-6)} | {fmt(r.floor_ms, '.3f')} | {fmt(r.compile_s, '.1f')} | "
-        f"{r.note} |")
+        f"{fmt(r.weight_bytes, ',.1f', 1e-6)} | {fmt(r.floor_ms, '.3f')} | {fmt(r.kernels_per_token, '.0f')} | "
+        f"{fmt(r.compile_s, '.1f')} | {r.note} |")
   return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ def test_tiny_models_are_timed_on_the_main_and_long_grids_and_reported(tmp_path)
     assert not row.note and row.ms_per_token > 0 and row.compile_s >= 0, row
     assert row.tokens_per_s == pytest.approx(row.batch / row.ms_per_token * 1e3)
     assert row.weight_bytes > 0 and row.floor_ms is None  # CPUs have no listed bandwidth
+    assert row.kernels_per_token > 10  # a layer's norm, projections, mixer and MLP, the head, the sample
   state_bytes = {(r.model, r.context): r.state_bytes_per_seq for r in rows}
   assert state_bytes["sanatan_p1_184m", 12] == state_bytes["sanatan_p1_184m", 24]  # a constant state
   assert state_bytes["softmax_184m", 24] > state_bytes["softmax_184m", 12]  # a growing KV cache
@@ -35,6 +36,48 @@ def test_tiny_models_are_timed_on_the_main_and_long_grids_and_reported(tmp_path)
   assert "decode on cpu" in text and "`python x`" in text and table in text
   assert "sanatan_p1_184m, batch 1:" in text  # the target lines
   assert plot.stat().st_size > 1000
+
+
+HLO = """HloModule jit__decode
+
+%body.1 (arg: (s32[], f32[2,4])) -> (s32[], f32[2,4]) {
+  %arg = (s32[], f32[2,4]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %x = f32[2,4]{1,0} get-tuple-element(%arg), index=1
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %dot = f32[2,4]{1,0} custom-call(%x), custom_call_target="__cublas$gemm"
+  %fused = f32[2,4]{1,0} fusion(%dot), kind=kLoop, calls=%fused_computation
+  %start = ((f32[2,4]{1,0}), f32[2,4]{1,0}, u32[]) copy-start(%fused)
+  %done = f32[2,4]{1,0} copy-done(%start)
+  %b = f32[2,4]{1,0} bitcast(%done)
+  ROOT %out = (s32[], f32[2,4]{1,0}) tuple(%next, %b)
+}
+
+%cond.1 (arg: (s32[], f32[2,4])) -> pred[] {
+  %arg = (s32[], f32[2,4]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %n = s32[] constant(8)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: f32[2,4]) -> f32[2,4] {
+  %x = f32[2,4]{1,0} parameter(0)
+  %pre = f32[2,4]{1,0} fusion(%x), kind=kLoop, calls=%fused_computation.2
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[2,4]{1,0}) tuple(%zero, %pre)
+  %loop = (s32[], f32[2,4]{1,0}) while(%init), condition=%cond.1, body=%body.1
+  ROOT %y = f32[2,4]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_kernels_per_token_counts_the_work_of_the_loop_body_and_condition():
+  """The body's add, library call, fusion and copy (the async pair once) and the condition's compare:
+  5; parameters, constants, tuples, bitcasts and the work before the loop launch nothing per token."""
+  assert decode.kernels_per_token(HLO) == 5
+  with pytest.raises(ValueError, match="no while loop"):
+    decode.kernels_per_token(HLO.replace("while(%init), condition=%cond.1, body=%body.1", "tuple(%init)"))
 
 
 def _row(model, batch, context, ms):

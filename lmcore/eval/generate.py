@@ -143,12 +143,14 @@ def _sample_rows(logits_BxV, keys_B, n_new_B, sampling: Sampling):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps", "feed_last", "max_new_tokens", "sampling",
-                                             "eos_id"), donate_argnames=("carry",))
-def _decode(graphdef, weights: DecodeWeights, carry: Carry, forced_BxF, n_forced_B, keys_B, start, *,
+                                             "eos_id"), donate_argnames=("state",))
+def _decode(graphdef, weights: DecodeWeights, logits_BxV, state, n_new_B, done_B, forced_BxF, n_forced_B, keys_B,
+            start, *,
             steps: int, feed_last: bool, max_new_tokens: int, sampling: Sampling, eos_id: int | None):
   """Loop steps ``start … start + steps − 1`` (``Generator.decode``): each records every row's token (its
   next prompt token, a sample, or padding once stopped) and feeds it back, except the last step when
-  ``feed_last`` is False. Returns the tokens [B, steps] and the carry (donated buffers reused)."""
+  ``feed_last`` is False. Returns the tokens [B, steps] and the ``Carry`` (``state`` donated: its
+  buffers hold the new state)."""
   B, F = forced_BxF.shape
   pad = 0 if eos_id is None else eos_id
 
@@ -173,7 +175,7 @@ def _decode(graphdef, weights: DecodeWeights, carry: Carry, forced_BxF, n_forced
     logits_BxV, state = _forward(graphdef, weights, token_B[:, None], carry.state)
     return carry._replace(logits_BxV=logits_BxV, state=state), out_BxS
 
-  loop = (carry, jnp.full((B, steps), pad, jnp.int32))
+  loop = (Carry(logits_BxV, state, n_new_B, done_B), jnp.full((B, steps), pad, jnp.int32))
   fed = steps if feed_last else steps - 1
   if eos_id is None:  # a fixed trip count: no predicate read back per token
     j = fed
@@ -204,20 +206,22 @@ class Generator:
     return self._model.init_state(batch_size, max_len)
 
   def compile(self, batch_size: int, max_len: int, *, prefill_lengths=(), max_new_tokens: int = 0,
-              sampling: Sampling = Sampling(), eos_id: int | None = None, forced_len: int = 0) -> None:
+              sampling: Sampling = Sampling(), eos_id: int | None = None, forced_len: int = 0):
     """Compiles ``prefill`` for ``prefill_lengths`` and, with ``max_new_tokens``, one-call ``decode``
-    ahead of the calls (thread-safe: XLA compiles in parallel)."""
+    ahead of the calls (thread-safe: XLA compiles in parallel); returns the compiled decode (None
+    without ``max_new_tokens``), whose ``as_text()`` shows the ops of the loop."""
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     state = jax.eval_shape(lambda: self.init_state(batch_size, max_len))
     for length in prefill_lengths:
       _prefill.lower(self.graphdef, self.weights, i32(batch_size, length), state).compile()
     if max_new_tokens:
       logits = jax.ShapeDtypeStruct((batch_size, self.config.vocab_size), jnp.float32)
-      carry = jax.eval_shape(lambda: _start(logits, state))
       keys = jax.eval_shape(lambda: _row_keys(0, batch_size))
-      _decode.lower(self.graphdef, self.weights, carry, i32(batch_size, forced_len), i32(batch_size), keys,
-                    i32(), steps=forced_len + max_new_tokens, feed_last=False, max_new_tokens=max_new_tokens,
-                    sampling=sampling, eos_id=eos_id).compile()
+      return _decode.lower(self.graphdef, self.weights, logits, state, i32(batch_size),
+                           jax.ShapeDtypeStruct((batch_size,), jnp.bool_), i32(batch_size, forced_len),
+                           i32(batch_size), keys, i32(), steps=forced_len + max_new_tokens, feed_last=False,
+                           max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id).compile()
+    return None
 
   def prefill(self, tokens_BxT, state):
     """Feeds ``tokens_BxT`` (every row the same length) through the model; returns the last
@@ -233,7 +237,7 @@ class Generator:
     B = logits_BxV.shape[0]
     forced_BxF, n_forced_B = _forced(B, forced_BxF, n_forced_B)
     steps = forced_BxF.shape[1] + max_new_tokens
-    out_BxS, carry = _decode(self.graphdef, self.weights, _start(logits_BxV, state), forced_BxF, n_forced_B,
+    out_BxS, carry = _decode(self.graphdef, self.weights, *_start(logits_BxV, state), forced_BxF, n_forced_B,
                              _row_keys(seed, B), jnp.int32(0), steps=steps, feed_last=False,
                              max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id)
     return out_BxS, carry.n_new_B, carry.state
@@ -258,7 +262,7 @@ class Generator:
     n_new_B = np.zeros((B,), np.int64)
     for start in range(0, total, segment):
       steps = min(segment, total - start)
-      out_BxS, carry = _decode(self.graphdef, self.weights, carry, forced_BxF, jnp.asarray(n_forced_B), keys_B,
+      out_BxS, carry = _decode(self.graphdef, self.weights, *carry, forced_BxF, jnp.asarray(n_forced_B), keys_B,
                                jnp.int32(start), steps=steps, feed_last=start + steps < total,
                                max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id)
       out_BxS, before_B, n_new_B = np.asarray(out_BxS), n_new_B, np.asarray(carry.n_new_B)
