@@ -44,8 +44,10 @@ from benchmarks.rows import fmt
 # Memory bandwidth per chip (vendors' data sheets), matched against ``device_kind`` (first match wins).
 HBM_BYTES_PER_S = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100", 2.0e12))
 
-# name -> (a preset of benchmarks.train_step, model overrides); the 184M models, BASED 360M, CyFA.
-# The softmax model twice: its KV cache in fp32 (the default) and in bf16 (half the bytes per step).
+# name -> (a preset of benchmarks.train_step or "<config file>:<preset>", looked up when the model runs;
+# model overrides). The 184M models, BASED 360M and 1.3B, CyFA, and the Transformer++ of each size (its
+# KV cache in bf16, as the BASED paper's FlashAttention-2 baseline keeps it in 16 bits). The softmax
+# 184M model twice: its KV cache in fp32 (the default) and in bf16 (half the bytes per step).
 BF16_CACHE = (("model.mixers.softmax.cache_dtype", "bfloat16"),)
 PRESETS = {
     "sanatan_p1_184m": ("sanatan_p1_184m", ()),
@@ -54,19 +56,33 @@ PRESETS = {
     "based_360m": ("based_360m", ()),
     "gla_182m": ("gla_182m", ()),
     "cyfa": ("cyfa", ()),
+    "based_1p3b": ("based_1p3b", ()),
+    "transformer_pp_184m": ("baselines:transformer_pp_184m", BF16_CACHE),
+    "transformer_pp_360m": ("baselines:transformer_pp_360m", BF16_CACHE),
+    "transformer_pp_1p3b": ("baselines:transformer_pp_1p3b", BF16_CACHE),
 }
+# The models of the main grid when --models is not given.
+GRID_MODELS = ("sanatan_p1_184m", "softmax_184m", "softmax_184m_bf16_cache", "based_360m", "gla_182m", "cyfa")
 # The same names on the tiny presets (CPU tests and smoke runs); patterns without a count follow
 # ``model.n_layers``.
+_TINY_SOFTMAX = ("sanatan:tiny_p1_scratch", (("model.pattern", "softmax"),
+                                             ("model.mixers", {"softmax": {"n_heads": 8, "rope": False}})))
+_TINY_TRANSFORMER_PP = ("sanatan:tiny_p1_scratch", (
+    ("model.pattern", "softmax"), ("model.max_positions", 0),
+    ("model.mixers", {"softmax": {"n_heads": 8, "cache_dtype": "bfloat16"}})))
 TINY_PRESETS = {
     "sanatan_p1_184m": ("sanatan:tiny_p1_scratch", (("model.pattern", "sanatan"),)),
-    "softmax_184m": ("sanatan:tiny_p1_scratch", (("model.pattern", "softmax"),
-                                                 ("model.mixers", {"softmax": {"n_heads": 8, "rope": False}}))),
+    "softmax_184m": _TINY_SOFTMAX,
     "softmax_184m_bf16_cache": ("sanatan:tiny_p1_scratch", (
         ("model.pattern", "softmax"),
         ("model.mixers", {"softmax": {"n_heads": 8, "rope": False, "cache_dtype": "bfloat16"}}))),
     "based_360m": ("based:tiny", ()),
     "gla_182m": ("baselines:gla_tiny", ()),
     "cyfa": ("baselines:cyfa_tiny", ()),
+    "based_1p3b": ("based:tiny", ()),
+    "transformer_pp_184m": _TINY_TRANSFORMER_PP,
+    "transformer_pp_360m": _TINY_TRANSFORMER_PP,
+    "transformer_pp_1p3b": _TINY_TRANSFORMER_PP,
 }
 NO_POSITION_TABLE = (("model.max_positions", 0),)
 
@@ -339,8 +355,8 @@ def format_table(rows: list[DecodeRow]) -> str:
         f"| {r.model} | {r.mixers} | {fmt(r.params or None, ',.1f', 1e-6)}M | "
         f"{'yes' if r.position_table else 'no'} | {r.batch} | {r.context:,} | {fmt(r.ms_per_token, '.3f')} | "
         f"{fmt(r.tokens_per_s, ',.0f')} | {fmt(r.state_bytes_per_seq, ',.0f')} | "
-        f"{fmt(r.weight_bytes, ',.1f', 1e-6)} | {fmt(r.floor_ms, '.3f')} | {fmt(r.kernels_per_token, '.0f')} | "
-        f"{fmt(r.compile_s, '.1f')} | {r.note} |")
+        f"{fmt(r.weight_bytes, ',.1f', 1e-6)} | {fmt(r.floor_ms, '.3f')} | "
+        f"{fmt(r.kernels_per_token, '.0f')} | {fmt(r.compile_s, '.1f')} | {r.note} |")
   return "\n".join(lines)
 
 
@@ -439,9 +455,213 @@ def report(rows: list[DecodeRow], *, markdown: str, plot: str, command: str, dec
 def parse_ints(text: Any, flag: str) -> list[int]:
   """"1,8,64" -> [1, 8, 64]; a BenchError naming ``flag`` otherwise."""
   try:
-    values = [int(v) for v in (text if isinstance(text, (list, tuple)) else str(text).split(",")) if str(v).strip()]
+    items = text if isinstance(text, (list, tuple)) else str(text).split(",")
+    values = [int(v) for v in items if str(v).strip()]
   except ValueError:
     raise BenchError(f"--{flag}={text!r}: give comma-separated positive integers, e.g. 1,8,64.") from None
   if any(v < 1 for v in values):
     raise BenchError(f"--{flag}={text!r}: every value must be >= 1.")
   return values
+
+
+# ------------------------------------------------------------------ the papers' setting
+
+# The BASED paper's decode setting (Arora et al., 2024): batch 128, prompts of 4,096 tokens whose prefill
+# is timed on its own, then 1,024 generated tokens.
+PAPER_BATCH, PAPER_PROMPT, PAPER_TOKENS = 128, 4096, 1024
+PAPER_MODELS = ("based_360m", "transformer_pp_360m", "based_1p3b", "transformer_pp_1p3b", "sanatan_p1_184m",
+                "transformer_pp_184m")
+# Each model's Transformer++ of the same size: the denominator of its ratios.
+TRANSFORMER_PP = {"sanatan_p1_184m": "transformer_pp_184m", "softmax_184m": "transformer_pp_184m",
+                  "softmax_184m_bf16_cache": "transformer_pp_184m", "gla_182m": "transformer_pp_184m",
+                  "based_360m": "transformer_pp_360m", "based_1p3b": "transformer_pp_1p3b"}
+# What the BASED paper reports in this setting (its FlashAttention-2 Transformer++, CUDA graphs, prefill
+# excluded from the decode time): generated tokens/s over the Transformer++'s, and prefill tokens/ms.
+PAPER_REPORTS = {"based_1p3b": {"decode_ratio": 24.0, "prefill_tokens_per_ms": 161.7}}
+
+
+@dataclasses.dataclass
+class PaperRow:
+  model: str
+  mixers: str
+  params: int
+  batch: int
+  prompt: int
+  tokens: int  # generated per row
+  position_table: bool
+  prefill_ms: float | None = None  # the whole batch's prompts, one call
+  prefill_tokens_per_ms: float | None = None
+  ms_per_token: float | None = None  # one loop step: a token for every row
+  tokens_per_s: float | None = None
+  state_bytes_per_seq: int | None = None  # at the mean context a generated token reads
+  weight_bytes: int | None = None
+  floor_ms: float | None = None
+  kernels_per_token: int | None = None
+  compile_s: float | None = None
+  reference: str = ""  # the Transformer++ of the same size
+  decode_ratio: float | None = None  # tokens/s over the reference's
+  prefill_ratio: float | None = None  # prefill tokens/ms over the reference's
+  note: str = ""
+
+
+def paper_config(name: str, *, prompt: int, tokens: int, tiny: bool = False, overrides=()):
+  """``model_config``, without the learned position table when it is shorter than prompt + tokens."""
+  config = model_config(name, tiny=tiny, overrides=overrides)
+  if config.max_positions and config.max_positions < prompt + tokens:
+    config = model_config(name, tiny=tiny, overrides=list(overrides) + list(NO_POSITION_TABLE))
+  return config
+
+
+def measure_paper(gen, row: PaperRow, *, repeats: int, bandwidth: float | None, seed: int = 0) -> PaperRow:
+  """Times, ``repeats`` times after a warm-up: a prefill of B prompts of P uniform random tokens into a
+  fresh state (one call), then one ``decode`` call of N greedy tokens per row; medians."""
+  from lmcore.eval.generate import Sampling
+
+  B, P, N = row.batch, row.prompt, row.tokens
+  tokens_BxP = np.random.default_rng(seed).integers(0, gen.config.vocab_size, (B, P), dtype=np.int32)
+  prefill_s, decode_s = [], []
+  for _ in range(repeats + 1):
+    state = gen.init_state(B, P + N)
+    jax.block_until_ready(state)
+    start = time.perf_counter()
+    logits, state = gen.prefill(tokens_BxP, state)
+    jax.block_until_ready((logits, state))
+    middle = time.perf_counter()
+    out, _, state = gen.decode(logits, state, max_new_tokens=N, sampling=Sampling(temperature=0))
+    jax.block_until_ready(out)
+    prefill_s.append(middle - start)
+    decode_s.append(time.perf_counter() - middle)
+    del logits, state, out
+  row.prefill_ms = statistics.median(prefill_s[1:]) * 1e3
+  row.prefill_tokens_per_ms = B * P / row.prefill_ms
+  row.ms_per_token = statistics.median(decode_s[1:]) / N * 1e3
+  row.tokens_per_s = B / row.ms_per_token * 1e3
+  if bandwidth:
+    row.floor_ms = (row.weight_bytes + B * row.state_bytes_per_seq) / bandwidth * 1e3
+  return row
+
+
+def run_paper(models: list[str], *, batch: int = PAPER_BATCH, prompt: int = PAPER_PROMPT,
+              tokens: int = PAPER_TOKENS, repeats: int = 1, tiny: bool = False, overrides: list[str] = (),
+              jsonl: str = "", max_seconds: float = 0.0) -> list[PaperRow]:
+  """Every model in the papers' setting, one after another in this process (``measure_paper``), then
+  each model's ratios to its Transformer++ (``TRANSFORMER_PP``) where both were timed. A row that fails
+  (out of memory, say) keeps its error as a note; rows not started within ``max_seconds`` (0: no limit)
+  are noted as skipped. Rows are appended to ``jsonl`` as they are measured, the ratios filled in the
+  returned rows."""
+  from lmcore.eval.generate import Generator, Sampling
+  from lmcore.model import LanguageModel, count_params
+
+  if min(batch, prompt, tokens, repeats) < 1:
+    raise BenchError(f"--paper_batch={batch}, --paper_prompt={prompt}, --paper_tokens={tokens} and "
+                     f"--repeats={repeats} must all be >= 1.")
+  parsed = [train_step.parse_override(o) for o in overrides]
+  configs = [(name, paper_config(name, prompt=prompt, tokens=tokens, tiny=tiny, overrides=parsed))
+             for name in models]
+  bandwidth, started, rows = hbm_bytes_per_s(), time.perf_counter(), []
+  for name, config in configs:
+    row = PaperRow(name, "+".join(sorted(set(config.layer_kinds()))), 0, batch, prompt, tokens,
+                   bool(config.max_positions))
+    if max_seconds and time.perf_counter() - started > max_seconds:
+      row.note = f"skipped: past --max_seconds={max_seconds:g}"
+    else:
+      try:
+        model = LanguageModel(config, rngs=nnx.Rngs(0))
+        gen = Generator(model)
+        row.params, row.weight_bytes = count_params(model), _weight_bytes(gen.weights)
+        row.state_bytes_per_seq = _state_bytes_per_seq(model, prompt + tokens // 2)
+        start = time.perf_counter()
+        compiled = gen.compile(batch, prompt + tokens, prefill_lengths=[prompt], max_new_tokens=tokens,
+                               sampling=Sampling(temperature=0))
+        row.compile_s = time.perf_counter() - start
+        row.kernels_per_token = kernels_per_token(compiled.as_text())
+        measure_paper(gen, row, repeats=repeats, bandwidth=bandwidth)
+      except Exception as e:  # out of memory: report it and go on
+        row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+      model = gen = compiled = None
+      gc.collect()
+      jax.clear_caches()
+    print(f"  {format_paper_line(row)}", flush=True)
+    rows.append(row)
+    if jsonl:
+      os.makedirs(os.path.dirname(os.path.abspath(jsonl)), exist_ok=True)
+      with open(jsonl, "a") as f:
+        f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+  return with_paper_ratios(rows)
+
+
+def with_paper_ratios(rows: list[PaperRow]) -> list[PaperRow]:
+  """Fills each row's ratios to its Transformer++ (``TRANSFORMER_PP``) where both rows were timed."""
+  timed = {r.model: r for r in rows if r.ms_per_token is not None}
+  for r in rows:
+    ref = timed.get(TRANSFORMER_PP.get(r.model, ""))
+    r.reference = TRANSFORMER_PP.get(r.model, "")
+    if ref and r.ms_per_token is not None:
+      r.decode_ratio = r.tokens_per_s / ref.tokens_per_s
+      r.prefill_ratio = r.prefill_tokens_per_ms / ref.prefill_tokens_per_ms
+  return rows
+
+
+def format_paper_line(r: PaperRow) -> str:
+  head = f"{r.model} B={r.batch} prompt={r.prompt} tokens={r.tokens}: "
+  if r.ms_per_token is None:
+    return head + (r.note or "failed")
+  return (head + f"prefill {r.prefill_tokens_per_ms:,.1f} tokens/ms, decode {r.ms_per_token:.3f} ms/token "
+          f"({r.tokens_per_s:,.0f} tok/s), floor {fmt(r.floor_ms, '.3f')} ms, "
+          f"{r.kernels_per_token} kernels/token")
+
+
+def _paper_cell(model: str) -> str:
+  reported = PAPER_REPORTS.get(model)
+  if not reported:
+    return ""
+  return f"{reported['decode_ratio']:g}×, {reported['prefill_tokens_per_ms']:g} tokens/ms"
+
+
+def format_paper_table(rows: list[PaperRow]) -> str:
+  lines = ["| model | mixers | params | position table | batch | prompt | generated | prefill ms | "
+           "prefill tokens/ms | ms/token | tokens/s | state MB / seq | weights MB | floor ms | × floor | "
+           "kernels / token | vs Transformer++ (decode, prefill) | paper (decode, prefill) | note |",
+           "|" + "---|" * 19]
+  for r in rows:
+    above = r.ms_per_token / r.floor_ms if r.ms_per_token and r.floor_ms else None
+    ratios = (f"{r.decode_ratio:.2f}×, {r.prefill_ratio:.2f}× ({r.reference})" if r.decode_ratio is not None
+              else "")
+    lines.append(
+        f"| {r.model} | {r.mixers} | {fmt(r.params or None, ',.1f', 1e-6)}M | "
+        f"{'yes' if r.position_table else 'no'} | {r.batch} | {r.prompt:,} | {r.tokens:,} | "
+        f"{fmt(r.prefill_ms, ',.1f')} | {fmt(r.prefill_tokens_per_ms, ',.1f')} | "
+        f"{fmt(r.ms_per_token, '.3f')} | "
+        f"{fmt(r.tokens_per_s, ',.0f')} | {fmt(r.state_bytes_per_seq, ',.2f', 1e-6)} | "
+        f"{fmt(r.weight_bytes, ',.1f', 1e-6)} | {fmt(r.floor_ms, '.3f')} | {fmt(above, '.1f')} | "
+        f"{fmt(r.kernels_per_token, '.0f')} | {ratios} | {_paper_cell(r.model)} | {r.note} |")
+  return "\n".join(lines)
+
+
+def paper_notes(bandwidth: float | None) -> str:
+  """What the papers' table's columns mean and what makes its setting differ from the paper's."""
+  at = f"{bandwidth / 1e12:g} TB/s (`HBM_BYTES_PER_S`)" if bandwidth else "the device's memory bandwidth"
+  return ("Each row prefills the batch's random prompts in one call (prefill tokens/ms = batch × prompt / "
+          "time), then one compiled `decode` call generates the tokens greedily (ms/token: that call's time "
+          "over the tokens; tokens/s = batch / ms/token); medians after a warm-up. State MB: the decode "
+          "state of one sequence at the mean context a generated token reads (prompt + generated / 2). "
+          f"Floor: the weights read per token plus the batch's state, at {at}. Kernels / token: the "
+          "launching instructions of the compiled loop's body and condition (`kernels_per_token`). "
+          "vs Transformer++: tokens/s and prefill tokens/ms over those of the Transformer++ of the same "
+          "size (bf16 KV cache). The paper's ratio is against FlashAttention-2 with CUDA graphs; here "
+          "every model runs through XLA (the Transformer++ attends over its preallocated cache, the "
+          "models have random weights and no learned position table past their own) in one process.")
+
+
+def report_paper(rows: list[PaperRow], *, markdown: str, command: str) -> str:
+  """Prints the papers' table, appends it with its notes and command as a dated block to ``markdown``
+  ('' = none); returns the table."""
+  from benchmarks import harness
+
+  table = format_paper_table(rows)
+  print(table, flush=True)
+  if markdown:
+    harness.append_markdown(markdown, [table, paper_notes(hbm_bytes_per_s())],
+                            datetime.date.today().isoformat(), harness.device_name(), [command],
+                            topic="decode in the papers' setting")
+  return table

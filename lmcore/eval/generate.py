@@ -144,8 +144,8 @@ def _sample_rows(logits_BxV, keys_B, n_new_B, sampling: Sampling):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps", "feed_last", "max_new_tokens", "sampling",
                                              "eos_id"), donate_argnames=("state",))
-def _decode(graphdef, weights: DecodeWeights, logits_BxV, state, n_new_B, done_B, forced_BxF, n_forced_B, keys_B,
-            start, *,
+def _decode(graphdef, weights: DecodeWeights, logits_BxV, state, n_new_B, done_B, forced_BxF, n_forced_B,
+            keys_B, start, *,
             steps: int, feed_last: bool, max_new_tokens: int, sampling: Sampling, eos_id: int | None):
   """Loop steps ``start … start + steps − 1`` (``Generator.decode``): each records every row's token (its
   next prompt token, a sample, or padding once stopped) and feeds it back, except the last step when
@@ -255,15 +255,16 @@ class Generator:
       tokens_BxL[b, :lengths[b]] = prompt
     n_forced_B = np.asarray(lengths, np.int32) - min_len
     forced_BxF = jnp.asarray(tokens_BxL[:, min_len:])
-    logits_BxV, state = self.prefill(tokens_BxL[:, :min_len], self.init_state(B, max(lengths) + max_new_tokens))
+    state = self.init_state(B, max(lengths) + max_new_tokens)
+    logits_BxV, state = self.prefill(tokens_BxL[:, :min_len], state)
     carry, keys_B = _start(logits_BxV, state), _row_keys(seed, B)
     total = forced_BxF.shape[1] + max_new_tokens
     segment = segment or total
     n_new_B = np.zeros((B,), np.int64)
     for start in range(0, total, segment):
       steps = min(segment, total - start)
-      out_BxS, carry = _decode(self.graphdef, self.weights, *carry, forced_BxF, jnp.asarray(n_forced_B), keys_B,
-                               jnp.int32(start), steps=steps, feed_last=start + steps < total,
+      out_BxS, carry = _decode(self.graphdef, self.weights, *carry, forced_BxF, jnp.asarray(n_forced_B),
+                               keys_B, jnp.int32(start), steps=steps, feed_last=start + steps < total,
                                max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id)
       out_BxS, before_B, n_new_B = np.asarray(out_BxS), n_new_B, np.asarray(carry.n_new_B)
       # Row b's samples sit at loop steps n_forced_B[b] ... n_forced_B[b] + n_new_B[b] - 1.

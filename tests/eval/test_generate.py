@@ -42,7 +42,8 @@ PROMPTS = [[5, 17, 3, 40, 22], [9], [31, 2, 7]]
 
 
 def make_model(pattern, mixers, seed=0, **fields):
-  values = dict(vocab_size=VOCAB, d_model=32, n_layers=_layers(pattern), pattern=pattern, mlp_hidden=48, dtype="float32", tie_embeddings=False, init_std=0.2, mixers=mixers)
+  values = dict(vocab_size=VOCAB, d_model=32, n_layers=_layers(pattern), pattern=pattern, mlp_hidden=48,
+                dtype="float32", tie_embeddings=False, init_std=0.2, mixers=mixers)
   return LanguageModel(cfg_lib.model_config({**values, **fields}), rngs=nnx.Rngs(seed))
 
 
