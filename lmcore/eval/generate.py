@@ -346,7 +346,7 @@ def read_prompt_file(path: str) -> list[str]:
   return prompts
 
 
-class _TextStream:
+class TextStream:
   """Each row's new text as its tokens arrive: the decoded samples so far, less what was already given
   out (token pieces decode differently alone, e.g. a leading space or half a UTF-8 character)."""
 
@@ -377,7 +377,7 @@ def sample_texts(model: LanguageModel | Generator, tokenizer, prompts: Sequence[
   so one prompt sampled alone with that seed gives the same tokens)."""
   gen = model if isinstance(model, Generator) else Generator(model)
   ids = [tokenizer.encode(p) for p in prompts]
-  text = _TextStream(tokenizer, len(prompts))
+  text = TextStream(tokenizer, len(prompts))
   for pieces in gen.stream(ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                            eos_id=tokenizer.eos_id, segment=segment):
     for b, piece in enumerate(pieces):

@@ -183,7 +183,7 @@ def test_text_prompts_give_jsonl_records_and_their_text_streams_as_it_is_sampled
 def test_streamed_text_waits_for_whole_characters(capsys):
   """A byte-level tokenizer splits "é" over two tokens: the stream gives out no replacement character,
   and its pieces add up to the text."""
-  from lmcore.eval.generate import _TextStream
+  from lmcore.eval.generate import TextStream
 
   class Bytes:
     eos_id = 0
@@ -191,7 +191,7 @@ def test_streamed_text_waits_for_whole_characters(capsys):
     def decode(self, ids):
       return bytes(ids).decode("utf-8", errors="replace")
 
-  stream, ids = _TextStream(Bytes(), 1), list("a é!".encode())
+  stream, ids = TextStream(Bytes(), 1), list("a é!".encode())
   shown = [stream.add(0, [i]) for i in ids] + [stream.add(0, [], final=True)]
   assert "".join(shown) == "a é!" and not any("\ufffd" in s for s in shown)
   print_text(2)(1, "xy")
