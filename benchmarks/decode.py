@@ -489,7 +489,8 @@ class PaperRow:
   prompt: int
   tokens: int  # generated per row
   position_table: bool
-  prefill_ms: float | None = None  # the whole batch's prompts, one call
+  prefill_chunk: int = 0  # prompt tokens per prefill call (0: the whole prompt in one call)
+  prefill_ms: float | None = None  # the whole batch's prompts
   prefill_tokens_per_ms: float | None = None
   ms_per_token: float | None = None  # one loop step: a token for every row
   tokens_per_s: float | None = None
@@ -512,9 +513,16 @@ def paper_config(name: str, *, prompt: int, tokens: int, tiny: bool = False, ove
   return config
 
 
+def _chunks(prompt: int, chunk: int) -> list[int]:
+  """The lengths of the prefill calls of a ``prompt``-token prompt, ``chunk`` tokens each (0: one call)."""
+  chunk = chunk or prompt
+  return [min(chunk, prompt - start) for start in range(0, prompt, chunk)]
+
+
 def measure_paper(gen, row: PaperRow, *, repeats: int, bandwidth: float | None, seed: int = 0) -> PaperRow:
   """Times, ``repeats`` times after a warm-up: a prefill of B prompts of P uniform random tokens into a
-  fresh state (one call), then one ``decode`` call of N greedy tokens per row; medians."""
+  fresh state (one call, or calls of ``row.prefill_chunk`` tokens), then one ``decode`` call of N greedy
+  tokens per row; medians."""
   from lmcore.eval.generate import Sampling
 
   B, P, N = row.batch, row.prompt, row.tokens
@@ -523,8 +531,10 @@ def measure_paper(gen, row: PaperRow, *, repeats: int, bandwidth: float | None, 
   for _ in range(repeats + 1):
     state = gen.init_state(B, P + N)
     jax.block_until_ready(state)
-    start = time.perf_counter()
-    logits, state = gen.prefill(tokens_BxP, state)
+    start, fed = time.perf_counter(), 0
+    for length in _chunks(P, row.prefill_chunk):
+      logits, state = gen.prefill(tokens_BxP[:, fed:fed + length], state)
+      fed += length
     jax.block_until_ready((logits, state))
     middle = time.perf_counter()
     out, _, state = gen.decode(logits, state, max_new_tokens=N, sampling=Sampling(temperature=0))
@@ -542,8 +552,8 @@ def measure_paper(gen, row: PaperRow, *, repeats: int, bandwidth: float | None, 
 
 
 def run_paper(models: list[str], *, batch: int = PAPER_BATCH, prompt: int = PAPER_PROMPT,
-              tokens: int = PAPER_TOKENS, repeats: int = 1, tiny: bool = False, overrides: list[str] = (),
-              jsonl: str = "", max_seconds: float = 0.0) -> list[PaperRow]:
+              tokens: int = PAPER_TOKENS, prefill_chunk: int = 0, repeats: int = 1, tiny: bool = False,
+              overrides: list[str] = (), jsonl: str = "", max_seconds: float = 0.0) -> list[PaperRow]:
   """Every model in the papers' setting, one after another in this process (``measure_paper``), then
   each model's ratios to its Transformer++ (``TRANSFORMER_PP``) where both were timed. A row that fails
   (out of memory, say) keeps its error as a note; rows not started within ``max_seconds`` (0: no limit)
@@ -552,16 +562,16 @@ def run_paper(models: list[str], *, batch: int = PAPER_BATCH, prompt: int = PAPE
   from lmcore.eval.generate import Generator, Sampling
   from lmcore.model import LanguageModel, count_params
 
-  if min(batch, prompt, tokens, repeats) < 1:
+  if min(batch, prompt, tokens, repeats) < 1 or prefill_chunk < 0:
     raise BenchError(f"--paper_batch={batch}, --paper_prompt={prompt}, --paper_tokens={tokens} and "
-                     f"--repeats={repeats} must all be >= 1.")
+                     f"--repeats={repeats} must all be >= 1, --paper_prefill_chunk={prefill_chunk} >= 0.")
   parsed = [train_step.parse_override(o) for o in overrides]
   configs = [(name, paper_config(name, prompt=prompt, tokens=tokens, tiny=tiny, overrides=parsed))
              for name in models]
   bandwidth, started, rows = hbm_bytes_per_s(), time.perf_counter(), []
   for name, config in configs:
     row = PaperRow(name, "+".join(sorted(set(config.layer_kinds()))), 0, batch, prompt, tokens,
-                   bool(config.max_positions))
+                   bool(config.max_positions), prefill_chunk)
     if max_seconds and time.perf_counter() - started > max_seconds:
       row.note = f"skipped: past --max_seconds={max_seconds:g}"
     else:
@@ -571,7 +581,8 @@ def run_paper(models: list[str], *, batch: int = PAPER_BATCH, prompt: int = PAPE
         row.params, row.weight_bytes = count_params(model), _weight_bytes(gen.weights)
         row.state_bytes_per_seq = _state_bytes_per_seq(model, prompt + tokens // 2)
         start = time.perf_counter()
-        compiled = gen.compile(batch, prompt + tokens, prefill_lengths=[prompt], max_new_tokens=tokens,
+        lengths = sorted(set(_chunks(prompt, prefill_chunk)))
+        compiled = gen.compile(batch, prompt + tokens, prefill_lengths=lengths, max_new_tokens=tokens,
                                sampling=Sampling(temperature=0))
         row.compile_s = time.perf_counter() - start
         row.kernels_per_token = kernels_per_token(compiled.as_text())
@@ -641,16 +652,17 @@ def format_paper_table(rows: list[PaperRow]) -> str:
 def paper_notes(bandwidth: float | None) -> str:
   """What the papers' table's columns mean and what makes its setting differ from the paper's."""
   at = f"{bandwidth / 1e12:g} TB/s (`HBM_BYTES_PER_S`)" if bandwidth else "the device's memory bandwidth"
-  return ("Each row prefills the batch's random prompts in one call (prefill tokens/ms = batch × prompt / "
-          "time), then one compiled `decode` call generates the tokens greedily (ms/token: that call's time "
-          "over the tokens; tokens/s = batch / ms/token); medians after a warm-up. State MB: the decode "
-          "state of one sequence at the mean context a generated token reads (prompt + generated / 2). "
-          f"Floor: the weights read per token plus the batch's state, at {at}. Kernels / token: the "
-          "launching instructions of the compiled loop's body and condition (`kernels_per_token`). "
-          "vs Transformer++: tokens/s and prefill tokens/ms over those of the Transformer++ of the same "
-          "size (bf16 KV cache). The paper's ratio is against FlashAttention-2 with CUDA graphs; here "
-          "every model runs through XLA (the Transformer++ attends over its preallocated cache, the "
-          "models have random weights and no learned position table past their own) in one process.")
+  return ("Each row prefills the batch's random prompts (in one call, or in calls of "
+          "`--paper_prefill_chunk` tokens; prefill tokens/ms = batch × prompt / time), then one compiled "
+          "`decode` call generates the tokens greedily (ms/token: that call's time over the tokens; "
+          "tokens/s = batch / ms/token); medians after a warm-up. State MB: the decode state of one "
+          "sequence at the mean context a generated token reads (prompt + generated / 2). Floor: the "
+          f"weights read per token plus the batch's state, at {at}; × floor: ms/token over it. Kernels / "
+          "token: the launching instructions of the compiled loop's body and condition "
+          "(`kernels_per_token`). vs Transformer++: tokens/s and prefill tokens/ms over those of the "
+          "Transformer++ of the same size (bf16 KV cache). The paper's ratio is against FlashAttention-2 "
+          "with CUDA graphs; here every model runs through XLA in one process, the Transformer++ attends "
+          "over its preallocated cache, and the weights are random (speed does not depend on them).")
 
 
 def report_paper(rows: list[PaperRow], *, markdown: str, command: str) -> str:

@@ -14,7 +14,8 @@ tokens/s vs batch (``--plot``) and, with ``--markdown``, appends them as a dated
 is timed on its own, 1,024 generated tokens), each model against its Transformer++ of the same size:
 
     python scripts/bench_decode.py --setting=paper [--models=based_360m,transformer_pp_360m,based_1p3b,...] \
-        [--paper_batch=128] [--paper_prompt=4096] [--paper_tokens=1024] [--repeats=1] \
+        [--paper_batch=128] [--paper_prompt=4096] [--paper_tokens=1024] [--paper_prefill_chunk=0] \
+        [--repeats=3] \
         [--jsonl=runs/bench_decode/decode_paper.jsonl] [--markdown=NOTES.md]
 
 ``--tiny`` runs the same model names on the tiny presets (CPU smoke runs and tests).
@@ -51,6 +52,8 @@ _PAPER_PROMPT = flags.DEFINE_integer("paper_prompt", decode.PAPER_PROMPT, "--set
                                      "per row.")
 _PAPER_TOKENS = flags.DEFINE_integer("paper_tokens", decode.PAPER_TOKENS, "--setting=paper: generated tokens "
                                      "per row.")
+_PAPER_PREFILL_CHUNK = flags.DEFINE_integer("paper_prefill_chunk", 0, "--setting=paper: prompt tokens per "
+                                            "prefill call (0: the whole prompt in one call).")
 _OVERRIDE = flags.DEFINE_multi_string("override", [], "KEY=VALUE set in every model that has KEY (e.g. "
                                       "model.mixers.sanatan.decode_implementation=recurrent); repeatable.")
 _TINY = flags.DEFINE_bool("tiny", False, "The tiny presets under the same model names (CPU).")
@@ -71,7 +74,8 @@ def main(argv):
     try:
       rows = decode.run_paper(
           _MODELS.value or list(decode.PAPER_MODELS), batch=_PAPER_BATCH.value, prompt=_PAPER_PROMPT.value,
-          tokens=_PAPER_TOKENS.value, repeats=_REPEATS.value, tiny=_TINY.value, overrides=_OVERRIDE.value,
+          tokens=_PAPER_TOKENS.value, prefill_chunk=_PAPER_PREFILL_CHUNK.value, repeats=_REPEATS.value,
+          tiny=_TINY.value, overrides=_OVERRIDE.value,
           jsonl="runs/bench_decode/decode_paper.jsonl" if _JSONL.value is None else _JSONL.value,
           max_seconds=_MAX_SECONDS.value)
     except decode.BenchError as e:

@@ -112,18 +112,20 @@ def test_the_paper_models_and_their_long_context_variants():
 
 
 def test_the_papers_setting_times_prefill_and_decode_and_divides_by_transformer_pp(tmp_path):
-  """--setting=paper on the tiny presets: prefill and decode timed per model, SANATAN's ratios to the
-  Transformer++ of its size filled in, its position table dropped where prompt + tokens pass it, the
-  table (the paper's reported ratios beside BASED 1.3B) and its notes appended as a dated block."""
+  """--setting=paper on the tiny presets: prefill (two calls of 35 tokens) and decode timed per model,
+  SANATAN's ratios to the Transformer++ of its size filled in, its position table dropped where prompt
+  + tokens pass it, the table (the paper's reported ratios beside BASED 1.3B) and its notes appended
+  as a dated block."""
   jsonl, markdown = tmp_path / "paper.jsonl", tmp_path / "BENCH.md"
   rows = decode.run_paper(["sanatan_p1_184m", "transformer_pp_184m"], batch=2, prompt=70, tokens=4,
-                          tiny=True, overrides=TINY + ["model.max_positions=64"], jsonl=str(jsonl))
+                          prefill_chunk=35, tiny=True, overrides=TINY + ["model.max_positions=64"],
+                          jsonl=str(jsonl))
   sanatan, tpp = rows
   for r in rows:
     assert not r.note and r.prefill_ms > 0 and r.ms_per_token > 0 and r.kernels_per_token > 10, r
     assert r.prefill_tokens_per_ms == pytest.approx(2 * 70 / r.prefill_ms)
     assert r.tokens_per_s == pytest.approx(2 / r.ms_per_token * 1e3)
-  assert sanatan.reference == "transformer_pp_184m" and tpp.decode_ratio is None
+  assert sanatan.reference == "transformer_pp_184m" and tpp.decode_ratio is None and tpp.prefill_chunk == 35
   assert sanatan.decode_ratio == pytest.approx(sanatan.tokens_per_s / tpp.tokens_per_s)
   assert sanatan.prefill_ratio == pytest.approx(sanatan.prefill_tokens_per_ms / tpp.prefill_tokens_per_ms)
   assert not sanatan.position_table  # its table of 64 < 70 + 4
@@ -131,7 +133,8 @@ def test_the_papers_setting_times_prefill_and_decode_and_divides_by_transformer_
   rows.append(decode.PaperRow("based_1p3b", "x", 1, 2, 70, 4, False, note="skipped"))
   table = decode.report_paper(rows, markdown=str(markdown), command="python y")
   assert "(transformer_pp_184m) |  |" in table and "| 24×, 161.7 tokens/ms | skipped |" in table
-  assert "decode in the papers' setting on cpu" in markdown.read_text() and "`python y`" in markdown.read_text()
+  text = markdown.read_text()
+  assert "decode in the papers' setting on cpu" in text and "`python y`" in text
 
 
 def test_transformer_pp_presets_are_looked_up_in_configs_baselines_when_they_run():
@@ -152,7 +155,7 @@ def test_bad_flags_say_what_to_fix():
     decode.run(["nope"], batches=[1], contexts=[16], decode_tokens=4)
   with pytest.raises(decode.BenchError, match="8 must exceed --decode_tokens=8"):
     decode.run(["cyfa"], batches=[1], contexts=[8], decode_tokens=8)
-  with pytest.raises(decode.BenchError, match="--paper_batch=0, .* must all be >= 1"):
+  with pytest.raises(decode.BenchError, match=r"--paper_batch=0, .* must all be >= 1, --paper_prefill_chunk"):
     decode.run_paper(["based_1p3b"], batch=0, prompt=8, tokens=4, tiny=True)
   with pytest.raises(decode.BenchError, match="--batches='1,x'"):
     decode.parse_ints("1,x", "batches")
