@@ -12,6 +12,8 @@ back through the model), positions C − N … C − 1. A row reports
 * weights MB: the bytes decoding reads per token, the compute-dtype weights and head (the embedding
   tables' rows read by the lookup aside), and floor ms: those bytes plus the state of B sequences read
   once, at the device's memory bandwidth (``HBM_BYTES_PER_S``): a lower bound a step cannot beat;
+* kernels / token: the launching instructions of the compiled loop's body and condition
+  (``kernels_per_token``; on a GPU, kernel launches per generated token);
 * compile s: the wall time of compiling every prefill and decode call of the model's rows, in parallel
   threads before the first row runs (the same for all of them).
 
@@ -19,6 +21,10 @@ The main grid is every model at every batch and context. Long contexts run at ``
 and without a learned position table (``model.max_positions=0``; speed does not depend on the table,
 whose length would cap the context): the fixed-state models' per-token time should stay flat while the
 softmax KV cache's grows with C.
+
+``run_paper`` is the BASED paper's setting (``--setting=paper``): batch 128, prompts of 4,096 tokens
+whose prefill is timed on its own, 1,024 generated tokens, each model against the Transformer++ of its
+size (``PaperRow``, ``paper_notes``).
 """
 
 from __future__ import annotations

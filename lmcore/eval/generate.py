@@ -145,8 +145,8 @@ def _sample_rows(logits_BxV, keys_B, n_new_B, sampling: Sampling):
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps", "feed_last", "max_new_tokens", "sampling",
                                              "eos_id"), donate_argnames=("state",))
 def _decode(graphdef, weights: DecodeWeights, logits_BxV, state, n_new_B, done_B, forced_BxF, n_forced_B,
-            keys_B, start, *,
-            steps: int, feed_last: bool, max_new_tokens: int, sampling: Sampling, eos_id: int | None):
+            keys_B, start, *, steps: int, feed_last: bool, max_new_tokens: int, sampling: Sampling,
+            eos_id: int | None):
   """Loop steps ``start … start + steps − 1`` (``Generator.decode``): each records every row's token (its
   next prompt token, a sample, or padding once stopped) and feeds it back, except the last step when
   ``feed_last`` is False. Returns the tokens [B, steps] and the ``Carry`` (``state`` donated: its
