@@ -1,9 +1,11 @@
 """Evaluate a run: ``python eval.py --config=configs/<file>.py:<preset> --workdir=DIR [--step=N]``.
 
 Reports held-out cross-entropy (nats), perplexity and tokens, paired parallel/recurrent losses for
-fixed-state models, and writes ``DIR/eval_<step>.json``. ``--prompt`` also samples a continuation
-(``--max_new_tokens``, ``--temperature`` (0: greedy), ``--top_k``, ``--top_p``, ``--seed``) through the
-compiled decode loop of ``lmcore/eval/generate.py``.
+fixed-state models, and writes ``DIR/eval_<step>.json``. ``--prompt`` (one text) or ``--prompt_file``
+(one prompt per line, sampled as one batch) also samples continuations (``--max_new_tokens``,
+``--temperature`` (0: greedy), ``--top_k``, ``--top_p``, ``--seed``) through the compiled decode loop of
+``lmcore/eval/generate.py``, prints the text as it is sampled (every ``--stream_tokens`` loop steps) and
+writes one JSON line per prompt to ``--samples_path`` (default ``<out_dir>/samples_<step>.jsonl``).
 A p = 2 SANATAN run read out at p = 1 (the paper's unadapted control):
 ``--config.model.mixers.sanatan.p=1``.
 
@@ -39,7 +41,13 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature for 
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample only from the k most likely tokens (0: all).")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Sample only from the smallest set of tokens whose probability "
                             "reaches top_p (1: all).")
-_SEED = flags.DEFINE_integer("seed", 0, "Random seed of the sample.")
+_SEED = flags.DEFINE_integer("seed", 0, "Random seed of the sample (prompt b of --prompt_file: seed + b).")
+_PROMPT_FILE = flags.DEFINE_string("prompt_file", "", "If set, sample a continuation of every line of this "
+                                   "text file, all in one batch.")
+_SAMPLES_PATH = flags.DEFINE_string("samples_path", "", "Where the samples go as JSON lines (default: "
+                                    "samples_<step>.jsonl next to eval_<step>.json).")
+_STREAM_TOKENS = flags.DEFINE_integer("stream_tokens", 8, "Decode loop steps between two prints of the "
+                                      "text sampled so far.")
 _OUT_DIR = flags.DEFINE_string("out_dir", "", "Where eval_<step>.json goes (default: --workdir).")
 _TASKS = flags.DEFINE_list("tasks", [], "lm-eval tasks or groups to score the checkpoint on, e.g. swde,fda "
                            "(instead of the held-out evaluation).")
@@ -92,14 +100,16 @@ def main(argv):
   sharding.initialize_distributed()
   config = cfg_lib.experiment_config(_CONFIG.value)
   sampling = generate.Sampling(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value)
+  prompts = generate.prompts_of(_PROMPT.value, _PROMPT_FILE.value, _STREAM_TOKENS.value)
   with jax.set_mesh(sharding.make_mesh(config.mesh)):  # the kernels' shard_map reads the mesh from here
     if _TASKS.value:
       evaluate_tasks(config, _WORKDIR.value, _TASKS.value, step=_STEP.value, task_path=_TASK_PATH.value,
                      limit=_LIMIT.value, batch_size=_BATCH_SIZE.value, num_fewshot=_NUM_FEWSHOT.value,
                      long_context=_LONG_CONTEXT.value, out_dir=_OUT_DIR.value)
       return
-    chain.evaluate_checkpoint(config, _WORKDIR.value, _STEP.value, _PROMPT.value, _MAX_NEW_TOKENS.value,
-                              _OUT_DIR.value, sampling=sampling, seed=_SEED.value)
+    chain.evaluate_checkpoint(config, _WORKDIR.value, _STEP.value, prompts, _MAX_NEW_TOKENS.value,
+                              _OUT_DIR.value, sampling=sampling, seed=_SEED.value,
+                              samples_path=_SAMPLES_PATH.value, stream_tokens=_STREAM_TOKENS.value)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ back through the model), positions C − N … C − 1. A row reports
 * weights MB: the bytes decoding reads per token, the compute-dtype weights and head (the embedding
   tables' rows read by the lookup aside), and floor ms: those bytes plus the state of B sequences read
   once, at the device's memory bandwidth (``HBM_BYTES_PER_S``): a lower bound a step cannot beat;
+* kernels / token: the launching instructions of the compiled loop's body and condition
+  (``kernels_per_token``; on a GPU, kernel launches per generated token);
 * compile s: the wall time of compiling every prefill and decode call of the model's rows, in parallel
   threads before the first row runs (the same for all of them).
 
@@ -19,6 +21,10 @@ The main grid is every model at every batch and context. Long contexts run at ``
 and without a learned position table (``model.max_positions=0``; speed does not depend on the table,
 whose length would cap the context): the fixed-state models' per-token time should stay flat while the
 softmax KV cache's grows with C.
+
+``run_paper`` is the BASED paper's setting (``--setting=paper``): batch 128, prompts of 4,096 tokens
+whose prefill is timed on its own, 1,024 generated tokens, each model against the Transformer++ of its
+size (``PaperRow``, ``paper_notes``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import datetime
 import gc
 import json
 import os
+import re
 import statistics
 import time
 from typing import Any
@@ -43,8 +50,10 @@ from benchmarks.rows import fmt
 # Memory bandwidth per chip (vendors' data sheets), matched against ``device_kind`` (first match wins).
 HBM_BYTES_PER_S = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100", 2.0e12))
 
-# name -> (a preset of benchmarks.train_step, model overrides); the 184M models, BASED 360M, CyFA.
-# The softmax model twice: its KV cache in fp32 (the default) and in bf16 (half the bytes per step).
+# name -> (a preset of benchmarks.train_step or "<config file>:<preset>", looked up when the model runs;
+# model overrides). The 184M models, BASED 360M and 1.3B, CyFA, and the Transformer++ of each size (its
+# KV cache in bf16, as the BASED paper's FlashAttention-2 baseline keeps it in 16 bits). The softmax
+# 184M model twice: its KV cache in fp32 (the default) and in bf16 (half the bytes per step).
 BF16_CACHE = (("model.mixers.softmax.cache_dtype", "bfloat16"),)
 PRESETS = {
     "sanatan_p1_184m": ("sanatan_p1_184m", ()),
@@ -53,19 +62,33 @@ PRESETS = {
     "based_360m": ("based_360m", ()),
     "gla_182m": ("gla_182m", ()),
     "cyfa": ("cyfa", ()),
+    "based_1p3b": ("based_1p3b", ()),
+    "transformer_pp_184m": ("baselines:transformer_pp_184m", BF16_CACHE),
+    "transformer_pp_360m": ("baselines:transformer_pp_360m", BF16_CACHE),
+    "transformer_pp_1p3b": ("baselines:transformer_pp_1p3b", BF16_CACHE),
 }
+# The models of the main grid when --models is not given.
+GRID_MODELS = ("sanatan_p1_184m", "softmax_184m", "softmax_184m_bf16_cache", "based_360m", "gla_182m", "cyfa")
 # The same names on the tiny presets (CPU tests and smoke runs); patterns without a count follow
 # ``model.n_layers``.
+_TINY_SOFTMAX = ("sanatan:tiny_p1_scratch", (("model.pattern", "softmax"),
+                                             ("model.mixers", {"softmax": {"n_heads": 8, "rope": False}})))
+_TINY_TRANSFORMER_PP = ("sanatan:tiny_p1_scratch", (
+    ("model.pattern", "softmax"), ("model.max_positions", 0),
+    ("model.mixers", {"softmax": {"n_heads": 8, "cache_dtype": "bfloat16"}})))
 TINY_PRESETS = {
     "sanatan_p1_184m": ("sanatan:tiny_p1_scratch", (("model.pattern", "sanatan"),)),
-    "softmax_184m": ("sanatan:tiny_p1_scratch", (("model.pattern", "softmax"),
-                                                 ("model.mixers", {"softmax": {"n_heads": 8, "rope": False}}))),
+    "softmax_184m": _TINY_SOFTMAX,
     "softmax_184m_bf16_cache": ("sanatan:tiny_p1_scratch", (
         ("model.pattern", "softmax"),
         ("model.mixers", {"softmax": {"n_heads": 8, "rope": False, "cache_dtype": "bfloat16"}}))),
     "based_360m": ("based:tiny", ()),
     "gla_182m": ("baselines:gla_tiny", ()),
     "cyfa": ("baselines:cyfa_tiny", ()),
+    "based_1p3b": ("based:tiny", ()),
+    "transformer_pp_184m": _TINY_TRANSFORMER_PP,
+    "transformer_pp_360m": _TINY_TRANSFORMER_PP,
+    "transformer_pp_1p3b": _TINY_TRANSFORMER_PP,
 }
 NO_POSITION_TABLE = (("model.max_positions", 0),)
 
@@ -89,6 +112,7 @@ class DecodeRow:
   state_bytes_per_seq: int | None = None
   weight_bytes: int | None = None
   floor_ms: float | None = None
+  kernels_per_token: int | None = None
   compile_s: float | None = None
   note: str = ""
 
@@ -147,9 +171,10 @@ def _prefill_lengths(context: int, decode_tokens: int) -> list[int]:
   return [min(decode_tokens, prefill - start) for start in range(0, prefill, decode_tokens)]
 
 
-def compile_grid(gen, grid, decode_tokens: int, workers: int = 0) -> float:
+def compile_grid(gen, grid, decode_tokens: int, workers: int = 0) -> tuple[float, dict[tuple[int, int], int]]:
   """Compiles prefill and decode for every (batch, context) of ``grid`` (shapes deduplicated) in parallel
-  threads before anything runs; returns the wall seconds."""
+  threads before anything runs; returns the wall seconds and each (batch, context)'s kernels per token
+  (``kernels_per_token`` of its compiled decode loop)."""
   import concurrent.futures
 
   from lmcore.eval.generate import Sampling
@@ -158,17 +183,68 @@ def compile_grid(gen, grid, decode_tokens: int, workers: int = 0) -> float:
   for _, batch, context in grid:
     state = jax.eval_shape(lambda: gen.init_state(batch, context))
     key = (batch, str(jax.tree.map(lambda x: (x.shape, x.dtype), state)))
-    lengths = jobs.setdefault(key, (batch, context, set()))[2]
-    lengths.update(_prefill_lengths(context, decode_tokens))
+    job = jobs.setdefault(key, (batch, context, set(), []))
+    job[2].update(_prefill_lengths(context, decode_tokens))
+    job[3].append((batch, context))
   workers = workers or max(1, min(len(jobs), (os.cpu_count() or 2) // 2))
   start = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-    futures = [pool.submit(gen.compile, batch, context, prefill_lengths=sorted(lengths),
-                           max_new_tokens=decode_tokens, sampling=Sampling(temperature=0))
-               for batch, context, lengths in jobs.values()]
-    for future in futures:
-      future.result()
-  return time.perf_counter() - start
+    futures = [(rows, pool.submit(gen.compile, batch, context, prefill_lengths=sorted(lengths),
+                                  max_new_tokens=decode_tokens, sampling=Sampling(temperature=0)))
+               for batch, context, lengths, rows in jobs.values()]
+    kernels = {row: kernels_per_token(future.result().as_text()) for rows, future in futures for row in rows}
+  return time.perf_counter() - start, kernels
+
+
+# Instructions of a compiled HLO computation that launch no kernel of their own.
+_NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier",
+              "partition-id", "replica-id", "add-dependency"}
+
+
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+  """Computation name -> its instruction lines (``ENTRY`` for the entry computation)."""
+  found, name = {}, None
+  for line in hlo_text.splitlines():
+    head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
+    if head and not line.startswith(" "):
+      name = "ENTRY" if head.group(1) else head.group(2)
+      found[name] = []
+    elif line.startswith("}"):
+      name = None
+    elif name and " = " in line:
+      found[name].append(line)
+  return found
+
+
+def _opcode(line: str) -> str:
+  """The opcode of an instruction line ``%x = <shape> opcode(...)``; tuple shapes hold spaces."""
+  rest = line.split(" = ", 1)[1]
+  if rest.startswith("("):  # skip the balanced tuple shape
+    depth = 0
+    for i, c in enumerate(rest):
+      depth += {"(": 1, ")": -1}.get(c, 0)
+      if depth == 0:
+        rest = rest[i + 1:]
+        break
+  else:
+    rest = rest.split(" ", 1)[1]
+  return rest.strip().split("(", 1)[0]
+
+
+def kernels_per_token(hlo_text: str) -> int:
+  """Instructions that launch work per token in a compiled decode loop: those of the largest ``while``
+  body of the entry computation and of its condition, less the bookkeeping ones (``_NO_KERNEL``; of an
+  async pair, the start). On GPU each is one kernel (a fusion, a library call, a copy); on CPU the same
+  count measures the step's op granularity."""
+  computations = _computations(hlo_text)
+  loops = [re.search(r"condition=%?([\w.\-]+), body=%?([\w.\-]+)", line)
+           for line in computations.get("ENTRY", []) if _opcode(line) == "while"]
+  loops = [m.groups() for m in loops if m]
+  if not loops:
+    raise ValueError("the compiled decode has no while loop")
+  condition, body = max(loops, key=lambda names: len(computations[names[1]]))
+  return sum(1 for line in computations[condition] + computations[body]
+             if (op := _opcode(line)) not in _NO_KERNEL and not op.endswith("-done"))
 
 
 def measure(gen, row: DecodeRow, *, repeats: int, bandwidth: float | None, seed: int = 0) -> DecodeRow:
@@ -236,10 +312,10 @@ def run(models: list[str], *, batches: list[int], contexts: list[int], long_cont
       model = LanguageModel(config, rngs=nnx.Rngs(0))
       gen = Generator(model)
       try:
-        compile_s = compile_grid(gen, grid, decode_tokens)
+        compile_s, kernels = compile_grid(gen, grid, decode_tokens)
         print(f"{name}: compiled the prefill and decode of {len(grid)} rows in {compile_s:.1f} s", flush=True)
       except Exception as e:  # each row compiles (and fails) on its own then, with its own note
-        compile_s = None
+        compile_s, kernels = None, {}
         print(f"{name}: ahead-of-time compilation failed ({type(e).__name__}); rows compile as they run",
               flush=True)
     for grid_name, batch, context in grid:
@@ -249,6 +325,7 @@ def run(models: list[str], *, batches: list[int], contexts: list[int], long_cont
       else:
         row.params, row.weight_bytes = count_params(model), _weight_bytes(gen.weights)
         row.state_bytes_per_seq, row.compile_s = _state_bytes_per_seq(model, context), compile_s
+        row.kernels_per_token = kernels.get((batch, context))
         try:
           measure(gen, row, repeats=repeats, bandwidth=bandwidth)
         except BenchError:
@@ -277,15 +354,15 @@ def format_row_line(r: DecodeRow) -> str:
 
 def format_table(rows: list[DecodeRow]) -> str:
   lines = ["| model | mixers | params | position table | batch | context | ms/token | tokens/s | "
-           "state bytes / seq | weights MB | floor ms | compile s | note |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "state bytes / seq | weights MB | floor ms | kernels / token | compile s | note |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     lines.append(
         f"| {r.model} | {r.mixers} | {fmt(r.params or None, ',.1f', 1e-6)}M | "
         f"{'yes' if r.position_table else 'no'} | {r.batch} | {r.context:,} | {fmt(r.ms_per_token, '.3f')} | "
         f"{fmt(r.tokens_per_s, ',.0f')} | {fmt(r.state_bytes_per_seq, ',.0f')} | "
-        f"{fmt(r.weight_bytes, ',.1f', 1e-6)} | {fmt(r.floor_ms, '.3f')} | {fmt(r.compile_s, '.1f')} | "
-        f"{r.note} |")
+        f"{fmt(r.weight_bytes, ',.1f', 1e-6)} | {fmt(r.floor_ms, '.3f')} | "
+        f"{fmt(r.kernels_per_token, '.0f')} | {fmt(r.compile_s, '.1f')} | {r.note} |")
   return "\n".join(lines)
 
 
@@ -384,9 +461,225 @@ def report(rows: list[DecodeRow], *, markdown: str, plot: str, command: str, dec
 def parse_ints(text: Any, flag: str) -> list[int]:
   """"1,8,64" -> [1, 8, 64]; a BenchError naming ``flag`` otherwise."""
   try:
-    values = [int(v) for v in (text if isinstance(text, (list, tuple)) else str(text).split(",")) if str(v).strip()]
+    items = text if isinstance(text, (list, tuple)) else str(text).split(",")
+    values = [int(v) for v in items if str(v).strip()]
   except ValueError:
     raise BenchError(f"--{flag}={text!r}: give comma-separated positive integers, e.g. 1,8,64.") from None
   if any(v < 1 for v in values):
     raise BenchError(f"--{flag}={text!r}: every value must be >= 1.")
   return values
+
+
+# ------------------------------------------------------------------ the papers' setting
+
+# The BASED paper's decode setting (Arora et al., 2024): batch 128, prompts of 4,096 tokens whose prefill
+# is timed on its own, then 1,024 generated tokens.
+PAPER_BATCH, PAPER_PROMPT, PAPER_TOKENS = 128, 4096, 1024
+PAPER_MODELS = ("based_360m", "transformer_pp_360m", "based_1p3b", "transformer_pp_1p3b", "sanatan_p1_184m",
+                "transformer_pp_184m")
+# Each model's Transformer++ of the same size: the denominator of its ratios.
+TRANSFORMER_PP = {"sanatan_p1_184m": "transformer_pp_184m", "softmax_184m": "transformer_pp_184m",
+                  "softmax_184m_bf16_cache": "transformer_pp_184m", "gla_182m": "transformer_pp_184m",
+                  "based_360m": "transformer_pp_360m", "based_1p3b": "transformer_pp_1p3b"}
+# What the BASED paper reports in this setting (its FlashAttention-2 Transformer++, CUDA graphs, prefill
+# excluded from the decode time): generated tokens/s over the Transformer++'s, and prefill tokens/ms.
+PAPER_REPORTS = {"based_1p3b": {"decode_ratio": 24.0, "prefill_tokens_per_ms": 161.7}}
+
+
+@dataclasses.dataclass
+class PaperRow:
+  model: str
+  mixers: str
+  params: int
+  batch: int
+  prompt: int
+  tokens: int  # generated per row
+  position_table: bool
+  prefill_chunk: int = 0  # prompt tokens per prefill call (0: the whole prompt in one call)
+  prefill_ms: float | None = None  # the whole batch's prompts
+  prefill_tokens_per_ms: float | None = None
+  ms_per_token: float | None = None  # one loop step: a token for every row
+  tokens_per_s: float | None = None
+  state_bytes_per_seq: int | None = None  # at the mean context a generated token reads
+  weight_bytes: int | None = None
+  floor_ms: float | None = None
+  kernels_per_token: int | None = None
+  compile_s: float | None = None
+  reference: str = ""  # the Transformer++ of the same size
+  decode_ratio: float | None = None  # tokens/s over the reference's
+  prefill_ratio: float | None = None  # prefill tokens/ms over the reference's
+  note: str = ""
+
+
+def paper_config(name: str, *, prompt: int, tokens: int, tiny: bool = False, overrides=()):
+  """``model_config``, without the learned position table when it is shorter than prompt + tokens."""
+  config = model_config(name, tiny=tiny, overrides=overrides)
+  if config.max_positions and config.max_positions < prompt + tokens:
+    config = model_config(name, tiny=tiny, overrides=list(overrides) + list(NO_POSITION_TABLE))
+  return config
+
+
+def _chunks(prompt: int, chunk: int) -> list[int]:
+  """The lengths of the prefill calls of a ``prompt``-token prompt, ``chunk`` tokens each (0: one call)."""
+  chunk = chunk or prompt
+  return [min(chunk, prompt - start) for start in range(0, prompt, chunk)]
+
+
+def measure_paper(gen, row: PaperRow, *, repeats: int, bandwidth: float | None, seed: int = 0) -> PaperRow:
+  """Times, ``repeats`` times after a warm-up: a prefill of B prompts of P uniform random tokens into a
+  fresh state (one call, or calls of ``row.prefill_chunk`` tokens), then one ``decode`` call of N greedy
+  tokens per row; medians."""
+  from lmcore.eval.generate import Sampling
+
+  B, P, N = row.batch, row.prompt, row.tokens
+  tokens_BxP = np.random.default_rng(seed).integers(0, gen.config.vocab_size, (B, P), dtype=np.int32)
+  prefill_s, decode_s = [], []
+  for _ in range(repeats + 1):
+    state = gen.init_state(B, P + N)
+    jax.block_until_ready(state)
+    start, fed = time.perf_counter(), 0
+    for length in _chunks(P, row.prefill_chunk):
+      logits, state = gen.prefill(tokens_BxP[:, fed:fed + length], state)
+      fed += length
+    jax.block_until_ready((logits, state))
+    middle = time.perf_counter()
+    out, _, state = gen.decode(logits, state, max_new_tokens=N, sampling=Sampling(temperature=0))
+    jax.block_until_ready(out)
+    prefill_s.append(middle - start)
+    decode_s.append(time.perf_counter() - middle)
+    del logits, state, out
+  row.prefill_ms = statistics.median(prefill_s[1:]) * 1e3
+  row.prefill_tokens_per_ms = B * P / row.prefill_ms
+  row.ms_per_token = statistics.median(decode_s[1:]) / N * 1e3
+  row.tokens_per_s = B / row.ms_per_token * 1e3
+  if bandwidth:
+    row.floor_ms = (row.weight_bytes + B * row.state_bytes_per_seq) / bandwidth * 1e3
+  return row
+
+
+def run_paper(models: list[str], *, batch: int = PAPER_BATCH, prompt: int = PAPER_PROMPT,
+              tokens: int = PAPER_TOKENS, prefill_chunk: int = 0, repeats: int = 1, tiny: bool = False,
+              overrides: list[str] = (), jsonl: str = "", max_seconds: float = 0.0) -> list[PaperRow]:
+  """Every model in the papers' setting, one after another in this process (``measure_paper``), then
+  each model's ratios to its Transformer++ (``TRANSFORMER_PP``) where both were timed. A row that fails
+  (out of memory, say) keeps its error as a note; rows not started within ``max_seconds`` (0: no limit)
+  are noted as skipped. Rows are appended to ``jsonl`` as they are measured, the ratios filled in the
+  returned rows."""
+  from lmcore.eval.generate import Generator, Sampling
+  from lmcore.model import LanguageModel, count_params
+
+  if min(batch, prompt, tokens, repeats) < 1 or prefill_chunk < 0:
+    raise BenchError(f"--paper_batch={batch}, --paper_prompt={prompt}, --paper_tokens={tokens} and "
+                     f"--repeats={repeats} must all be >= 1, --paper_prefill_chunk={prefill_chunk} >= 0.")
+  parsed = [train_step.parse_override(o) for o in overrides]
+  configs = [(name, paper_config(name, prompt=prompt, tokens=tokens, tiny=tiny, overrides=parsed))
+             for name in models]
+  bandwidth, started, rows = hbm_bytes_per_s(), time.perf_counter(), []
+  for name, config in configs:
+    row = PaperRow(name, "+".join(sorted(set(config.layer_kinds()))), 0, batch, prompt, tokens,
+                   bool(config.max_positions), prefill_chunk)
+    if max_seconds and time.perf_counter() - started > max_seconds:
+      row.note = f"skipped: past --max_seconds={max_seconds:g}"
+    else:
+      try:
+        model = LanguageModel(config, rngs=nnx.Rngs(0))
+        gen = Generator(model)
+        row.params, row.weight_bytes = count_params(model), _weight_bytes(gen.weights)
+        row.state_bytes_per_seq = _state_bytes_per_seq(model, prompt + tokens // 2)
+        start = time.perf_counter()
+        lengths = sorted(set(_chunks(prompt, prefill_chunk)))
+        compiled = gen.compile(batch, prompt + tokens, prefill_lengths=lengths, max_new_tokens=tokens,
+                               sampling=Sampling(temperature=0))
+        row.compile_s = time.perf_counter() - start
+        row.kernels_per_token = kernels_per_token(compiled.as_text())
+        measure_paper(gen, row, repeats=repeats, bandwidth=bandwidth)
+      except Exception as e:  # out of memory: report it and go on
+        row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+      model = gen = compiled = None
+      gc.collect()
+      jax.clear_caches()
+    print(f"  {format_paper_line(row)}", flush=True)
+    rows.append(row)
+    if jsonl:
+      os.makedirs(os.path.dirname(os.path.abspath(jsonl)), exist_ok=True)
+      with open(jsonl, "a") as f:
+        f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+  return with_paper_ratios(rows)
+
+
+def with_paper_ratios(rows: list[PaperRow]) -> list[PaperRow]:
+  """Fills each row's ratios to its Transformer++ (``TRANSFORMER_PP``) where both rows were timed."""
+  timed = {r.model: r for r in rows if r.ms_per_token is not None}
+  for r in rows:
+    ref = timed.get(TRANSFORMER_PP.get(r.model, ""))
+    r.reference = TRANSFORMER_PP.get(r.model, "")
+    if ref and r.ms_per_token is not None:
+      r.decode_ratio = r.tokens_per_s / ref.tokens_per_s
+      r.prefill_ratio = r.prefill_tokens_per_ms / ref.prefill_tokens_per_ms
+  return rows
+
+
+def format_paper_line(r: PaperRow) -> str:
+  head = f"{r.model} B={r.batch} prompt={r.prompt} tokens={r.tokens}: "
+  if r.ms_per_token is None:
+    return head + (r.note or "failed")
+  return (head + f"prefill {r.prefill_tokens_per_ms:,.1f} tokens/ms, decode {r.ms_per_token:.3f} ms/token "
+          f"({r.tokens_per_s:,.0f} tok/s), floor {fmt(r.floor_ms, '.3f')} ms, "
+          f"{r.kernels_per_token} kernels/token")
+
+
+def _paper_cell(model: str) -> str:
+  reported = PAPER_REPORTS.get(model)
+  if not reported:
+    return ""
+  return f"{reported['decode_ratio']:g}×, {reported['prefill_tokens_per_ms']:g} tokens/ms"
+
+
+def format_paper_table(rows: list[PaperRow]) -> str:
+  lines = ["| model | mixers | params | position table | batch | prompt | generated | prefill ms | "
+           "prefill tokens/ms | ms/token | tokens/s | state MB / seq | weights MB | floor ms | × floor | "
+           "kernels / token | vs Transformer++ (decode, prefill) | paper (decode, prefill) | note |",
+           "|" + "---|" * 19]
+  for r in rows:
+    above = r.ms_per_token / r.floor_ms if r.ms_per_token and r.floor_ms else None
+    ratios = (f"{r.decode_ratio:.2f}×, {r.prefill_ratio:.2f}× ({r.reference})" if r.decode_ratio is not None
+              else "")
+    lines.append(
+        f"| {r.model} | {r.mixers} | {fmt(r.params or None, ',.1f', 1e-6)}M | "
+        f"{'yes' if r.position_table else 'no'} | {r.batch} | {r.prompt:,} | {r.tokens:,} | "
+        f"{fmt(r.prefill_ms, ',.1f')} | {fmt(r.prefill_tokens_per_ms, ',.1f')} | "
+        f"{fmt(r.ms_per_token, '.3f')} | "
+        f"{fmt(r.tokens_per_s, ',.0f')} | {fmt(r.state_bytes_per_seq, ',.2f', 1e-6)} | "
+        f"{fmt(r.weight_bytes, ',.1f', 1e-6)} | {fmt(r.floor_ms, '.3f')} | {fmt(above, '.1f')} | "
+        f"{fmt(r.kernels_per_token, '.0f')} | {ratios} | {_paper_cell(r.model)} | {r.note} |")
+  return "\n".join(lines)
+
+
+def paper_notes(bandwidth: float | None) -> str:
+  """What the papers' table's columns mean and what makes its setting differ from the paper's."""
+  at = f"{bandwidth / 1e12:g} TB/s (`HBM_BYTES_PER_S`)" if bandwidth else "the device's memory bandwidth"
+  return ("Each row prefills the batch's random prompts (in one call, or in calls of "
+          "`--paper_prefill_chunk` tokens; prefill tokens/ms = batch × prompt / time), then one compiled "
+          "`decode` call generates the tokens greedily (ms/token: that call's time over the tokens; "
+          "tokens/s = batch / ms/token); medians after a warm-up. State MB: the decode state of one "
+          "sequence at the mean context a generated token reads (prompt + generated / 2). Floor: the "
+          f"weights read per token plus the batch's state, at {at}; × floor: ms/token over it. Kernels / "
+          "token: the launching instructions of the compiled loop's body and condition "
+          "(`kernels_per_token`). vs Transformer++: tokens/s and prefill tokens/ms over those of the "
+          "Transformer++ of the same size (bf16 KV cache). The paper's ratio is against FlashAttention-2 "
+          "with CUDA graphs; here every model runs through XLA in one process, the Transformer++ attends "
+          "over its preallocated cache, and the weights are random (speed does not depend on them).")
+
+
+def report_paper(rows: list[PaperRow], *, markdown: str, command: str) -> str:
+  """Prints the papers' table, appends it with its notes and command as a dated block to ``markdown``
+  ('' = none); returns the table."""
+  from benchmarks import harness
+
+  table = format_paper_table(rows)
+  print(table, flush=True)
+  if markdown:
+    harness.append_markdown(markdown, [table, paper_notes(hbm_bytes_per_s())],
+                            datetime.date.today().isoformat(), harness.device_name(), [command],
+                            topic="decode in the papers' setting")
+  return table

@@ -25,6 +25,7 @@ def test_tiny_models_are_timed_on_the_main_and_long_grids_and_reported(tmp_path)
     assert not row.note and row.ms_per_token > 0 and row.compile_s >= 0, row
     assert row.tokens_per_s == pytest.approx(row.batch / row.ms_per_token * 1e3)
     assert row.weight_bytes > 0 and row.floor_ms is None  # CPUs have no listed bandwidth
+    assert row.kernels_per_token > 10  # a layer's norm, projections, mixer and MLP, the head, the sample
   state_bytes = {(r.model, r.context): r.state_bytes_per_seq for r in rows}
   assert state_bytes["sanatan_p1_184m", 12] == state_bytes["sanatan_p1_184m", 24]  # a constant state
   assert state_bytes["softmax_184m", 24] > state_bytes["softmax_184m", 12]  # a growing KV cache
@@ -35,6 +36,48 @@ def test_tiny_models_are_timed_on_the_main_and_long_grids_and_reported(tmp_path)
   assert "decode on cpu" in text and "`python x`" in text and table in text
   assert "sanatan_p1_184m, batch 1:" in text  # the target lines
   assert plot.stat().st_size > 1000
+
+
+HLO = """HloModule jit__decode
+
+%body.1 (arg: (s32[], f32[2,4])) -> (s32[], f32[2,4]) {
+  %arg = (s32[], f32[2,4]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %x = f32[2,4]{1,0} get-tuple-element(%arg), index=1
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %dot = f32[2,4]{1,0} custom-call(%x), custom_call_target="__cublas$gemm"
+  %fused = f32[2,4]{1,0} fusion(%dot), kind=kLoop, calls=%fused_computation
+  %start = ((f32[2,4]{1,0}), f32[2,4]{1,0}, u32[]) copy-start(%fused)
+  %done = f32[2,4]{1,0} copy-done(%start)
+  %b = f32[2,4]{1,0} bitcast(%done)
+  ROOT %out = (s32[], f32[2,4]{1,0}) tuple(%next, %b)
+}
+
+%cond.1 (arg: (s32[], f32[2,4])) -> pred[] {
+  %arg = (s32[], f32[2,4]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %n = s32[] constant(8)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: f32[2,4]) -> f32[2,4] {
+  %x = f32[2,4]{1,0} parameter(0)
+  %pre = f32[2,4]{1,0} fusion(%x), kind=kLoop, calls=%fused_computation.2
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[2,4]{1,0}) tuple(%zero, %pre)
+  %loop = (s32[], f32[2,4]{1,0}) while(%init), condition=%cond.1, body=%body.1
+  ROOT %y = f32[2,4]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_kernels_per_token_counts_the_work_of_the_loop_body_and_condition():
+  """The body's add, library call, fusion and copy (the async pair once) and the condition's compare:
+  5; parameters, constants, tuples, bitcasts and the work before the loop launch nothing per token."""
+  assert decode.kernels_per_token(HLO) == 5
+  with pytest.raises(ValueError, match="no while loop"):
+    decode.kernels_per_token(HLO.replace("while(%init), condition=%cond.1, body=%body.1", "tuple(%init)"))
 
 
 def _row(model, batch, context, ms):
@@ -54,7 +97,7 @@ def test_targets_are_read_off_the_rows():
 
 
 def test_the_paper_models_and_their_long_context_variants():
-  configs = {name: decode.model_config(name) for name in decode.PRESETS}
+  configs = {name: decode.model_config(name) for name in decode.GRID_MODELS + ("based_1p3b",)}
   assert configs["softmax_184m"].layer_kinds() == ("softmax",) * 12
   assert configs["softmax_184m"].mixers["softmax"].cache_dtype == "float32"
   assert configs["softmax_184m_bf16_cache"].mixers["softmax"].cache_dtype == "bfloat16"
@@ -63,8 +106,48 @@ def test_the_paper_models_and_their_long_context_variants():
   assert decode.model_config("sanatan_p1_184m", overrides=decode.NO_POSITION_TABLE).max_positions == 0
   assert configs["based_360m"].max_positions == 0 and configs["gla_182m"].max_positions == 0
   assert decode.model_config("softmax_184m", tiny=True).layer_kinds() == ("softmax",) * 4
-  assert decode.model_config("sanatan_p1_184m", tiny=True, overrides=[("model.n_layers", 1)]).layer_kinds() == (
-      "sanatan",)
+  assert decode.model_config("sanatan_p1_184m", tiny=True,
+                             overrides=[("model.n_layers", 1)]).layer_kinds() == ("sanatan",)
+  assert configs["based_1p3b"].d_model > configs["based_360m"].d_model
+
+
+def test_the_papers_setting_times_prefill_and_decode_and_divides_by_transformer_pp(tmp_path):
+  """--setting=paper on the tiny presets: prefill (two calls of 35 tokens) and decode timed per model,
+  SANATAN's ratios to the Transformer++ of its size filled in, its position table dropped where prompt
+  + tokens pass it, the table (the paper's reported ratios beside BASED 1.3B) and its notes appended
+  as a dated block."""
+  jsonl, markdown = tmp_path / "paper.jsonl", tmp_path / "BENCH.md"
+  rows = decode.run_paper(["sanatan_p1_184m", "transformer_pp_184m"], batch=2, prompt=70, tokens=4,
+                          prefill_chunk=35, tiny=True, overrides=TINY + ["model.max_positions=64"],
+                          jsonl=str(jsonl))
+  sanatan, tpp = rows
+  for r in rows:
+    assert not r.note and r.prefill_ms > 0 and r.ms_per_token > 0 and r.kernels_per_token > 10, r
+    assert r.prefill_tokens_per_ms == pytest.approx(2 * 70 / r.prefill_ms)
+    assert r.tokens_per_s == pytest.approx(2 / r.ms_per_token * 1e3)
+  assert sanatan.reference == "transformer_pp_184m" and tpp.decode_ratio is None and tpp.prefill_chunk == 35
+  assert sanatan.decode_ratio == pytest.approx(sanatan.tokens_per_s / tpp.tokens_per_s)
+  assert sanatan.prefill_ratio == pytest.approx(sanatan.prefill_tokens_per_ms / tpp.prefill_tokens_per_ms)
+  assert not sanatan.position_table  # its table of 64 < 70 + 4
+  assert len(jsonl.read_text().splitlines()) == 2
+  rows.append(decode.PaperRow("based_1p3b", "x", 1, 2, 70, 4, False, note="skipped"))
+  table = decode.report_paper(rows, markdown=str(markdown), command="python y")
+  assert "(transformer_pp_184m) |  |" in table and "| 24×, 161.7 tokens/ms | skipped |" in table
+  text = markdown.read_text()
+  assert "decode in the papers' setting on cpu" in text and "`python y`" in text
+
+
+def test_transformer_pp_presets_are_looked_up_in_configs_baselines_when_they_run():
+  """The Transformer++ names resolve to ``configs/baselines.py:transformer_pp_<size>`` at run time: a
+  softmax model with a bf16 KV cache where the preset exists, else one line naming the file and preset."""
+  for size in ("184m", "360m", "1p3b"):
+    assert decode.PRESETS[f"transformer_pp_{size}"] == (f"baselines:transformer_pp_{size}", decode.BF16_CACHE)
+    try:
+      config = decode.model_config(f"transformer_pp_{size}")
+    except decode.BenchError as e:
+      assert f"configs/baselines.py has no preset 'transformer_pp_{size}'" in str(e)
+    else:
+      assert set(config.layer_kinds()) == {"softmax"} and config.mixers["softmax"].cache_dtype == "bfloat16"
 
 
 def test_bad_flags_say_what_to_fix():
@@ -72,5 +155,7 @@ def test_bad_flags_say_what_to_fix():
     decode.run(["nope"], batches=[1], contexts=[16], decode_tokens=4)
   with pytest.raises(decode.BenchError, match="8 must exceed --decode_tokens=8"):
     decode.run(["cyfa"], batches=[1], contexts=[8], decode_tokens=8)
+  with pytest.raises(decode.BenchError, match=r"--paper_batch=0, .* must all be >= 1, --paper_prefill_chunk"):
+    decode.run_paper(["based_1p3b"], batch=0, prompt=8, tokens=4, tiny=True)
   with pytest.raises(decode.BenchError, match="--batches='1,x'"):
     decode.parse_ints("1,x", "batches")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -19,7 +20,7 @@ from flax import nnx
 from lmcore import data as data_lib
 from lmcore.config import ExperimentConfig
 from lmcore.eval import evaluate
-from lmcore.eval.generate import Sampling, check_decodable, check_prompts, generate
+from lmcore.eval.generate import Sampling, check_decodable, check_prompts, sample_to_jsonl
 from lmcore.model import with_mixer_overrides
 from lmcore.train import checkpoint as ckpt_lib
 from lmcore.train import loop as train_lib
@@ -45,18 +46,21 @@ def train_or_read(config: ExperimentConfig, workdir: str) -> dict[str, Any]:
 
 
 def evaluate_checkpoint(config: ExperimentConfig, workdir: str, step: int | None = None,
-                        prompt: str = "", max_new_tokens: int = 64, out_dir: str = "", *,
-                        sampling: Sampling = Sampling(), seed: int = 0) -> dict[str, Any]:
-  """eval.py: held-out evaluation of a run's checkpoint (latest unless ``step``), optional sample of
-  ``max_new_tokens`` after ``prompt``. Results go to ``out_dir`` (default: the workdir). The
-  parameters are restored in the model's shardings on the mesh in context (``jax.set_mesh``)."""
-  if prompt:
+                        prompt: str | Sequence[str] = "", max_new_tokens: int = 64, out_dir: str = "", *,
+                        sampling: Sampling = Sampling(), seed: int = 0, samples_path: str = "",
+                        stream_tokens: int = 8) -> dict[str, Any]:
+  """eval.py: held-out evaluation of a run's checkpoint (latest unless ``step``), optional samples of
+  ``max_new_tokens`` after each prompt (one text or several, one batch), printed as they come and
+  written to ``samples_path`` (default ``<out_dir>/samples_<step>.jsonl``). Results go to ``out_dir``
+  (default: the workdir). The parameters are restored in the model's shardings on the mesh in context
+  (``jax.set_mesh``)."""
+  prompts = ([prompt] if prompt else []) if isinstance(prompt, str) else list(prompt)
+  if prompts:
     check_decodable(config.model)
   tokenizer = data_lib.load_tokenizer(config.data.tokenizer, data_lib.cache_dir(config.data))
   data_lib.check_vocab(tokenizer, config.model.vocab_size)
-  prompt_ids = tokenizer.encode(prompt) if prompt else []
-  if prompt:  # before the held-out evaluation: a prompt that cannot be sampled fails at once
-    check_prompts([prompt_ids], max_new_tokens, config.model)
+  if prompts:  # before the held-out evaluation: a prompt that cannot be sampled fails at once
+    check_prompts([tokenizer.encode(p) for p in prompts], max_new_tokens, config.model)
   graphdef, abstract_params, abstract_rest = state_lib.abstract_model(config.model)
   mesh = sharding.current_mesh()
   param_shardings = sharding.param_shardings(abstract_params, mesh, config.model.d_model)
@@ -67,11 +71,12 @@ def evaluate_checkpoint(config: ExperimentConfig, workdir: str, step: int | None
   heldout = data_lib.load_or_build_heldout(config.data, tokenizer, train_lib.heldout_path(config, workdir))
   record = evaluate.evaluate_params(config, out_dir or workdir, graphdef, params, rest, heldout, step,
                                     tokenizer)
-  if prompt:
-    ids, = generate(nnx.merge(graphdef, params, rest), [prompt_ids], max_new_tokens=max_new_tokens,
-                    sampling=sampling, seed=seed, eos_id=tokenizer.eos_id)
-    record["sample"] = tokenizer.decode(ids)
-    print(f"--- sample ---\n{prompt}{record['sample']}\n--------------", flush=True)
+  if prompts:
+    path = samples_path or os.path.join(out_dir or workdir, f"samples_{step}.jsonl")
+    samples = sample_to_jsonl(nnx.merge(graphdef, params, rest), tokenizer, prompts, path,
+                              max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                              segment=stream_tokens)
+    record["sample"] = samples[0]["completion"]
   return record
 
 

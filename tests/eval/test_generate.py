@@ -1,7 +1,10 @@
 """The compiled generation loop: greedy samples equal the argmax of a full forward for every mixer family
-(prompts of different lengths in one batch), EOS stopping, the sampling filters, and the input errors."""
+(prompts of different lengths in one batch), a ragged batch samples what each prompt samples alone,
+streamed segments sample what one call samples, EOS stopping, the sampling filters, text prompts to
+JSONL records with streamed text, and the input errors."""
 
 import dataclasses
+import json
 
 import jax
 import jax.extend
@@ -11,7 +14,9 @@ import pytest
 from flax import nnx
 
 from lmcore import config as cfg_lib
-from lmcore.eval.generate import Generator, Sampling, generate, sample_logits
+from lmcore.errors import ConfigError
+from lmcore.eval.generate import (Generator, Sampling, generate, print_text, prompts_of, read_prompt_file,
+                                  sample_logits, sample_to_jsonl)
 from lmcore.mixers.base import InitSpec
 from lmcore.mixers.softmax import SoftmaxAttention
 from lmcore.model import LanguageModel
@@ -24,6 +29,7 @@ FAMILIES = {
     "sanatan_p1": ("sanatan*2", {"sanatan": {"n_heads": 2, "head_dim": 8, "p": 1}}),
     "based": ("base_conv*3;taylor@1;swa@2", {"taylor": {"n_heads": 2, "feature_dim": 8},
                                              "swa": {"n_heads": 2, "window": 3}, "base_conv": {}}),
+    "base_conv_zoology": ("base_conv_zoology*2", {"base_conv_zoology": {"kernel_size": 3}}),
     "softmax": ("softmax*2", {"softmax": {"n_heads": 2}}),
     "gla": ("gla*2", {"gla": {"n_heads": 2}}),
     "cyfa_gdn": ("cyfa*1,gdn*1", {"cyfa": {"n_heads": 2, "head_dim": 8, "v_head_dim": 8},
@@ -36,7 +42,8 @@ PROMPTS = [[5, 17, 3, 40, 22], [9], [31, 2, 7]]
 
 
 def make_model(pattern, mixers, seed=0, **fields):
-  values = dict(vocab_size=VOCAB, d_model=32, n_layers=_layers(pattern), pattern=pattern, mlp_hidden=48, dtype="float32", tie_embeddings=False, init_std=0.2, mixers=mixers)
+  values = dict(vocab_size=VOCAB, d_model=32, n_layers=_layers(pattern), pattern=pattern, mlp_hidden=48,
+                dtype="float32", tie_embeddings=False, init_std=0.2, mixers=mixers)
   return LanguageModel(cfg_lib.model_config({**values, **fields}), rngs=nnx.Rngs(seed))
 
 
@@ -112,6 +119,101 @@ def test_eos_stops_each_row_at_its_first_eos_and_top_k_1_sampling_is_greedy():
   assert len(cut[0]) == 3 and any(len(row) == 8 for row in cut)
   assert generate(model, PROMPTS, max_new_tokens=8, sampling=Sampling(temperature=1.0, top_k=1),
                   eos_id=eos) == cut
+
+
+def test_a_ragged_batch_samples_what_each_prompt_samples_alone():
+  """Temperature 1: row b of one batch (seed 7 + b) draws the tokens its prompt draws alone with seed
+  7 + b, though in the batch it is prefilled with the shortest prompt and fed its own tail inside the
+  loop (fp32; a draw would move only if the two forms' rounding flipped a sample)."""
+  gen = Generator(make_model(*FAMILIES["sanatan_p1"]))
+  batch = gen(PROMPTS, max_new_tokens=8, sampling=Sampling(temperature=1.0), seed=7)
+  alone = [gen([p], max_new_tokens=8, sampling=Sampling(temperature=1.0), seed=7 + b)[0]
+           for b, p in enumerate(PROMPTS)]
+  assert batch == alone and len(set(map(tuple, batch))) == 3
+
+
+def test_streamed_segments_sample_the_tokens_of_one_call():
+  """Decoding in segments of 3 loop steps (state, counts and stops carried between the calls) yields,
+  piece by piece, exactly the tokens one call samples with the same seed (the fixed-trip-count loop;
+  the text test below checks the EOS-stopping loop)."""
+  gen = Generator(make_model(*FAMILIES["sanatan_p1"]))
+  kwargs = dict(max_new_tokens=8, sampling=Sampling(temperature=1.0), seed=3)
+  pieces = list(gen.stream(PROMPTS, segment=3, **kwargs))
+  assert len(pieces) == 4  # 4 prompt tokens fed and 8 sampled: 12 loop steps
+  assert [sum((p[b] for p in pieces), []) for b in range(len(PROMPTS))] == gen(PROMPTS, **kwargs)
+
+
+class Letters:
+  """A tokenizer of VOCAB ids: id i > 0 is one character of ALPHABET; EOS = 0."""
+
+  name, vocab_size, eos_id = "letters", VOCAB, 0
+  ALPHABET = " abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012345678"
+
+  def encode(self, text):
+    return [self.ALPHABET.index(c) + 1 for c in text]
+
+  def decode(self, ids):
+    return "".join(self.ALPHABET[i - 1] for i in ids if i)
+
+
+def test_text_prompts_give_jsonl_records_and_their_text_streams_as_it_is_sampled(tmp_path, capsys):
+  """sample_to_jsonl (eval.py's sampling): one record per prompt, its completion the decoded tokens (a
+  final EOS kept in the tokens, not in the text), the tokens those of one call on the prompts' ids
+  (seed 12 stops row 2 at EOS in the second of the segments of 3 steps while the others run to the
+  end); the pieces printed as they come add up to each completion; the JSON lines read back equal."""
+  gen = Generator(make_model(*FAMILIES["sanatan_p1"]))
+  prompts, path = ["abc e", "x", "yz "], tmp_path / "out" / "samples.jsonl"
+  records = sample_to_jsonl(gen, Letters(), prompts, str(path), max_new_tokens=8,
+                            sampling=Sampling(temperature=1.0), seed=12, segment=3)
+  ids = [Letters().encode(p) for p in prompts]
+  whole = gen(ids, max_new_tokens=8, sampling=Sampling(temperature=1.0), seed=12, eos_id=0)
+  assert [r["tokens"] for r in records] == whole and [r["seed"] for r in records] == [12, 13, 14]
+  assert [(len(r["tokens"]), r["stop"]) for r in records] == [(8, "length"), (8, "length"), (5, "eos")]
+  printed = capsys.readouterr().out.splitlines()
+  for b, r in enumerate(records):
+    assert r["prompt"] == prompts[b] and r["prompt_tokens"] == len(ids[b])
+    pieces = [line[len(f"[{b}] "):] for line in printed[4:-2] if line.startswith(f"[{b}] ")]
+    assert r["completion"] == Letters().decode(r["tokens"]) == "".join(pieces) and len(pieces) > 1
+    assert (r["temperature"], r["top_k"], r["top_p"], r["max_new_tokens"]) == (1.0, 0, 1.0, 8)
+  assert printed[:4] == ["--- sample ---", "[0] abc e", "[1] x", "[2] yz "]
+  assert printed[-1] == f"wrote 3 sample(s) to {path}"
+  assert [json.loads(line) for line in open(path)] == records
+
+
+def test_streamed_text_waits_for_whole_characters(capsys):
+  """A byte-level tokenizer splits "é" over two tokens: the stream gives out no replacement character,
+  and its pieces add up to the text."""
+  from lmcore.eval.generate import TextStream
+
+  class Bytes:
+    eos_id = 0
+
+    def decode(self, ids):
+      return bytes(ids).decode("utf-8", errors="replace")
+
+  stream, ids = TextStream(Bytes(), 1), list("a é!".encode())
+  shown = [stream.add(0, [i]) for i in ids] + [stream.add(0, [], final=True)]
+  assert "".join(shown) == "a é!" and not any("\ufffd" in s for s in shown)
+  print_text(2)(1, "xy")
+  print_text(1)(0, "z")
+  assert capsys.readouterr().out == "[1] xy\nz"
+
+
+def test_a_prompt_file_gives_its_lines_and_bad_sampling_flags_say_what_to_fix(tmp_path):
+  path = tmp_path / "prompts.txt"
+  path.write_text("first prompt\n\n  second one \n")
+  assert read_prompt_file(str(path)) == ["first prompt", "  second one "]
+  with pytest.raises(ConfigError, match=r"--prompt_file=.*nope.txt: no such file"):
+    read_prompt_file(str(tmp_path / "nope.txt"))
+  (tmp_path / "blank.txt").write_text("\n \n")
+  with pytest.raises(ConfigError, match=r"blank.txt holds no prompt; write one prompt per line"):
+    read_prompt_file(str(tmp_path / "blank.txt"))
+  assert prompts_of("one", "") == ["one"] and prompts_of("", str(path)) == read_prompt_file(str(path))
+  assert prompts_of("", "") == []
+  with pytest.raises(ConfigError, match="give --prompt or --prompt_file, not both"):
+    prompts_of("one", str(path))
+  with pytest.raises(ConfigError, match="--stream_tokens must be >= 1"):
+    prompts_of("one", "", stream_tokens=0)
 
 
 def test_decode_returns_the_state_after_the_fed_tokens():
