@@ -26,7 +26,8 @@ from lmcore.model import LanguageModel
 
 SEQ_LEN, WINDOWS, EVAL_BATCH = 32, 4, 3  # the last evaluation batch holds one window
 DOCUMENTS = {"packed": "the quick brown fox!", "spanning": "0123456789" * 5 + "."}
-SETTINGS = {"packed": {"packed": 1.0}, "spanning": {"spanning": 1.0}, "mixture": {"packed": 2.0, "spanning": 1.0}}
+SETTINGS = {"packed": {"packed": 1.0}, "spanning": {"spanning": 1.0},
+            "mixture": {"packed": 2.0, "spanning": 1.0}}
 
 
 def data_config(tmp_path, setting: str, segment_ids: bool) -> DataConfig:
@@ -73,9 +74,10 @@ def test_heldout_windows_equal_training_windows_and_their_loss(tmp_path, model, 
   graphdef, params, rest = model
   use = lambda view: loss_lib.split_batch(view, segment_ids)[2:]  # noqa: E731  (positions, segment ids)
   train_nll = _token_nll(graphdef, params, rest, train["tokens"], *use(train))
-  np.testing.assert_array_equal(_token_nll(graphdef, params, rest, heldout["tokens"], *use(heldout)), train_nll)
+  heldout_nll = _token_nll(graphdef, params, rest, heldout["tokens"], *use(heldout))
+  np.testing.assert_array_equal(heldout_nll, train_nll)
   # The evaluation's token mean over batches of 3 and 1 windows equals the training windows' token mean.
-  result = evaluate.heldout_loss(graphdef, params, rest, heldout, batch_size=EVAL_BATCH, use_segments=segment_ids,
-                                 loss_impl="materialized")
+  result = evaluate.heldout_loss(graphdef, params, rest, heldout, batch_size=EVAL_BATCH,
+                                 use_segments=segment_ids, loss_impl="materialized")
   assert result["tokens"] == WINDOWS * SEQ_LEN
   np.testing.assert_allclose(result["loss"], float(np.mean(train_nll)), rtol=1e-6)

@@ -14,6 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from lmcore.config import TrainConfig
@@ -105,7 +106,8 @@ FAMILIES = {
         "base_conv*3;taylor@1;swa@2",
         {"taylor": {"n_heads": 2, "feature_dim": 4}, "swa": {"n_heads": 2, "window": 4}, "base_conv": {}}, {},
         _block(0, "mixer/in_proj/kernel", "mixer/out_proj/kernel")
-        | _block(1, "mixer/proj_q/kernel", "mixer/proj_k/kernel", "mixer/proj_v/kernel", "mixer/out_proj/kernel")
+        | _block(1, "mixer/proj_q/kernel", "mixer/proj_k/kernel", "mixer/proj_v/kernel",
+                 "mixer/out_proj/kernel")
         | _block(2, "mixer/Wqkv/kernel", "mixer/out_proj/kernel")),
     "softmax_layernorm_untied": (
         "softmax*1", {"softmax": {"n_heads": 2}}, dict(norm="layernorm", tie_embeddings=False),
@@ -235,10 +237,9 @@ def test_three_adamw_steps_equal_the_hand_written_update():
 
 
 def test_clipping_uses_the_global_norm_of_every_gradient_leaf():
-  """The first gradient is clipped by c / optax.tree.norm(full tree) (the global norm), its omega leaf holding most of
-  the norm; the next (unclipped) steps mix it into Adam's moments, so the parameters after them
-  depend on the clip factor. The same reference with the norm of the kernels only is far off."""
-  import optax
+  """The first gradient is clipped by c / optax.tree.norm(full tree) (the global norm), its omega leaf
+  holding most of the norm; the next (unclipped) steps mix it into Adam's moments, so the parameters
+  after them depend on the clip factor. The same reference with the norm of the kernels only is far off."""
 
   params = toy_tree(0)
   grads = [toy_tree(1, 3.0, omega_scale=40.0), toy_tree(2, 0.05), toy_tree(3, 0.05)]
@@ -246,7 +247,8 @@ def test_clipping_uses_the_global_norm_of_every_gradient_leaf():
   assert float(optax.tree.norm(grads[1])) < TOY_TRAIN.grad_clip
   np.testing.assert_allclose(
       float(optax.tree.norm(grads[0])),
-      np.sqrt(sum(float((np.asarray(x, np.float64) ** 2).sum()) for x in jax.tree.leaves(grads[0]))), rtol=1e-6)
+      np.sqrt(sum(float((np.asarray(x, np.float64) ** 2).sum()) for x in jax.tree.leaves(grads[0]))),
+      rtol=1e-6)
   got = optimizer_steps(TOY_TRAIN, params, grads)
   want = hand_written_adamw(TOY_TRAIN, params, grads)
   kernels_only = hand_written_adamw(TOY_TRAIN, params, grads, clip_norm_of=lambda g: np.sqrt(
