@@ -76,8 +76,13 @@ def test_heldout_windows_equal_training_windows_and_their_loss(tmp_path, model, 
   train_nll = _token_nll(graphdef, params, rest, train["tokens"], *use(train))
   heldout_nll = _token_nll(graphdef, params, rest, heldout["tokens"], *use(heldout))
   np.testing.assert_array_equal(heldout_nll, train_nll)
-  # The evaluation's token mean over batches of 3 and 1 windows equals the training windows' token mean.
+  # The evaluation's token mean over batches of 3 and 1 windows equals the training windows' token mean,
+  # and over the first batch only (train.eval_batches) that batch's.
   result = evaluate.heldout_loss(graphdef, params, rest, heldout, batch_size=EVAL_BATCH,
                                  use_segments=segment_ids, loss_impl="materialized")
   assert result["tokens"] == WINDOWS * SEQ_LEN
   np.testing.assert_allclose(result["loss"], float(np.mean(train_nll)), rtol=1e-6)
+  first = evaluate.heldout_loss(graphdef, params, rest, heldout, batch_size=EVAL_BATCH, max_batches=1,
+                                use_segments=segment_ids, loss_impl="materialized")
+  assert first["tokens"] == EVAL_BATCH * SEQ_LEN  # train.eval_batches = 1: the first batch only
+  np.testing.assert_allclose(first["loss"], float(np.mean(train_nll[:EVAL_BATCH])), rtol=1e-6)
