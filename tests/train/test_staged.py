@@ -117,18 +117,17 @@ def leaves(tree):
 
 @pytest.fixture(scope="module")
 def stage1(own_text, tmp_path_factory):
-  """Stage 1: N steps in this process (the final evaluation left out)."""
+  """Stage 1: N steps in this process; returns its workdir, config and the parameters the loop ended
+  with (taken where the final evaluation, left out here, would read them)."""
   workdir = tmp_path_factory.mktemp("stage1")
   config = experiment(overrides(own_text, checkpoint_every=N))
+  final = {}
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(train_lib, "evaluate_run", lambda run, heldout, writer=None: {"step": run.step})
+    patch.setattr(train_lib, "evaluate_run",
+                  lambda run, heldout, writer=None: final.update(params=leaves(run.params)))
     patch.setattr(train_lib, "make_train_step", shared_train_step)
     train_lib.train_and_evaluate(config, str(workdir))
-  abstract_params = state_lib.abstract_model(config.model)[1]
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params)
-  params = ckpt_lib.load_params(str(workdir), abstract, {})[0]
-  return workdir, config, params
+  return workdir, config, final["params"]
 
 
 def test_stage2_starts_from_stage1s_parameters_fresh_optimizer_and_next_record(stage1, own_text, tmp_path):
@@ -138,7 +137,7 @@ def test_stage2_starts_from_stage1s_parameters_fresh_optimizer_and_next_record(s
   reference = reference_batches(stage1_config, N + 2)
   run, first = opened_run(experiment(stage2_values(own_text, stage1_dir)), tmp_path / "stage2")
   assert run.step == 0
-  for got, want in zip(leaves(run.params), leaves(stage1_params), strict=True):
+  for got, want in zip(leaves(run.params), stage1_params, strict=True):
     np.testing.assert_array_equal(got, want)
   for got, want in zip(leaves(run.opt_state), leaves(run.tx.init(run.params)), strict=True):
     np.testing.assert_array_equal(got, want)
@@ -159,11 +158,12 @@ def test_stage2_trains_on_the_next_record_and_resumes_its_own_run_after_a_crash(
   stage1_dir, stage1_config, stage1_params = stage1
   config = experiment(stage2_values(own_text, stage1_dir))
   workdir = tmp_path / "stage2"
-  save = ckpt_lib.Checkpointer.save
+  save, saved = ckpt_lib.Checkpointer.save, {}
 
-  def save_then_crash(self, step, *args, **kwargs):
-    save(self, step, *args, **kwargs)
+  def save_then_crash(self, step, state, *args, **kwargs):
+    save(self, step, state, *args, **kwargs)
     self.wait()
+    saved.update(params=leaves(state["params"]))
     raise Crash(step)
 
   with pytest.MonkeyPatch.context() as patch, pytest.raises(Crash):
@@ -178,7 +178,8 @@ def test_stage2_trains_on_the_next_record_and_resumes_its_own_run_after_a_crash(
     logged = [json.loads(line)["loss"] for line in f if '"loss"' in line]
   graphdef = state_lib.abstract_model(config.model)[0]
   loss_fn = jax.jit(loss_lib.loss_fn, static_argnums=(0, 4))
-  losses = [float(loss_fn(graphdef, stage1_params, {}, reference[i], config.data.segment_ids))
+  params = jax.tree.unflatten(jax.tree.structure(state_lib.abstract_model(config.model)[1]), stage1_params)
+  losses = [float(loss_fn(graphdef, params, {}, reference[i], config.data.segment_ids))
             for i in (N - 1, N, N + 1)]
   assert logged == [pytest.approx(losses[1], rel=1e-5)], (logged, losses)
   assert min(abs(losses[1] - losses[0]), abs(losses[1] - losses[2])) > 1e-3  # the batches tell apart
@@ -187,5 +188,16 @@ def test_stage2_trains_on_the_next_record_and_resumes_its_own_run_after_a_crash(
   assert run.step == 1
   assert_batches_equal(batch, reference[N + 1], "stage 2's batch after the resume")
   assert int(np.asarray(run.opt_state[1][0].count)) == 1  # AdamW's step count: not a fresh state
-  moved = [not np.array_equal(a, b) for a, b in zip(leaves(run.params), leaves(stage1_params), strict=True)]
-  assert all(moved)
+  for got, want, before in zip(leaves(run.params), saved["params"], stage1_params, strict=True):
+    np.testing.assert_array_equal(got, want)  # stage 2's step-1 parameters ...
+    assert not np.array_equal(got, before)  # ... which one step moved away from stage 1's
+
+
+def test_the_stream_depends_on_train_seed_and_data_shuffle_seed(own_text):
+  """Why stage 2 must keep stage 1's ``train.seed`` and ``data.shuffle_seed``: its iterator is built from
+  its own config and only the position is restored, and either seed reorders the documents."""
+  base = experiment(overrides(own_text))
+  reference = reference_batches(base, 2)
+  for key, value in (("train.seed", 1), ("data.shuffle_seed", 1)):
+    other = reference_batches(experiment({**overrides(own_text), key: value}), 2)
+    assert not all(np.array_equal(a["tokens"], b["tokens"]) for a, b in zip(reference, other)), key
