@@ -82,7 +82,7 @@ def _shared_step(graphdef, tx_train, config):
 def shared_train_step(graphdef, tx, config, shardings=None):
   """``make_train_step`` compiled once for both stages: they differ only in fields the step does not
   read (``init_from``, ``init_data_from``, ``checkpoint_every``)."""
-  del tx, shardings  # one device: the step without explicit shardings is the same program
+  del tx, shardings  # one device: without explicit shardings the step computes the same
   train = dataclasses.replace(config.train, init_from="", init_data_from="", checkpoint_every=1)
   return _shared_step(graphdef, train, dataclasses.replace(config, train=train))
 
