@@ -46,7 +46,7 @@ def model():
   """One softmax layer with rotary positions and an untied head, weights random normals from numpy (no
   initialiser to compile): its loss depends on positions and segment ids."""
   config = cfg_lib.model_config(dict(vocab_size=CharTokenizer.vocab_size, d_model=16, n_layers=1,
-                                     pattern="softmax*1", mlp_hidden=16, dtype="float32",
+                                     pattern="softmax*1", mlp="none", dtype="float32",
                                      tie_embeddings=False, mixers={"softmax": {"n_heads": 2}}))
   graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: LanguageModel(config, rngs=nnx.Rngs(0))),
                                      nnx.Param, ...)

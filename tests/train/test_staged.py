@@ -47,7 +47,7 @@ def own_text(tmp_path_factory) -> dict[str, str]:
 
 def overrides(own_text, **stage) -> dict[str, object]:
   """The tiny softmax preset at test size on the prose folder, as ``<key>: <value>`` overrides."""
-  return {"model.d_model": 16, "model.n_layers": 1, "model.pattern": "softmax*1", "model.mlp_hidden": 16,
+  return {"model.d_model": 16, "model.n_layers": 1, "model.pattern": "softmax*1", "model.mlp": "none",
           "model.vocab_size": 320, "model.mixers.softmax.n_heads": 2,
           "data.seq_len": 16, "data.cache_dir": own_text["cache"], "data.sources.embedded.kind": "text",
           "data.sources.embedded.path": own_text["glob"], "data.sources.embedded.heldout_fraction": 0.1,
