@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed-stamp
 
-.PHONY: demo test bench lint clean-venv
+.PHONY: demo test mutate bench lint clean-venv
 
 # pip's output goes to .venv/install.log, shown only if the install fails.
 $(VENV_STAMP): pyproject.toml
@@ -18,6 +18,10 @@ demo: $(VENV_STAMP)
 # Two workers: the CI machine has 2 cores (about 20 min there; conftest.py starts the slow tests first).
 test: $(VENV_STAMP)
 	$(PY) -m pytest -n 2 tests
+
+# Curated one-line faults (tests/mutants.toml), each run with the test that must fail on it; not in CI.
+mutate: $(VENV_STAMP)
+	$(PY) scripts/mutate.py
 
 bench: $(VENV_STAMP)
 	$(PY) scripts/bench_kernels.py
