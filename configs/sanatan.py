@@ -9,6 +9,8 @@ Presets:
   repro_p2, repro_p1_adapt,              the reproduction chain (scripts/reproduce.py) on one GPU: 8 layers
   repro_p1_scratch                       of 512, 4,000 stage-1 steps of 32 x 1024 tokens on runs/linux;
                                          stage 2 for 240 steps at LR 6e-5; the control for 4,240
+  repro_p2_no_table,                     the chain's position ablations: stage 1 and the p = 1 control
+  repro_p1_scratch_no_table              without the learned table (the rotation carries position)
   ablate_<name>                          1B-token ablations (15,259 steps): p2 (6ch p=2), no_omega,
                                          no_lambda, p4 (6ch p=4), 4ch_p2, 4ch_p4, 3ch_legacy, 3ch_clean
 
@@ -99,7 +101,8 @@ def sanatan_184m_p1_scratch():
 # knob (``repro_steps``); ``REPRO_TINY`` is the same chain at the scale of a CPU test.
 REPRO_CORPUS = "runs/linux"
 REPRO_WORKDIR = "runs/reproduce"
-REPRO_LENGTHS = (0.25, 0.5, 1.0)  # fractions of stage 1 at which the chain reads the model out
+REPRO_LENGTHS = (0.25, 0.5, 0.75, 1.0)  # fractions of stage 1 at which the chain reads the model out
+REPRO_SEEDS = (0, 1)  # every run of the chain at each: model initialisation and data order (train.seed)
 ADAPT_FRACTION = 0.06  # stage 2's steps per step it adapts (the 184M schedule: 9,613 / 152,588 = 0.063)
 STAGE1_WARMUP = 0.02  # of stage 1's steps (and of every control's)
 STAGE2_WARMUP = 0.05  # of stage 2's steps: "a short warmup" (our choice)
@@ -134,7 +137,7 @@ REPRO_GPU = ReproScale(
     heldout_sequences=256, worker_count=8, p1_implementation="auto", log_every=50, saves=8, evals=4)
 REPRO_TINY = ReproScale(
     model=dict(vocab_size=8192, d_model=64, n_layers=2, mlp_hidden=192, max_positions=64, dtype="float32"),
-    n_heads=4, head_dim=16, seq_len=64, batch_size=4, learning_rate=3e-3, stage1_steps=8,
+    n_heads=4, head_dim=16, seq_len=64, batch_size=4, learning_rate=3e-3, stage1_steps=4,
     heldout_sequences=16, worker_count=0, p1_implementation="parallel", log_every=4, saves=1, evals=0)
 
 
@@ -203,7 +206,7 @@ def repro_experiment(kind: str, mixer: dict, train: dict, scale: ReproScale, cor
       eval=eval, name=name)
 
 
-def _repro_sanatan(p: int, scale: ReproScale, train: dict, corpus: str | None, name: str):
+def _repro_sanatan(p: int, scale: ReproScale, train: dict, corpus: str | None, name: str, table: bool = True):
   # p = 2 at "parallel" on every backend: the form docs/REPRODUCTION.md's runs trained with.
   implementation = "parallel" if p > 1 else scale.p1_implementation
   # At 35M parameters memory is no limit: the chunked form keeps its residuals (no recomputation).
@@ -211,7 +214,8 @@ def _repro_sanatan(p: int, scale: ReproScale, train: dict, corpus: str | None, n
                chunked_remat=False)
   # p = 2 has no recurrent form to pair with; p = 1 is checked parallel against recurrent.
   evaluation = dict(paired=p == 1, paired_a="parallel", gate_stats=True)
-  return repro_experiment("sanatan", mixer, train, scale, corpus, name, eval=evaluation)
+  positions = {} if table else {"max_positions": 0}  # without the table, SANATAN's rotation carries position
+  return repro_experiment("sanatan", mixer, train, scale, corpus, name, eval=evaluation, **positions)
 
 
 def repro_p2(stage1_steps: int | None = None, lengths=REPRO_LENGTHS, scale: ReproScale = REPRO_GPU,
@@ -244,6 +248,21 @@ def repro_p1_scratch(stage1_steps: int | None = None, scale: ReproScale = REPRO_
                      corpus: str | None = REPRO_CORPUS):
   """Control: p = 1 from scratch for as many tokens as stage 1 and stage 2 together."""
   return _repro_sanatan(1, scale, repro_control(stage1_steps, scale), corpus, "sanatan_repro_p1_scratch")
+
+
+def repro_p2_no_table(stage1_steps: int | None = None, scale: ReproScale = REPRO_GPU,
+                      corpus: str | None = REPRO_CORPUS):
+  """Position ablation of stage 1: p = 2 for stage 1's steps and schedule without the learned table."""
+  steps = stage1_steps or scale.stage1_steps
+  train = _repro_train(scale, steps, _control_eval_every(scale, steps))
+  return _repro_sanatan(2, scale, train, corpus, "sanatan_repro_p2_no_table", table=False)
+
+
+def repro_p1_scratch_no_table(stage1_steps: int | None = None, scale: ReproScale = REPRO_GPU,
+                              corpus: str | None = REPRO_CORPUS):
+  """Position ablation of the p = 1 control: the same run without the learned table."""
+  return _repro_sanatan(1, scale, repro_control(stage1_steps, scale), corpus, "sanatan_repro_p1_scratch_no_table",
+                        table=False)
 
 
 ABLATION_STEPS = 15_259  # 1B tokens
@@ -284,6 +303,8 @@ PRESETS = {
     "repro_p2": repro_p2,
     "repro_p1_adapt": repro_p1_adapt,
     "repro_p1_scratch": repro_p1_scratch,
+    "repro_p2_no_table": repro_p2_no_table,
+    "repro_p1_scratch_no_table": repro_p1_scratch_no_table,
     **{f"ablate_{name}": _ablation(name) for name in ABLATIONS},
 }
 
