@@ -67,6 +67,9 @@ def test_presets_have_the_documented_sizes_and_step_relations():
   assert stage1.model.max_positions == scratch.model.max_positions == 1024
   assert p2_no_table.model.max_positions == scratch_no_table.model.max_positions == gla.model.max_positions == 0
   assert gla.model.mixers["gla"].n_heads == 4
+  # Only the evaluations the tables show: stage 1's gate statistics, stage 2's and its parallel/recurrent pair.
+  assert [(c.eval.paired, c.eval.gate_stats) for c in (stage1, stage2, scratch, p2_no_table, scratch_no_table)] == [
+      (False, True), (True, True), (False, False), (False, False), (False, False)]
   # Stage 1 keeps the steps the chain reads out (0.25, 0.5 and 0.75 of it); the last is the latest.
   assert sanatan.length_steps(s1) == (1000, 2000, 3000, 4000)
   assert all(step % stage1.train.keep_every == 0 and stage1.train.keep_every % stage1.train.checkpoint_every == 0
@@ -180,7 +183,7 @@ def test_tiny_chain_writes_table_readouts_and_plot_and_a_rerun_trains_nothing(tm
     stage2 = runs["adapt_2"]["eval"]
     assert abs(stage2["paired_diff"]) < 1e-4 and stage2["max_abs_dlogit"] < 1e-4
     assert {runs[name]["steps"] for name in names[2:7] + names[8:]} == {4 + 1} and runs["p2_no_table"]["steps"] == 4
-    assert len(result["gate_stats"]["stage1"]) == len(result["gate_stats"]["stage2"]) == 2
+    assert len(result["gate_stats"]["stage1"]) == len(result["gate_stats"]["stage2"]) == 1  # one layer
   # The summary: per run the mean and spread over the seeds (which differ: both draws changed), the
   # difference from Transformer++ and whether it exceeds both spreads.
   summary, reference = results["summary"]["runs"], results["summary"]["runs"]["transformer_pp"]
