@@ -111,7 +111,7 @@ def _repro_softmax(stage1_steps, scale: ReproScale, corpus, name: str, *, rope: 
 def repro_gla(stage1_steps: int | None = None, scale: ReproScale = REPRO_GPU, corpus: str | None = REPRO_CORPUS):
   """The chain's GLA control, ``gla_182m`` at the chain's width: FLA's layer with 4 heads, no position
   table, norm eps 1e-6; the same tokens as the softmax control."""
-  mixer = dict(n_heads=4, implementation="auto", chunked_remat=False)  # as SANATAN's: no recomputation
+  mixer = dict(n_heads=4, implementation=scale.gla_implementation, chunked_remat=False)  # as SANATAN's: no recomputation
   return repro_experiment("gla", mixer, repro_control(stage1_steps, scale), scale,
                           corpus, "gla_repro", max_positions=0, norm_eps=1e-6)
 

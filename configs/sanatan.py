@@ -20,6 +20,8 @@ Stage 2 reads stage 1 from ``train.init_from`` (default ``runs/sanatan_184m_p2``
         --config.train.init_from=runs/sanatan_184m_p2 --config.train.init_data_from=runs/sanatan_184m_p2
 
 Every ablation is also an override of the base preset, e.g. ``--config.model.mixers.sanatan.channels=4``.
+The softmax reference at the 184M width and tokens is ``configs/baselines.py:transformer_pp_184m``
+(Transformer++: RoPE, no position table); at the reproduction's, ``transformer_pp_repro``.
 """
 
 import dataclasses
@@ -111,8 +113,9 @@ MAX_KEPT_CHECKPOINTS = 20  # stage-1 steps kept for the readouts, at most
 
 @dataclasses.dataclass(frozen=True)
 class ReproScale:
-  """What the GPU chain and its CPU test form set differently. ``saves``: checkpoints per run;
-  ``evals``: held-out evaluations during a run as long as stage 1 (0: only at the end)."""
+  """What the GPU chain and its CPU test form set differently. ``p1_implementation`` and
+  ``gla_implementation``: SANATAN p = 1's and GLA's forms; ``saves``: checkpoints per run; ``evals``:
+  held-out evaluations during a run as long as stage 1 (0: only at the end)."""
 
   model: dict
   n_heads: int
@@ -124,6 +127,7 @@ class ReproScale:
   heldout_sequences: int
   worker_count: int
   p1_implementation: str
+  gla_implementation: str
   log_every: int
   saves: int
   evals: int
@@ -134,11 +138,13 @@ REPRO_GPU = ReproScale(
     model=dict(vocab_size=REPRO_CORPUS_VOCAB, d_model=512, n_layers=8, mlp_hidden=1408, max_positions=1024,
                tie_embeddings=True, dtype="bfloat16"),
     n_heads=8, head_dim=64, seq_len=1024, batch_size=32, learning_rate=6e-4, stage1_steps=4_000,  # 131M tokens
-    heldout_sequences=256, worker_count=8, p1_implementation="auto", log_every=50, saves=8, evals=4)
+    heldout_sequences=256, worker_count=8, p1_implementation="auto", gla_implementation="auto",
+    log_every=50, saves=8, evals=4)
 REPRO_TINY = ReproScale(
     model=dict(vocab_size=8192, d_model=64, n_layers=1, mlp_hidden=192, max_positions=64, dtype="float32"),
     n_heads=4, head_dim=16, seq_len=64, batch_size=4, learning_rate=3e-3, stage1_steps=4,
-    heldout_sequences=16, worker_count=0, p1_implementation="parallel", log_every=4, saves=1, evals=0)
+    heldout_sequences=8, worker_count=0, p1_implementation="parallel",
+    gla_implementation="parallel", log_every=4, saves=1, evals=0)
 
 
 def adapt_steps(steps: int) -> int:

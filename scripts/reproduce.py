@@ -214,7 +214,7 @@ def build_runs(plan: Plan) -> list[Run]:
   runs, missing, first = [], None, None
   for seed in plan.seeds:
     for name, label, cd, workdir, fields in seed_specs(plan, seed):
-      first = first or cd
+      first = cd if first is None else first
       config, lacking = configure(cd, plan, overrides)
       missing = lacking if missing is None else missing & lacking
       if name in plan.runs:

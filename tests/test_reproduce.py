@@ -130,12 +130,19 @@ def test_training_seconds_and_loss_curve_follow_a_resumed_run():
   assert chain.loss_curve(rows, "eval/loss")[1].tolist() == [3.9]
 
 
+# The tiny chain compiles each run's programs once and runs them a few steps: XLA's CPU backend without
+# its expensive optimisations compiles them faster (the losses are compared with each other, not pinned).
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
 def run_script(*args, expect: int = 0, cache=None):
   """``cache``: a persistent compilation cache of the run's own that keeps every program, however quick
-  to compile (the chain's evaluations at each read-out step compile the same programs)."""
+  to compile (the chain's evaluations at each read-out step compile the same programs), and fast
+  compilation."""
   env = {**os.environ, "WANDB_MODE": "disabled"}
   if cache is not None:
     env.update(compilation_cache_env(cache))
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
   proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=REPO, capture_output=True, text=True, timeout=600,
                         env=env)
   assert proc.returncode == expect, f"STDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
