@@ -34,9 +34,9 @@ GIB = 2 ** 30
 
 
 def _softmax_184m() -> ml_collections.ConfigDict:
-  """Softmax attention on the SANATAN 184M backbone: the same embedding, absolute position table, 12
-  layers of SwiGLU and width, 12 heads of 64; no RoPE (positions come from the backbone's table, as
-  for SANATAN)."""
+  """Softmax attention with a learned position table on the SANATAN 184M backbone: the same embedding,
+  absolute position table, 12 layers of SwiGLU and width, 12 heads of 64; no RoPE. The like-for-like
+  row of SANATAN's own positions; the softmax reference is ``transformer_pp_184m``."""
   from configs import common, sanatan
 
   return common.experiment(
@@ -46,16 +46,45 @@ def _softmax_184m() -> ml_collections.ConfigDict:
       heldout=sanatan.paper_heldout(), name="softmax_184m")
 
 
+# Long-context shapes: the 184M recipe's 65,536 tokens per step in one micro-batch of longer sequences.
+LONG_CONTEXT = {"8k": (8, 8192), "32k": (2, 32768)}
+LONG_CONTEXT_MODELS = {"sanatan_p1_184m": ("sanatan", "184m_p1_scratch"),
+                       "transformer_pp_184m": ("baselines", "transformer_pp_184m"),
+                       "gla_182m": ("baselines", "gla_182m")}
+
+
+def _long_context(module: str, preset: str, batch: int, seq_len: int):
+  """``module:preset`` at ``batch`` × ``seq_len`` in one micro-batch, without a position table (the
+  fixed-state mixers and RoPE carry position; a table would cap the length)."""
+  def build() -> ml_collections.ConfigDict:
+    cd = importlib.import_module(f"configs.{module}").get_config(preset)
+    cd.train.batch_size, cd.train.grad_accum, cd.data.seq_len = batch, 1, seq_len
+    cd.model.max_positions = 0
+    cd.name = f"{cd.name}_{seq_len}"
+    return cd
+  return build
+
+
 # Named presets: (config module, preset) or a builder. Any "module:preset" of configs/ works too.
 PRESETS = {
+    "transformer_pp_184m": ("baselines", "transformer_pp_184m"),
     "softmax_184m": _softmax_184m,
     "sanatan_p1_184m": ("sanatan", "184m_p1_scratch"),
     "sanatan_p2_184m": ("sanatan", "184m_p2"),
     "gla_182m": ("baselines", "gla_182m"),
     "cyfa": ("baselines", "cyfa_equal_state"),
+    "transformer_pp_360m": ("baselines", "transformer_pp_360m"),
     "based_360m": ("based", "360m"),
+    "transformer_pp_1p3b": ("baselines", "transformer_pp_1p3b"),
     "based_1p3b": ("based", "1p3b"),
+    **{f"{model}_{length}": _long_context(*entry, *shape) for length, shape in LONG_CONTEXT.items()
+       for model, entry in LONG_CONTEXT_MODELS.items()},
 }
+# Presets whose shape is part of their definition: timed at it unless --batch / --seq_len say otherwise.
+OWN_SHAPE = frozenset(f"{model}_{length}" for length in LONG_CONTEXT for model in LONG_CONTEXT_MODELS)
+# bench_train's default selection: every preset at the common 32 × 2048.
+DEFAULT_PRESETS = [name for name in PRESETS if name not in OWN_SHAPE]
+DEFAULT_BATCH, DEFAULT_SEQ_LEN = 32, 2048
 
 
 class BenchError(ValueError):
@@ -80,7 +109,9 @@ class TrainRow:
   xla_memory_gib: float | None = None  # arguments + outputs + temporaries of the compiled step
   peak_memory_gib: float | None = None  # the device's peak since the process started
   loss: float | None = None
-  vs_softmax: float | None = None
+  positions: str = ""  # "table" (learned absolute), "RoPE", "table + RoPE" or "none"
+  vs_softmax: float | None = None  # tok/s over the reference softmax row's (``with_ratios``)
+  reference: str = ""  # the preset of that row
   note: str = ""
   profile: str = ""  # the kernel-time breakdown (markdown) of the traced steps
 
@@ -156,13 +187,16 @@ def apply_overrides(cd: ml_collections.ConfigDict, overrides: list[tuple[str, An
   return missing
 
 
-def bench_config(name: str, *, batch: int, seq_len: int, overrides: list[tuple[str, Any]]):
-  """The typed config of preset ``name`` at global batch ``batch`` and ``seq_len``, the preset's
-  micro-batch kept (grad_accum = batch / micro-batch), then ``overrides``; and the override keys the
-  preset lacks."""
+def bench_config(name: str, *, batch: int | None, seq_len: int | None, overrides: list[tuple[str, Any]]):
+  """The typed config of preset ``name`` at global batch ``batch`` and ``seq_len`` (None: the preset's
+  own for ``OWN_SHAPE``, else 32 × 2048), the preset's micro-batch kept (grad_accum = batch /
+  micro-batch), then ``overrides``; and the override keys the preset lacks."""
   from lmcore import config as cfg_lib
 
   cd = preset_config(name)
+  own = name in OWN_SHAPE
+  batch = batch or (cd.train.batch_size if own else DEFAULT_BATCH)
+  seq_len = seq_len or (cd.data.seq_len if own else DEFAULT_SEQ_LEN)
   micro = max(1, cd.train.batch_size // cd.train.grad_accum)
   cd.train.batch_size = batch
   cd.train.grad_accum = max(1, batch // micro) if batch % micro == 0 else 1
@@ -174,6 +208,13 @@ def bench_config(name: str, *, batch: int, seq_len: int, overrides: list[tuple[s
     return cfg_lib.experiment_config(cd), missing
   except cfg_lib.ConfigError as e:
     raise BenchError(f"preset {name}: {e}") from None
+
+
+def positions(model) -> str:
+  """How the model sees positions: its learned table, RoPE in its mixers, both, or neither."""
+  rope = any(getattr(model.mixers[kind], "rope", False) for kind in set(model.layer_kinds()))
+  table = model.max_positions > 0
+  return {(True, True): "table + RoPE", (True, False): "table", (False, True): "RoPE"}.get((table, rope), "none")
 
 
 def synthetic_batch(config, seed: int = 0) -> dict[str, np.ndarray]:
@@ -217,7 +258,7 @@ def measure(name: str, config, *, steps: int, warmup: int, variant: str = "", pr
   batch = sharding.global_batch(synthetic_batch(config), mesh)
   n_params = sum(x.size for x in jax.tree.leaves(params))
   row = TrainRow(name, variant, "+".join(sorted(set(config.model.layer_kinds()))), config.train.batch_size,
-                 config.data.seq_len, config.train.grad_accum, n_params)
+                 config.data.seq_len, config.train.grad_accum, n_params, positions=positions(config.model))
 
   with jax.set_mesh(mesh):  # the Pallas kernels' shard_map reads the mesh from here
     start = time.perf_counter()
@@ -271,7 +312,7 @@ def write_profile(name: str, variant: str, trace_dir: str, out_dir: str, *, step
   return md
 
 
-def run(presets: list[str], *, batch: int, seq_len: int, steps: int, warmup: int = 2,
+def run(presets: list[str], *, batch: int | None, seq_len: int | None, steps: int, warmup: int = 2,
         overrides: list[str] = (), sweep: str = "", jsonl: str = "", profile: str = "",
         profile_steps: int = 2) -> list[TrainRow]:
   """Every preset (× every ``sweep`` value, "KEY=V1,V2"), one after another in this process; a preset
@@ -314,7 +355,7 @@ def run(presets: list[str], *, batch: int, seq_len: int, steps: int, warmup: int
     except Exception as e:  # OOM or a missing kernel: report it and go on with the next preset.
       row = TrainRow(name, variant, "+".join(sorted(set(config.model.layer_kinds()))),
                      config.train.batch_size, config.data.seq_len, config.train.grad_accum, 0,
-                     note=failure_note(e, name, variant, config))
+                     positions=positions(config.model), note=failure_note(e, name, variant, config))
     print(f"  {format_row_line(row)}", flush=True)
     rows.append(row)
     if jsonl:
@@ -341,13 +382,27 @@ def failure_note(error: Exception, name: str, variant: str, config) -> str:
   return note
 
 
+def is_transformer_pp(row: TrainRow) -> bool:
+  """Softmax attention with RoPE and no position table: the softmax reference."""
+  return row.mixers == "softmax" and row.positions == "RoPE"
+
+
 def with_ratios(rows: list[TrainRow]) -> list[TrainRow]:
-  """tokens/s of each row over the softmax-only model's in the same variant, else the one measured
-  without a variant (a softmax preset lacks a swept mixer key); none without either."""
-  softmax = {r.variant: r for r in rows if r.mixers == "softmax" and r.tokens_per_s}
+  """tokens/s of each row over the reference's at the same sequence length: in the same variant, else
+  the one measured without a variant (a softmax preset lacks a swept mixer key). The reference is the
+  Transformer++ row (``is_transformer_pp``) where one was measured, else the softmax-only row; none
+  without either."""
+  references: dict[tuple[str, int], TrainRow] = {}
   for r in rows:
-    ref = softmax.get(r.variant) or softmax.get("")
+    if r.mixers == "softmax" and r.tokens_per_s:
+      key = (r.variant, r.seq_len)
+      held = references.get(key)
+      if held is None or (is_transformer_pp(r) and not is_transformer_pp(held)):
+        references[key] = r
+  for r in rows:
+    ref = references.get((r.variant, r.seq_len)) or references.get(("", r.seq_len))
     r.vs_softmax = r.tokens_per_s / ref.tokens_per_s if ref is not None and r.tokens_per_s else None
+    r.reference = ref.preset if ref is not None and r.vs_softmax is not None else ""
   return rows
 
 
@@ -360,13 +415,13 @@ def format_row_line(r: TrainRow) -> str:
 
 
 def format_table(rows: list[TrainRow]) -> str:
-  lines = ["| preset | variant | mixers | B × T (accum) | params | step ms | tok/s | vs softmax | MFU | MFU (6N) "
-           "| compile s | XLA plan GiB | device peak GiB | note |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| preset | variant | mixers | positions | B × T (accum) | params | step ms | tok/s | vs reference "
+           "| MFU | MFU (6N) | compile s | XLA plan GiB | device peak GiB | note |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
-    vs = "" if r.vs_softmax is None else f"{r.vs_softmax:.2f}×"
+    vs = "" if r.vs_softmax is None else f"{r.vs_softmax:.2f}× {r.reference}"
     lines.append(
-        f"| {r.preset} | {r.variant} | {r.mixers} | {r.batch} × {r.seq_len} ({r.grad_accum}) | "
+        f"| {r.preset} | {r.variant} | {r.mixers} | {r.positions} | {r.batch} × {r.seq_len} ({r.grad_accum}) | "
         f"{r.params / 1e6:,.1f}M | {fmt(r.step_ms, '.1f')} | {fmt(r.tokens_per_s, ',.0f')} | {vs} | "
         f"{fmt(r.mfu, '.1%')} | {fmt(r.mfu_6n, '.1%')} | {fmt(r.compile_s, '.1f')} | "
         f"{fmt(r.xla_memory_gib, '.2f')} | {fmt(r.peak_memory_gib, '.2f')} | {r.note} |")
@@ -375,7 +430,10 @@ def format_table(rows: list[TrainRow]) -> str:
 
 def notes(rows: list[TrainRow]) -> str:
   """What the columns mean, under the table."""
-  return ("MFU: the model card's training FLOPs per token (3 × its analytic forward count, "
+  return ("Positions: the learned absolute table, RoPE, both or none; \"table\" softmax rows are the "
+          "like-for-like comparison with SANATAN's table, not the softmax reference. vs reference: tok/s over "
+          "the named row's at the same length (Transformer++, softmax with RoPE and no table, where measured). "
+          "MFU: the model card's training FLOPs per token (3 × its analytic forward count, "
           "lmcore/model_card.py) × tokens/s over the devices' dense bf16 peak; MFU (6N): "
           "6 × parameters instead. XLA plan: arguments + outputs + temporaries of the compiled step. Device "
           "peak: `memory_stats()['peak_bytes_in_use']` since the process started (monotone over the rows: "

@@ -9,6 +9,8 @@ Presets:
   repro_p2, repro_p1_adapt,              the reproduction chain (scripts/reproduce.py) on one GPU: 8 layers
   repro_p1_scratch                       of 512, 4,000 stage-1 steps of 32 x 1024 tokens on runs/linux;
                                          stage 2 for 240 steps at LR 6e-5; the control for 4,240
+  repro_p2_no_table,                     the chain's position ablations: stage 1 and the p = 1 control
+  repro_p1_scratch_no_table              without the learned table (the rotation carries position)
   ablate_<name>                          1B-token ablations (15,259 steps): p2 (6ch p=2), no_omega,
                                          no_lambda, p4 (6ch p=4), 4ch_p2, 4ch_p4, 3ch_legacy, 3ch_clean
 
@@ -18,6 +20,8 @@ Stage 2 reads stage 1 from ``train.init_from`` (default ``runs/sanatan_184m_p2``
         --config.train.init_from=runs/sanatan_184m_p2 --config.train.init_data_from=runs/sanatan_184m_p2
 
 Every ablation is also an override of the base preset, e.g. ``--config.model.mixers.sanatan.channels=4``.
+The softmax reference at the 184M width and tokens is ``configs/baselines.py:transformer_pp_184m``
+(Transformer++: RoPE, no position table); at the reproduction's, ``transformer_pp_repro``.
 """
 
 import dataclasses
@@ -99,7 +103,8 @@ def sanatan_184m_p1_scratch():
 # knob (``repro_steps``); ``REPRO_TINY`` is the same chain at the scale of a CPU test.
 REPRO_CORPUS = "runs/linux"
 REPRO_WORKDIR = "runs/reproduce"
-REPRO_LENGTHS = (0.25, 0.5, 1.0)  # fractions of stage 1 at which the chain reads the model out
+REPRO_LENGTHS = (0.25, 0.5, 0.75, 1.0)  # fractions of stage 1 at which the chain reads the model out
+REPRO_SEEDS = (0, 1)  # every run of the chain at each: model initialisation and data order (train.seed)
 ADAPT_FRACTION = 0.06  # stage 2's steps per step it adapts (the 184M schedule: 9,613 / 152,588 = 0.063)
 STAGE1_WARMUP = 0.02  # of stage 1's steps (and of every control's)
 STAGE2_WARMUP = 0.05  # of stage 2's steps: "a short warmup" (our choice)
@@ -108,8 +113,9 @@ MAX_KEPT_CHECKPOINTS = 20  # stage-1 steps kept for the readouts, at most
 
 @dataclasses.dataclass(frozen=True)
 class ReproScale:
-  """What the GPU chain and its CPU test form set differently. ``saves``: checkpoints per run;
-  ``evals``: held-out evaluations during a run as long as stage 1 (0: only at the end)."""
+  """What the GPU chain and its CPU test form set differently. ``p1_implementation`` and
+  ``gla_implementation``: SANATAN p = 1's and GLA's forms; ``saves``: checkpoints per run; ``evals``:
+  held-out evaluations during a run as long as stage 1 (0: only at the end)."""
 
   model: dict
   n_heads: int
@@ -121,6 +127,7 @@ class ReproScale:
   heldout_sequences: int
   worker_count: int
   p1_implementation: str
+  gla_implementation: str
   log_every: int
   saves: int
   evals: int
@@ -131,11 +138,13 @@ REPRO_GPU = ReproScale(
     model=dict(vocab_size=REPRO_CORPUS_VOCAB, d_model=512, n_layers=8, mlp_hidden=1408, max_positions=1024,
                tie_embeddings=True, dtype="bfloat16"),
     n_heads=8, head_dim=64, seq_len=1024, batch_size=32, learning_rate=6e-4, stage1_steps=4_000,  # 131M tokens
-    heldout_sequences=256, worker_count=8, p1_implementation="auto", log_every=50, saves=8, evals=4)
+    heldout_sequences=256, worker_count=8, p1_implementation="auto", gla_implementation="auto",
+    log_every=50, saves=8, evals=4)
 REPRO_TINY = ReproScale(
-    model=dict(vocab_size=8192, d_model=64, n_layers=2, mlp_hidden=192, max_positions=64, dtype="float32"),
-    n_heads=4, head_dim=16, seq_len=64, batch_size=4, learning_rate=3e-3, stage1_steps=8,
-    heldout_sequences=16, worker_count=0, p1_implementation="parallel", log_every=4, saves=1, evals=0)
+    model=dict(vocab_size=8192, d_model=64, n_layers=1, mlp_hidden=192, max_positions=64, dtype="float32"),
+    n_heads=4, head_dim=16, seq_len=64, batch_size=4, learning_rate=3e-3, stage1_steps=4,
+    heldout_sequences=8, worker_count=0, p1_implementation="parallel",
+    gla_implementation="parallel", log_every=4, saves=1, evals=0)
 
 
 def adapt_steps(steps: int) -> int:
@@ -203,15 +212,19 @@ def repro_experiment(kind: str, mixer: dict, train: dict, scale: ReproScale, cor
       eval=eval, name=name)
 
 
-def _repro_sanatan(p: int, scale: ReproScale, train: dict, corpus: str | None, name: str):
+def _repro_sanatan(p: int, scale: ReproScale, train: dict, corpus: str | None, name: str, *, table: bool = True,
+                   reported: bool = False):
+  """``reported``: a run whose evaluation the chain's tables show (stage 1: root-gate statistics; stage 2:
+  those and parallel against recurrent on the same sequences); the controls report the loss alone."""
   # p = 2 at "parallel" on every backend: the form docs/REPRODUCTION.md's runs trained with.
   implementation = "parallel" if p > 1 else scale.p1_implementation
   # At 35M parameters memory is no limit: the chunked form keeps its residuals (no recomputation).
   mixer = dict(n_heads=scale.n_heads, head_dim=scale.head_dim, p=p, implementation=implementation,
                chunked_remat=False)
   # p = 2 has no recurrent form to pair with; p = 1 is checked parallel against recurrent.
-  evaluation = dict(paired=p == 1, paired_a="parallel", gate_stats=True)
-  return repro_experiment("sanatan", mixer, train, scale, corpus, name, eval=evaluation)
+  evaluation = dict(paired=reported and p == 1, paired_a="parallel", gate_stats=reported)
+  positions = {} if table else {"max_positions": 0}  # without the table, SANATAN's rotation carries position
+  return repro_experiment("sanatan", mixer, train, scale, corpus, name, eval=evaluation, **positions)
 
 
 def repro_p2(stage1_steps: int | None = None, lengths=REPRO_LENGTHS, scale: ReproScale = REPRO_GPU,
@@ -220,7 +233,7 @@ def repro_p2(stage1_steps: int | None = None, lengths=REPRO_LENGTHS, scale: Repr
   steps = stage1_steps or scale.stage1_steps
   train = _repro_train(scale, steps, _control_eval_every(scale, steps),
                        **stage1_checkpointing(steps, lengths, scale.saves))
-  return _repro_sanatan(2, scale, train, corpus, "sanatan_repro_p2")
+  return _repro_sanatan(2, scale, train, corpus, "sanatan_repro_p2", reported=True)
 
 
 def repro_p1_adapt(from_steps: int | None = None, init_from: str = f"{REPRO_WORKDIR}/p2",
@@ -231,7 +244,7 @@ def repro_p1_adapt(from_steps: int | None = None, init_from: str = f"{REPRO_WORK
   steps = adapt_steps(from_steps or scale.stage1_steps)
   train = _repro_train(scale, steps, 0, learning_rate=scale.learning_rate / 10, warmup=STAGE2_WARMUP,
                        init_from=init_from, init_data_from=init_from)
-  return _repro_sanatan(1, scale, train, corpus, "sanatan_repro_p1_adapt")
+  return _repro_sanatan(1, scale, train, corpus, "sanatan_repro_p1_adapt", reported=True)
 
 
 def repro_control(stage1_steps: int | None, scale: ReproScale) -> dict:
@@ -244,6 +257,21 @@ def repro_p1_scratch(stage1_steps: int | None = None, scale: ReproScale = REPRO_
                      corpus: str | None = REPRO_CORPUS):
   """Control: p = 1 from scratch for as many tokens as stage 1 and stage 2 together."""
   return _repro_sanatan(1, scale, repro_control(stage1_steps, scale), corpus, "sanatan_repro_p1_scratch")
+
+
+def repro_p2_no_table(stage1_steps: int | None = None, scale: ReproScale = REPRO_GPU,
+                      corpus: str | None = REPRO_CORPUS):
+  """Position ablation of stage 1: p = 2 for stage 1's steps and schedule without the learned table."""
+  steps = stage1_steps or scale.stage1_steps
+  train = _repro_train(scale, steps, _control_eval_every(scale, steps))
+  return _repro_sanatan(2, scale, train, corpus, "sanatan_repro_p2_no_table", table=False)
+
+
+def repro_p1_scratch_no_table(stage1_steps: int | None = None, scale: ReproScale = REPRO_GPU,
+                              corpus: str | None = REPRO_CORPUS):
+  """Position ablation of the p = 1 control: the same run without the learned table."""
+  return _repro_sanatan(1, scale, repro_control(stage1_steps, scale), corpus, "sanatan_repro_p1_scratch_no_table",
+                        table=False)
 
 
 ABLATION_STEPS = 15_259  # 1B tokens
@@ -284,6 +312,8 @@ PRESETS = {
     "repro_p2": repro_p2,
     "repro_p1_adapt": repro_p1_adapt,
     "repro_p1_scratch": repro_p1_scratch,
+    "repro_p2_no_table": repro_p2_no_table,
+    "repro_p1_scratch_no_table": repro_p1_scratch_no_table,
     **{f"ablate_{name}": _ablation(name) for name in ABLATIONS},
 }
 

@@ -1,5 +1,6 @@
 """The whole-step benchmark (scripts/bench_train.py) on CPU: two tiny presets timed in this process, the
-table with ratios to softmax, the JSONL rows, the plot and the dated markdown block; flags checked."""
+table with ratios to the softmax reference (Transformer++ where measured) and each row's positions, the
+JSONL rows, the plot and the dated markdown block; the long-context presets' shapes; flags checked."""
 
 import json
 import types
@@ -28,7 +29,8 @@ def test_two_tiny_presets_are_timed_and_reported(tmp_path):
   assert [json.loads(line)["preset"] for line in jsonl.read_text().splitlines()] == [
       "baselines:softmax_tiny", "sanatan:tiny"]
   table = train_step.report(rows, out=str(tmp_path / "out"), markdown=str(markdown), command="python x")
-  assert "| sanatan:tiny |  | sanatan | 2 × 16 (1) |" in table
+  assert (softmax.positions, sanatan.positions) == ("RoPE", "table") and softmax.reference == "baselines:softmax_tiny"
+  assert "| sanatan:tiny |  | sanatan | table | 2 × 16 (1) |" in table and "× baselines:softmax_tiny |" in table
   text = markdown.read_text()
   assert "train step on cpu" in text and "`python x`" in text and table in text
   assert (tmp_path / "out" / "train_step.png").stat().st_size > 1000
@@ -106,8 +108,41 @@ def test_each_preset_keeps_its_micro_batch_at_the_common_batch():
   assert softmax.mixers["softmax"].n_heads == 12 and not softmax.mixers["softmax"].rope
 
 
+def test_long_context_presets_time_their_own_shape_without_a_table_unless_the_flags_say_otherwise():
+  """8 × 8192 and 2 × 32768: the 184M recipe's 65,536 tokens per step in one micro-batch, no table."""
+  for length, (batch, seq_len) in (("8k", (8, 8192)), ("32k", (2, 32768))):
+    for model in ("sanatan_p1_184m", "transformer_pp_184m", "gla_182m"):
+      config, _ = train_step.bench_config(f"{model}_{length}", batch=None, seq_len=None, overrides=[])
+      assert (config.train.batch_size, config.data.seq_len, config.train.grad_accum) == (batch, seq_len, 1)
+      assert batch * seq_len == 32 * 2048 and config.model.max_positions == 0
+      assert train_step.positions(config.model) == ("RoPE" if model == "transformer_pp_184m" else "none")
+  config, _ = train_step.bench_config("sanatan_p1_184m_8k", batch=4, seq_len=None, overrides=[])
+  assert (config.train.batch_size, config.data.seq_len) == (4, 8192)
+  config, _ = train_step.bench_config("sanatan_p1_184m", batch=None, seq_len=None, overrides=[])
+  assert (config.train.batch_size, config.data.seq_len, config.model.max_positions) == (32, 2048, 2048)
+  assert not set(train_step.DEFAULT_PRESETS) & train_step.OWN_SHAPE
+
+
+def test_the_ratio_is_to_transformer_pp_at_the_same_length_and_the_table_row_is_labelled():
+  def row(preset, mixers, positions, seq_len, tokens_per_s):
+    return train_step.TrainRow(preset, "", mixers, 32, seq_len, 1, 10, tokens_per_s=tokens_per_s,
+                               positions=positions)
+  rows = train_step.with_ratios([
+      row("softmax_184m", "softmax", "table", 2048, 300.0), row("transformer_pp_184m", "softmax", "RoPE", 2048, 200.0),
+      row("sanatan_p1_184m", "sanatan", "table", 2048, 100.0), row("sanatan_p1_184m_8k", "sanatan", "none", 8192, 90.0),
+      row("transformer_pp_184m_8k", "softmax", "RoPE", 8192, 60.0)])
+  assert [(r.vs_softmax, r.reference) for r in rows] == [
+      (1.5, "transformer_pp_184m"), (1.0, "transformer_pp_184m"), (0.5, "transformer_pp_184m"),
+      (1.5, "transformer_pp_184m_8k"), (1.0, "transformer_pp_184m_8k")]
+  # Without a Transformer++ row the table softmax is the reference, and the table says which it is.
+  rows = train_step.with_ratios([row("softmax_184m", "softmax", "table", 2048, 300.0),
+                                 row("sanatan_p1_184m", "sanatan", "table", 2048, 150.0)])
+  assert rows[1].vs_softmax == 0.5 and rows[1].reference == "softmax_184m"
+  assert "| softmax_184m |  | softmax | table | 32 × 2048 (1) |" in train_step.format_table(rows)
+
+
 def test_bad_flags_say_what_to_fix():
-  with pytest.raises(train_step.BenchError, match="unknown preset 'nope'; use one of softmax_184m"):
+  with pytest.raises(train_step.BenchError, match="unknown preset 'nope'; use one of transformer_pp_184m"):
     train_step.run(["nope"], batch=2, seq_len=16, steps=1)
   with pytest.raises(train_step.BenchError, match="configs/sanatan.py has no preset 'huge'"):
     train_step.run(["sanatan:huge"], batch=2, seq_len=16, steps=1)

@@ -61,6 +61,38 @@ def test_gla_reference_has_fla_layer_parameter_count():
   assert count("baselines", "gla_182m_12heads") == 182_216_448
 
 
+def transformer_pp_params(vocab: int, d: int, layers: int, hidden: int) -> int:
+  """Tied embedding + L × (Wq, Wk, Wv, Wo 4 D² + SwiGLU 3 D · hidden + two norms 2 D) + final norm D."""
+  return vocab * d + layers * (4 * d * d + 3 * d * hidden + 2 * d) + d
+
+
+def test_transformer_pp_presets_have_the_hand_counted_parameters():
+  """184M: SANATAN's width and vocabulary, less its position table, ω and λ; 360M / 1.3B: the BASED
+  paper's Transformer++ rows (vocab 50,257 padded to 50,272, SwiGLU 8 D / 3 rounded up to 256)."""
+  assert count("baselines", "transformer_pp_184m") == transformer_pp_params(126_349, 768, 12, 2048) == 181_989_888
+  assert count("sanatan", "184m_p2") - count("baselines", "transformer_pp_184m") == 2048 * 768 + 12 * 2 * 768
+  assert count("baselines", "transformer_pp_360m") == transformer_pp_params(50_272, 1024, 24, 2816) == 359_810_048
+  assert count("baselines", "transformer_pp_1p3b") == transformer_pp_params(50_272, 1680, 36, 4608) == 1_327_080_720
+  assert count("baselines", "transformer_pp_repro") == transformer_pp_params(16_384, 512, 8, 1408) == 34_087_424
+
+
+def test_transformer_pp_presets_are_softmax_with_rope_and_no_table_on_their_comparisons_recipe():
+  def typed(name, preset):
+    return cfg_lib.experiment_config(importlib.import_module(f"configs.{name}").get_config(preset))
+  pairs = {"transformer_pp_184m": ("sanatan", "184m_p1_scratch"), "transformer_pp_360m": ("based", "360m"),
+           "transformer_pp_1p3b": ("based", "1p3b"), "transformer_pp_1p3b_50b": ("based", "1p3b_50b")}
+  for preset, (family, compared) in pairs.items():
+    config, other = typed("baselines", preset), typed(family, compared)
+    model, mixer = config.model, config.model.mixers["softmax"]
+    assert set(model.layer_kinds()) == {"softmax"} and mixer.rope and model.max_positions == 0, preset
+    assert (model.mlp, model.norm, model.tie_embeddings) == ("swiglu", "rmsnorm", True)
+    assert config.train == other.train and config.data == other.data and config.mesh == other.mesh, preset
+  assert typed("baselines", "transformer_pp_1p3b_50b").train.steps == 100_000
+  # cuDNN's fused attention takes head dims that are multiples of 8: the 1.3B's 70 runs XLA's.
+  assert typed("baselines", "transformer_pp_1p3b").model.mixers["softmax"].implementation == "xla"
+  assert typed("baselines", "transformer_pp_360m").model.mixers["softmax"].implementation == ""
+
+
 def test_sanatan_stage2_reads_stage1_and_continues_its_data():
   config = cfg_lib.experiment_config(importlib.import_module("configs.sanatan").get_config("184m_p1_adapt"))
   assert config.train.init_from and config.train.init_data_from == config.train.init_from

@@ -93,6 +93,11 @@ def test_softmax_presets_match_the_hand_count():
   forward = 12 * layer + SANATAN_UNEMBEDDING
   assert forward == 401_708_544
   assert model_card.card(big.model, 2048)["flops_per_token_forward"] == pytest.approx(forward)
+  # Transformer++ at that width (RoPE, no table): the same count, the rotations as uncounted as the
+  # table's lookup; the card's parameters lack the table (2,048 × 768).
+  card = model_card.card(preset("baselines", "transformer_pp_184m").model, 2048)
+  assert card["flops_per_token_forward"] == pytest.approx(forward)
+  assert card["params"] == 181_989_888 == 97_036_032 + 12 * (SANATAN_PROJECTIONS // 2 + SANATAN_MLP // 2 + 2 * 768) + 768
 
 
 def test_based_360m_matches_the_hand_count():

@@ -1,7 +1,8 @@
 """The reproduction chain of SANATAN's two-stage claim (scripts/reproduce.py): its presets state the
-documented sizes and step relations, a missing corpus is one line before any folder exists, and the
-chain at CPU scale writes its table, readouts and plot, and a rerun trains nothing and gives the same
-table."""
+documented sizes, positions and step relations, the seed changes the model's initialisation,
+a missing corpus is one line before any folder exists, and the chain at CPU scale (every control and
+position ablation at two seeds) writes its table with means and spreads, readouts and plot, and a rerun
+trains nothing and gives the same table."""
 
 import json
 import math
@@ -12,10 +13,14 @@ import sys
 import pytest
 
 from configs import baselines, sanatan
+import numpy as np
+
 from lmcore import config as cfg_lib
 from lmcore.errors import ConfigError
 from lmcore.model import abstract_param_count
-from lmcore.train import chain
+from lmcore.train import chain, sharding
+from lmcore.train import state as state_lib
+from lmcore.train.optim import make_optimizer
 from process_cases import compilation_cache_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,15 +34,20 @@ def typed(cd) -> cfg_lib.ExperimentConfig:
 def test_presets_have_the_documented_sizes_and_step_relations():
   stage1, stage2 = typed(sanatan.get_config("repro_p2")), typed(sanatan.get_config("repro_p1_adapt"))
   scratch = typed(sanatan.get_config("repro_p1_scratch"))
-  softmax, gla = typed(baselines.get_config("repro_softmax")), typed(baselines.get_config("repro_gla"))
+  p2_no_table = typed(sanatan.get_config("repro_p2_no_table"))
+  scratch_no_table = typed(sanatan.get_config("repro_p1_scratch_no_table"))
+  transformer_pp = typed(baselines.get_config("transformer_pp_repro"))
+  table, nope = typed(baselines.get_config("repro_softmax_table")), typed(baselines.get_config("repro_softmax_nope"))
+  gla = typed(baselines.get_config("repro_gla"))
+  controls = (scratch, scratch_no_table, transformer_pp, table, nope, gla)
   s1 = stage1.train.steps
-  assert s1 == 4000 and stage2.train.steps == round(0.06 * s1) == 240
-  assert scratch.train.steps == softmax.train.steps == gla.train.steps == s1 + stage2.train.steps
+  assert s1 == 4000 and stage2.train.steps == round(0.06 * s1) == 240 and p2_no_table.train.steps == s1
+  assert {c.train.steps for c in controls} == {s1 + stage2.train.steps}
   assert stage2.train.learning_rate == pytest.approx(stage1.train.learning_rate / 10)
-  assert stage1.train.learning_rate == scratch.train.learning_rate == softmax.train.learning_rate == 6e-4
+  assert {c.train.learning_rate for c in (stage1, p2_no_table, *controls)} == {6e-4}
   assert stage1.train.warmup_steps == round(0.02 * s1) and stage2.train.warmup_steps == round(0.05 * 240)
   assert stage2.train.init_from == stage2.train.init_data_from == "runs/reproduce/p2"
-  for config in (stage1, stage2, scratch, softmax, gla):
+  for config in (stage1, stage2, p2_no_table, *controls):
     train, model, data = config.train, config.model, config.data
     assert (train.batch_size, train.grad_accum, data.seq_len) == (32, 1, 1024)
     assert (train.b2, train.weight_decay, train.grad_clip, train.min_lr_ratio) == (0.95, 0.1, 1.0, 0.1)
@@ -47,19 +57,45 @@ def test_presets_have_the_documented_sizes_and_step_relations():
     assert (source.name, source.kind, source.path) == ("linux", "array_record", "runs/linux/shards/*.array_record")
     assert source.heldout_fraction == 0.01 and data.heldout.num_sequences == 256 and data.worker_count == 8
     assert (data.tokenizer.kind, data.tokenizer.path) == ("sentencepiece", "runs/linux/tokenizer.model")
-  sanatan_mixers = [c.model.mixers["sanatan"] for c in (stage1, stage2, scratch)]
+  sanatan_mixers = [c.model.mixers["sanatan"] for c in (stage1, stage2, scratch, p2_no_table, scratch_no_table)]
   assert [(m.p, m.implementation, m.n_heads, m.head_dim) for m in sanatan_mixers] == [
-      (2, "parallel", 8, 64), (1, "auto", 8, 64), (1, "auto", 8, 64)]
-  assert stage1.model.max_positions == softmax.model.max_positions == 1024 and gla.model.max_positions == 0
-  assert gla.model.mixers["gla"].n_heads == 4 and not softmax.model.mixers["softmax"].rope
-  # Stage 1 keeps the steps the chain reads out (0.25 and 0.5 of it); the last is the latest.
+      (2, "parallel", 8, 64), (1, "auto", 8, 64), (1, "auto", 8, 64), (2, "parallel", 8, 64), (1, "auto", 8, 64)]
+  # Positions: the learned table, RoPE, both or neither, as each row's label says.
+  softmax = {name: (c.model.max_positions, c.model.mixers["softmax"].rope, c.model.mixers["softmax"].n_heads)
+             for name, c in (("transformer_pp", transformer_pp), ("table", table), ("nope", nope))}
+  assert softmax == {"transformer_pp": (0, True, 8), "table": (1024, False, 8), "nope": (0, False, 8)}
+  assert stage1.model.max_positions == scratch.model.max_positions == 1024
+  assert p2_no_table.model.max_positions == scratch_no_table.model.max_positions == gla.model.max_positions == 0
+  assert gla.model.mixers["gla"].n_heads == 4
+  # Only the evaluations the tables show: stage 1's gate statistics, stage 2's and its parallel/recurrent pair.
+  assert [(c.eval.paired, c.eval.gate_stats) for c in (stage1, stage2, scratch, p2_no_table, scratch_no_table)] == [
+      (False, True), (True, True), (False, False), (False, False), (False, False)]
+  # Stage 1 keeps the steps the chain reads out (0.25, 0.5 and 0.75 of it); the last is the latest.
+  assert sanatan.length_steps(s1) == (1000, 2000, 3000, 4000)
   assert all(step % stage1.train.keep_every == 0 and stage1.train.keep_every % stage1.train.checkpoint_every == 0
-             for step in (1000, 2000))
+             for step in (1000, 2000, 3000))
   # Embeddings 16,384 × 512 + positions 1,024 × 512 + 8 blocks × (4 · 512² + omega, lam 2 · 512 + SwiGLU
-  # 3 · 512 · 1,408 + norms 2 · 512) + final norm 512.
+  # 3 · 512 · 1,408 + norms 2 · 512) + final norm 512; Transformer++ lacks the positions, omega and lam.
   assert abstract_param_count(stage1.model) == 8_388_608 + 524_288 + 8 * 3_213_312 + 512 == 34_619_904
-  for config in (softmax, gla):
-    assert abstract_param_count(config.model) == pytest.approx(34_619_904, rel=0.02)
+  assert abstract_param_count(transformer_pp.model) == 8_388_608 + 8 * 3_212_288 + 512 == 34_087_424
+  assert abstract_param_count(table.model) == 34_087_424 + 524_288
+  assert abstract_param_count(p2_no_table.model) == 34_619_904 - 524_288
+  assert abstract_param_count(gla.model) == pytest.approx(34_619_904, rel=0.02)
+
+
+def test_the_seed_changes_the_model_initialisation():
+  """``train.seed`` (what --seeds sets) draws the parameters; that it also orders the documents is
+  tests/test_data.py's test_same_seed_gives_same_batches_and_another_seed_differs."""
+  embeddings = []
+  for seed in (0, 1):
+    cd = baselines.transformer_pp_repro(scale=sanatan.REPRO_TINY, corpus=None)
+    cd.train.seed = seed
+    config = typed(cd)
+    _, _, _, shardings = state_lib.make_shardings(config, sharding.make_mesh(config.mesh),
+                                                  make_optimizer(config.train))
+    params, _ = state_lib.init_params(config, shardings)
+    embeddings.append(np.asarray(params["embed"]["embedding"]))
+  assert embeddings[0].shape == embeddings[1].shape and not np.array_equal(*embeddings)
 
 
 @pytest.mark.parametrize("stage1_steps", [1000, 2500])
@@ -74,7 +110,7 @@ def test_every_step_count_derives_from_stage_one(stage1_steps):
 
 
 def test_a_length_grid_that_would_keep_too_many_checkpoints_is_refused():
-  assert sanatan.stage1_checkpointing(4000, (0.25, 0.5, 1)) == {"checkpoint_every": 500, "keep_every": 1000}
+  assert sanatan.stage1_checkpointing(4000) == {"checkpoint_every": 500, "keep_every": 1000}
   with pytest.raises(ConfigError, match="coarser grid"):
     sanatan.stage1_checkpointing(4000, (0.33, 0.5, 1))
   with pytest.raises(ConfigError, match=r"in \(0, 1\]"):
@@ -94,12 +130,19 @@ def test_training_seconds_and_loss_curve_follow_a_resumed_run():
   assert chain.loss_curve(rows, "eval/loss")[1].tolist() == [3.9]
 
 
+# The tiny chain compiles each run's programs once and runs them a few steps: XLA's CPU backend without
+# its expensive optimisations compiles them faster (the losses are compared with each other, not pinned).
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
 def run_script(*args, expect: int = 0, cache=None):
   """``cache``: a persistent compilation cache of the run's own that keeps every program, however quick
-  to compile (the chain's evaluations at each read-out step compile the same programs)."""
+  to compile (the chain's evaluations at each read-out step compile the same programs), and fast
+  compilation."""
   env = {**os.environ, "WANDB_MODE": "disabled"}
   if cache is not None:
     env.update(compilation_cache_env(cache))
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
   proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=REPO, capture_output=True, text=True, timeout=600,
                         env=env)
   assert proc.returncode == expect, f"STDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-3000:]}"
@@ -125,33 +168,52 @@ def finite_numbers(value):
 @pytest.mark.slow
 def test_tiny_chain_writes_table_readouts_and_plot_and_a_rerun_trains_nothing(tmp_path):
   workdir = tmp_path / "chain"
-  # Every run; stage 2 from half of stage 1 (through a view of a kept step), readouts at 0.5 and 1.
-  args = ["--tiny", f"--workdir={workdir}", "--lengths=0.5,1", "--adapt_lengths=0.5",
+  # Every run at seeds 0 and 1; stage 2 from half of stage 1 (through a view of a kept step), readouts at
+  # 0.5 and 1.
+  args = ["--tiny", f"--workdir={workdir}", "--lengths=0.5,1", "--adapt_lengths=0.5", "--seeds=0,1",
           "--override=wandb.mode=disabled"]
   first = run_script(*args, cache=tmp_path / "jax_cache").stdout
   results = json.load(open(workdir / "results.json"))
   table = (workdir / "results.md").read_text()
-  runs = results["runs"]
-  assert list(runs) == ["p2", "adapt_4", "scratch", "softmax", "gla"]
-  for run in runs.values():
-    assert f"| {run['label']} | {run['steps']:,} |" in table and math.isfinite(run["loss"])
-  assert finite_numbers(results)
-  assert [r["step"] for r in results["lengths"]] == [4, 8]
-  assert results["lengths"][0]["adapted_loss"] == runs["adapt_4"]["loss"]
-  assert runs["adapt_4"]["loss"] != results["lengths"][0]["loss_p1_readout"]  # stage 2 trained
-  assert results["lengths"][1]["adapted_loss"] is None
-  for row in results["lengths"]:
-    assert row["gap"] == pytest.approx(row["loss_p1_readout"] - row["loss_p2"])
-    assert f"| {row['step']:,} ({row['fraction']:.2f}) |" in table
-  stage2 = runs["adapt_4"]["eval"]
-  assert abs(stage2["paired_diff"]) < 1e-4 and stage2["max_abs_dlogit"] < 1e-4
-  assert runs["scratch"]["steps"] == runs["softmax"]["steps"] == runs["gla"]["steps"] == 8 + 1
-  assert len(results["gate_stats"]["stage1"]) == len(results["gate_stats"]["stage2"]) == 2
+  assert finite_numbers(results) and list(results["seeds"]) == ["0", "1"]
+  names = ["p2", "adapt_2", "scratch", "transformer_pp", "gla", "softmax_table", "softmax_nope", "p2_no_table",
+           "scratch_no_table"]
+  for seed, result in results["seeds"].items():
+    runs = result["runs"]
+    assert list(runs) == names and all(run["workdir"].startswith(str(workdir / f"s{seed}")) for run in runs.values())
+    assert [r["step"] for r in result["lengths"]] == [2, 4]
+    assert result["lengths"][0]["adapted_loss"] == runs["adapt_2"]["loss"]
+    assert runs["adapt_2"]["loss"] != result["lengths"][0]["loss_p1_readout"]  # stage 2 trained
+    assert result["lengths"][1]["adapted_loss"] is None
+    for row in result["lengths"]:
+      assert row["gap"] == pytest.approx(row["loss_p1_readout"] - row["loss_p2"])
+    stage2 = runs["adapt_2"]["eval"]
+    assert abs(stage2["paired_diff"]) < 1e-4 and stage2["max_abs_dlogit"] < 1e-4
+    assert {runs[name]["steps"] for name in names[2:7] + names[8:]} == {4 + 1} and runs["p2_no_table"]["steps"] == 4
+    assert len(result["gate_stats"]["stage1"]) == len(result["gate_stats"]["stage2"]) == 1  # one layer
+  # The summary: per run the mean and spread over the seeds (which differ: both draws changed), the
+  # difference from Transformer++ and whether it exceeds both spreads.
+  summary, reference = results["summary"]["runs"], results["summary"]["runs"]["transformer_pp"]
+  assert list(summary) == names
+  for name, row in summary.items():
+    losses = [results["seeds"][seed]["runs"][name]["loss"] for seed in ("0", "1")]
+    assert losses[0] != losses[1], name
+    assert row["mean"] == pytest.approx(sum(losses) / 2) and row["spread"] == pytest.approx(abs(losses[0] - losses[1]))
+    assert f"| {row['label']} | {row['steps']:,} |" in table
+    if name != "transformer_pp":
+      assert row["minus_reference"] == pytest.approx(row["mean"] - reference["mean"])
+      assert row["beyond_spreads"] == (abs(row["minus_reference"]) > max(row["spread"], reference["spread"]))
+  assert reference["minus_reference"] is None and "beyond both spreads" in table
+  gaps = [results["seeds"][seed]["lengths"][1]["gap"] for seed in ("0", "1")]
+  assert results["summary"]["lengths"][1]["gap"]["mean"] == pytest.approx(sum(gaps) / 2)
+  assert [r["what"] for r in results["summary"]["source"] if r["n"] == 2] == ["p = 1 read out, not adapted − p = 2"]
+  assert "| 4 (1.00) |" in table and "| 2 (0.50) |" in table
   assert (workdir / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  assert "Initialised parameters from step 4" in first
+  assert first.count("Initialised parameters from step 2") == 2
 
-  metrics = {p: p.read_bytes() for p in workdir.glob("*/metrics.jsonl")}
+  metrics = {p: p.read_bytes() for p in workdir.glob("s*/*/metrics.jsonl")}
+  assert len(metrics) == 2 * len(names)
   again = run_script(*args, cache=tmp_path / "jax_cache").stdout
-  assert again.count("(finished: read back)") == 5 and "step 1/" not in again and "Resumed" not in again
+  assert again.count("(finished: read back)") == 2 * len(names) and "step 1/" not in again and "Resumed" not in again
   assert (workdir / "results.md").read_text() == table
-  assert {p: p.read_bytes() for p in workdir.glob("*/metrics.jsonl")} == metrics
+  assert {p: p.read_bytes() for p in workdir.glob("s*/*/metrics.jsonl")} == metrics
