@@ -28,8 +28,6 @@ from lmcore.eval import generate
 from lmcore.errors import ConfigError
 from lmcore.model_card import card
 from lmcore.train import chain, sharding
-from lmcore.train import checkpoint as ckpt_lib
-from lmcore.train import state as state_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file and preset the run was trained with.",
                                           lock_config=True)
@@ -48,7 +46,8 @@ _SAMPLES_PATH = flags.DEFINE_string("samples_path", "", "Where the samples go as
                                     "samples_<step>.jsonl next to eval_<step>.json).")
 _STREAM_TOKENS = flags.DEFINE_integer("stream_tokens", 8, "Decode loop steps between two prints of the "
                                       "text sampled so far.")
-_OUT_DIR = flags.DEFINE_string("out_dir", "", "Where eval_<step>.json goes (default: --workdir).")
+_OUT_DIR = flags.DEFINE_string("out_dir", "", "Where eval_<step>.json and eval_<step>_<tasks>.json go "
+                              "(default: --workdir).")
 _TASKS = flags.DEFINE_list("tasks", [], "lm-eval tasks or groups to score the checkpoint on, e.g. swde,fda "
                            "(instead of the held-out evaluation).")
 _TASK_PATH = flags.DEFINE_string("task_path", "", "A folder of lm-eval task YAMLs (local-file tasks).")
@@ -59,17 +58,6 @@ _LONG_CONTEXT = flags.DEFINE_enum("long_context", "truncate", ["truncate", "stre
                                   "Contexts longer than data.seq_len: keep the last seq_len tokens, or "
                                   "stream them through a fixed-size decode state.")
 flags.mark_flags_as_required(["config", "workdir"])
-
-
-def _restore(config, workdir: str, step: int | None):
-  """The run's graphdef, parameters and step, in the model's shardings on the mesh in context."""
-  graphdef, abstract_params, abstract_rest = state_lib.abstract_model(config.model)
-  mesh = sharding.current_mesh()
-  params_sh = sharding.param_shardings(abstract_params, mesh, config.model.d_model)
-  rest_sh = jax.tree.map(lambda _: sharding.replicated(mesh), abstract_rest)
-  params, rest, step, _ = ckpt_lib.load_params(workdir, sharding.with_shardings(abstract_params, params_sh),
-                                               sharding.with_shardings(abstract_rest, rest_sh), step=step)
-  return graphdef, params, rest, step
 
 
 def evaluate_tasks(config, workdir: str, tasks: list[str], *, step: int | None = None, task_path: str = "",
@@ -86,7 +74,7 @@ def evaluate_tasks(config, workdir: str, tasks: list[str], *, step: int | None =
                       "pip install -e '.[eval]'") from None
   tokenizer = data_lib.load_tokenizer(config.data.tokenizer, data_lib.cache_dir(config.data))
   data_lib.check_vocab(tokenizer, config.model.vocab_size)
-  graphdef, params, rest, step = _restore(config, workdir, step)
+  graphdef, params, rest, step = chain.restore_checkpoint(config, workdir, step)
   lm = harness.HarnessLM(graphdef, params, rest, tokenizer, window=config.data.seq_len,
                          batch_size=batch_size or config.eval.batch_size, long_context=long_context)
   return harness.evaluate_tasks(lm, tasks, out_dir=out_dir or workdir, step=step, name=config.name,

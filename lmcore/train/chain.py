@@ -45,6 +45,19 @@ def train_or_read(config: ExperimentConfig, workdir: str) -> dict[str, Any]:
   return record if record is not None else train_lib.train_and_evaluate(config, workdir)
 
 
+def restore_checkpoint(config: ExperimentConfig, workdir: str, step: int | None = None):
+  """``(graphdef, params, rest, step)`` of the run's checkpoint (latest unless ``step``), the parameters in
+  the model's shardings on the mesh in context (``jax.set_mesh``)."""
+  graphdef, abstract_params, abstract_rest = state_lib.abstract_model(config.model)
+  mesh = sharding.current_mesh()
+  param_shardings = sharding.param_shardings(abstract_params, mesh, config.model.d_model)
+  rest_shardings = jax.tree.map(lambda _: sharding.replicated(mesh), abstract_rest)
+  params, rest, step, _ = ckpt_lib.load_params(
+      workdir, sharding.with_shardings(abstract_params, param_shardings),
+      sharding.with_shardings(abstract_rest, rest_shardings), step=step)
+  return graphdef, params, rest, step
+
+
 def evaluate_checkpoint(config: ExperimentConfig, workdir: str, step: int | None = None,
                         prompt: str | Sequence[str] = "", max_new_tokens: int = 64, out_dir: str = "", *,
                         sampling: Sampling = Sampling(), seed: int = 0, samples_path: str = "",
@@ -61,13 +74,7 @@ def evaluate_checkpoint(config: ExperimentConfig, workdir: str, step: int | None
   data_lib.check_vocab(tokenizer, config.model.vocab_size)
   if prompts:  # before the held-out evaluation: a prompt that cannot be sampled fails at once
     check_prompts([tokenizer.encode(p) for p in prompts], max_new_tokens, config.model)
-  graphdef, abstract_params, abstract_rest = state_lib.abstract_model(config.model)
-  mesh = sharding.current_mesh()
-  param_shardings = sharding.param_shardings(abstract_params, mesh, config.model.d_model)
-  rest_shardings = jax.tree.map(lambda _: sharding.replicated(mesh), abstract_rest)
-  params, rest, step, _ = ckpt_lib.load_params(
-      workdir, sharding.with_shardings(abstract_params, param_shardings),
-      sharding.with_shardings(abstract_rest, rest_shardings), step=step)
+  graphdef, params, rest, step = restore_checkpoint(config, workdir, step)
   heldout = data_lib.load_or_build_heldout(config.data, tokenizer, train_lib.heldout_path(config, workdir))
   record = evaluate.evaluate_params(config, out_dir or workdir, graphdef, params, rest, heldout, step,
                                     tokenizer)
