@@ -124,24 +124,37 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int | None = None) -> float:
   return float(-(p * np.log(p)).sum())
 
 
+_TRAIN_COUNTS: dict[str, tuple[np.ndarray, float]] = {}  # unigram counts of a stream, by its description
+
+
+def _train_counts(cfg: DataConfig, tokenizer: Tokenizer, num_tokens: int) -> tuple[np.ndarray, float]:
+  """Token counts [vocab] and unigram entropy of the first ``num_tokens`` tokens of a fresh training
+  iterator of ``cfg`` (seed 0), computed once per process for each description of the stream (its files
+  are taken to stay as they are while the process runs)."""
+  cfg = dataclasses.replace(cfg, worker_count=0)
+  key = f"{cfg!r}|{tokenizer.name}|{tokenizer.vocab_size}|{num_tokens}"
+  if key not in _TRAIN_COUNTS:
+    iterator = pipeline.make_train_iterator(cfg, tokenizer, batch_size=16, seed=0)
+    windows, count = [], 0
+    try:
+      while count < num_tokens:
+        window = next(iterator)["tokens"][:, 1:].reshape(-1)
+        windows.append(window)
+        count += window.size
+    finally:
+      iterator.close()
+    train_tokens = np.concatenate(windows)
+    _TRAIN_COUNTS[key] = (np.bincount(train_tokens, minlength=tokenizer.vocab_size),
+                          unigram_entropy(train_tokens, tokenizer.vocab_size))
+  return _TRAIN_COUNTS[key]
+
+
 def unigram_baseline(cfg: DataConfig, tokenizer: Tokenizer, heldout_tokens: np.ndarray,
                      num_tokens: int = 500_000) -> dict[str, float]:
   """The yardstick for a held-out loss: ``unigram_entropy`` of the first ``num_tokens`` tokens of a
   fresh training iterator (in this process) and ``unigram_heldout_xent``, the held-out cross-entropy
   of that unigram model (add-½ smoothing)."""
-  iterator = pipeline.make_train_iterator(dataclasses.replace(cfg, worker_count=0), tokenizer, batch_size=16,
-                                          seed=0)
-  windows, count = [], 0
-  try:
-    while count < num_tokens:
-      window = next(iterator)["tokens"][:, 1:].reshape(-1)
-      windows.append(window)
-      count += window.size
-  finally:
-    iterator.close()
-  train_tokens = np.concatenate(windows)
-  counts = np.bincount(train_tokens, minlength=tokenizer.vocab_size) + 0.5
-  log_p = np.log(counts / counts.sum())
+  counts, entropy = _train_counts(cfg, tokenizer, num_tokens)
+  log_p = np.log((counts + 0.5) / (counts.sum() + 0.5 * counts.size))
   heldout = np.asarray(heldout_tokens)[:, 1:].reshape(-1)
-  return {"unigram_entropy": unigram_entropy(train_tokens, tokenizer.vocab_size),
-          "unigram_heldout_xent": float(-log_p[heldout].mean())}
+  return {"unigram_entropy": entropy, "unigram_heldout_xent": float(-log_p[heldout].mean())}
