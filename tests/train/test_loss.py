@@ -89,6 +89,7 @@ def test_bf16_fused_loss_is_close_to_the_materialized_bf16_loss():
   assert abs(float(fused) - float(materialized)) < 1e-5 * float(materialized)
 
 
+@pytest.mark.xla_optimized
 def test_fused_loss_compiles_to_a_fraction_of_the_materialized_memory():
   """Loss and gradients for 8 × 512 tokens at V = 16,384 (fp32 logits: 256 MiB, and again as their
   gradient): XLA's temp buffers of the fused form (a block of logits, dW and its fp32 accumulator) are

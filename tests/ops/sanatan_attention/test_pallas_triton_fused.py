@@ -221,6 +221,7 @@ def test_the_mixer_counts_the_kernel_at_its_own_chunk():
   assert flops(implementation="pallas_fused", tiles={"forward": {"chunk": 16}}) == chunked(16)
 
 
+@pytest.mark.xla_optimized
 def test_the_backward_keeps_no_factors_unless_asked():
   """The kernels' backward recomputes the factors of Phi behind ``base.after_cotangent``: XLA cannot
   merge the recomputation with the forward's, so the compiled step (3 layers, compiled, not run) keeps

@@ -39,6 +39,7 @@ class TestParallel(SanatanAttentionTestBase):
     for name, a, b in zip(("q", "k", "v", "omega", "lam_raw"), g, g_ref):
       assert relative_l2(a, b) <= GRAD_TOL, name
 
+  @pytest.mark.xla_optimized
   def test_parallel_gradient_holds_no_t_by_t_array(self):
     """At T = 4096 (16 blocks of 256 rows) the compiled gradient's scratch is some blocks of scores,
     O(T · T / 16) each (both backward passes' blocks, T · T / 16 at most), less than one T x T array,
