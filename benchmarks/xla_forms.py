@@ -130,8 +130,8 @@ def taylor_cases(batch: int, length: int, heads: Heads, dtype) -> tuple[tuple, l
 
   H, d, V = heads.heads, heads.key, heads.value
   keys = jax.random.split(jax.random.key(0), 3)
-  args = (_randn(keys[0], (batch, length, H, d), dtype, 0.5), _randn(keys[1], (batch, length, H, d), dtype, 0.5),
-          _randn(keys[2], (batch, length, H, V), dtype))
+  args = (_randn(keys[0], (batch, length, H, d), dtype, 0.5),
+          _randn(keys[1], (batch, length, H, d), dtype, 0.5), _randn(keys[2], (batch, length, H, V), dtype))
 
   def op(name):
     return lambda q, k, v: taylor_linear_attention(q, k, v, implementation=name)[0]

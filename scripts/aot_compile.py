@@ -172,11 +172,12 @@ def roofline_line(record: dict) -> str | None:
   if "roofline_s" not in record:
     return None
   if record["roofline_s"] is None:
-    return (f"roofline step time: n/a (a loop of unknown trip count among {record['loop_trip_counts']})")
+    return f"roofline step time: n/a (a loop of unknown trip count among {record['loop_trip_counts']})"
+  flops, gb = record["step_flops_per_device"] / 1e12, record["step_bytes_per_device"] / 1e9
+  peak, bandwidth = record["peak_flops"] / 1e12, record["hbm_bytes_per_s"] / 1e12
   return (f"roofline step time: {1e3 * record['roofline_s']:.1f} ms per step ({record['bound']}-bound; "
-          f"{record['step_flops_per_device'] / 1e12:.2f} TFLOP and {record['step_bytes_per_device'] / 1e9:.1f} "
-          f"GB per chip at {record['peak_flops'] / 1e12:.0f} TFLOP/s and {record['hbm_bytes_per_s'] / 1e12:.2f} "
-          f"TB/s; every loop body counted per iteration): an estimate, not a timing")
+          f"{flops:.2f} TFLOP and {gb:.1f} GB per chip at {peak:.0f} TFLOP/s and {bandwidth:.2f} TB/s; "
+          f"every loop body counted per iteration): an estimate, not a timing")
 
 
 def model_flops_per_device(config: cfg_lib.ExperimentConfig, devices: int) -> float | None:

@@ -36,7 +36,8 @@ def test_every_mosaic_kernel_compiles_for_a_v4_slice_under_shard_map(tmp_path):
   proc = aot("--config=tests/scale/aot_presets.py:kernels", "--topology=v4:2x2x1", f"--hlo={hlo}",
              f"--json={record}")
   assert proc.returncode == 0, proc.stderr[-4000:]
-  assert re.search(r"4 x TPU v4 \(30.75 GiB each\), mesh data=2 fsdp=2 tensor=1, batch 8 x 384", proc.stdout), proc.stdout
+  assert re.search(r"4 x TPU v4 \(30.75 GiB each\), mesh data=2 fsdp=2 tensor=1, batch 8 x 384",
+                   proc.stdout), proc.stdout
   assert re.search(r"fits with \d+% headroom", proc.stdout) and "FLOPs per device per step" in proc.stdout
   # The roofline of the v4 chip's peaks, the grad-accumulation loop's body counted per iteration.
   assert re.search(r"roofline step time: [\d.]+ ms per step \((compute|memory)-bound; .* at 275 TFLOP/s and "
