@@ -228,8 +228,8 @@ def report(name: str, target: str, config: cfg_lib.ExperimentConfig, record: dic
 def markdown_table(records: list[dict]) -> str:
   """One row per record of ``--json``: the memory fit and, for TPU targets, the roofline step time and
   the tokens per second it implies (the step's tokens over that time)."""
-  lines = ["| preset | target | implementation | micro-batches | total / HBM per chip | verdict | "
-           "roofline ms per step (bound) | tokens/s at the roofline |", "|" + " --- |" * 8]
+  lines = ["| preset | target | implementation | micro-batches | remat | total / HBM per chip | verdict | "
+           "roofline ms per step (bound) | tokens/s at the roofline |", "|" + " --- |" * 9]
   for r in records:
     implementations = ", ".join(f"{k}: {v}" for k, v in r["implementations"].items()) or "n/a"
     verdict = (f"fits with {100 * r['headroom']:.0f}% headroom" if r["fits"]
@@ -239,7 +239,8 @@ def markdown_table(records: list[dict]) -> str:
       time = f"{1e3 * r['roofline_s']:.1f} ({r['bound']})"
       rate = f"{r['tokens_per_step'] / r['roofline_s']:,.0f}"
     lines.append(f"| {r['name']} | {r['target']} | {implementations} | {r['grad_accum']} × "
-                 f"{r['batch_size'] // r['grad_accum']} × {r['seq_len']} | {r['total_gib']:.2f} / "
+                 f"{r['batch_size'] // r['grad_accum']} × {r['seq_len']} | {r.get('remat', 'n/a')} | "
+                 f"{r['total_gib']:.2f} / "
                  f"{r['device_memory_gib']:.2f} GiB | {verdict} | {time} | {rate} |")
   return "\n".join(lines)
 
@@ -273,7 +274,8 @@ def main(argv):
   record = compile_step(config, devices)
   record["model_flops_per_device"] = model_flops_per_device(config, len(devices))
   record.update(batch_size=config.train.batch_size, grad_accum=config.train.grad_accum,
-                seq_len=config.data.seq_len, tokens_per_step=config.train.batch_size * config.data.seq_len)
+                remat=config.model.remat, seq_len=config.data.seq_len,
+                tokens_per_step=config.train.batch_size * config.data.seq_len)
   print(report(name, target, config, record), flush=True)
   if _JSON.value:
     with open(_JSON.value, "a") as f:

@@ -44,8 +44,8 @@ def test_every_mosaic_kernel_compiles_for_a_v4_slice_under_shard_map(tmp_path):
                    r"1.20 TB/s", proc.stdout), proc.stdout
   table = aot(f"--table={record}")
   assert table.returncode == 0, table.stderr[-2000:]
-  assert re.search(r"\| kernels \| v4:2x2x1 \| .* \| 2 × 4 × 384 \| [\d.]+ / 30.75 GiB \| fits with \d+% "
-                   r"headroom \| [\d.]+ \((compute|memory)\) \| [\d,]+ \|", table.stdout), table.stdout
+  assert re.search(r"\| kernels \| v4:2x2x1 \| .* \| 2 × 4 × 384 \| False \| [\d.]+ / 30.75 GiB \| fits "
+                   r"with \d+% headroom \| [\d.]+ \((compute|memory)\) \| [\d,]+ \|", table.stdout), table.stdout
   text = hlo.read_text()
   assert "tpu_custom_call" in text  # the Mosaic kernels themselves, not an XLA stand-in
   assert batch_all_gathers(text, 384) == []
