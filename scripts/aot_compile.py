@@ -13,7 +13,13 @@ compiler runs on the CPU. GPU targets need a CUDA host (the N GPUs are mocked if
 
 Prints per-device memory (arguments = parameters, optimizer state and batch; temporaries; total
 against the device's memory), the compiler's FLOPs per device per step, and "fits with N% headroom"
-or "does not fit by X GiB" (exit status 1). Topology names: docs/SCALING.md.
+or "does not fit by X GiB" (exit status 1). For a TPU target it also prints the roofline step time,
+max(FLOPs / peak, bytes accessed / HBM bandwidth) per chip, from the compiled step's cost analysis
+with every loop body counted once per iteration (``benchmarks.tpu_aot.loop_costs``) and the chip's
+peak bf16 FLOP/s and HBM bandwidth from ``benchmarks.tpu_aot.CHIPS``: an estimate, not a timing.
+Topology names: docs/SCALING.md.
+
+    python scripts/aot_compile.py --table=runs/aot.jsonl   # the records of --json as a Markdown table
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 
+from benchmarks import tpu_aot  # noqa: E402
 from lmcore import cli  # noqa: E402
 from lmcore import config as cfg_lib  # noqa: E402
 from lmcore import model_card  # noqa: E402
@@ -52,6 +59,8 @@ _GPU_MEMORY_GIB = flags.DEFINE_float("gpu_memory_gib", 0.0, "Memory of one GPU (
                                      "GPU reports).")
 _JSON = flags.DEFINE_string("json", "", "Also append the result as one JSON line to this file.")
 _HLO = flags.DEFINE_string("hlo", "", "Also write the compiled step's HLO text to this file.")
+_TABLE = flags.DEFINE_string("table", "", "Compile nothing: print the records of this --json file as a "
+                             "Markdown table (memory fit and roofline step time).")
 
 GIB = 2 ** 30
 
@@ -138,7 +147,37 @@ def compile_step(config: cfg_lib.ExperimentConfig, devices) -> dict:
                 alias_gib=stats.alias_size_in_bytes / GIB, temp_gib=stats.temp_size_in_bytes / GIB,
                 code_gib=stats.generated_code_size_in_bytes / GIB, total_gib=total / GIB,
                 xla_flops_per_device=float(cost.get("flops", float("nan"))), fits=total / GIB <= memory_gib)
+  if devices[0].platform == "tpu":
+    record.update(roofline(cost, compiled.as_text(), tpu_aot.chip(devices[0])))
   return record
+
+
+def roofline(cost: dict, hlo_text: str, chip: tpu_aot.Chip) -> dict:
+  """The compiled step's FLOPs and bytes accessed per chip, every loop body once per iteration (None
+  where a trip count is unknown), and the roofline step time max(FLOPs / peak, bytes / HBM
+  bandwidth) with the term that bounds it."""
+  missing, trips = tpu_aot.loop_costs(hlo_text)
+  if missing is None:
+    return dict(roofline_s=None, loop_trip_counts=trips)
+  flops = float(cost.get("flops", 0.0)) + missing["flops"]
+  bytes_accessed = float(cost.get("bytes accessed", 0.0)) + missing["bytes accessed"]
+  compute_s, memory_s = flops / chip.peak_flops, bytes_accessed / chip.hbm_bytes_per_s
+  return dict(step_flops_per_device=flops, step_bytes_per_device=bytes_accessed,
+              roofline_s=max(compute_s, memory_s), bound="compute" if compute_s >= memory_s else "memory",
+              peak_flops=chip.peak_flops, hbm_bytes_per_s=chip.hbm_bytes_per_s, loop_trip_counts=trips)
+
+
+def roofline_line(record: dict) -> str | None:
+  """The report's roofline line of a TPU record (None for other targets)."""
+  if "roofline_s" not in record:
+    return None
+  if record["roofline_s"] is None:
+    return f"roofline step time: n/a (a loop of unknown trip count among {record['loop_trip_counts']})"
+  flops, gb = record["step_flops_per_device"] / 1e12, record["step_bytes_per_device"] / 1e9
+  peak, bandwidth = record["peak_flops"] / 1e12, record["hbm_bytes_per_s"] / 1e12
+  return (f"roofline step time: {1e3 * record['roofline_s']:.1f} ms per step ({record['bound']}-bound; "
+          f"{flops:.2f} TFLOP and {gb:.1f} GB per chip at {peak:.0f} TFLOP/s and {bandwidth:.2f} TB/s; "
+          f"every loop body counted per iteration): an estimate, not a timing")
 
 
 def model_flops_per_device(config: cfg_lib.ExperimentConfig, devices: int) -> float | None:
@@ -175,6 +214,8 @@ def report(name: str, target: str, config: cfg_lib.ExperimentConfig, record: dic
   else:
     lines.append(f"per device: arguments {record['argument_gib']:.2f} GiB, temporaries "
                  f"{record['temp_gib']:.2f} GiB (compiler: {record['compiler_message']})")
+  if roofline_line(record):
+    lines.append(roofline_line(record))
   headroom = 1 - record["total_gib"] / record["device_memory_gib"]
   record["headroom"] = headroom
   if record["fits"]:
@@ -184,8 +225,42 @@ def report(name: str, target: str, config: cfg_lib.ExperimentConfig, record: dic
   return "\n".join(lines)
 
 
+def markdown_table(records: list[dict]) -> str:
+  """One row per record of ``--json``: the memory fit and, for TPU targets, the roofline step time and
+  the tokens per second it implies (the step's tokens over that time)."""
+  lines = ["| preset | target | implementation | micro-batches | remat | total / HBM per chip | verdict | "
+           "roofline ms per step (bound) | tokens/s at the roofline |", "|" + " --- |" * 9]
+  for r in records:
+    implementations = ", ".join(f"{k}: {v}" for k, v in r["implementations"].items()) or "n/a"
+    verdict = (f"fits with {100 * r['headroom']:.0f}% headroom" if r["fits"]
+               else f"does not fit by {r['total_gib'] - r['device_memory_gib']:.2f} GiB")
+    time, rate = "n/a", "n/a"
+    if r.get("roofline_s"):
+      time = f"{1e3 * r['roofline_s']:.1f} ({r['bound']})"
+      rate = f"{r['tokens_per_step'] / r['roofline_s']:,.0f}"
+    lines.append(f"| {r['name']} | {r['target']} | {implementations} | {r['grad_accum']} × "
+                 f"{r['batch_size'] // r['grad_accum']} × {r['seq_len']} | {r.get('remat', 'n/a')} | "
+                 f"{r['total_gib']:.2f} / "
+                 f"{r['device_memory_gib']:.2f} GiB | {verdict} | {time} | {rate} |")
+  return "\n".join(lines)
+
+
+def print_table(path: str) -> int:
+  try:
+    with open(path) as f:
+      records = [json.loads(line) for line in f if line.strip()]
+  except OSError as e:
+    raise UserError(f"--table={path}: cannot read it ({e.strerror}); give a file written by --json.") from e
+  print(markdown_table(records))
+  return 0
+
+
 def main(argv):
   del argv
+  if _TABLE.value:
+    return print_table(_TABLE.value)
+  if _CONFIG.value is None:
+    raise UserError("give --config=<file>:<preset> to compile, or --table=<file of --json records>.")
   if bool(_TOPOLOGY.value) == bool(_GPUS.value):
     raise UserError("give exactly one target: --topology=<TPU slice> or --gpus=N.")
   if _GPUS.value:
@@ -198,6 +273,9 @@ def main(argv):
   name = config.name or "config"
   record = compile_step(config, devices)
   record["model_flops_per_device"] = model_flops_per_device(config, len(devices))
+  record.update(batch_size=config.train.batch_size, grad_accum=config.train.grad_accum,
+                remat=config.model.remat, seq_len=config.data.seq_len,
+                tokens_per_step=config.train.batch_size * config.data.seq_len)
   print(report(name, target, config, record), flush=True)
   if _JSON.value:
     with open(_JSON.value, "a") as f:
@@ -206,5 +284,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  flags.mark_flags_as_required(["config"])
   cli.run(main)

@@ -1,6 +1,6 @@
 """scripts/aot_compile.py compiles train steps for a TPU v4-8 (4 chips) on this CPU host with libtpu:
 every Mosaic kernel inside its shard_map on a (data 2, fsdp 2) mesh, no activation gathered over the
-batch, and a clear verdict on memory."""
+batch, a clear verdict on memory, the v4 roofline step time, and its records as a Markdown table."""
 
 import os
 import re
@@ -32,11 +32,20 @@ def batch_all_gathers(hlo: str, seq_len: int) -> list[str]:
 
 @pytest.mark.slow
 def test_every_mosaic_kernel_compiles_for_a_v4_slice_under_shard_map(tmp_path):
-  hlo = tmp_path / "step.hlo"
-  proc = aot("--config=tests/scale/aot_presets.py:kernels", "--topology=v4:2x2x1", f"--hlo={hlo}")
+  hlo, record = tmp_path / "step.hlo", tmp_path / "aot.jsonl"
+  proc = aot("--config=tests/scale/aot_presets.py:kernels", "--topology=v4:2x2x1", f"--hlo={hlo}",
+             f"--json={record}")
   assert proc.returncode == 0, proc.stderr[-4000:]
-  assert re.search(r"4 x TPU v4 \(30.75 GiB each\), mesh data=2 fsdp=2 tensor=1, batch 8 x 384", proc.stdout), proc.stdout
+  assert re.search(r"4 x TPU v4 \(30.75 GiB each\), mesh data=2 fsdp=2 tensor=1, batch 8 x 384",
+                   proc.stdout), proc.stdout
   assert re.search(r"fits with \d+% headroom", proc.stdout) and "FLOPs per device per step" in proc.stdout
+  # The roofline of the v4 chip's peaks, the grad-accumulation loop's body counted per iteration.
+  assert re.search(r"roofline step time: [\d.]+ ms per step \((compute|memory)-bound; .* at 275 TFLOP/s and "
+                   r"1.20 TB/s", proc.stdout), proc.stdout
+  table = aot(f"--table={record}")
+  assert table.returncode == 0, table.stderr[-2000:]
+  assert re.search(r"\| kernels \| v4:2x2x1 \| .* \| 2 × 4 × 384 \| False \| [\d.]+ / 30.75 GiB \| fits "
+                   r"with \d+% headroom \| [\d.]+ \((compute|memory)\) \| [\d,]+ \|", table.stdout), table.stdout
   text = hlo.read_text()
   assert "tpu_custom_call" in text  # the Mosaic kernels themselves, not an XLA stand-in
   assert batch_all_gathers(text, 384) == []

@@ -22,7 +22,7 @@ starts exactly at a call boundary gets a fresh state instead).
 Backends (``REGISTRY``; all compute the same function, tests/ops/taylor_attention proves it):
   * ``parallel``: the materialised T x T form (reference.py); every option;
   * ``recurrent``: ``lax.scan`` over tokens (reference.py); every option; the decode path;
-  * ``chunked``: ``lax.scan`` over chunks of ``ChunkTiles.chunk`` tokens (xla.py); no ``segment_ids``;
+  * ``chunked``: ``lax.scan`` over chunks of ``ChunkTiles.chunk`` tokens (xla.py); every option;
   * ``pallas_blocked``: the quadratic form block by block (pallas_triton_blocked.py, Triton; GPUs,
     interpreted on CPUs); no decay ablation, dv <= ``pallas_triton_blocked.MAX_VALUE_DIM``;
   * ``pallas_fused``: the fused-chunk kernels (pallas_triton_fused.py, Triton; GPUs, interpreted on
@@ -31,8 +31,7 @@ Backends (``REGISTRY``; all compute the same function, tests/ops/taylor_attentio
     decay ablation;
   * ``auto`` (or None): on GPUs the Triton kernels where they were measured fastest
     (``PallasBlocked.preferred``, ``PallasFused.preferred``: the blocked kernels at short lengths and
-    wider keys, the fused-chunk ones otherwise), else XLA; on TPUs and CPUs XLA: ``chunked``, or
-    ``parallel`` with ``segment_ids``, the fastest XLA form that takes them.
+    wider keys, the fused-chunk ones otherwise), else XLA ``chunked``; on TPUs and CPUs ``chunked``.
 """
 
 from __future__ import annotations
@@ -51,7 +50,6 @@ from lmcore.ops.common.backend import Registry
 Implementation = Literal["parallel", "recurrent", "chunked", "pallas_blocked", "pallas_fused", "pallas_tpu",
                          "auto"]
 
-_XLA = ("chunked", "parallel")
 REGISTRY = Registry(OP, {
     "parallel": reference.Parallel(),
     "recurrent": reference.Recurrent(),
@@ -59,7 +57,7 @@ REGISTRY = Registry(OP, {
     "pallas_blocked": pallas_triton_blocked.PallasBlocked(),
     "pallas_fused": pallas_triton_fused.PallasFused(),
     "pallas_tpu": pallas_mosaic_tpu.PallasTpu(),
-}, auto={"gpu": ("pallas_blocked", "pallas_fused", *_XLA), "tpu": _XLA, "cpu": _XLA})
+}, auto={"gpu": ("pallas_blocked", "pallas_fused", "chunked"), "tpu": ("chunked",), "cpu": ("chunked",)})
 
 
 def problem(q: jax.Array, v: jax.Array, *, segments: bool = False, decay: bool = False,

@@ -3,6 +3,7 @@ equals the reference for every power and channel variant without a T x T array i
 ``chunked`` takes bf16 inputs and recomputes its forward in the backward pass."""
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -168,3 +169,22 @@ def test_chunked_backward_keeps_the_inputs_not_features_blocks_or_state_stacks()
   assert _bytes(with_remat) <= 2 * input_bytes
   assert max(a.ndim for a in with_remat) <= 4
   assert _bytes(without) > 4 * input_bytes and max(a.ndim for a in without) >= 5
+
+
+def test_the_op_and_the_mixer_run_one_default_chunk():
+  """Without tiles, ``chunked`` runs chunks of ``xla.CHUNK`` tokens whether called as the function, through
+  the op's registry or from the SANATAN mixer (whose FLOP count is the form's at that chunk)."""
+  from flax import nnx
+
+  from sanatan_jax import SanatanMixer
+  from sanatan_jax.ops.sanatan_attention import REGISTRY, Problem, xla
+
+  problem = Problem("cpu", 1, 6, 64, 64, 2048, "bfloat16")
+  assert REGISTRY.resolve("chunked", problem).config(problem, None) == ChunkTiles(xla.CHUNK)
+  assert inspect.signature(xla.chunked).parameters["chunk_size"].default == xla.CHUNK
+
+  def flops(tiles):
+    config = SanatanMixer.Config(n_heads=12, head_dim=64, implementation="chunked", tiles=tiles)
+    return nnx.eval_shape(lambda: SanatanMixer(config, d_model=768, rngs=nnx.Rngs(0))).flops_per_token(2048)
+
+  assert flops(None) == flops({"chunk": xla.CHUNK}) != flops({"chunk": xla.CHUNK // 2})

@@ -47,14 +47,14 @@ def _auto(platform, length=2048, key_dim=16, value_dim=64, **options):
     ("gpu", 4096, False, False, "pallas_blocked"), ("gpu", 8191, False, True, "pallas_blocked"),
     ("gpu", 8192, False, False, "pallas_fused"), ("gpu", 8192, False, True, "pallas_fused"),
     ("gpu", None, False, False, "pallas_fused"),  # an unknown length counts as long
-    ("gpu", 2048, True, False, "chunked"), ("gpu", 2048, True, True, "parallel"),
-    ("cpu", 2048, False, False, "chunked"), ("cpu", 2048, False, True, "parallel"),
-    ("tpu", 2048, False, False, "chunked"), ("tpu", 2048, True, True, "parallel"),
+    ("gpu", 2048, True, False, "chunked"), ("gpu", 2048, True, True, "chunked"),
+    ("cpu", 2048, False, False, "chunked"), ("cpu", 2048, False, True, "chunked"),
+    ("tpu", 2048, False, False, "chunked"), ("tpu", 2048, True, True, "chunked"),
 ])
 def test_auto_resolves_per_platform_length_documents_and_decay(platform, length, decay, segments, expected):
   """On GPUs the blocked kernels below ``BLOCKED_BELOW`` tokens and the fused-chunk ones from it, both
-  with documents; the decay ablation, which no kernel takes, goes to XLA: "chunked", or "parallel" with
-  segment ids, which "chunked" does not take. TPUs and CPUs run XLA (the Mosaic kernels are untimed)."""
+  with documents; the decay ablation, which no kernel takes, goes to XLA "chunked", with documents too.
+  TPUs and CPUs run XLA "chunked" (the Mosaic kernels are untimed)."""
   assert pallas_triton_blocked.BLOCKED_BELOW == 8192
   assert _auto(platform, length, decay=decay, segments=segments) == expected
 
@@ -68,8 +68,7 @@ def test_auto_keeps_heads_wider_than_measured_on_xla_on_gpu_at_short_lengths(key
   """At T = 2048 the blocked kernels for d' up to 64 and dv up to their ``MAX_VALUE_DIM``; past it the
   fused-chunk kernels where their key dim allows (d' <= 32) and dv is at most 512; XLA beyond."""
   assert _auto("gpu", 2048, key_dim, value_dim) == expected
-  assert _auto("gpu", 2048, key_dim, value_dim, segments=True) == ("parallel" if expected == "chunked"
-                                                                  else expected)
+  assert _auto("gpu", 2048, key_dim, value_dim, segments=True) == expected
 
 
 @pytest.mark.parametrize("key_dim,value_dim,expected", [
@@ -80,8 +79,7 @@ def test_auto_on_long_sequences_on_gpu(key_dim, value_dim, expected):
   blocked kernels, past their value width XLA."""
   for length in (8192, 32768):
     assert _auto("gpu", length, key_dim, value_dim) == expected
-    assert _auto("gpu", length, key_dim, value_dim, segments=True) == ("parallel" if expected == "chunked"
-                                                                      else expected)
+    assert _auto("gpu", length, key_dim, value_dim, segments=True) == expected
 
 
 def test_problem_of_a_call_reads_the_arrays():
@@ -103,9 +101,6 @@ def test_unknown_and_unsupported_names_list_the_ones_that_run():
     REGISTRY.resolve("pallas_tpu", Problem("gpu", 16, 64))
   with pytest.raises(ValueError, match="'pallas_blocked' does not run heads of 16 x 64 on tpu"):
     REGISTRY.resolve("pallas_blocked", Problem("tpu", 16, 64))
-  with pytest.raises(ValueError, match=r"'chunked' does not run .* with segment_ids on gpu \(it needs no "
-                                       r"segment_ids"):
-    REGISTRY.resolve("chunked", Problem("gpu", 16, 64, segments=True))
   with pytest.raises(ValueError, match="unknown implementation 'pallas'; valid: parallel, recurrent"):
     REGISTRY.check_name("pallas")
 
@@ -140,12 +135,12 @@ def test_bad_shapes_and_tiles_raise_clear_errors():
     taylor_linear_attention(x, x, x, kernel_precision="fp16")
 
 
-@pytest.mark.parametrize("segmented,implementation", [(False, "chunked"), (True, "parallel")])
-def test_auto_on_cpu_is_its_xla_form(segmented, implementation):
+@pytest.mark.parametrize("segmented", [False, True])
+def test_auto_on_cpu_is_the_chunked_form_with_and_without_documents(segmented):
   B, T, H, d = 2, 11, 2, 4
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.normal(size=(B, T, H, w)), jnp.float32) for w in (d, d, 3))
   segment_ids = jnp.asarray([[0] * 5 + [1] * 6, [0] * 11]) if segmented else None
   run = lambda name: jax.jit(lambda q, k, v: taylor_linear_attention(
       q, k, v, implementation=name, segment_ids=segment_ids))(q, k, v)
-  jax.tree.map(np.testing.assert_array_equal, run("auto"), run(implementation))
+  jax.tree.map(np.testing.assert_array_equal, run("auto"), run("chunked"))

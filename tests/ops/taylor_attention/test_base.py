@@ -2,9 +2,9 @@
 transcription of the formula; outputs, final state and gradients equal a second form's for odd
 lengths, partial chunks, with and without a prefix state and the decay ablation; full and compact
 features give the same function; pieces with the state threaded equal the whole sequence; packed
-documents equal each document run alone. Backends without the decay ablation (the kernels) or without
-documents (chunked) must reject those arguments instead, naming the backends that take them. Each
-backend's test file subclasses ``TaylorAttentionTestBase``.
+documents equal each document run alone. Backends without the decay ablation (the kernels) must reject
+it instead, naming the backends that take it. Each backend's test file subclasses
+``TaylorAttentionTestBase``.
 
 Tolerance: relative L2 error 1e-5 at fp32; the forms differ only in summation order.
 """
@@ -36,10 +36,11 @@ features = jax.jit(taylor_features, static_argnames="feature")
 
 @functools.cache
 def outputs_and_grads(implementation, tiles):
-  """``f(x, cotangents)``: outputs, final state and gradients (q, k, v, initial state, dt if given) of
-  a random projection, by one jitted function per backend (cases of equal shapes share it)."""
-  def loss(diff_args, decay, cotangents):
-    q, k, v, state, dt = diff_args
+  """``f(x, cotangents)``: outputs, final state and gradients (q, k, v, initial state, dt and the decay
+  rates if given) of a random projection, by one jitted function per backend (cases of equal shapes
+  share it)."""
+  def loss(diff_args, cotangents):
+    q, k, v, state, dt, decay = diff_args
     o, new = taylor_linear_attention(q, k, v, implementation=implementation, tiles=tiles, state=state,
                                      decay=decay, dt=dt)
     return sum((y * c).sum() for y, c in zip((o, *new), cotangents)), (o, new)
@@ -47,7 +48,7 @@ def outputs_and_grads(implementation, tiles):
   grad = jax.jit(jax.value_and_grad(loss, has_aux=True), compiler_options=FAST_COMPILE)
 
   def run(x, cotangents):
-    (_, (o, new)), grads = grad((x["q"], x["k"], x["v"], x["state"], x["dt"]), x["decay"], cotangents)
+    (_, (o, new)), grads = grad((x["q"], x["k"], x["v"], x["state"], x["dt"], x["decay"]), cotangents)
     return o, new, grads
   return run
 
@@ -97,7 +98,6 @@ class TaylorAttentionTestBase:
   tiles = None
   reference_implementation = "recurrent"  # the form outputs, states and gradients are compared with
   decay = True  # takes the decay ablation (decay, dt)
-  segments = True  # takes segment_ids
   pieces = (33, 7, 7, 7, 7, 1, 1, 1, 1, 1, 1)  # call lengths of the threaded-state check (sum 67)
 
   def op(self, q, k, v, **options):
@@ -205,13 +205,6 @@ class TaylorAttentionTestBase:
     x = self.case(30, 33, with_state=True, with_decay=self.decay)
     doc_lengths = (1, 7, 7, 7, 7, 1, 1, 1, 1)
     segment_ids = jnp.asarray([np.repeat(np.arange(9), doc_lengths), np.full(33, 9)])
-    if not self.segments:
-      with pytest.raises(ValueError, match=rf"'{self.implementation}' does not run .* with segment_ids .*; "
-                                           "use one of parallel, recurrent, pallas_blocked, pallas_fused, "
-                                           "pallas_tpu, auto"):
-        taylor_linear_attention(x["q"], x["k"], x["v"], implementation=self.implementation,
-                                segment_ids=segment_ids)
-      return
     o, new = self.run_forward(x, segment_ids=segment_ids)
     alone, state, start = [], x["state"], 0
     for size in doc_lengths:

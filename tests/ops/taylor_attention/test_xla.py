@@ -1,6 +1,6 @@
 """The chunked XLA form (xla.py) passes the shared checks of ``test_base`` against the recurrent
-scan (rejecting segment ids, naming the backends that take them); its defaults equal a zero state and
-unit rates; bf16 inputs give bf16 outputs and an fp32 state."""
+scan (packed documents included; tests/test_document_resets.py checks their gradients); its defaults
+equal a zero state and unit rates; bf16 inputs give bf16 outputs and an fp32 state."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +14,6 @@ from .test_base import CHUNK, TaylorAttentionTestBase, attend
 class TestChunked(TaylorAttentionTestBase):
   implementation = "chunked"
   tiles = ChunkTiles(CHUNK)
-  segments = False
 
   def test_defaults_equal_zero_state_and_unit_rates(self):
     x = self.case(seed=11, length=7, with_state=False, with_decay=False)

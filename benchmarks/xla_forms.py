@@ -1,0 +1,289 @@
+"""Timing library behind ``scripts/bench_xla_forms.py``: the XLA forms that "auto" runs on TPUs and CPUs,
+each beside the form it should keep up with, timed in one process on the same inputs.
+
+  * SANATAN p = 1: the plain einsum form (``benchmarks.plain_chunked``, C = 64: no documents, no
+    state, no recomputation) against the op's "chunked" at its default chunk (``xla.CHUNK``, the one
+    the mixer runs), with and without ``chunked_remat``; target: "chunked" <= the plain form.
+  * Taylor (BASED): "chunked" at its default chunk against the kernel "auto" picks on this platform;
+    target: <= 2x the kernel. Without a kernel (a CPU) the kernel's row says so.
+  * GLA at wide heads (``GLA_SHAPES``): "chunked" against flash-linear-attention's ``chunk_gla`` (torch,
+    on a CUDA GPU), whose row says why it is missing where fla is not importable.
+
+Each row is forward and forward+backward (the gradient of sum(o · do) with respect to every array
+argument) in ms, ``rows.time_fn``'s median with ``queue`` calls per wait, and the ratio of its
+forward+backward time to its reference row's. Rows carry the device and the command that made them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import rows
+
+LENGTHS = (2048, 32768)
+TOKENS = 16384  # per batch: B = max(1, TOKENS // T)
+PLAIN = "plain einsum (C=64)"
+FLA_GLA = "FLA chunk_gla"
+
+
+@dataclasses.dataclass(frozen=True)
+class Heads:
+  """H heads of key width K and value width V."""
+
+  heads: int
+  key: int
+  value: int
+
+  @property
+  def label(self) -> str:
+    return f"H={self.heads} K={self.key} V={self.value}"
+
+
+SANATAN_HEADS = Heads(12, 64, 64)  # the 184M model's
+TAYLOR_HEADS = Heads(16, 16, 64)  # BASED's feature dim d' = 16
+# Wide heads, K 192 x V 384 (2 heads at D = 768), and the gla_182m preset's own 4 heads of 96 x 192.
+GLA_SHAPES = (Heads(2, 192, 384), Heads(4, 96, 192))
+TINY = {"sanatan_p1": Heads(2, 8, 8), "taylor": Heads(2, 4, 8), "gla": (Heads(2, 8, 16),)}
+
+
+@dataclasses.dataclass
+class FormRow:
+  """One timed form; ``reference`` names the row of the same op, length and heads it is compared with
+  (``vs_reference``: that row's forward+backward ms over this one's, > 1 is faster)."""
+
+  op: str
+  form: str
+  length: int
+  batch: int
+  heads: str
+  fwd_ms: float | None = None
+  fwdbwd_ms: float | None = None
+  reference: str = ""
+  vs_reference: float | None = None
+  device: str = ""
+  command: str = ""
+  note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """A form of an op: ``fn(*args) -> o``, or a reason it cannot run here; ``timer`` times it (default:
+  ``jax_times``)."""
+
+  form: str
+  fn: Callable | str
+  reference: str = ""
+  timer: Callable | None = None
+
+
+def _randn(key, shape, dtype, scale=1.0):
+  return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def jax_times(fn: Callable, args: tuple, repeats: int, queue: int) -> tuple[float, float]:
+  """(forward ms, forward+backward ms) of ``fn(*args)``, both compiled before timing."""
+  do = _randn(jax.random.key(1), jax.eval_shape(fn, *args).shape, args[0].dtype)
+
+  def loss(do, *a):
+    return jnp.sum(fn(*a).astype(jnp.float32) * do.astype(jnp.float32))
+
+  forward = jax.jit(fn).lower(*args).compile()
+  backward = jax.jit(jax.grad(loss, argnums=tuple(range(1, len(args) + 1)))).lower(do, *args).compile()
+  return (rows.time_fn(forward, *args, repeats=repeats, queue=queue),
+          rows.time_fn(backward, do, *args, repeats=repeats, queue=queue))
+
+
+def sanatan_cases(batch: int, length: int, heads: Heads, dtype) -> tuple[tuple, list[Case]]:
+  """SANATAN p = 1: the plain form, "chunked" with and without its recomputing backward."""
+  from benchmarks.plain_chunked import plain_chunked
+  from sanatan_jax.ops.sanatan_attention import sanatan_attention, xla
+
+  H, d, V = heads.heads, heads.key, heads.value
+  keys = jax.random.split(jax.random.key(0), 5)
+  args = (_randn(keys[0], (batch, length, H, d), dtype, d ** -0.5),
+          _randn(keys[1], (batch, length, H, d), dtype, d ** -0.5),
+          _randn(keys[2], (batch, length, H, V), dtype),
+          jnp.full((H, d), jnp.pi / 4, jnp.float32), _randn(keys[4], (H, d), jnp.float32))
+
+  def chunked(remat):
+    return lambda q, k, v, omega, lam_raw: sanatan_attention(
+        q, k, v, omega, lam_raw, implementation="chunked", chunked_remat=remat)[0]
+
+  cases = [Case(PLAIN, plain_chunked if length % min(64, length) == 0 else f"T={length} is not a multiple "
+                "of the plain form's chunk"),
+           Case(f"chunked (C={xla.CHUNK}, remat)", chunked(True), PLAIN),
+           Case(f"chunked (C={xla.CHUNK}, no remat)", chunked(False), PLAIN)]
+  return args, cases
+
+
+def taylor_cases(batch: int, length: int, heads: Heads, dtype) -> tuple[tuple, list[Case]]:
+  """Taylor: the kernel "auto" picks on this platform, and "chunked"."""
+  from based_jax.ops.taylor_attention import REGISTRY, problem, taylor_linear_attention
+  from based_jax.ops.taylor_attention import xla
+
+  H, d, V = heads.heads, heads.key, heads.value
+  keys = jax.random.split(jax.random.key(0), 3)
+  args = (_randn(keys[0], (batch, length, H, d), dtype, 0.5),
+          _randn(keys[1], (batch, length, H, d), dtype, 0.5), _randn(keys[2], (batch, length, H, V), dtype))
+
+  def op(name):
+    return lambda q, k, v: taylor_linear_attention(q, k, v, implementation=name)[0]
+
+  kernel = REGISTRY.resolve_name("auto", problem(args[0], args[2]))
+  if kernel == "chunked":
+    kernel_case = Case("kernel", f"no kernel on {jax.default_backend()}: 'auto' runs chunked")
+  else:
+    kernel_case = Case(f"kernel ({kernel})", op(kernel))
+  return args, [kernel_case, Case(f"chunked (C={xla.CHUNK})", op("chunked"), kernel_case.form)]
+
+
+def gla_cases(batch: int, length: int, heads: Heads, dtype) -> tuple[tuple, list[Case]]:
+  """GLA (per-channel gates): FLA's ``chunk_gla`` where importable, and "chunked"."""
+  from lmcore.ops.gated_linear_attention import gated_linear_attention
+
+  H, K, V = heads.heads, heads.key, heads.value
+  keys = jax.random.split(jax.random.key(0), 4)
+  args = (_randn(keys[0], (batch, length, H, K), dtype, K ** -0.5),
+          _randn(keys[1], (batch, length, H, K), dtype, K ** -0.5),
+          _randn(keys[2], (batch, length, H, V), dtype),
+          jax.nn.log_sigmoid(_randn(keys[3], (batch, length, H, K), jnp.float32) + 4.0) / 16)
+  chunked = lambda q, k, v, g: gated_linear_attention(q, k, v, g, implementation="chunked")[0]
+  return args, [fla_gla_case(), Case("chunked", chunked, FLA_GLA)]
+
+
+def fla_gla_case() -> Case:
+  """FLA's ``chunk_gla`` on torch copies of the inputs, or why it cannot run here."""
+  try:
+    import torch
+    from fla.ops.gla import chunk_gla
+  except ImportError as e:
+    return Case(FLA_GLA, f"skipped: flash-linear-attention is not importable ({e.name})")
+  if not torch.cuda.is_available():
+    return Case(FLA_GLA, "skipped: no CUDA device for torch")
+  return Case(FLA_GLA, lambda q, k, v, g: chunk_gla(q, k, v, g)[0], timer=_torch_times)
+
+
+def _torch_times(fn: Callable, args: tuple, repeats: int, queue: int) -> tuple[float, float]:
+  """(forward ms, forward+backward ms) of ``fn`` on CUDA copies of ``args``, CUDA-event timed."""
+  import numpy as np
+  import torch
+
+  tensors = [torch.from_numpy(np.asarray(a.astype(jnp.float32))).cuda().to(
+      torch.bfloat16 if a.dtype == jnp.bfloat16 else torch.float32) for a in args]
+
+  def timed(call):
+    for _ in range(5):  # FLA autotunes on its first calls
+      call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+      start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+      start.record()
+      for _ in range(queue):
+        call()
+      end.record()
+      torch.cuda.synchronize()
+      times.append(start.elapsed_time(end) / queue)
+    return statistics.median(times)
+
+  def forward():
+    with torch.no_grad():
+      fn(*tensors)
+
+  grads = [t.clone().requires_grad_(True) for t in tensors]
+
+  def forward_backward():
+    fn(*grads).float().sum().backward()
+    for g in grads:
+      g.grad = None
+
+  return timed(forward), timed(forward_backward)
+
+
+OPS = {"sanatan_p1": sanatan_cases, "taylor": taylor_cases, "gla": gla_cases}
+
+
+def op_heads(op: str, tiny: bool) -> tuple[Heads, ...]:
+  if tiny:
+    shapes = TINY[op]
+    return shapes if isinstance(shapes, tuple) else (shapes,)
+  return {"sanatan_p1": (SANATAN_HEADS,), "taylor": (TAYLOR_HEADS,), "gla": GLA_SHAPES}[op]
+
+
+def load(path: str) -> dict[tuple, FormRow]:
+  """Rows of a JSONL file by (op, form, length, heads), timed ones only (a failed row is run again)."""
+  found = {}
+  if path and os.path.exists(path):
+    with open(path) as f:
+      for line in f:
+        if line.strip():
+          row = FormRow(**json.loads(line))
+          if row.fwdbwd_ms is not None:
+            found[row.op, row.form, row.length, row.heads] = row
+  return found
+
+
+def run(ops=tuple(OPS), lengths=LENGTHS, tokens: int = TOKENS, dtype="bfloat16", repeats: int = 10,
+        queue: int = 8, tiny: bool = False, jsonl: str = "", command: str = "") -> list[FormRow]:
+  """Every op x length x head shape, one after another in this process; rows already timed in ``jsonl``
+  are kept, and every new row is appended to it as soon as it is measured. A form that fails (out of
+  memory, say) is a row with a note."""
+  done, out = load(jsonl), []
+  device = rows.device_name()
+  for op in ops:
+    for length in lengths:
+      for heads in op_heads(op, tiny):
+        batch = max(1, tokens // length)
+        args, cases = OPS[op](batch, length, heads, jnp.dtype(dtype))
+        for case in cases:
+          key = (op, case.form, length, heads.label)
+          row = done.get(key) or _measure(case, args, repeats, queue, FormRow(
+              op, case.form, length, batch, heads.label, reference=case.reference, device=device,
+              command=command), jsonl)
+          out.append(row)
+  return with_ratios(out)
+
+
+def _measure(case: Case, args: tuple, repeats: int, queue: int, row: FormRow, jsonl: str) -> FormRow:
+  if isinstance(case.fn, str):
+    row.note = case.fn
+  else:
+    try:
+      row.fwd_ms, row.fwdbwd_ms = (case.timer or jax_times)(case.fn, args, repeats, queue)
+    except Exception as e:  # an out-of-memory error, say: a row with the reason, and on to the next
+      row.note = f"{type(e).__name__}: {str(e)[:100]}"
+  print(f"  {row.op} {row.form} [{row.heads}] T={row.length}: {row.fwd_ms} / {row.fwdbwd_ms} ms {row.note}",
+        flush=True)
+  if jsonl:
+    os.makedirs(os.path.dirname(os.path.abspath(jsonl)), exist_ok=True)
+    with open(jsonl, "a") as f:
+      f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+  return row
+
+
+def with_ratios(found: list[FormRow]) -> list[FormRow]:
+  """Sets each row's ``vs_reference`` from its reference row's forward+backward time."""
+  by_key = {(r.op, r.form, r.length, r.heads): r for r in found}
+  for r in found:
+    ref = by_key.get((r.op, r.reference, r.length, r.heads))
+    if ref is not None and ref.fwdbwd_ms and r.fwdbwd_ms:
+      r.vs_reference = ref.fwdbwd_ms / r.fwdbwd_ms
+  return found
+
+
+def format_table(found: list[FormRow]) -> str:
+  """The rows as a Markdown table."""
+  lines = ["| op | form | heads | T | B | fwd ms | fwd+bwd ms | vs reference (fwd+bwd) | note |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for r in found:
+    ratio = "" if r.vs_reference is None else f"{r.vs_reference:.2f}× {r.reference}"
+    lines.append(f"| {r.op} | {r.form} | {r.heads} | {r.length} | {r.batch} | {rows.fmt(r.fwd_ms, '.3f')} | "
+                 f"{rows.fmt(r.fwdbwd_ms, '.3f')} | {ratio} | {r.note} |")
+  return "\n".join(lines)
