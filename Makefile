@@ -15,7 +15,7 @@ $(VENV_STAMP): pyproject.toml
 demo: $(VENV_STAMP)
 	$(PY) scripts/quickstart.py --workdir=runs/quickstart
 
-# Two workers: the CI machine has 2 cores (about 20 min there; conftest.py starts the slow tests first).
+# Two workers: the CI machine has 2 cores (about 13 min there; conftest.py starts the slow tests first).
 test: $(VENV_STAMP)
 	$(PY) -m pytest -n 2 tests
 
