@@ -63,6 +63,11 @@ class Backend(Generic[TilesT]):
     del problem
     return None
 
+  def default_tiles(self) -> TilesT | None:
+    """The tiling whose fields a mapping that names only some of them keeps (``Registry.tiles``); None:
+    the defaults of ``tiles_type``."""
+    return None
+
   def config(self, problem, tiles: TilesT | None) -> TilesT | None:
     """``tiles`` when given (of ``tiles_type``, else ConfigError), else ``heuristic_config(problem)``."""
     if tiles is None:
@@ -149,14 +154,15 @@ class Registry:
     if cls is None:
       raise ConfigError(f"{where}: implementation {implementation!r} has no tiles; backends with tiles: "
                        f"{', '.join(self.tiled())}")
-    return typed(cls, value, where)
+    return typed(cls, value, where, base=self.backends[implementation].default_tiles())
 
   def tiled(self) -> tuple[str, ...]:
     return tuple(name for name, b in self.backends.items() if b.tiles_type is not None)
 
 
-def typed(cls: type, value: Any, where: str) -> Any:
-  """``value`` (an instance of dataclass ``cls`` or a mapping of its fields) as a ``cls``."""
+def typed(cls: type, value: Any, where: str, base: Any = None) -> Any:
+  """``value`` (an instance of dataclass ``cls`` or a mapping of its fields) as a ``cls``; the fields a
+  mapping leaves out take ``base``'s values (default: ``cls``'s defaults)."""
   if isinstance(value, cls):
     return value
   if not isinstance(value, Mapping):
@@ -170,7 +176,7 @@ def typed(cls: type, value: Any, where: str) -> Any:
     hint = hints[key]
     nested = dataclasses.is_dataclass(hint) and isinstance(item, Mapping)
     kwargs[key] = typed(hint, item, f"{where}.{key}") if nested else item
-  return cls(**kwargs)
+  return cls(**kwargs) if base is None else dataclasses.replace(base, **kwargs)
 
 
 def check_power_of_two(where: str, **sizes: int) -> None:

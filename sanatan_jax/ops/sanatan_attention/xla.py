@@ -367,6 +367,9 @@ class Chunked(Backend[ChunkTiles]):
 
   def heuristic_config(self, problem: Problem) -> ChunkTiles:
     del problem
+    return self.default_tiles()
+
+  def default_tiles(self) -> ChunkTiles:
     return ChunkTiles(CHUNK)
 
   def flops_per_head(self, problem: Problem, tiles: ChunkTiles | None = None) -> float:

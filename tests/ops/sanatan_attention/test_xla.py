@@ -181,10 +181,11 @@ def test_the_op_and_the_mixer_run_one_default_chunk():
 
   problem = Problem("cpu", 1, 6, 64, 64, 2048, "bfloat16")
   assert REGISTRY.resolve("chunked", problem).config(problem, None) == ChunkTiles(xla.CHUNK)
+  assert REGISTRY.tiles("chunked", {}, "tiles") == ChunkTiles(xla.CHUNK)  # a mapping without the chunk
   assert inspect.signature(xla.chunked).parameters["chunk_size"].default == xla.CHUNK
 
   def flops(tiles):
     config = SanatanMixer.Config(n_heads=12, head_dim=64, implementation="chunked", tiles=tiles)
     return nnx.eval_shape(lambda: SanatanMixer(config, d_model=768, rngs=nnx.Rngs(0))).flops_per_token(2048)
 
-  assert flops(None) == flops({"chunk": xla.CHUNK}) != flops({"chunk": xla.CHUNK // 2})
+  assert flops(None) == flops({"chunk": xla.CHUNK}) == flops({}) != flops({"chunk": xla.CHUNK // 2})
