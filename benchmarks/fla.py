@@ -1,6 +1,7 @@
 """flash-linear-attention (PyTorch/Triton) on the benchmark's shapes, for side-by-side timing.
 
-Imported only by ``benchmarks.harness`` when torch and fla are installed (the GPU machine, wheels carried).
+Its cases run only when torch and fla are installed (the GPU machine, wheels carried); ``fwd_bwd_ms``
+also times ``benchmarks.xla_forms``'s FLA row.
 Inputs are random bf16 tensors in FLA's [B, T, H, D] layout; times are medians of CUDA-event timings
 after warm-up (FLA autotunes on first calls), each over ``queue`` calls launched back to back (divided
 by ``queue``), as ``rows.time_fn`` does for the JAX rows.
@@ -32,7 +33,9 @@ def _time(torch, fn, repeats: int, queue: int) -> float:
   return statistics.median(times)
 
 
-def _fwd_bwd(torch, op, tensors, repeats, queue):
+def fwd_bwd_ms(torch, op, tensors, repeats: int, queue: int) -> tuple[float, float]:
+  """(forward ms, forward+backward ms) of torch ``op`` on CUDA ``tensors``: medians of ``repeats`` CUDA-event
+  timings of ``queue`` queued calls, after five warm-up calls (FLA autotunes on its first calls)."""
   def forward():
     with torch.no_grad():
       op(*tensors)
@@ -70,7 +73,7 @@ def run(log, ops, length, tokens, repeats, lock="", queue=1):
 
   def timed(op, tensors):
     with rows.exclusive(lock):
-      return _fwd_bwd(torch, op, tensors, repeats, queue)
+      return fwd_bwd_ms(torch, op, tensors, repeats, queue)
 
   # SANATAN p = 1 on precomputed 6d features (K = 384): FLA cannot fuse the feature map.
   phi_shape = (batch, length, HEADS, SANATAN_FEATURES)

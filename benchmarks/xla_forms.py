@@ -19,13 +19,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import statistics
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks import rows
+from benchmarks import fla, rows
 
 LENGTHS = (2048, 32768)
 TOKENS = 16384  # per batch: B = max(1, TOKENS // T)
@@ -177,34 +176,7 @@ def _torch_times(fn: Callable, args: tuple, repeats: int, queue: int) -> tuple[f
 
   tensors = [torch.from_numpy(np.asarray(a.astype(jnp.float32))).cuda().to(
       torch.bfloat16 if a.dtype == jnp.bfloat16 else torch.float32) for a in args]
-
-  def timed(call):
-    for _ in range(5):  # FLA autotunes on its first calls
-      call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-      start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-      start.record()
-      for _ in range(queue):
-        call()
-      end.record()
-      torch.cuda.synchronize()
-      times.append(start.elapsed_time(end) / queue)
-    return statistics.median(times)
-
-  def forward():
-    with torch.no_grad():
-      fn(*tensors)
-
-  grads = [t.clone().requires_grad_(True) for t in tensors]
-
-  def forward_backward():
-    fn(*grads).float().sum().backward()
-    for g in grads:
-      g.grad = None
-
-  return timed(forward), timed(forward_backward)
+  return fla.fwd_bwd_ms(torch, fn, tensors, repeats, queue)
 
 
 OPS = {"sanatan_p1": sanatan_cases, "taylor": taylor_cases, "gla": gla_cases}
