@@ -28,7 +28,7 @@ EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages"})
 HELDOUT_PER_MILLE = 30
 SPLITS = ("train", "heldout")
 # SentencePiece's BPE trainer gives different models for different thread counts; one thread keeps the
-# cached model identical on every machine (about 4 s for the 8k vocabulary).
+# cached model identical on every machine.
 _TRAIN_THREADS = 1
 
 logger = logging.getLogger(__name__)
