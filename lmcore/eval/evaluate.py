@@ -8,6 +8,7 @@ Per-batch results stay on the device until the last batch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -186,19 +187,31 @@ def _check_finite(record: dict[str, Any], step: int) -> None:
                    "settings it was not trained for); nothing was written.")
 
 
+def _no_phase(part: str):
+  del part
+  return contextlib.nullcontext()
+
+
 def evaluate_params(config: ExperimentConfig, out_dir: str, graphdef, params, rest, heldout, step: int,
-                    tokenizer, writer=None) -> dict[str, Any]:
-  """The full held-out evaluation of one set of parameters; writes ``<out_dir>/eval_<step>.json``."""
+                    tokenizer, writer=None, phase=None) -> dict[str, Any]:
+  """The full held-out evaluation of one set of parameters; writes ``<out_dir>/eval_<step>.json``.
+  ``phase(part)``: a context manager around each part (``heldout``, ``unigram``, ``paired``,
+  ``gate_stats``), e.g. a run's phase clock."""
+  phase = phase or _no_phase
   os.makedirs(out_dir, exist_ok=True)
   record: dict[str, Any] = {"step": step, "name": config.name}
-  record.update(heldout_loss(graphdef, params, rest, heldout, batch_size=config.eval.batch_size,
-                             use_segments=config.data.segment_ids, max_batches=config.train.eval_batches,
-                             loss_impl=config.train.loss_impl, block_tokens=config.train.loss_block_tokens))
+  with phase("heldout"):
+    record.update(heldout_loss(graphdef, params, rest, heldout, batch_size=config.eval.batch_size,
+                               use_segments=config.data.segment_ids, max_batches=config.train.eval_batches,
+                               loss_impl=config.train.loss_impl, block_tokens=config.train.loss_block_tokens))
   _check_finite(record, step)
-  record.update(data_lib.unigram_baseline(config.data, tokenizer, heldout["tokens"]))
+  with phase("unigram"):
+    record.update(data_lib.unigram_baseline(config.data, tokenizer, heldout["tokens"]))
   if config.eval.paired:
-    record.update(paired_evaluation(config, params, rest, heldout))
-  layers = gate_statistics(config, graphdef, params, rest, heldout) if config.eval.gate_stats else []
+    with phase("paired"):
+      record.update(paired_evaluation(config, params, rest, heldout))
+  with phase("gate_stats"):
+    layers = gate_statistics(config, graphdef, params, rest, heldout) if config.eval.gate_stats else []
   writes = jax.process_index() == 0  # every process computes the record; one writes it
   if layers:
     if writes:
@@ -206,11 +219,8 @@ def evaluate_params(config: ExperimentConfig, out_dir: str, graphdef, params, re
         f.writelines(json.dumps(r) + "\n" for r in layers)
     record["gate_stats_file"] = f"gate_stats_{step}.jsonl"
   _check_finite(record, step)
-  path = os.path.join(out_dir, f"eval_{step}.json")
   if writes:
-    with open(path + ".tmp", "w") as f:
-      json.dump(record, f, indent=1, allow_nan=False)
-    os.replace(path + ".tmp", path)
+    _write_record(os.path.join(out_dir, f"eval_{step}.json"), record)
   lines = summary_lines(config, record)
   if writer is not None:
     writer.write(step, {f"eval/{k}": v for k, v in record.items() if isinstance(v, (int, float))})
@@ -218,5 +228,22 @@ def evaluate_params(config: ExperimentConfig, out_dir: str, graphdef, params, re
       writer.console(line)
   else:
     print("\n".join(lines), flush=True)
-  print(f"wrote {path}", flush=True)
+  print(f"wrote {os.path.join(out_dir, f'eval_{step}.json')}", flush=True)
   return record
+
+
+def _write_record(path: str, record: dict[str, Any]) -> None:
+  """Writes the JSON ``record`` to ``path`` atomically (a temporary file renamed)."""
+  with open(path + ".tmp", "w") as f:
+    json.dump(record, f, indent=1, allow_nan=False)
+  os.replace(path + ".tmp", path)
+
+
+def add_to_record(out_dir: str, step: int, fields: dict[str, Any]) -> None:
+  """Adds ``fields`` to ``<out_dir>/eval_<step>.json`` (process 0; nothing when there is no record)."""
+  path = os.path.join(out_dir, f"eval_{step}.json")
+  if jax.process_index() != 0 or not os.path.isfile(path):
+    return
+  with open(path) as f:
+    record = json.load(f)
+  _write_record(path, {**record, **fields})

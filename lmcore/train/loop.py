@@ -8,6 +8,7 @@ resumes; SIGTERM/SIGINT save and return; ``train.init_from`` loads parameters on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -25,6 +26,7 @@ from lmcore import model_card
 from lmcore.config import ExperimentConfig, to_jsonable
 from lmcore.errors import Diverged
 from lmcore.eval import evaluate
+from lmcore.train import goodput
 from lmcore.train import metrics
 from lmcore.train import perf
 from lmcore.train import sharding
@@ -133,29 +135,35 @@ def write_run_info(run: Run, writer: metrics.MetricWriter) -> dict[str, Any]:
 
 
 def train_and_evaluate(config: ExperimentConfig, workdir: str) -> dict[str, Any]:
-  """Trains to ``train.steps`` (resuming if possible), evaluates, returns the final eval record."""
+  """Trains to ``train.steps`` (resuming if possible), evaluates, returns the final eval record (with the
+  run's wall-time breakdown under ``"goodput"``)."""
+  clock = goodput.PhaseClock(goodput.take_process_imports())
   stop = StopRequested()
   previous_handlers = stop.install()
   run = writer = None
   try:
     setup_compilation_cache(config)
-    run = build_run(config, workdir)
+    run = build_run(config, workdir, phase=lambda part: clock.phase(f"startup/{part}"))
     writer = metrics.MetricWriter(workdir, config.wandb, to_jsonable(config))
     card = write_run_info(run, writer)
-    heldout = data_lib.load_or_build_heldout(config.data, run.tokenizer, heldout_path(config, workdir))
+    with clock.phase("startup/heldout"):
+      heldout = data_lib.load_or_build_heldout(config.data, run.tokenizer, heldout_path(config, workdir))
     with jax.set_mesh(run.shardings.mesh):  # the Pallas kernels' shard_map reads the mesh from here
-      _loop(run, writer, stop, heldout, card["flops_per_token_train"])
-      _close_data(run)  # the evaluation reads the held-out set, not the training stream
+      _loop(run, writer, stop, heldout, clock, card["flops_per_token_train"])
+      _close_data(run, clock)  # the evaluation reads the held-out set, not the training stream
       if stop.signal_name:
+        _shutdown(run, writer, clock)
         writer.console(_stopped_line(run, stop.signal_name))
         return {"stopped_by": stop.signal_name, "step": run.step}
       # Training is saved; from here SIGINT / SIGTERM interrupt the evaluation instead of waiting for it.
       StopRequested.restore(previous_handlers)
       try:
-        return evaluate_run(run, heldout, writer)
+        record = evaluate_run(run, heldout, writer, clock)
       except KeyboardInterrupt as e:
         raise type(e)(f"The evaluation was interrupted; step {run.step} is saved: evaluate it with "
                       f"eval.py --config=<the same config> --workdir={run.workdir}.") from None
+    _shutdown(run, writer, clock)
+    return record
   finally:
     if run is not None:
       _close_data(run)
@@ -165,11 +173,28 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str) -> dict[str, Any]
     StopRequested.restore(previous_handlers)
 
 
-def _close_data(run: Run) -> None:
+def _shutdown(run: Run, writer: metrics.MetricWriter, clock: goodput.PhaseClock) -> dict[str, Any]:
+  """Closes the checkpointer (its last commit) and the writers, then reports where the wall time went:
+  a ``goodput`` row in ``metrics.jsonl``, the same record added to the final ``eval_<step>.json``, and
+  one console line."""
+  _close_data(run, clock)
+  with clock.phase("shutdown/writers"):
+    run.checkpointer.close()
+    writer.close()
+  record = clock.record()
+  writer.write(run.step, {"goodput": record})
+  evaluate.add_to_record(run.workdir, run.step, {"goodput": record})
+  writer.console(goodput.summary_line(record))
+  return record
+
+
+def _close_data(run: Run, clock: goodput.PhaseClock | None = None) -> None:
   """Stops the data iterator's worker processes once the saves that record its position are written
   (idempotent; otherwise they would only be stopped at interpreter exit, by Grain's finalizers)."""
-  run.checkpointer.wait()
-  run.data_iterator.close()
+  with clock.phase("shutdown/checkpoint_commit") if clock else contextlib.nullcontext():
+    run.checkpointer.wait()
+  with clock.phase("shutdown/data_workers") if clock else contextlib.nullcontext():
+    run.data_iterator.close()
 
 
 def _stopped_line(run: Run, signal_name: str) -> str:
@@ -190,22 +215,28 @@ def heldout_path(config: ExperimentConfig, workdir: str) -> str:
   return config.data.heldout.path or os.path.join(workdir, "heldout.npz")
 
 
-def _loop(run: Run, writer: metrics.MetricWriter, stop: StopRequested, heldout,
+def _loop(run: Run, writer: metrics.MetricWriter, stop: StopRequested, heldout, clock: goodput.PhaseClock,
           flops_per_token: float | None = None) -> None:
+  """Steps to ``train.steps``; every second of it charged to one phase of ``clock`` (start-up until the
+  first batch is in hand, then compile, steps, data wait, checkpoint, eval)."""
   config = run.config
   train = config.train
-  train_step = make_train_step(run.graphdef, run.tx, config, run.shardings)
+  if run.step >= train.steps:
+    return
   tokens_per_step = train.batch_size * config.data.seq_len
   monitor_fn = make_monitor_fn(run.graphdef) if train.monitor_every else None
-  throughput = metrics.Throughput(run.step, flops_per_token)
   profile = perf.ProfileWindow(train.profile_steps, os.path.join(run.workdir, "profile"), run.step + 1)
+  with clock.phase("startup/first_batch"):
+    batch = sharding.global_batch(next(run.data_iterator), run.shardings.mesh)
+  with clock.phase("compile"):
+    train_step = compile_train_step(run, batch)
+  throughput = metrics.Throughput(run.step, flops_per_token, clock)
   pending = None  # (step, device metrics) of the previous step, fetched after the next dispatch
   last_loss = None
-  while run.step < train.steps and not stop.signal_name:
-    batch = sharding.global_batch(next(run.data_iterator), run.shardings.mesh)
+  clock.switch("steps")
+  while True:
     profile.before(run.step + 1)
-    run.params, run.opt_state, step_metrics = train_step(run.params, run.opt_state, run.rest, batch,
-                                                         run.step)
+    run.params, run.opt_state, step_metrics = train_step(run.params, run.opt_state, run.rest, batch, run.step)
     run.step += 1
     if traced := profile.after(run.step, step_metrics):
       writer.console(traced)
@@ -215,15 +246,30 @@ def _loop(run: Run, writer: metrics.MetricWriter, stop: StopRequested, heldout,
     if run.step % train.checkpoint_every == 0 or run.step == train.steps or stop.signal_name:
       last_loss = _log(pending, writer, throughput, tokens_per_step, train)
       pending = None
-      _save(run, last_loss)
+      with clock.phase("checkpoint"):
+        _save(run, last_loss)
     if train.eval_every and run.step % train.eval_every == 0 and run.step < train.steps:
-      _periodic_eval(run, heldout, writer)
+      with clock.phase("eval/heldout"):
+        _periodic_eval(run, heldout, writer)
     if train.monitor_every and run.step % train.monitor_every == 0:
-      monitors = monitor_fn(run.params, run.rest, batch["tokens"][:, :-1])
-      writer.write(run.step, {f"monitor/layer{i}/{k}": v for i, m in monitors.items() for k, v in m.items()})
+      with clock.phase("eval/monitors"):
+        monitors = monitor_fn(run.params, run.rest, batch["tokens"][:, :-1])
+        writer.write(run.step, {f"monitor/layer{i}/{k}": v for i, m in monitors.items() for k, v in m.items()})
+    if run.step >= train.steps or stop.signal_name:
+      break
+    with clock.phase("data_wait"):
+      batch = sharding.global_batch(next(run.data_iterator), run.shardings.mesh)
   if pending is not None:
     _log(pending, writer, throughput, tokens_per_step, train)
+  clock.switch("shutdown")
   profile.close()
+
+
+def compile_train_step(run: Run, batch):
+  """The train step compiled ahead of its first call for ``batch``'s shapes (so that compilation is timed
+  on its own); calling it runs exactly what the jitted step would."""
+  train_step = make_train_step(run.graphdef, run.tx, run.config, run.shardings)
+  return train_step.lower(run.params, run.opt_state, run.rest, batch, run.step).compile()
 
 
 def make_monitor_fn(graphdef):
@@ -247,12 +293,11 @@ def _log(pending, writer, throughput, tokens_per_step, train) -> float:
     raise Diverged(f"loss is {values['loss']} at step {step}. Checkpoints already written are "
                              f"kept; lower train.learning_rate or check the data.")
   if step % train.log_every == 0 or step == train.steps or step == 1:
-    tokens_per_s, step_s = throughput.update(step, tokens_per_step)
-    values.update(tokens_per_s=tokens_per_s, step_s=step_s)
-    mfu, peak_bytes = perf.mfu(tokens_per_s, throughput.flops_per_token), perf.peak_memory_bytes()
+    interval = throughput.update(step, tokens_per_step)
+    values.update(tokens_per_s=interval.tokens_per_s, step_s=interval.step_s, goodput=interval.goodput)
+    mfu, peak_bytes = perf.mfu(interval.tokens_per_s, throughput.flops_per_token), perf.peak_memory_bytes()
     values.update({k: v for k, v in (("mfu", mfu), ("peak_memory_bytes", peak_bytes)) if v is not None})
-    writer.console(metrics.progress_line(step, train.steps, values["loss"], tokens_per_s, step_s, mfu,
-                                         peak_bytes))
+    writer.console(metrics.progress_line(step, train.steps, values["loss"], interval, mfu, peak_bytes))
   writer.write(step, values)
   return values["loss"]
 
@@ -268,7 +313,10 @@ def _periodic_eval(run: Run, heldout, writer) -> None:
                  f"(ppl {result['perplexity']:.2f}, {result['tokens']:,} tokens)")
 
 
-def evaluate_run(run: Run, heldout, writer: metrics.MetricWriter | None = None) -> dict[str, Any]:
-  """Held-out loss (+ paired implementations for fixed-state models); writes ``eval_<step>.json``."""
+def evaluate_run(run: Run, heldout, writer: metrics.MetricWriter | None = None,
+                 clock: goodput.PhaseClock | None = None) -> dict[str, Any]:
+  """Held-out loss (+ paired implementations for fixed-state models); writes ``eval_<step>.json``; each
+  part charged to ``clock``'s ``eval/<part>``."""
+  phase = (lambda part: clock.phase(f"eval/{part}")) if clock is not None else None
   return evaluate.evaluate_params(run.config, run.workdir, run.graphdef, run.params, run.rest, heldout,
-                                  run.step, run.tokenizer, writer)
+                                  run.step, run.tokenizer, writer, phase=phase)

@@ -7,12 +7,12 @@ wandb is imported lazily and only when ``wandb.mode`` is not "disabled"; the run
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import secrets
 import sys
-import time
 from typing import Any
 
 import jax
@@ -28,16 +28,17 @@ def format_duration(seconds: float) -> str:
   return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
-def progress_line(step: int, total: int, loss: float, tokens_per_s: float, step_s: float,
-                  mfu: float | None = None, peak_bytes: int | None = None) -> str:
+def progress_line(step: int, total: int, loss: float, interval: "Interval", mfu: float | None = None,
+                  peak_bytes: int | None = None) -> str:
   """One console line; MFU (a fraction) and the device's peak memory appear where they are known."""
-  eta = (total - step) * step_s
-  parts = [f"step {step}/{total}", f"loss {loss:.4f}", f"{tokens_per_s:,.0f} tok/s", f"{step_s * 1e3:.1f} ms/step"]
+  parts = [f"step {step}/{total}", f"loss {loss:.4f}", f"{interval.tokens_per_s:,.0f} tok/s",
+           f"{interval.step_s * 1e3:.1f} ms/step"]
   if mfu is not None:
     parts.append(f"MFU {100 * mfu:.1f}%")
   if peak_bytes is not None:
     parts.append(f"peak {peak_bytes / 2 ** 30:.1f} GiB")
-  return " | ".join(parts + [f"ETA {format_duration(eta)}"])
+  parts.append(f"goodput {100 * interval.goodput:.0f}%")
+  return " | ".join(parts + [f"ETA {format_duration((total - step) * interval.wall_per_step_s)}"])
 
 
 class MetricWriter:
@@ -100,18 +101,36 @@ def _init_wandb(workdir: str, config: WandbConfig, run_config: dict[str, Any]):
                     id=run_id, resume="allow", dir=workdir, mode=config.mode, config=run_config)
 
 
+@dataclasses.dataclass(frozen=True)
+class Interval:
+  """One logging interval: ``tokens_per_s`` and ``step_s`` over the time spent in steps (evaluations,
+  checkpoints and compilation excluded); ``wall_per_step_s`` over all of it (the ETA's rate);
+  ``goodput``: the run's step time over its wall time so far."""
+
+  tokens_per_s: float
+  step_s: float
+  wall_per_step_s: float
+  goodput: float
+
+
 class Throughput:
-  """Tokens/s and seconds/step over the interval since the last call; ``flops_per_token`` (the model
+  """Step rates over the interval since the last ``update``, read off the run's phase clock (an object
+  with ``seconds() -> {phase: s}``, ``wall_s()`` and ``goodput()``); ``flops_per_token`` (the model
   card's training FLOPs, None when unknown) turns tokens/s into MFU."""
 
-  def __init__(self, start_step: int, flops_per_token: float | None = None):
-    self._time = time.perf_counter()
+  def __init__(self, start_step: int, flops_per_token: float | None, clock):
+    self._clock = clock
     self._step = start_step
+    self._steps_s, self._wall_s = self._readings()
     self.flops_per_token = flops_per_token
 
-  def update(self, step: int, tokens_per_step: int) -> tuple[float, float]:
-    now = time.perf_counter()
-    steps = max(step - self._step, 1)
-    step_s = (now - self._time) / steps
-    self._time, self._step = now, step
-    return tokens_per_step / step_s, step_s
+  def _readings(self) -> tuple[float, float]:
+    return self._clock.seconds().get("steps", 0.0), self._clock.wall_s()
+
+  def update(self, step: int, tokens_per_step: int) -> Interval:
+    steps_s, wall_s = self._readings()
+    count = max(step - self._step, 1)
+    step_s = max(steps_s - self._steps_s, 1e-9) / count
+    wall_per_step_s = (wall_s - self._wall_s) / count
+    self._step, self._steps_s, self._wall_s = step, steps_s, wall_s
+    return Interval(tokens_per_step / step_s, step_s, wall_per_step_s, self._clock.goodput())

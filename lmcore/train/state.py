@@ -7,6 +7,7 @@ a checkpoint restores into the shardings of the current mesh, whatever mesh wrot
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import Any
@@ -93,33 +94,46 @@ def init_opt_state(run: Run):
   return jax.jit(run.tx.init, out_shardings=run.shardings.opt_state)(run.params)
 
 
-def build_run(config: ExperimentConfig, workdir: str) -> Run:
+def _no_phase(part: str):
+  del part
+  return contextlib.nullcontext()
+
+
+def build_run(config: ExperimentConfig, workdir: str, phase=_no_phase) -> Run:
   """Mesh, model, optimizer, data and checkpoints; restores the workdir's latest checkpoint if any.
-  A mesh or batch that does not fit the devices fails before the workdir is created."""
+  A mesh or batch that does not fit the devices fails before the workdir is created. ``phase(part)``:
+  a context manager around each part of the start-up (``tokenizer``, ``model``, ``data``, ``restore``,
+  ``init_from``), e.g. a run's phase clock."""
   mesh = sharding.make_mesh(config.mesh)
   sharding.check_batch(mesh, config.train.batch_size, config.train.grad_accum)
   cache_dir = data_lib.cache_dir(config.data)
-  tokenizer = data_lib.load_tokenizer(config.data.tokenizer, cache_dir)
+  with phase("tokenizer"):
+    tokenizer = data_lib.load_tokenizer(config.data.tokenizer, cache_dir)
   data_lib.check_vocab(tokenizer, config.model.vocab_size)
   data_lib.check_paths(config.data)
   ckpt_lib.check_init_sources(config.train, workdir)
   os.makedirs(workdir, exist_ok=True)
   tx = make_optimizer(config.train)
-  graphdef, _, _, shardings = make_shardings(config, mesh, tx)
-  params, rest = init_params(config, shardings)
-  data_iterator = data_lib.make_train_iterator(
-      config.data, tokenizer, batch_size=config.train.batch_size, seed=config.train.seed,
-      process_index=jax.process_index(), process_count=jax.process_count())
+  with phase("model"):
+    graphdef, _, _, shardings = make_shardings(config, mesh, tx)
+    params, rest = init_params(config, shardings)
+  with phase("data"):
+    data_iterator = data_lib.make_train_iterator(
+        config.data, tokenizer, batch_size=config.train.batch_size, seed=config.train.seed,
+        process_index=jax.process_index(), process_count=jax.process_count())
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), config.train)
   meta = run_meta(config, params, tokenizer, data_lib.fingerprint(config.data))
   run = Run(config, workdir, graphdef, params, rest, tx, None, tokenizer, data_iterator, checkpointer, meta,
             shardings)
-  run.opt_state = init_opt_state(run)
+  with phase("model"):
+    run.opt_state = init_opt_state(run)
   latest = checkpointer.latest_step()
   if latest is not None:
-    resume(run, latest)
+    with phase("restore"):
+      resume(run, latest)
   elif config.train.init_from:
-    init_from(run)
+    with phase("init_from"):
+      init_from(run)
   return run
 
 
