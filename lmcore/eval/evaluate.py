@@ -187,10 +187,15 @@ def _check_finite(record: dict[str, Any], step: int) -> None:
 
 
 def evaluate_params(config: ExperimentConfig, out_dir: str, graphdef, params, rest, heldout, step: int,
-                    tokenizer, writer=None) -> dict[str, Any]:
-  """The full held-out evaluation of one set of parameters; writes ``<out_dir>/eval_<step>.json``."""
+                    tokenizer, writer=None, *,
+                    config_history: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+  """The full held-out evaluation of one set of parameters; writes ``<out_dir>/eval_<step>.json``.
+  ``config_history``: the config changes accepted on the run's resumes up to ``step`` (the run's
+  ``config_history.jsonl`` rows), cited in the record."""
   os.makedirs(out_dir, exist_ok=True)
   record: dict[str, Any] = {"step": step, "name": config.name}
+  if config_history is not None:
+    record["config_history"] = config_history
   record.update(heldout_loss(graphdef, params, rest, heldout, batch_size=config.eval.batch_size,
                              use_segments=config.data.segment_ids, max_batches=config.train.eval_batches,
                              loss_impl=config.train.loss_impl, block_tokens=config.train.loss_block_tokens))

@@ -93,16 +93,22 @@ def init_opt_state(run: Run):
   return jax.jit(run.tx.init, out_shardings=run.shardings.opt_state)(run.params)
 
 
-def build_run(config: ExperimentConfig, workdir: str) -> Run:
-  """Mesh, model, optimizer, data and checkpoints; restores the workdir's latest checkpoint if any.
-  A mesh or batch that does not fit the devices fails before the workdir is created."""
+def check_start(config: ExperimentConfig, workdir: str):
+  """What must hold before the workdir is created: the mesh and batch fit the devices, the tokenizer
+  fits the model, the data paths and the ``init_from`` sources exist. Returns ``(mesh, tokenizer)``."""
   mesh = sharding.make_mesh(config.mesh)
   sharding.check_batch(mesh, config.train.batch_size, config.train.grad_accum)
-  cache_dir = data_lib.cache_dir(config.data)
-  tokenizer = data_lib.load_tokenizer(config.data.tokenizer, cache_dir)
+  tokenizer = data_lib.load_tokenizer(config.data.tokenizer, data_lib.cache_dir(config.data))
   data_lib.check_vocab(tokenizer, config.model.vocab_size)
   data_lib.check_paths(config.data)
   ckpt_lib.check_init_sources(config.train, workdir)
+  return mesh, tokenizer
+
+
+def build_run(config: ExperimentConfig, workdir: str) -> Run:
+  """Mesh, model, optimizer, data and checkpoints; restores the workdir's latest checkpoint if any.
+  A config that ``check_start`` refuses fails before the workdir is created."""
+  mesh, tokenizer = check_start(config, workdir)
   os.makedirs(workdir, exist_ok=True)
   tx = make_optimizer(config.train)
   graphdef, _, _, shardings = make_shardings(config, mesh, tx)
