@@ -38,7 +38,10 @@ class ConfigChanged(ConfigError):
 
 
 class WorkdirInUse(UserError, RuntimeError):
-  """Another process holds the run directory; the message names it (pid, host, since when)."""
+  """Another process holds the run directory; the message names it (pid, host, since when). The exit
+  code is sysexits' EX_TEMPFAIL (try again later), so that a caller tells it from a failed run."""
+
+  exit_code = 75
 
 
 class Diverged(UserError, FloatingPointError):

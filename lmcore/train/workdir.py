@@ -232,15 +232,13 @@ def check_accept_names(accept: Sequence[str], *flat_configs: Mapping[str, Any]) 
 
 def check_resume(config: ExperimentConfig, workdir: str, accept: Sequence[str] = ()) -> list[Change]:
   """At a resume (committed checkpoints in ``workdir``): the config against the checkpoints' one.
-  Raises ``ConfigChanged`` naming every change outside ``FREE_ON_RESUME`` that ``accept`` does not
-  cover; otherwise appends the accepted changes and those of ``RECORDED_FREE`` to the history
-  (process 0) and returns them."""
+  When a change outside ``FREE_ON_RESUME`` is not covered by ``accept``, raises ``ConfigChanged`` naming
+  every change outside it and the flag that accepts them all; otherwise appends the accepted changes and
+  those of ``RECORDED_FREE`` to the history (process 0) and returns them."""
   steps = ckpt_lib.committed_steps(workdir)
-  trained = trained_config(workdir) if steps else None
-  now = flat_config(config)
-  check_accept_names(accept, now, trained or {})
   if not steps:
     return []
+  trained, now = trained_config(workdir), flat_config(config)
   main = sharding.is_main_process()
   if trained is None:
     if main:
@@ -254,9 +252,10 @@ def check_resume(config: ExperimentConfig, workdir: str, accept: Sequence[str] =
   if refused:
     if any(c.field.startswith("model.") for c in refused):
       check_model_fits(config, workdir, step)  # a checkpoint no flag can load is refused as such
+    them = "it" if len(ruled) == 1 else "them"
     raise ConfigChanged(
         f"{workdir} holds checkpoints (latest: step {step}) trained with another config: "
-        f"{'; '.join(c.describe() for c in ruled)}. To resume with the change and record it in "
+        f"{'; '.join(c.describe() for c in ruled)}. To resume with {them} and record {them} in "
         f"{os.path.join(workdir, HISTORY_FILE)}, add {ACCEPT_FLAG}={','.join(c.field for c in ruled)}; "
         "or use another --workdir.")
   recorded = [c for c in changes if c in ruled or covers(RECORDED_FREE, c.field)]
@@ -281,10 +280,11 @@ def check_model_fits(config: ExperimentConfig, workdir: str, step: int) -> None:
 
 @contextlib.contextmanager
 def claim(config: ExperimentConfig, workdir: str, accept: Sequence[str] = ()) -> Iterator[None]:
-  """A training run's hold on ``workdir`` for the ``with`` block: ``state.check_start`` (a config that
-  cannot run fails before the workdir exists), the lock (process 0 only: the other processes of a run
-  cannot train without it), then ``check_resume``."""
+  """A training run's hold on ``workdir`` for the ``with`` block: ``state.check_start`` and the names of
+  ``accept`` (a config that cannot run fails before the workdir exists), the lock (process 0 only: the
+  other processes of a run cannot train without it), then ``check_resume``."""
   state_lib.check_start(config, workdir)
+  check_accept_names(accept, flat_config(config), trained_config(workdir) or {})
   lock = WorkdirLock(workdir).acquire() if sharding.is_main_process() else None
   try:
     check_resume(config, workdir, accept)

@@ -19,7 +19,7 @@ from configs import baselines
 from lmcore import config as cfg_lib
 from lmcore import data as data_lib
 from lmcore.data import spm_training
-from lmcore.errors import ConfigChanged, WorkdirInUse
+from lmcore.errors import ConfigChanged, ConfigError, WorkdirInUse
 from lmcore.train import chain
 from lmcore.train import loop as train_lib
 from lmcore.train import workdir as workdir_lib
@@ -48,8 +48,10 @@ def snapshot(folder) -> dict[str, tuple[int, int, bytes]]:
   return found
 
 
-# The forked children below only lock files and exit (os._exit): none of the threads they lack is needed.
-FORK_WARNING = "ignore:This process .* is multi-threaded:DeprecationWarning"
+# The forked children below only lock files and exit (os._exit): they need none of the threads (Python's,
+# JAX's) that a fork leaves behind.
+FORK_WARNINGS = ("ignore:This process .* is multi-threaded:DeprecationWarning",
+                 "ignore:os.fork\\(\\) was called:RuntimeWarning")
 
 
 def in_child(fn) -> int:
@@ -69,7 +71,8 @@ def exit_code(pid: int) -> int:
   return os.waitstatus_to_exitcode(status)
 
 
-@pytest.mark.filterwarnings(FORK_WARNING)
+@pytest.mark.filterwarnings(FORK_WARNINGS[0])
+@pytest.mark.filterwarnings(FORK_WARNINGS[1])
 def test_a_held_workdir_refuses_a_forked_process_with_one_line_and_changes_nothing(tmp_path):
   workdir = str(tmp_path / "run")
   read_end, write_end = os.pipe()
@@ -92,7 +95,8 @@ def test_a_held_workdir_refuses_a_forked_process_with_one_line_and_changes_nothi
   assert exit_code(in_child(lambda: workdir_lib.WorkdirLock(workdir).acquire() and 0)) == 0
 
 
-@pytest.mark.filterwarnings(FORK_WARNING)
+@pytest.mark.filterwarnings(FORK_WARNINGS[0])
+@pytest.mark.filterwarnings(FORK_WARNINGS[1])
 def test_a_killed_lock_holder_leaves_nothing_that_blocks_a_restart(tmp_path):
   workdir = str(tmp_path / "run")
   read_end, write_end = os.pipe()
@@ -121,6 +125,26 @@ def test_every_free_field_names_config_fields():
   assert not workdir_lib.covers(workdir_lib.FREE_ON_RESUME, "train.learning_rate")
   assert workdir_lib.covers(workdir_lib.FREE_ON_RESUME, "wandb.mode")
   assert "data.sources.embedded.path" in fields  # named sources are keyed as their overrides are
+
+
+def test_a_field_on_one_side_only_is_a_change_and_history_rows_replay_it(tmp_path):
+  """A source added on resume shows as fields that were absent; the history's rows (``new`` left out for a
+  field that went away) turn run_info.json's config into the one the checkpoints were trained with."""
+  one = baselines.get_config("tiny")
+  two = baselines.get_config("tiny")
+  two.data.sources["extra"] = dict(two.data.sources.embedded.to_dict(), weight=0.5)
+  trained = workdir_lib.flat_config(cfg_lib.experiment_config(one))
+  now = workdir_lib.flat_config(cfg_lib.experiment_config(two))
+  changes = workdir_lib.config_changes(trained, now)
+  assert changes[0].describe() == 'data.sources.extra.name (absent) -> "extra"'
+  assert [c.field for c in changes] == [k.replace(".embedded.", ".extra.") for k in trained
+                                        if k.startswith("data.sources.embedded.")]
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "run_info.json").write_text(json.dumps({"config": cfg_lib.to_jsonable(cfg_lib.experiment_config(two))}))
+  with open(workdir / "config_history.jsonl", "w") as f:
+    f.writelines(json.dumps(change.row(3)) + "\n" for change in workdir_lib.config_changes(now, trained))
+  assert workdir_lib.trained_config(str(workdir)) == trained
 
 
 # ------------------------------------------------------------------------------------- resumed configs
@@ -202,7 +226,7 @@ def test_a_resume_that_changes_the_optimisation_or_the_model_is_refused_in_one_l
     train_lib.train_and_evaluate(experiment({**trained[1], field: value}), workdir)
   assert str(refused.value) == (
       f"{workdir} holds checkpoints (latest: step {STEPS}) trained with another config: {field} "
-      f"{json.dumps(old)} -> {json.dumps(value)}. To resume with the change and record it in "
+      f"{json.dumps(old)} -> {json.dumps(value)}. To resume with it and record it in "
       f"{workdir}/config_history.jsonl, add --accept_config_changes={field}; or use another --workdir.")
   assert {k: v for k, v in snapshot(workdir).items() if k != ".lock"} == before
 
@@ -250,6 +274,13 @@ def test_a_changed_step_count_or_bookkeeping_resumes_silently(trained, tmp_path,
   assert open(os.path.join(workdir, "run_info.json")).read() == run_info
 
 
+def test_an_accept_name_that_is_no_config_field_fails_before_the_workdir_exists(own_text, tmp_path):
+  workdir = tmp_path / "run"
+  with pytest.raises(ConfigError, match="--accept_config_changes: 'train.learning_rat' is no config field"):
+    train_lib.train_and_evaluate(experiment(overrides(own_text)), str(workdir), ("train.learning_rat",))
+  assert not workdir.exists()
+
+
 @pytest.mark.slow
 def test_eval_reads_a_held_workdir_without_taking_the_lock(trained, tmp_path):
   workdir = copy_of(trained, tmp_path)
@@ -265,7 +296,7 @@ def test_eval_reads_a_held_workdir_without_taking_the_lock(trained, tmp_path):
 
 @pytest.mark.slow
 def test_train_py_on_a_held_workdir_stops_in_one_line_and_touches_nothing(own_text, tmp_path):
-  """A second train.py while a run holds the workdir (here: this process, through the lock) exits 2 with
+  """A second train.py while a run holds the workdir (here: this process, through the lock) exits 75 with
   the one line, before it changes anything in the workdir."""
   workdir = tmp_path / "run"
   args = [f"--config.{k}={v}" for k, v in overrides(own_text).items()]
@@ -275,7 +306,7 @@ def test_train_py_on_a_held_workdir_stops_in_one_line_and_touches_nothing(own_te
     (workdir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')  # what the holder has written
     before = snapshot(workdir)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.returncode == WorkdirInUse.exit_code == 75, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == f"WorkdirInUse: {in_use_line(workdir)}"
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert snapshot(workdir) == before
