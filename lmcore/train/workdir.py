@@ -314,7 +314,7 @@ def history_line(workdir: str) -> str | None:
   rows = read_history(workdir)
   if not rows:
     return None
-  changes = "; ".join(f"{Change(r['field'], r.get('old', _ABSENT), r.get('new', _ABSENT)).describe()} at step "
-                      f"{r['step']}" for r in rows)
+  changes = "; ".join(f"{Change(r['field'], r.get('old', _ABSENT), r.get('new', _ABSENT)).describe()} "
+                      f"at step {r['step']}" for r in rows)
   return (f"config changed on resume since the first start ({len(rows)}, "
           f"{os.path.join(workdir, HISTORY_FILE)}): {changes}")

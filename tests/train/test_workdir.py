@@ -141,7 +141,8 @@ def test_a_field_on_one_side_only_is_a_change_and_history_rows_replay_it(tmp_pat
                                         if k.startswith("data.sources.embedded.")]
   workdir = tmp_path / "run"
   workdir.mkdir()
-  (workdir / "run_info.json").write_text(json.dumps({"config": cfg_lib.to_jsonable(cfg_lib.experiment_config(two))}))
+  run_info = {"config": cfg_lib.to_jsonable(cfg_lib.experiment_config(two))}
+  (workdir / "run_info.json").write_text(json.dumps(run_info))
   with open(workdir / "config_history.jsonl", "w") as f:
     f.writelines(json.dumps(change.row(3)) + "\n" for change in workdir_lib.config_changes(now, trained))
   assert workdir_lib.trained_config(str(workdir)) == trained
@@ -235,7 +236,8 @@ def test_a_resume_that_changes_the_optimisation_or_the_model_is_refused_in_one_l
 def test_an_accepted_change_is_recorded_and_cited_and_run_info_keeps_the_original(trained, tmp_path, capsys):
   workdir = copy_of(trained, tmp_path)
   run_info = open(os.path.join(workdir, "run_info.json")).read()
-  changed = {**trained[1], "train.learning_rate": 3e-3, "train.seed": 7, "model.mixers.softmax.rope_base": 500.0}
+  changed = {**trained[1], "train.learning_rate": 3e-3, "train.seed": 7,
+             "model.mixers.softmax.rope_base": 500.0}
   accept = ("train.learning_rate", "train.seed", "model.mixers.softmax")  # a group covers its fields
   with pytest.raises(ConfigChanged, match="add --accept_config_changes=model.mixers.softmax.rope_base,"
                      "train.learning_rate,train.seed;"):
