@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 from absl import app, flags, logging
 
 from lmcore import xla_flags
+from lmcore.train import goodput
 from lmcore.config import unknown_key_error
 from lmcore.errors import ConfigError, UserError
 
@@ -75,7 +76,9 @@ def guarded(main: Callable[[list[str]], Any]) -> Callable[[list[str]], Any]:
 
 def run(main: Callable[[list[str]], Any]) -> None:
   """``absl.app.run(main)`` with one-line answers to user errors (see the module docstring), after
-  the project's default XLA flags (``xla_flags.apply_defaults``)."""
+  the project's default XLA flags (``xla_flags.apply_defaults``). The first run the entry point trains
+  counts the process's start in its start-up (``goodput.count_process_start``)."""
+  goodput.count_process_start()
   xla_flags.apply_defaults()
   with user_errors():  # Ctrl-C while flags are parsed (the config file imports the library)
     app.run(guarded(main), flags_parser=parse_flags)

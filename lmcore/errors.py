@@ -32,6 +32,18 @@ class MissingKeyError(UserError, KeyError):
     return str(self.args[0]) if self.args else ""
 
 
+class ConfigChanged(ConfigError):
+  """A resume whose config differs from the one its checkpoints were trained with in fields that define
+  the run; the message names each field (old -> new) and the flag that accepts the change."""
+
+
+class WorkdirInUse(UserError, RuntimeError):
+  """Another process holds the run directory; the message names it (pid, host, since when). The exit
+  code is sysexits' EX_TEMPFAIL (try again later), so that a caller tells it from a failed run."""
+
+  exit_code = 75
+
+
 class Diverged(UserError, FloatingPointError):
   """Training produced a non-finite loss; checkpoints already written are kept."""
 

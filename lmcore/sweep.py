@@ -2,7 +2,9 @@
 
 Each point trains through ``train.py`` in its own workdir (a rerun resumes it) and records its
 command and outcome in ``<workdir>/sweep_point.json``: a rerun with the same command skips a finished
-or diverged point (``Diverged.exit_code``); any other failure is retried on the next run. Downstream
+or diverged point (``Diverged.exit_code``); any other failure is retried on the next run. A point whose
+workdir another process holds (``WorkdirInUse.exit_code``) is reported and left to that process: its
+``sweep_point.json`` is not written. Downstream
 task results that ``eval.py --tasks`` wrote into the points' workdirs are tabulated with them.
 """
 
@@ -21,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lmcore import cli
-from lmcore.errors import ConfigError, Diverged
+from lmcore.errors import ConfigError, Diverged, WorkdirInUse
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train.py")
@@ -161,6 +163,8 @@ def run_point(config: str, overrides: dict[str, str], workdir: str, extra: list[
     print(f"== {point_name(overrides)}: {previous['status']} in an earlier run, skipped", flush=True)
     return PointResult(overrides, previous["status"], previous["record"], previous["reason"], skipped=True)
   code, last_line = _run_train(args)
+  if code == WorkdirInUse.exit_code:
+    return PointResult(overrides, "failed", reason=last_line)
   record = latest_eval(workdir) if code == 0 else None
   if code == 0 and record is not None:
     result = PointResult(overrides, "done", record)

@@ -16,7 +16,8 @@ How to run
     python scripts/reproduce.py --workdir=runs/reproduce
 
   Rerunning the same command continues where the last one stopped (after SIGTERM, a crash or a time
-  limit); adding seeds or runs later trains only what is new. On a CPU, the same chain in minutes on the
+  limit); adding seeds or runs later trains only what is new. The chain holds ``--workdir`` (and each run
+  its folder) while it runs: a second chain on it stops at once. On a CPU, the same chain in minutes on the
   embedded corpus: ``--tiny``. ``--override KEY=VALUE`` (repeatable) sets a config key in every run that
   has it, e.g. ``data.worker_count=0``.
 
@@ -67,6 +68,7 @@ from lmcore import data as data_lib  # noqa: E402
 from lmcore.errors import ConfigError, MissingFileError  # noqa: E402
 from lmcore.model import abstract_param_count  # noqa: E402
 from lmcore.train import chain  # noqa: E402
+from lmcore.train import workdir as workdir_lib  # noqa: E402
 
 RUNS = ("p2", "adapt", "scratch", "transformer_pp", "gla", "softmax_table", "softmax_nope", "p2_no_table",
         "scratch_no_table")
@@ -89,6 +91,8 @@ _TINY = flags.DEFINE_bool("tiny", False, "The chain at CPU-test scale (embedded 
 _OVERRIDE = flags.DEFINE_multi_string("override", [], "KEY=VALUE set in every run whose config has KEY "
                                       "(as --config.KEY=VALUE); repeatable.")
 _PLOT = flags.DEFINE_string("plot", "", "The loss-curve PNG (default: <workdir>/loss_curves.png).")
+_ACCEPT = flags.DEFINE_list("accept_config_changes", [], "Config fields a resumed run may change (as "
+                            "train.py's flag); each change is recorded in that run's config_history.jsonl.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +269,7 @@ def train(run: Run, index: int, total: int) -> dict | None:
         f"{' (finished: read back)' if done else ''} ==", flush=True)
   if run.view_of:
     chain.step_view(run.view_of, run.start_step)
-  record = chain.train_or_read(run.config, run.workdir)
+  record = chain.train_or_read(run.config, run.workdir, tuple(_ACCEPT.value))
   if "stopped_by" in record:
     print(f"{record['stopped_by']} received: stopped at step {record['step']}; rerun the same command to "
           "continue.", flush=True)
@@ -556,16 +560,8 @@ def to_json(value):
   return value
 
 
-def main(argv):
-  del argv
-  cli.show_library_logs()
-  plan = make_plan()
-  runs = build_runs(plan)
-  check_inputs(plan, runs[0].config)
-  start_workdir(plan)
-  results = run_chain(plan, runs)
-  if results is None:
-    return
+def write_results(plan: Plan, runs: list[Run], results: dict) -> None:
+  """``results.md``, ``results.json`` and the loss curves in ``--workdir``."""
   device = jax.devices()[0].device_kind
   command = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
   table = results_markdown(results, device, command)
@@ -576,6 +572,19 @@ def main(argv):
   with open(os.path.join(plan.workdir, "results.json"), "w") as f:
     json.dump(to_json({**results, "device": device, "command": command}), f, indent=1)
   print(f"\n{table}\n\nwrote {plan.workdir}/results.md, results.json and {plot_path}", flush=True)
+
+
+def main(argv):
+  del argv
+  cli.show_library_logs()
+  plan = make_plan()
+  runs = build_runs(plan)
+  check_inputs(plan, runs[0].config)
+  with workdir_lib.WorkdirLock(plan.workdir):
+    start_workdir(plan)
+    results = run_chain(plan, runs)
+    if results is not None:
+      write_results(plan, runs, results)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from lmcore import cli, sweep
-from lmcore.errors import ConfigError, Diverged
+from lmcore.errors import ConfigError, Diverged, WorkdirInUse
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,7 +70,8 @@ def fake_train(outcomes: dict[str, int], calls: list[str]):
       os.makedirs(workdir, exist_ok=True)
       with open(os.path.join(workdir, "eval_3.json"), "w") as f:
         json.dump({"loss": 4.25, "perplexity": 70.1, "step": 3}, f)
-    return code, {Diverged.exit_code: "Diverged: loss is nan at step 2.", 1: "Boom: a crash"}.get(code, "")
+    return code, {Diverged.exit_code: "Diverged: loss is nan at step 2.", 1: "Boom: a crash",
+                  WorkdirInUse.exit_code: f"WorkdirInUse: {workdir} is in use by pid 1"}.get(code, "")
   return run
 
 
@@ -96,6 +97,16 @@ def test_finished_and_diverged_points_are_skipped_and_failures_retried(tmp_path,
   sweep.run_sweep("configs/baselines.py:tiny", ["train.learning_rate=1e-3"], str(tmp_path),
                   ["--config.train.steps=6"])
   assert calls == ["1e-3"], "another command (more steps) runs the point again"
+
+
+def test_a_point_whose_workdir_is_in_use_is_left_to_its_holder(tmp_path, monkeypatch):
+  calls = []
+  monkeypatch.setattr(sweep, "_run_train", fake_train({"1e-3": WorkdirInUse.exit_code}, calls))
+  monkeypatch.setattr(sweep, "plot", lambda *_: None)
+  text, results = sweep.run_sweep("configs/baselines.py:tiny", ["train.learning_rate=1e-3"], str(tmp_path),
+                                  ["--config.train.steps=3"])
+  assert [r.status for r in results] == ["failed"] and "is in use by pid 1" in text
+  assert not list(tmp_path.rglob(sweep.POINT_FILE)), "the holder records the point, not this sweep"
 
 
 @pytest.mark.slow

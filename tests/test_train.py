@@ -78,7 +78,8 @@ def test_loss_falls_and_eval_json_is_written(tmp_path):
 
 @pytest.mark.slow
 def test_exact_resume_after_sigkill(tmp_path):
-  """2N steps in one run == N steps, SIGKILL, resume for N more: same losses, bitwise-equal params. The
+  """2N steps in one run == N steps, SIGKILL, resume for N more: same losses, bitwise-equal params (and
+  the killed run's workdir lock is gone with it). The
   processes share a persistent compilation cache of their own (every program, however quick to compile):
   the later ones load the programs the first compiled, as train.py's compilation cache does when a run
   restarts."""
@@ -91,6 +92,7 @@ def test_exact_resume_after_sigkill(tmp_path):
                env={**cache, "KILL_AFTER_STEP": str(n)}, check=False)
   assert killed.returncode == -signal.SIGKILL
   assert sorted(os.listdir(resumed / "checkpoints")) == [str(n)]
+  assert "pid" in (resumed / ".lock").read_text()  # the killed holder's record stays; its lock does not
   second = run(train_cmd(resumed, *common), env=cache)
   assert f"Resumed from step {n}" in second.stdout
   assert losses(straight) == losses(resumed)

@@ -193,13 +193,17 @@ def _no_phase(part: str):
 
 
 def evaluate_params(config: ExperimentConfig, out_dir: str, graphdef, params, rest, heldout, step: int,
-                    tokenizer, writer=None, phase=None) -> dict[str, Any]:
+                    tokenizer, writer=None, phase=None, *,
+                    config_history: list[dict[str, Any]] | None = None) -> dict[str, Any]:
   """The full held-out evaluation of one set of parameters; writes ``<out_dir>/eval_<step>.json``.
   ``phase(part)``: a context manager around each part (``heldout``, ``unigram``, ``paired``,
-  ``gate_stats``), e.g. a run's phase clock."""
+  ``gate_stats``), e.g. a run's phase clock. ``config_history``: the config changes accepted on the
+  run's resumes up to ``step`` (the run's ``config_history.jsonl`` rows), cited in the record."""
   phase = phase or _no_phase
   os.makedirs(out_dir, exist_ok=True)
   record: dict[str, Any] = {"step": step, "name": config.name}
+  if config_history is not None:
+    record["config_history"] = config_history
   with phase("heldout"):
     record.update(heldout_loss(graphdef, params, rest, heldout, batch_size=config.eval.batch_size,
                                use_segments=config.data.segment_ids, max_batches=config.train.eval_batches,

@@ -26,6 +26,7 @@ from lmcore.train import checkpoint as ckpt_lib
 from lmcore.train import loop as train_lib
 from lmcore.train import sharding
 from lmcore.train import state as state_lib
+from lmcore.train import workdir as workdir_lib
 
 
 def read_record(out_dir: str, step: int) -> dict[str, Any] | None:
@@ -37,12 +38,16 @@ def read_record(out_dir: str, step: int) -> dict[str, Any] | None:
     return json.load(f)
 
 
-def train_or_read(config: ExperimentConfig, workdir: str) -> dict[str, Any]:
+def train_or_read(config: ExperimentConfig, workdir: str,
+                  accept_config_changes: tuple[str, ...] = ()) -> dict[str, Any]:
   """The final evaluation record of the run ``config`` in ``workdir``: read back when the run finished
-  and was evaluated, else trained (resuming its checkpoints) and evaluated. A run stopped by
-  SIGTERM/SIGINT returns ``{"stopped_by": ..., "step": ...}`` as ``train_and_evaluate`` does."""
+  and was evaluated, else trained (resuming its checkpoints, ``accept_config_changes`` as in
+  ``train_and_evaluate``) and evaluated. A run stopped by SIGTERM/SIGINT returns
+  ``{"stopped_by": ..., "step": ...}`` as ``train_and_evaluate`` does."""
   record = read_record(workdir, config.train.steps)
-  return record if record is not None else train_lib.train_and_evaluate(config, workdir)
+  if record is not None:
+    return record
+  return train_lib.train_and_evaluate(config, workdir, accept_config_changes)
 
 
 def restore_checkpoint(config: ExperimentConfig, workdir: str, step: int | None = None):
@@ -65,8 +70,9 @@ def evaluate_checkpoint(config: ExperimentConfig, workdir: str, step: int | None
   """eval.py: held-out evaluation of a run's checkpoint (latest unless ``step``), optional samples of
   ``max_new_tokens`` after each prompt (one text or several, one batch), printed as they come and
   written to ``samples_path`` (default ``<out_dir>/samples_<step>.jsonl``). Results go to ``out_dir``
-  (default: the workdir). The parameters are restored in the model's shardings on the mesh in context
-  (``jax.set_mesh``)."""
+  (default: the workdir) and cite the run's config history up to ``step``. The parameters are restored in
+  the model's shardings on the mesh in context (``jax.set_mesh``). No lock is taken: a workdir that a run
+  is training can be evaluated."""
   prompts = ([prompt] if prompt else []) if isinstance(prompt, str) else list(prompt)
   if prompts:
     check_decodable(config.model)
@@ -77,7 +83,7 @@ def evaluate_checkpoint(config: ExperimentConfig, workdir: str, step: int | None
   graphdef, params, rest, step = restore_checkpoint(config, workdir, step)
   heldout = data_lib.load_or_build_heldout(config.data, tokenizer, train_lib.heldout_path(config, workdir))
   record = evaluate.evaluate_params(config, out_dir or workdir, graphdef, params, rest, heldout, step,
-                                    tokenizer)
+                                    tokenizer, config_history=workdir_lib.history_until(workdir, step))
   if prompts:
     path = samples_path or os.path.join(out_dir or workdir, f"samples_{step}.jsonl")
     samples = sample_to_jsonl(nnx.merge(graphdef, params, rest), tokenizer, prompts, path,

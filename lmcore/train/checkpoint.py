@@ -235,11 +235,17 @@ def open_latest(path: str, key: str) -> tuple[Checkpointer, int]:
   return checkpointer, step
 
 
+def committed_steps(workdir: str) -> list[int]:
+  """The steps of the committed checkpoints in ``<workdir>/checkpoints``, ascending, read from the folder
+  names alone (a save in progress is a temporary folder, renamed to its step when it commits)."""
+  own = os.path.join(workdir, "checkpoints")
+  return sorted(int(name) for name in os.listdir(own) if name.isdigit()) if os.path.isdir(own) else []
+
+
 def check_init_sources(train: TrainConfig, workdir: str) -> None:
   """Before anything is created: ``train.init_from`` / ``train.init_data_from`` hold checkpoints (when
   they will be read, i.e. the workdir has none of its own to resume)."""
-  own = os.path.join(workdir, "checkpoints")
-  if os.path.isdir(own) and any(name.isdigit() for name in os.listdir(own)):
+  if committed_steps(workdir):
     return
   for key, path in (("train.init_from", train.init_from), ("train.init_data_from", train.init_data_from)):
     if path:

@@ -39,16 +39,24 @@ def process_age_s() -> float:
   return max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
-_PROCESS_IMPORTS_COUNTED = False
+_process_start_pending = False
 
 
-def take_process_imports() -> float:
-  """The process's age the first time it is asked (its imports and argument parsing, before the first
-  run started), 0 afterwards: a process that trains several runs charges its start-up to the first."""
-  global _PROCESS_IMPORTS_COUNTED
-  if _PROCESS_IMPORTS_COUNTED:
+def count_process_start() -> None:
+  """Called by an entry point as its ``main`` starts: the next run of this process charges the process's
+  age (interpreter start, imports, argument parsing) to its start-up."""
+  global _process_start_pending
+  _process_start_pending = True
+
+
+def take_process_start() -> float:
+  """The process's age if an entry point asked for it (``count_process_start``) and no run took it yet,
+  else 0: a process that trains several runs charges its start to the first, and a library caller (a
+  notebook, a test) to none."""
+  global _process_start_pending
+  if not _process_start_pending:
     return 0.0
-  _PROCESS_IMPORTS_COUNTED = True
+  _process_start_pending = False
   return process_age_s()
 
 

@@ -9,7 +9,6 @@ resumes; SIGTERM/SIGINT save and return; ``train.init_from`` loads parameters on
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import signal
@@ -31,6 +30,7 @@ from lmcore.train import metrics
 from lmcore.train import perf
 from lmcore.train import sharding
 from lmcore.train import state as state_lib
+from lmcore.train import workdir as workdir_lib
 from lmcore.train.optim import learning_rate_schedule
 from lmcore.train.state import Run, build_run
 
@@ -122,22 +122,32 @@ def _save(run: Run, last_loss: float | None) -> None:
 
 
 def write_run_info(run: Run, writer: metrics.MetricWriter) -> dict[str, Any]:
-  """The first log lines: what is being trained and on what (with the corpus fingerprint); returns the
-  model card."""
+  """The first log lines: what is being trained and on what (with the corpus fingerprint), and the config
+  changes accepted on resume; returns the model card. ``run_info.json`` is the first start's."""
   card = model_card.card(run.config.model, run.config.data.seq_len)
   info = {"config": to_jsonable(run.config), "model_card": card, "tokenizer": run.tokenizer.name,
           "data_fingerprint": run.meta["data_fingerprint"], "devices": [str(d) for d in jax.devices()]}
   if writer.enabled:
-    with open(os.path.join(run.workdir, "run_info.json"), "w") as f:
-      json.dump(info, f, indent=1)
+    workdir_lib.write_run_info(run.workdir, info, fresh=run.step == 0)
   writer.console(model_card.format_card(card))
+  if history := workdir_lib.history_line(run.workdir):
+    writer.console(history)
   return card
 
 
-def train_and_evaluate(config: ExperimentConfig, workdir: str) -> dict[str, Any]:
+def train_and_evaluate(config: ExperimentConfig, workdir: str,
+                       accept_config_changes: tuple[str, ...] = ()) -> dict[str, Any]:
   """Trains to ``train.steps`` (resuming if possible), evaluates, returns the final eval record (with the
-  run's wall-time breakdown under ``"goodput"``)."""
-  clock = goodput.PhaseClock(goodput.take_process_imports())
+  run's wall-time breakdown under ``"goodput"``). The run holds ``workdir`` throughout
+  (``workdir.claim``): another process on it stops, and a resume whose config changes the run stops
+  unless ``accept_config_changes`` names the changed fields."""
+  clock = goodput.PhaseClock(goodput.take_process_start())
+  with clock.phase("startup/claim"), workdir_lib.claim(config, workdir, accept_config_changes):
+    clock.switch("startup")
+    return _train_and_evaluate(config, workdir, clock)
+
+
+def _train_and_evaluate(config: ExperimentConfig, workdir: str, clock: goodput.PhaseClock) -> dict[str, Any]:
   stop = StopRequested()
   previous_handlers = stop.install()
   run = writer = None
@@ -319,4 +329,5 @@ def evaluate_run(run: Run, heldout, writer: metrics.MetricWriter | None = None,
   part charged to ``clock``'s ``eval/<part>``."""
   phase = (lambda part: clock.phase(f"eval/{part}")) if clock is not None else None
   return evaluate.evaluate_params(run.config, run.workdir, run.graphdef, run.params, run.rest, heldout,
-                                  run.step, run.tokenizer, writer, phase=phase)
+                                  run.step, run.tokenizer, writer, phase=phase,
+                                  config_history=workdir_lib.history_until(run.workdir, run.step))

@@ -94,6 +94,18 @@ def init_opt_state(run: Run):
   return jax.jit(run.tx.init, out_shardings=run.shardings.opt_state)(run.params)
 
 
+def check_start(config: ExperimentConfig, workdir: str):
+  """What must hold before the workdir is created: the mesh and batch fit the devices, the tokenizer
+  fits the model, the data paths and the ``init_from`` sources exist. Returns ``(mesh, tokenizer)``."""
+  mesh = sharding.make_mesh(config.mesh)
+  sharding.check_batch(mesh, config.train.batch_size, config.train.grad_accum)
+  tokenizer = data_lib.load_tokenizer(config.data.tokenizer, data_lib.cache_dir(config.data))
+  data_lib.check_vocab(tokenizer, config.model.vocab_size)
+  data_lib.check_paths(config.data)
+  ckpt_lib.check_init_sources(config.train, workdir)
+  return mesh, tokenizer
+
+
 def _no_phase(part: str):
   del part
   return contextlib.nullcontext()
@@ -101,17 +113,11 @@ def _no_phase(part: str):
 
 def build_run(config: ExperimentConfig, workdir: str, phase=_no_phase) -> Run:
   """Mesh, model, optimizer, data and checkpoints; restores the workdir's latest checkpoint if any.
-  A mesh or batch that does not fit the devices fails before the workdir is created. ``phase(part)``:
-  a context manager around each part of the start-up (``tokenizer``, ``model``, ``data``, ``restore``,
+  A config that ``check_start`` refuses fails before the workdir is created. ``phase(part)``: a
+  context manager around each part of the start-up (``checks``, ``model``, ``data``, ``restore``,
   ``init_from``), e.g. a run's phase clock."""
-  mesh = sharding.make_mesh(config.mesh)
-  sharding.check_batch(mesh, config.train.batch_size, config.train.grad_accum)
-  cache_dir = data_lib.cache_dir(config.data)
-  with phase("tokenizer"):
-    tokenizer = data_lib.load_tokenizer(config.data.tokenizer, cache_dir)
-  data_lib.check_vocab(tokenizer, config.model.vocab_size)
-  data_lib.check_paths(config.data)
-  ckpt_lib.check_init_sources(config.train, workdir)
+  with phase("checks"):
+    mesh, tokenizer = check_start(config, workdir)
   os.makedirs(workdir, exist_ok=True)
   tx = make_optimizer(config.train)
   with phase("model"):

@@ -124,7 +124,7 @@ def stage1(own_text, tmp_path_factory):
   final = {}
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(train_lib, "evaluate_run",
-                  lambda run, heldout, writer=None: final.update(params=leaves(run.params)))
+                  lambda run, heldout, writer=None, clock=None: final.update(params=leaves(run.params)))
     patch.setattr(train_lib, "make_train_step", shared_train_step)
     train_lib.train_and_evaluate(config, str(workdir))
   return workdir, config, final["params"]
@@ -168,7 +168,7 @@ def test_stage2_trains_on_the_next_record_and_resumes_its_own_run_after_a_crash(
 
   with pytest.MonkeyPatch.context() as patch, pytest.raises(Crash):
     patch.setattr(ckpt_lib.Checkpointer, "save", save_then_crash)
-    patch.setattr(train_lib, "evaluate_run", lambda run, heldout, writer=None: {"step": run.step})
+    patch.setattr(train_lib, "evaluate_run", lambda run, heldout, writer=None, clock=None: {"step": run.step})
     patch.setattr(train_lib, "make_train_step", shared_train_step)
     train_lib.train_and_evaluate(config, str(workdir))
   assert sorted(os.listdir(workdir / "checkpoints")) == ["1"]
