@@ -15,7 +15,6 @@ harness.py``; ``--task_path`` a folder of task YAMLs, ``--limit``, ``--batch_siz
 table is printed and written to ``DIR/eval_<step>_<tasks>.json``.
 """
 
-import os
 
 import jax
 from absl import flags
@@ -23,10 +22,7 @@ from ml_collections import config_flags
 
 from lmcore import cli
 from lmcore import config as cfg_lib
-from lmcore import data as data_lib
 from lmcore.eval import generate
-from lmcore.errors import ConfigError
-from lmcore.model_card import card
 from lmcore.train import chain, sharding
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file and preset the run was trained with.",
@@ -60,28 +56,6 @@ _LONG_CONTEXT = flags.DEFINE_enum("long_context", "truncate", ["truncate", "stre
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def evaluate_tasks(config, workdir: str, tasks: list[str], *, step: int | None = None, task_path: str = "",
-                   limit: int = 0, batch_size: int = 0, num_fewshot: int = -1, long_context: str = "truncate",
-                   out_dir: str = "") -> dict:
-  """``--tasks``: the checkpoint through lm-evaluation-harness (``lmcore.eval.harness``), offline unless
-  HF_DATASETS_OFFLINE / HF_HUB_OFFLINE say otherwise."""
-  os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read when the datasets package is imported
-  os.environ.setdefault("HF_HUB_OFFLINE", "1")
-  try:
-    from lmcore.eval import harness  # noqa: PLC0415 (lm-eval is an optional dependency)
-  except ImportError as e:
-    raise ConfigError(f"--tasks needs lm-evaluation-harness ({e}); install it with "
-                      "pip install -e '.[eval]'") from None
-  tokenizer = data_lib.load_tokenizer(config.data.tokenizer, data_lib.cache_dir(config.data))
-  data_lib.check_vocab(tokenizer, config.model.vocab_size)
-  graphdef, params, rest, step = chain.restore_checkpoint(config, workdir, step)
-  lm = harness.HarnessLM(graphdef, params, rest, tokenizer, window=config.data.seq_len,
-                         batch_size=batch_size or config.eval.batch_size, long_context=long_context)
-  return harness.evaluate_tasks(lm, tasks, out_dir=out_dir or workdir, step=step, name=config.name,
-                                card=card(config.model, config.data.seq_len), task_path=task_path,
-                                limit=limit or None, num_fewshot=None if num_fewshot < 0 else num_fewshot)
-
-
 def main(argv):
   del argv
   cli.show_library_logs()  # absl (and Orbax's per-save logs) at WARNING, lmcore at INFO
@@ -91,9 +65,9 @@ def main(argv):
   prompts = generate.prompts_of(_PROMPT.value, _PROMPT_FILE.value, _STREAM_TOKENS.value)
   with jax.set_mesh(sharding.make_mesh(config.mesh)):  # the kernels' shard_map reads the mesh from here
     if _TASKS.value:
-      evaluate_tasks(config, _WORKDIR.value, _TASKS.value, step=_STEP.value, task_path=_TASK_PATH.value,
-                     limit=_LIMIT.value, batch_size=_BATCH_SIZE.value, num_fewshot=_NUM_FEWSHOT.value,
-                     long_context=_LONG_CONTEXT.value, out_dir=_OUT_DIR.value)
+      chain.evaluate_tasks(config, _WORKDIR.value, _TASKS.value, step=_STEP.value, task_path=_TASK_PATH.value,
+                           limit=_LIMIT.value, batch_size=_BATCH_SIZE.value, num_fewshot=_NUM_FEWSHOT.value,
+                           long_context=_LONG_CONTEXT.value, out_dir=_OUT_DIR.value)
       return
     chain.evaluate_checkpoint(config, _WORKDIR.value, _STEP.value, prompts, _MAX_NEW_TOKENS.value,
                               _OUT_DIR.value, sampling=sampling, seed=_SEED.value,

@@ -6,6 +6,8 @@ Presets:
   1p3b, 1p3b_30b, 1p3b_50b           likewise for the 1.3B model (50B = 100,000 steps, 1,000 warmup)
   1p3b_released_window               1.3B with the window the released code really used (128)
   1p3b_decay                         the decay ablation the released ``based-1b`` config names (MATH §2.1)
+  repro_based                        the reproduction chain's BASED row (scripts/reproduce.py): 8 layers
+                                     of 512 on runs/linux, the tokens and recipe of Transformer++'s row
 
 Window semantics: our ``window`` is the true look-back (keys i−window … i). The paper's Table 7 gives
 64 (360M) and 16 (1.3B); the released configs say 128/256 but pass ``window_size // 2`` to
@@ -16,7 +18,7 @@ flash-attn, so they looked back 64 (360M) and 128 (1.3B).
         --config.data.tokenizer.path=/data/gpt2/tokenizer.json
 """
 
-from configs import common
+from configs import common, sanatan
 
 # Tokens -> (steps, warmup steps) at 524,288 tokens per step (MATH §2.4). 30B: our choice of warmup.
 BUDGETS = {"10b": (20_000, 200), "30b": (60_000, 1_000), "50b": (100_000, 1_000)}
@@ -67,12 +69,39 @@ def tiny():
       train=common.TINY_TRAIN, data=common.TINY_DATA, heldout=common.TINY_HELDOUT)
 
 
+# The reproduction chain's BASED row (scripts/reproduce.py) at the chain's width and recipe
+# (configs/sanatan.py:REPRO_GPU): the 360M model's first 8 layers (its period of five, conv / Taylor /
+# SWA / conv / conv, cut at 8: Taylor at 1 and 6, SWA at 2 and 7) with the paper's 16 heads of feature
+# dimension 16 and window 64, which it keeps from 360M to 1.3B (head width D / 16). The SwiGLU hidden is
+# the one free size: 1,280 (a multiple of 256, as the released MLP rounds) gives 34,109,952 parameters
+# against Transformer++ repro's 34,087,424 (+0.07 %); the paper's 2 D would leave BASED 9 % smaller.
+REPRO_LAYERS = dict(n_layers=8, pattern="base_conv*8;taylor@1,6;swa@2,7", mlp_hidden=1280)
+REPRO_MIXERS = dict(n_heads=16, feature_dim=16, window=64)
+# --tiny: three layers (conv, Taylor, SWA) at the tiny scale's width, heads and window shortened to it.
+REPRO_TINY_LAYERS = dict(n_layers=3, pattern="base_conv*3;taylor@1;swa@2")
+REPRO_TINY_MIXERS = dict(n_heads=4, feature_dim=16, window=16)
+
+
+def repro_based(stage1_steps: int | None = None, scale: sanatan.ReproScale = sanatan.REPRO_GPU,
+                corpus: str | None = sanatan.REPRO_CORPUS):
+  """BASED in the reproduction chain: the tokens, optimizer, schedule and data of
+  ``configs/baselines.py:transformer_pp_repro``, BASED's layers (above), no position table, BASED's
+  scaled out-projection initialisation (MATH §2.4); the held-out loss alone is evaluated."""
+  tiny = scale is sanatan.REPRO_TINY
+  layers, sizes = (REPRO_TINY_LAYERS, REPRO_TINY_MIXERS) if tiny else (REPRO_LAYERS, REPRO_MIXERS)
+  mixers = {"taylor": dict(n_heads=sizes["n_heads"], feature_dim=sizes["feature_dim"], implementation="auto"),
+            "swa": dict(n_heads=sizes["n_heads"], window=sizes["window"]), "base_conv": {}}
+  return sanatan.repro_experiment(mixers, sanatan.repro_control(stage1_steps, scale), scale, corpus, "based_repro",
+                                  eval=dict(paired=False), max_positions=0, scale_out_init=True, **layers)
+
+
 PRESETS = {
     "tiny": tiny,
     **{size if budget == "10b" else f"{size}_{budget}": paper(size, budget)
        for size in SIZES for budget in BUDGETS},
     "1p3b_released_window": paper("1p3b", window=128),
     "1p3b_decay": paper("1p3b", decay=True),
+    "repro_based": repro_based,
 }
 
 

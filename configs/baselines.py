@@ -104,7 +104,7 @@ def repro_softmax_nope(stage1_steps: int | None = None, scale: ReproScale = REPR
 def _repro_softmax(stage1_steps, scale: ReproScale, corpus, name: str, *, rope: bool, table: bool):
   mixer = dict(n_heads=scale.n_heads, head_dim=scale.head_dim, rope=rope)
   positions = {} if table else {"max_positions": 0}
-  return repro_experiment("softmax", mixer, repro_control(stage1_steps, scale), scale, corpus, name,
+  return repro_experiment({"softmax": mixer}, repro_control(stage1_steps, scale), scale, corpus, name,
                           eval=dict(paired=False), **positions)
 
 
@@ -112,7 +112,7 @@ def repro_gla(stage1_steps: int | None = None, scale: ReproScale = REPRO_GPU, co
   """The chain's GLA control, ``gla_182m`` at the chain's width: FLA's layer with 4 heads, no position
   table, norm eps 1e-6; the same tokens as the softmax control."""
   mixer = dict(n_heads=4, implementation=scale.gla_implementation, chunked_remat=False)  # as SANATAN's: no recomputation
-  return repro_experiment("gla", mixer, repro_control(stage1_steps, scale), scale,
+  return repro_experiment({"gla": mixer}, repro_control(stage1_steps, scale), scale,
                           corpus, "gla_repro", max_positions=0, norm_eps=1e-6)
 
 

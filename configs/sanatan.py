@@ -196,18 +196,21 @@ def _control_eval_every(scale: ReproScale, stage1_steps: int) -> int:
   return stage1_steps // scale.evals if scale.evals else 0
 
 
-def repro_experiment(kind: str, mixer: dict, train: dict, scale: ReproScale, corpus: str | None, name: str,
+def repro_experiment(mixers: dict[str, dict], train: dict, scale: ReproScale, corpus: str | None, name: str,
                      eval: dict | None = None, **model):
-  """One run of the chain: ``kind`` in every layer of the scale's backbone, on ``corpus`` (its
-  ``shards/*.array_record`` and ``tokenizer.model``; None: the embedded corpus and tokenizer)."""
-  model = dict(scale.model, pattern=f"{kind}*{scale.model['n_layers']}", **model)
+  """One run of the chain on the scale's backbone with ``model``'s fields changed (one mixer kind: in
+  every layer unless ``model`` gives a pattern), on ``corpus`` (its ``shards/*.array_record`` and
+  ``tokenizer.model``; None: the embedded corpus and tokenizer)."""
+  n_layers = model.get("n_layers", scale.model["n_layers"])
+  every_layer = {"pattern": f"{next(iter(mixers))}*{n_layers}"} if len(mixers) == 1 else {}
+  model = {**scale.model, **every_layer, **model}
   sources = tokenizer = None
   if corpus:
     model["vocab_size"] = REPRO_CORPUS_VOCAB
     sources = {"linux": dict(kind="array_record", path=f"{corpus}/shards/*.array_record", heldout_fraction=0.01)}
     tokenizer = dict(kind="sentencepiece", path=f"{corpus}/tokenizer.model")
   return common.experiment(
-      model=model, mixers={kind: mixer}, train=train, data=dict(seq_len=scale.seq_len, worker_count=scale.worker_count),
+      model=model, mixers=mixers, train=train, data=dict(seq_len=scale.seq_len, worker_count=scale.worker_count),
       sources=sources, tokenizer=tokenizer, heldout=dict(paper_heldout(), num_sequences=scale.heldout_sequences),
       eval=eval, name=name)
 
@@ -224,7 +227,7 @@ def _repro_sanatan(p: int, scale: ReproScale, train: dict, corpus: str | None, n
   # p = 2 has no recurrent form to pair with; p = 1 is checked parallel against recurrent.
   evaluation = dict(paired=reported and p == 1, paired_a="parallel", gate_stats=reported)
   positions = {} if table else {"max_positions": 0}  # without the table, SANATAN's rotation carries position
-  return repro_experiment("sanatan", mixer, train, scale, corpus, name, eval=evaluation, **positions)
+  return repro_experiment({"sanatan": mixer}, train, scale, corpus, name, eval=evaluation, **positions)
 
 
 def repro_p2(stage1_steps: int | None = None, lengths=REPRO_LENGTHS, scale: ReproScale = REPRO_GPU,

@@ -2,8 +2,10 @@
 
   python scripts/make_recall_task.py --input='runs/linux/shards/*.array_record' --kind=array_record \\
       --tokenizer=runs/linux/tokenizer.model --max_tokens=1000 --output_dir=runs/linux/recall_task
-  python eval.py --config=configs/sanatan.py:repro_p1_scratch --workdir=runs/reproduce/p1_scratch \\
+  python eval.py --config=configs/sanatan.py:repro_p1_scratch --workdir=runs/reproduce/s0/p1_scratch \\
       --tasks=code_recall --task_path=runs/linux/recall_task
+
+(``scripts/reproduce.py --recall_task=runs/linux/recall_task`` scores its runs on it as they finish.)
 
 Each example is a window of one held-out file that holds a whole function definition, followed by a
 query: a line of that function's body (unique in the window) in a comment, then the function's return

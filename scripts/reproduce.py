@@ -21,6 +21,24 @@ How to run
   embedded corpus: ``--tiny``. ``--override KEY=VALUE`` (repeatable) sets a config key in every run that
   has it, e.g. ``data.worker_count=0``.
 
+  Every finished run leaves a portable record, ``--workdir/records/s<seed>/<run>.json`` (KBs: its
+  evaluation, loss curve, config, training seconds; stage 1's readouts; the recall score), and a rerun
+  reads a recorded run back without training it or needing its checkpoints. Copying ``records/`` into
+  a fresh workdir (another machine, the same command and settings) carries the finished runs over;
+  ``results.md``, ``results.json`` and the plot are built from the records alone. Stage 2 starts from
+  stage 1's checkpoints, which stay on the machine that trained stage 1: stage 1 (``p2``) and stage 2
+  (``adapt``) finish in one sitting, and a stage 2 whose stage 1 is recorded without its checkpoints
+  is refused in one line before anything trains.
+
+  Recall (``--recall_task``, a folder written by ``scripts/make_recall_task.py`` from the held-out files):
+
+    python scripts/make_recall_task.py --input='runs/linux/shards/*.array_record' --kind=array_record \
+        --tokenizer=runs/linux/tokenizer.model --max_tokens=1000 --output_dir=runs/linux/recall_task
+    python scripts/reproduce.py --workdir=runs/reproduce --recall_task=runs/linux/recall_task
+
+  scores the final checkpoint of each of ``RECALL_RUNS`` right after it trains (or when its record lacks
+  the score and the checkpoint is here) and keeps the accuracy in its record.
+
 The claim (MATH §1.4): a model trained at p = 2 and adapted briefly at p = 1 matches the p = 2 model
 (3.951 vs 3.966 held-out nats), while the p = 2 weights read out at p = 1 without adaptation collapse
 (≈ 9.0). The chain measures the same comparison with the ``repro_*`` presets (configs/sanatan.py,
@@ -34,19 +52,23 @@ configs/baselines.py; 8 layers of 512, T = 1024, 32 sequences per step), at ever
    recurrent on the same sequences (their paired difference and max |Δlogit|), with per-layer
    root-gate statistics;
 4. controls for S1 + stage-2 steps: Transformer++ (softmax with RoPE, no position table; the softmax
-   reference), GLA, SANATAN p = 1 from scratch;
+   reference), GLA, BASED (Taylor linear attention, sliding windows and short convolutions), SANATAN
+   p = 1 from scratch;
 5. position ablations: softmax with the learned table and no RoPE, softmax with neither, SANATAN p = 2
    (S1 steps) and p = 1 from scratch without the table.
 
 The shorter lengths are checkpoints of one cosine schedule of S1 steps (their learning rate has not
 decayed), not runs trained to that length. Every run is a folder ``--workdir/s<seed>/<run>``; finished
-runs and evaluations are read back from their ``eval_<step>.json``, never trained or computed again.
-Output: ``results.md`` (per row the mean over seeds and the spread, max − min; a difference between two
-rows counts only when it exceeds both rows' spreads) and ``results.json`` in ``--workdir``, and the
-loss curves (``--plot``).
+runs are read back from their record, or from their ``eval_<step>.json``, never trained or computed
+again. Output: ``results.md`` (per row the mean over seeds and the spread, max − min; a difference
+between two rows counts only when it exceeds both rows' spreads; recall beside the held-out loss) and
+``results.json`` in ``--workdir``, and the loss curves (``--plot``).
 """
 
+import collections
 import dataclasses
+import glob
+import hashlib
 import json
 import math
 import os
@@ -61,18 +83,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import plots  # noqa: E402
 from benchmarks.train_step import BenchError, apply_overrides, parse_override  # noqa: E402
-from configs import baselines, sanatan  # noqa: E402
+from configs import based, baselines, sanatan  # noqa: E402
 from lmcore import cli  # noqa: E402
 from lmcore import config as cfg_lib  # noqa: E402
 from lmcore import data as data_lib  # noqa: E402
 from lmcore.errors import ConfigError, MissingFileError  # noqa: E402
 from lmcore.model import abstract_param_count  # noqa: E402
-from lmcore.train import chain  # noqa: E402
+from lmcore.train import chain, sharding  # noqa: E402
 from lmcore.train import workdir as workdir_lib  # noqa: E402
 
-RUNS = ("p2", "adapt", "scratch", "transformer_pp", "gla", "softmax_table", "softmax_nope", "p2_no_table",
+RUNS = ("p2", "adapt", "scratch", "transformer_pp", "gla", "based", "softmax_table", "softmax_nope", "p2_no_table",
         "scratch_no_table")
 REFERENCE = "transformer_pp"  # the row every other is compared with in the summary
+# The runs scored on --recall_task (stage 2: from the longest adapted length). Stage 1 and SANATAN p = 2
+# without the table are not: p = 2 has no decode state to generate with.
+RECALL_RUNS = ("adapt", "scratch", "transformer_pp", "gla", "based", "scratch_no_table")
 GATE_KEYS = ("frac_saturated_q", "frac_saturated_k", "mismatch_fraction", "mismatch_gate_mean")
 
 _WORKDIR = flags.DEFINE_string("workdir", sanatan.REPRO_WORKDIR, "Where every run of the chain writes.")
@@ -93,6 +118,10 @@ _OVERRIDE = flags.DEFINE_multi_string("override", [], "KEY=VALUE set in every ru
 _PLOT = flags.DEFINE_string("plot", "", "The loss-curve PNG (default: <workdir>/loss_curves.png).")
 _ACCEPT = flags.DEFINE_list("accept_config_changes", [], "Config fields a resumed run may change (as "
                             "train.py's flag); each change is recorded in that run's config_history.jsonl.")
+_RECALL_TASK = flags.DEFINE_string("recall_task", "", "A recall task folder of scripts/make_recall_task.py: "
+                                   f"the final checkpoints of {', '.join(RECALL_RUNS)} are scored on it.")
+_RECALL_LIMIT = flags.DEFINE_integer("recall_limit", 0, "Recall examples scored per run at most (0: all).")
+_RECALL_BATCH_SIZE = flags.DEFINE_integer("recall_batch_size", 32, "Recall prompts generated per batch.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +138,35 @@ class Run:
 
 
 @dataclasses.dataclass(frozen=True)
+class RecallTask:
+  """The recall task of ``--recall_task``: a scored record counts only for the same examples and limit."""
+
+  path: str
+  name: str
+  sha256: str  # of the task's examples file
+  limit: int = 0
+  batch_size: int = 32
+
+  def identity(self) -> dict:
+    return {"task": self.name, "sha256": self.sha256, "limit": self.limit}
+
+
+def recall_task(path: str, limit: int, batch_size: int) -> RecallTask:
+  """The task of the folder ``path`` (one ``<task>.yaml`` beside its ``<task>.jsonl``)."""
+  yamls = sorted(glob.glob(os.path.join(path, "*.yaml")))
+  examples = os.path.splitext(yamls[0])[0] + ".jsonl" if len(yamls) == 1 else ""
+  if not os.path.isfile(examples):
+    raise MissingFileError(f"--recall_task={path} holds no single <task>.yaml beside its <task>.jsonl; write it "
+                           "with scripts/make_recall_task.py (the command is in this script's docstring).")
+  if limit < 0 or batch_size < 1:
+    raise ConfigError(f"--recall_limit={limit} --recall_batch_size={batch_size}: give a limit >= 0 (0: every "
+                      "example) and a batch size >= 1.")
+  with open(examples, "rb") as f:
+    digest = hashlib.sha256(f.read()).hexdigest()
+  return RecallTask(path, os.path.basename(os.path.splitext(examples)[0]), digest, limit, batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
   workdir: str
   scale: sanatan.ReproScale
@@ -119,6 +177,7 @@ class Plan:
   runs: tuple[str, ...]
   overrides: tuple[str, ...]
   seeds: tuple[int, ...] = sanatan.REPRO_SEEDS
+  recall: RecallTask | None = None
 
   def identity(self) -> dict:
     """What a rerun in the same workdir must keep (the runs, seeds and adapted lengths may change)."""
@@ -155,8 +214,10 @@ def make_plan() -> Plan:
   if unknown or not _RUNS.value:
     raise ConfigError(f"--runs={','.join(_RUNS.value)}: choose among {','.join(RUNS)}.")
   runs = tuple(r for r in RUNS if r in _RUNS.value or (r == "p2" and "adapt" in _RUNS.value))
+  recall = recall_task(_RECALL_TASK.value, _RECALL_LIMIT.value, _RECALL_BATCH_SIZE.value) if _RECALL_TASK.value \
+      else None
   return Plan(_WORKDIR.value, scale, corpus, stage1_steps, lengths, adapt, runs, tuple(_OVERRIDE.value),
-              seeds(_SEEDS.value))
+              seeds(_SEEDS.value), recall)
 
 
 def seeds(values: list[str]) -> tuple[int, ...]:
@@ -185,6 +246,7 @@ CONTROLS = {
     "scratch": ("SANATAN p = 1 from scratch", sanatan.repro_p1_scratch, "p1_scratch"),
     "transformer_pp": ("Transformer++ (softmax, RoPE, no table)", baselines.transformer_pp_repro, "transformer_pp"),
     "gla": ("GLA (no table)", baselines.repro_gla, "gla"),
+    "based": ("BASED (Taylor, sliding window, BaseConv; no table)", based.repro_based, "based"),
     "softmax_table": ("softmax, learned table, no RoPE", baselines.repro_softmax_table, "softmax_table"),
     "softmax_nope": ("softmax, no table, no RoPE", baselines.repro_softmax_nope, "softmax_nope"),
     "p2_no_table": ("SANATAN p = 2, no table (stage-1 steps)", sanatan.repro_p2_no_table, "p2_no_table"),
@@ -286,16 +348,95 @@ def run_key(run: Run) -> str:
   return run.name if run.name != "adapt" else f"adapt_{run.start_step}"
 
 
-def run_summary(run: Run, record: dict) -> dict:
-  steps = run.config.train.steps
-  return {"label": run.label, "workdir": run.workdir, "steps": steps, "tokens": steps * tokens_per_step(run.config),
-          "params": abstract_param_count(run.config.model),
-          "train_seconds": chain.training_seconds(chain.read_metrics(run.workdir)), "loss": record["loss"],
-          "start_step": run.start_step, "eval": record}
+# -- portable records: what a finished run leaves for a rerun on any machine ---------------------------
+
+RECORD_FORMAT = 1
+WORKDIR = "<workdir>"  # how a record writes the paths inside --workdir (a copy may live elsewhere)
+# Config keys that do not change what a run measures: a record of another machine's setting still counts.
+UNMEASURED_KEYS = ("wandb", "data.worker_count", "data.cache_dir", "train.compilation_cache", "train.profile_steps")
+
+
+def record_path(workdir: str, seed: int, key: str) -> str:
+  return os.path.join(workdir, "records", f"s{seed}", f"{key}.json")
+
+
+def portable_config(config: cfg_lib.ExperimentConfig, workdir: str) -> dict:
+  """The config as JSON with every path inside ``workdir`` written from ``WORKDIR``."""
+  root = workdir.rstrip("/")
+  def portable(value):
+    if isinstance(value, dict):
+      return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+      return [portable(v) for v in value]
+    if isinstance(value, str) and (value == root or value.startswith(root + "/")):
+      return WORKDIR + value[len(root):]
+    return value
+  return json.loads(json.dumps(portable(cfg_lib.to_jsonable(config))))
+
+
+def config_difference(stored, planned, key: str = "") -> str | None:
+  """The first key whose value differs between two portable configs (``key=stored -> planned``), None
+  when none does; keys only one of them has (fields added or removed since) and ``UNMEASURED_KEYS`` are
+  not compared."""
+  if key in UNMEASURED_KEYS:
+    return None
+  if isinstance(stored, dict) and isinstance(planned, dict):
+    for name in stored.keys() & planned.keys():
+      found = config_difference(stored[name], planned[name], f"{key}.{name}" if key else name)
+      if found:
+        return found
+    return None
+  return None if stored == planned else f"{key}={stored!r} -> {planned!r}"
+
+
+def read_run_record(run: Run, plan: Plan) -> dict | None:
+  """The portable record of ``run``, None when there is none; one line when it records another run."""
+  path = record_path(plan.workdir, run.seed, run_key(run))
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    record = json.load(f)
+  if record.get("format") != RECORD_FORMAT:
+    changed = f"format {record.get('format')!r}, read here: {RECORD_FORMAT}"
+  elif record["chain"] != json.loads(json.dumps(plan.identity())):
+    changed = f"a chain planned as {record['chain']}, not {plan.identity()}"
+  else:
+    changed = config_difference(record["config"], portable_config(run.config, plan.workdir))
+  if changed:
+    raise ConfigError(f"{path} records a run set up otherwise ({changed}); rerun with its settings, or remove the "
+                      "record to train that run again.")
+  return record
+
+
+def write_record(plan: Plan, run: Run, record: dict) -> dict:
+  """Writes ``record`` as ``run``'s portable record; returns it as it reads back (NaN as null)."""
+  path = record_path(plan.workdir, run.seed, run_key(run))
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    json.dump(to_json(record), f, indent=1)
+  os.replace(path + ".tmp", path)
+  return json.loads(json.dumps(to_json(record)))
+
+
+def new_record(run: Run, evaluation: dict, plan: Plan) -> dict:
+  """The portable record of a run finished in its folder: its final evaluation (with any timing it
+  holds) and gate statistics, its loss curve and training seconds, its config; stage 1's readouts at
+  every length (they read its checkpoints, so they are made now)."""
+  rows = chain.read_metrics(run.workdir)
+  record = {"format": RECORD_FORMAT, "run": run_key(run), "seed": run.seed, "label": run.label,
+            "device": jax.devices()[0].device_kind, "chain": plan.identity(),
+            "config": portable_config(run.config, plan.workdir), "eval": evaluation,
+            "gate_stats": read_gate_stats(run.workdir, evaluation.get("gate_stats_file")),
+            "train_seconds": chain.training_seconds(rows),
+            "curve": {"train": chain.curve_points(rows), "eval": chain.curve_points(rows, "eval/loss")}}
+  if run.name == "p2":
+    record["lengths"] = readouts(run, evaluation, plan)
+  return record
 
 
 def readouts(stage1: Run, record: dict, plan: Plan) -> list[dict]:
-  """Per stage-1 length: the p = 2 held-out loss and the unadapted p = 1 readout of the same parameters."""
+  """Per stage-1 length: the p = 2 held-out loss (and its gate statistics) and the unadapted p = 1
+  readout of the same parameters."""
   rows = []
   for step in plan.length_steps:
     print(f"== seed {stage1.seed}, stage 1 at step {step:,}: p = 2 and the unadapted p = 1 readout ==", flush=True)
@@ -303,7 +444,7 @@ def readouts(stage1: Run, record: dict, plan: Plan) -> list[dict]:
     p1 = chain.readout(stage1.config, stage1.workdir, step, os.path.join(stage1.workdir, "readout_p1"), p=1)
     rows.append({"step": step, "fraction": step / plan.stage1_steps, "tokens": step * tokens_per_step(stage1.config),
                  "loss_p2": p2["loss"], "loss_p1_readout": p1["loss"], "gap": p1["loss"] - p2["loss"],
-                 "gate_stats_file": p2.get("gate_stats_file")})
+                 "gate_stats": read_gate_stats(stage1.workdir, p2.get("gate_stats_file"))})
   return rows
 
 
@@ -315,29 +456,108 @@ def read_gate_stats(folder: str, filename: str | None) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
-def run_chain(plan: Plan, runs: list[Run]) -> dict | None:
-  """Every run in order; the results record (per seed, and their ``summary``), or None when a run was
-  stopped."""
-  per_seed: dict[str, dict] = {}
-  for index, run in enumerate(runs, 1):
-    record = train(run, index, len(runs))
+def recalled(run: Run, plan: Plan) -> bool:
+  """Whether ``run`` is one the recall table shows."""
+  return run.name in RECALL_RUNS and (run.name != "adapt" or run.start_step == max(plan.adapt_from))
+
+
+def add_recall(run: Run, record: dict, plan: Plan) -> dict:
+  """``record`` with the score of the run's final checkpoint on ``plan.recall`` (when the run is one of
+  ``RECALL_RUNS``), measured now unless the record holds it; unchanged when the checkpoint is not here."""
+  task = plan.recall
+  if task is None or not recalled(run, plan) or (record.get("recall") or {}).get("identity") == task.identity():
+    return record
+  steps = run.config.train.steps
+  if not chain.has_checkpoint(run.workdir, steps):
+    print(f"   recall not measured: {run.workdir} keeps no checkpoint of step {steps:,} (it stays on the machine "
+          "that trained the run)", flush=True)
+    return record
+  print(f"== seed {run.seed}, {run.label}: recall on {task.name} ==", flush=True)
+  with jax.set_mesh(sharding.make_mesh(run.config.mesh)):  # the kernels' shard_map reads the mesh from here
+    scored = chain.evaluate_tasks(run.config, run.workdir, [task.name], step=steps, task_path=task.path,
+                                  limit=task.limit, batch_size=task.batch_size)
+  row = next(r for r in scored["results"] if r["task"] == task.name)
+  return write_record(plan, run, {**record, "recall": {
+      "identity": task.identity(), "metric": row["metric"], "accuracy": row["value"], "stderr": row["stderr"],
+      "n": row["n"], "seconds": scored["seconds"]}})
+
+
+def finish(run: Run, record: dict | None, plan: Plan, index: int, total: int) -> dict | None:
+  """The portable record of one run: ``record`` (read back), else trained (or read back from its folder)
+  and written; None when training was stopped by a signal."""
+  if record is None:
+    evaluation = train(run, index, total)
+    if evaluation is None:
+      return None
+    record = write_record(plan, run, new_record(run, evaluation, plan))
+  else:
+    print(f"== [{index}/{total}] seed {run.seed}, {run.label}: {run.config.train.steps:,} steps (recorded: read "
+          f"back from {record_path(plan.workdir, run.seed, run_key(run))}) ==\n"
+          f"   held-out loss {record['eval']['loss']:.4f} nats", flush=True)
+  return add_recall(run, record, plan)
+
+
+def check_stage2_sources(plan: Plan, runs: list[Run]) -> None:
+  """Every stage 2 still to train finds its stage-1 checkpoint here, or its stage 1 trains here first.
+  A stage 1 recorded elsewhere left its checkpoints there."""
+  for run in runs:
+    if run.name != "adapt" or os.path.isfile(record_path(plan.workdir, run.seed, run_key(run))) \
+        or chain.has_checkpoint(run.workdir):  # stage 2 resumes its own checkpoint
+      continue
+    stage1_record = record_path(plan.workdir, run.seed, "p2")
+    stage1 = os.path.join(plan.workdir, f"s{run.seed}", "p2")
+    if os.path.isfile(stage1_record) and not chain.has_checkpoint(stage1, run.start_step):
+      raise MissingFileError(
+          f"stage 2 at seed {run.seed} starts from stage 1's checkpoint of step {run.start_step:,}, and {stage1} "
+          f"has none: stage 1 is recorded ({stage1_record}) but was trained elsewhere. Stage 1 and stage 2 finish "
+          f"in one sitting: remove {os.path.dirname(stage1_record)}/p2.json and adapt_*.json to train both here, "
+          "or leave adapt out of --runs.")
+
+
+def run_chain(plan: Plan, runs: list[Run]) -> dict[tuple[int, str], dict] | None:
+  """Every run in order; their portable records by (seed, run key), or None when a run was stopped.
+  Records that do not fit the plan and stage 2 without its stage 1 fail before anything trains."""
+  recorded = [read_run_record(run, plan) for run in runs]
+  check_stage2_sources(plan, runs)
+  records = {}
+  for index, (run, record) in enumerate(zip(runs, recorded), 1):
+    record = finish(run, record, plan, index, len(runs))
     if record is None:
       return None
+    records[(run.seed, run_key(run))] = record
+  return records
+
+
+def run_summary(run: Run, record: dict) -> dict:
+  steps = run.config.train.steps
+  return {"label": run.label, "workdir": run.workdir, "steps": steps, "tokens": steps * tokens_per_step(run.config),
+          "params": abstract_param_count(run.config.model), "train_seconds": record["train_seconds"],
+          "loss": record["eval"]["loss"], "start_step": run.start_step, "eval": record["eval"],
+          "recall": record.get("recall")}
+
+
+def results_from_records(plan: Plan, runs: list[Run], records: dict[tuple[int, str], dict]) -> dict:
+  """The results record (per seed, and their ``summary``) from the runs' portable records alone."""
+  per_seed: dict[str, dict] = {}
+  for run in runs:
+    record = records[(run.seed, run_key(run))]
     result = per_seed.setdefault(str(run.seed), {"runs": {}, "lengths": []})
     result["runs"][run_key(run)] = run_summary(run, record)
     if run.name == "p2":
-      result["lengths"] = readouts(run, record, plan)
+      result["lengths"] = [dict(row) for row in record["lengths"]]
   for seed, result in per_seed.items():
     for row in result["lengths"]:
       adapted = result["runs"].get(f"adapt_{row['step']}")
       row["adapted_loss"] = adapted and adapted["loss"]
       row["adapted_minus_p2"] = adapted and adapted["loss"] - row["loss_p2"]
-    result["gate_stats"] = gate_comparison([r for r in runs if str(r.seed) == seed], result["runs"],
+    seed_runs = [r for r in runs if str(r.seed) == seed]
+    result["gate_stats"] = gate_comparison(seed_runs, {run_key(r): records[(r.seed, run_key(r))] for r in seed_runs},
                                            result["lengths"])
-  return {"stage1_steps": plan.stage1_steps, "seeds": per_seed, "summary": summarize(per_seed, plan.stage1_steps)}
+  return {"stage1_steps": plan.stage1_steps, "seeds": per_seed,
+          "summary": summarize(per_seed, plan.stage1_steps, plan.recall)}
 
 
-def gate_comparison(runs: list[Run], summaries: dict, lengths: list[dict]) -> dict:
+def gate_comparison(runs: list[Run], records: dict[str, dict], lengths: list[dict]) -> dict:
   """Per-layer gate statistics of stage 1 at the longest adapted length and of stage 2 from it."""
   stage1 = next((r for r in runs if r.name == "p2"), None)
   if stage1 is None:
@@ -345,9 +565,8 @@ def gate_comparison(runs: list[Run], summaries: dict, lengths: list[dict]) -> di
   adapted = [r for r in runs if r.name == "adapt"]
   step = adapted[-1].start_step if adapted else stage1.config.train.steps
   row = next(r for r in lengths if r["step"] == step)
-  stage2 = read_gate_stats(adapted[-1].workdir, summaries[f"adapt_{step}"]["eval"].get("gate_stats_file")) \
-      if adapted else []
-  return {"stage1_step": step, "stage1": read_gate_stats(stage1.workdir, row["gate_stats_file"]), "stage2": stage2}
+  stage2 = records[f"adapt_{step}"]["gate_stats"] if adapted else []
+  return {"stage1_step": step, "stage1": row["gate_stats"], "stage2": stage2}
 
 
 def mean_spread(values) -> dict:
@@ -369,9 +588,9 @@ def beyond_spreads(a: dict, b: dict) -> bool | None:
 SOURCE = {"readout_gap": 9.0 - 3.966, "adapted_minus_p2": 3.951 - 3.966, "gla_minus_adapted": 3.348 - 3.951}
 
 
-def summarize(per_seed: dict[str, dict], stage1_steps: int) -> dict:
+def summarize(per_seed: dict[str, dict], stage1_steps: int, task: RecallTask | None = None) -> dict:
   """Per run and per stage-1 length, over the seeds: mean and spread of each loss; each run's mean
-  against Transformer++'s; the source's differences beside the chain's."""
+  against Transformer++'s; the source's differences beside the chain's; recall (``recall_summary``)."""
   grouped: dict[str, list[dict]] = {}
   for result in per_seed.values():
     for key, summary in result["runs"].items():
@@ -398,7 +617,29 @@ def summarize(per_seed: dict[str, dict], stage1_steps: int) -> dict:
                   **{field: mean_spread([r[field] for r in rows])
                      for field in ("loss_p2", "loss_p1_readout", "gap", "adapted_loss", "adapted_minus_p2")}}
                  for step, rows in sorted(lengths.items())]
-  return {"runs": runs, "lengths": length_rows, "source": source_comparison(per_seed, stage1_steps)}
+  return {"runs": runs, "lengths": length_rows, "source": source_comparison(per_seed, stage1_steps),
+          "recall": recall_summary(per_seed, runs, task)}
+
+
+def recall_summary(per_seed: dict[str, dict], runs: dict[str, dict], task: RecallTask | None) -> dict:
+  """Per run with a recall score: the accuracy at each seed, their mean and spread, beside the run's
+  held-out loss (over every seed). Scores of one task only: ``task``'s, else the one most records hold;
+  ``left_out`` counts the others."""
+  def identity(summary: dict) -> str | None:
+    return json.dumps(summary["recall"]["identity"], sort_keys=True) if summary.get("recall") else None
+  held = [identity(s) for r in per_seed.values() for s in r["runs"].values() if identity(s)]
+  if task is None and not held:
+    return {}
+  wanted = json.dumps(task.identity(), sort_keys=True) if task else collections.Counter(held).most_common(1)[0][0]
+  rows = {}
+  for key, row in runs.items():
+    scores = {seed: r["runs"][key]["recall"] for seed, r in per_seed.items()
+              if key in r["runs"] and identity(r["runs"][key]) == wanted}
+    if scores:
+      rows[key] = {"label": row["label"], "accuracies": {seed: v["accuracy"] for seed, v in scores.items()},
+                   "examples": max(v["n"] or 0 for v in scores.values()), "loss": {k: row[k] for k in ("mean", "spread", "n")},
+                   **mean_spread([v["accuracy"] for v in scores.values()])}
+  return {"identity": json.loads(wanted), "runs": rows, "left_out": sum(h != wanted for h in held)}
 
 
 def source_comparison(per_seed: dict[str, dict], stage1_steps: int) -> list[dict]:
@@ -433,10 +674,10 @@ def _num(value, fmt: str = ".4f") -> str:
   return "–" if value is None or (isinstance(value, float) and not math.isfinite(value)) else format(value, fmt)
 
 
-def _with_spread(stat: dict, fmt: str = ".4f") -> str:
+def _with_spread(stat: dict, fmt: str = ".4f", spread_fmt: str = ".4f") -> str:
   if stat["mean"] is None:
     return "–"
-  return _num(stat["mean"], fmt) + (f" ± {stat['spread'] / 2:.4f}" if stat["n"] > 1 else "")
+  return _num(stat["mean"], fmt) + (f" ± {stat['spread'] / 2:{spread_fmt}}" if stat["n"] > 1 else "")
 
 
 def _verdict(value: bool | None) -> str:
@@ -487,8 +728,28 @@ def results_markdown(results: dict, device: str, command: str) -> str:
       after = gates["stage2"][i] if both else {}
       cells = [_num(layer.get(k), ".3f") + (f" → {_num(after.get(k), '.3f')}" if both else "") for k in GATE_KEYS]
       lines.append(f"| {layer['layer']} | " + " | ".join(cells) + " |")
+  lines += recall_markdown(summary.get("recall") or {}, seeds)
   lines += ["", f"device: {device}; command: `{command}`"]
   return "\n".join(lines)
+
+
+def recall_markdown(recall: dict, seeds: list[str]) -> list[str]:
+  """The recall table: accuracy per seed, mean ± half spread, beside the held-out loss."""
+  if not recall.get("runs"):
+    return []
+  task = recall["identity"]
+  examples = max(r["examples"] for r in recall["runs"].values())
+  lines = ["", f"Recall on `{task['task']}` ({examples:,} held-out examples per run; the function's name given one "
+           "line of its body, scored by containment; sha256 " + task["sha256"][:12] + "):", "",
+           "| run | " + " | ".join(f"seed {s}" for s in seeds) + " | recall, mean ± half spread | held-out loss |",
+           "|---" * (3 + len(seeds)) + "|"]
+  for r in recall["runs"].values():
+    cells = [_num(r["accuracies"].get(s), ".3f") for s in seeds]
+    lines.append(f"| {r['label']} | " + " | ".join(cells) + f" | {_with_spread(r, '.3f', '.3f')} | "
+                 f"{_with_spread(r['loss'])} |")
+  if recall["left_out"]:
+    lines.append(f"\n{recall['left_out']} recorded scores of another recall task or limit are left out.")
+  return lines
 
 
 def moving_average(values: np.ndarray, window: int) -> np.ndarray:
@@ -496,12 +757,25 @@ def moving_average(values: np.ndarray, window: int) -> np.ndarray:
   return np.convolve(values, np.ones(window) / window, mode="valid")
 
 
-COLOURS = dict(zip(RUNS, ("tab:blue", None, "tab:green", "black", "tab:red", "tab:gray", "tab:brown", "tab:cyan",
-                          "tab:olive")))
+COLOURS = dict(zip(RUNS, ("tab:blue", None, "tab:green", "black", "tab:red", "tab:purple", "tab:gray", "tab:brown",
+                          "tab:cyan", "tab:olive")))
 SEED_STYLES = ("-", "--", ":", "-.")
 
 
-def plot_curves(runs: list[Run], results: dict, path: str, stage1_steps: int) -> None:
+def curves(run: Run, record: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """(steps, training loss, eval steps, held-out loss) of a run: from its ``metrics.jsonl`` when it is
+  here, else from its record."""
+  rows = chain.read_metrics(run.workdir)
+  if rows:
+    return (*chain.loss_curve(rows), *chain.loss_curve(rows, "eval/loss"))
+  def columns(points):
+    array = np.array(points, dtype=np.float64).reshape(-1, 2)
+    return array[:, 0].astype(np.int64), array[:, 1]
+  return (*columns(record["curve"]["train"]), *columns(record["curve"]["eval"]))
+
+
+def plot_curves(runs: list[Run], records: dict[tuple[int, str], dict], results: dict, path: str,
+                stage1_steps: int) -> None:
   """Training loss (a moving average over 1 % of stage 1) and held-out points against tokens, stage 2
   continuing from its stage-1 step, one line style per seed; the unadapted readouts (mean over the
   seeds) as crosses. Right: the last 30 % of tokens."""
@@ -514,11 +788,9 @@ def plot_curves(runs: list[Run], results: dict, path: str, stage1_steps: int) ->
   visible, end = [], 0.0
   for run in runs:
     colour = COLOURS[run.name] or oranges(0.45 + 0.5 * adapted.index(run.start_step) / max(1, len(adapted) - 1))
-    rows = chain.read_metrics(run.workdir)
     per_step = tokens_per_step(run.config)
     offset = run.start_step * per_step
-    steps, loss = chain.loss_curve(rows)
-    eval_steps, eval_loss = chain.loss_curve(rows, "eval/loss")
+    steps, loss, eval_steps, eval_loss = curves(run, records[(run.seed, run_key(run))])
     if not len(steps):
       continue
     smooth = moving_average(loss, window)
@@ -560,13 +832,14 @@ def to_json(value):
   return value
 
 
-def write_results(plan: Plan, runs: list[Run], results: dict) -> None:
-  """``results.md``, ``results.json`` and the loss curves in ``--workdir``."""
-  device = jax.devices()[0].device_kind
+def write_results(plan: Plan, runs: list[Run], records: dict) -> None:
+  """``results.md``, ``results.json`` and the loss curves in ``--workdir``, from the runs' records."""
+  results = results_from_records(plan, runs, records)
+  device = ", ".join(sorted({record.get("device", "unknown") for record in records.values()}))  # that trained them
   command = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
   table = results_markdown(results, device, command)
   plot_path = _PLOT.value or os.path.join(plan.workdir, "loss_curves.png")
-  plot_curves(runs, results, plot_path, plan.stage1_steps)
+  plot_curves(runs, records, results, plot_path, plan.stage1_steps)
   with open(os.path.join(plan.workdir, "results.md"), "w") as f:
     f.write(table + "\n")
   with open(os.path.join(plan.workdir, "results.json"), "w") as f:
@@ -579,12 +852,13 @@ def main(argv):
   cli.show_library_logs()
   plan = make_plan()
   runs = build_runs(plan)
-  check_inputs(plan, runs[0].config)
+  if not all(os.path.isfile(record_path(plan.workdir, r.seed, run_key(r))) for r in runs):
+    check_inputs(plan, runs[0].config)  # only training reads the corpus: recorded runs build the table anywhere
   with workdir_lib.WorkdirLock(plan.workdir):
     start_workdir(plan)
-    results = run_chain(plan, runs)
-    if results is not None:
-      write_results(plan, runs, results)
+    records = run_chain(plan, runs)
+    if records is not None:
+      write_results(plan, runs, records)
 
 
 if __name__ == "__main__":

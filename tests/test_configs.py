@@ -76,6 +76,23 @@ def test_transformer_pp_presets_have_the_hand_counted_parameters():
   assert count("baselines", "transformer_pp_repro") == transformer_pp_params(16_384, 512, 8, 1408) == 34_087_424
 
 
+def test_based_repro_has_the_hand_counted_parameters_and_transformer_pp_repros_recipe():
+  """The reproduction's BASED row: the 360M model's first 8 layers at width 512 (Taylor 2 · 256 · D + 2 D²,
+  SWA 4 D², BaseConv 6 D² + 11 D), SwiGLU 1,280, within 3 % of Transformer++ repro on its recipe."""
+  d = 512
+  mixers = 2 * (2 * 256 * d + 2 * d * d) + 2 * 4 * d * d + 4 * (6 * d * d + 11 * d)
+  assert count("based", "repro_based") == 16_384 * d + mixers + 8 * (3 * d * 1280 + 2 * d) + d == 34_109_952
+  assert abs(34_109_952 / count("baselines", "transformer_pp_repro") - 1) < 0.03
+  config = cfg_lib.experiment_config(importlib.import_module("configs.based").get_config("repro_based"))
+  reference = cfg_lib.experiment_config(importlib.import_module("configs.baselines").get_config("transformer_pp_repro"))
+  assert config.train == reference.train and config.data == reference.data and config.mesh == reference.mesh
+  model = config.model
+  assert model.layer_kinds() == ("base_conv", "taylor", "swa", "base_conv", "base_conv", "base_conv", "taylor", "swa")
+  assert (model.max_positions, model.scale_out_init, model.norm_eps) == (0, True, 1e-5)
+  taylor, swa = model.mixers["taylor"], model.mixers["swa"]
+  assert (taylor.n_heads, taylor.feature_dim, taylor.implementation, swa.n_heads, swa.window) == (16, 16, "auto", 16, 64)
+
+
 def test_transformer_pp_presets_are_softmax_with_rope_and_no_table_on_their_comparisons_recipe():
   def typed(name, preset):
     return cfg_lib.experiment_config(importlib.import_module(f"configs.{name}").get_config(preset))

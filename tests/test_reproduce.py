@@ -1,12 +1,15 @@
 """The reproduction chain of SANATAN's two-stage claim (scripts/reproduce.py): its presets state the
 documented sizes, positions and step relations, the seed changes the model's initialisation,
 a missing corpus is one line before any folder exists, and the chain at CPU scale (every control and
-position ablation at two seeds) writes its table with means and spreads, readouts and plot, and a rerun
-trains nothing and gives the same table."""
+position ablation at two seeds, recall scored) writes its table with means and spreads, readouts,
+recall and plot; a rerun trains nothing and gives the same table, and so does a fresh workdir holding
+only the portable records, where a stage 2 whose stage 1 was trained elsewhere is refused."""
 
+import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -16,7 +19,7 @@ from configs import baselines, sanatan
 import numpy as np
 
 from lmcore import config as cfg_lib
-from lmcore.errors import ConfigError
+from lmcore.errors import ConfigError, MissingFileError
 from lmcore.model import abstract_param_count
 from lmcore.train import chain, sharding
 from lmcore.train import state as state_lib
@@ -130,9 +133,51 @@ def test_training_seconds_and_loss_curve_follow_a_resumed_run():
   assert chain.loss_curve(rows, "eval/loss")[1].tolist() == [3.9]
 
 
+def test_curve_points_keep_a_short_curve_and_average_a_long_one_in_runs():
+  rows = [{"step": s, "loss": float(s)} for s in range(1, 11)]
+  assert chain.curve_points(rows) == [[s, float(s)] for s in range(1, 11)]
+  # 10 points in 4 runs of consecutive points (3, 3, 2, 2): each its last step and its mean.
+  assert chain.curve_points(rows, max_points=4) == [[3, 2.0], [6, 5.0], [8, 7.5], [10, 9.5]]
+
+
+def test_a_record_counts_in_another_workdir_and_one_of_a_changed_config_is_refused(tmp_path):
+  """A record's paths inside its workdir are written from ``<workdir>``; fields that measure nothing
+  (wandb) or that only one side has (added or removed since) are not compared; any other change is."""
+  reproduce = load_script()
+  def plan(name):
+    return reproduce.Plan(str(tmp_path / name), sanatan.REPRO_TINY, None, 4, (0.5, 1.0), (2,), ("p2", "adapt"), (),
+                          (0,))
+  here, there = plan("here"), plan("there")
+  stage2 = reproduce.build_runs(there)[1]
+  assert stage2.config.train.init_from == str(tmp_path / "there" / "s0" / "p2" / "views" / "2")
+  config = reproduce.portable_config(stage2.config, there.workdir)
+  assert config == reproduce.portable_config(reproduce.build_runs(here)[1].config, here.workdir)
+  assert config["train"]["init_from"] == "<workdir>/s0/p2/views/2"
+  record = {"format": reproduce.RECORD_FORMAT, "chain": there.identity(), "config": config}
+  path = tmp_path / "there" / "records" / "s0" / "adapt_2.json"
+  path.parent.mkdir(parents=True)
+  config["wandb"]["mode"], config["train"]["removed_field"] = "online", 1
+  path.write_text(json.dumps(record))
+  assert reproduce.read_run_record(stage2, there) == record
+  config["train"]["learning_rate"] *= 2
+  path.write_text(json.dumps(record))
+  with pytest.raises(ConfigError, match=r"adapt_2.json records a run set up otherwise \(train.learning_rate="):
+    reproduce.read_run_record(stage2, there)
+
+
 # The tiny chain compiles each run's programs once and runs them a few steps: XLA's CPU backend without
 # its expensive optimisations compiles them faster (the losses are compared with each other, not pinned).
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def load_script():
+  """scripts/reproduce.py as a module (its flags are defined once per process)."""
+  if "reproduce" not in sys.modules:
+    spec = importlib.util.spec_from_file_location("reproduce", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["reproduce"] = module
+  return sys.modules["reproduce"]
 
 
 def run_script(*args, expect: int = 0, cache=None):
@@ -165,19 +210,39 @@ def finite_numbers(value):
   return not isinstance(value, float) or math.isfinite(value)
 
 
+C_FILE = """static int helper_{i}(int x)
+{{
+\tint scaled_value_{i} = x * {i} + 7;
+\treturn scaled_value_{i};
+}}
+"""
+
+
+def recall_task(folder) -> str:
+  """A recall task of scripts/make_recall_task.py (3 examples) from C files the tiny runs never saw."""
+  (folder / "corpus").mkdir(parents=True)
+  for i in range(3):
+    (folder / "corpus" / f"file_{i}.c").write_text(C_FILE.format(i=i))
+  proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "make_recall_task.py"),
+                         f"--input={folder / 'corpus' / '*.c'}", "--kind=text", "--heldout_fraction=0",
+                         f"--output_dir={folder / 'task'}", "--max_chars=400", "--max_gen_toks=4"],
+                        cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr
+  return str(folder / "task")
+
+
 @pytest.mark.slow
-def test_tiny_chain_writes_table_readouts_and_plot_and_a_rerun_trains_nothing(tmp_path):
+def test_tiny_chain_writes_table_readouts_recall_and_plot_and_its_records_rebuild_it_without_training(tmp_path):
   workdir = tmp_path / "chain"
   # Every run at seeds 0 and 1; stage 2 from half of stage 1 (through a view of a kept step), readouts at
   # 0.5 and 1.
-  args = ["--tiny", f"--workdir={workdir}", "--lengths=0.5,1", "--adapt_lengths=0.5", "--seeds=0,1",
-          "--override=wandb.mode=disabled"]
-  first = run_script(*args, cache=tmp_path / "jax_cache").stdout
+  settings = ["--tiny", "--lengths=0.5,1", "--adapt_lengths=0.5", "--seeds=0,1", "--override=wandb.mode=disabled"]
+  first = run_script(f"--workdir={workdir}", *settings, cache=tmp_path / "jax_cache").stdout
   results = json.load(open(workdir / "results.json"))
   table = (workdir / "results.md").read_text()
   assert finite_numbers(results) and list(results["seeds"]) == ["0", "1"]
-  names = ["p2", "adapt_2", "scratch", "transformer_pp", "gla", "softmax_table", "softmax_nope", "p2_no_table",
-           "scratch_no_table"]
+  names = ["p2", "adapt_2", "scratch", "transformer_pp", "gla", "based", "softmax_table", "softmax_nope",
+           "p2_no_table", "scratch_no_table"]
   for seed, result in results["seeds"].items():
     runs = result["runs"]
     assert list(runs) == names and all(run["workdir"].startswith(str(workdir / f"s{seed}")) for run in runs.values())
@@ -189,7 +254,7 @@ def test_tiny_chain_writes_table_readouts_and_plot_and_a_rerun_trains_nothing(tm
       assert row["gap"] == pytest.approx(row["loss_p1_readout"] - row["loss_p2"])
     stage2 = runs["adapt_2"]["eval"]
     assert abs(stage2["paired_diff"]) < 1e-4 and stage2["max_abs_dlogit"] < 1e-4
-    assert {runs[name]["steps"] for name in names[2:7] + names[8:]} == {4 + 1} and runs["p2_no_table"]["steps"] == 4
+    assert {runs[name]["steps"] for name in names[2:8] + names[9:]} == {4 + 1} and runs["p2_no_table"]["steps"] == 4
     assert len(result["gate_stats"]["stage1"]) == len(result["gate_stats"]["stage2"]) == 1  # one layer
   # The summary: per run the mean and spread over the seeds (which differ: both draws changed), the
   # difference from Transformer++ and whether it exceeds both spreads.
@@ -208,12 +273,46 @@ def test_tiny_chain_writes_table_readouts_and_plot_and_a_rerun_trains_nothing(tm
   assert results["summary"]["lengths"][1]["gap"]["mean"] == pytest.approx(sum(gaps) / 2)
   assert [r["what"] for r in results["summary"]["source"] if r["n"] == 2] == ["p = 1 read out, not adapted − p = 2"]
   assert "| 4 (1.00) |" in table and "| 2 (0.50) |" in table
+  assert results["summary"]["recall"] == {} and "Recall on" not in table
   assert (workdir / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert first.count("Initialised parameters from step 2") == 2
 
+  # The same command with a recall task: every run is read back from its record (nothing trains), and
+  # the recalled runs, whose checkpoints are here, are scored on two examples beside their held-out loss.
   metrics = {p: p.read_bytes() for p in workdir.glob("s*/*/metrics.jsonl")}
-  assert len(metrics) == 2 * len(names)
-  again = run_script(*args, cache=tmp_path / "jax_cache").stdout
-  assert again.count("(finished: read back)") == 2 * len(names) and "step 1/" not in again and "Resumed" not in again
-  assert (workdir / "results.md").read_text() == table
+  assert len(metrics) == 2 * len(names) and len(list(workdir.glob("records/s*/*.json"))) == 2 * len(names)
+  settings += [f"--recall_task={recall_task(tmp_path / 'recall')}", "--recall_limit=2", "--recall_batch_size=2"]
+  again = run_script(f"--workdir={workdir}", *settings, cache=tmp_path / "jax_cache").stdout
+  assert again.count("(recorded: read back") == 2 * len(names) and "step 1/" not in again and "Resumed" not in again
   assert {p: p.read_bytes() for p in workdir.glob("s*/*/metrics.jsonl")} == metrics
+  recalled = ["adapt_2", "scratch", "transformer_pp", "gla", "based", "scratch_no_table"]
+  assert again.count("recall on code_recall") == 2 * len(recalled)
+  with_recall = json.load(open(workdir / "results.json"))
+  recall_table = (workdir / "results.md").read_text()
+  assert recall_table.splitlines()[:len(table.splitlines()) - 1] == table.splitlines()[:-1]  # the command differs
+  recall = with_recall["summary"]["recall"]
+  assert list(recall["runs"]) == recalled
+  for name, row in recall["runs"].items():
+    assert row["n"] == 2 and row["loss"]["mean"] == summary[name]["mean"] and row["examples"] == 2
+    assert all(0 <= row["accuracies"][seed] <= 1 for seed in ("0", "1"))
+    assert f"| {row['label']} | {row['accuracies']['0']:.3f} |" in recall_table
+  assert "Recall on `code_recall` (2 held-out examples" in recall_table
+
+  # A fresh workdir holding only the records (another machine): stage 2 whose record is missing cannot
+  # start from a stage 1 whose checkpoints stayed behind (the chain checks it before anything trains) ...
+  fresh = tmp_path / "fresh"
+  shutil.copytree(workdir / "records", fresh / "records")
+  (fresh / "records" / "s0" / "adapt_2.json").unlink()
+  reproduce = load_script()
+  plan = reproduce.Plan(str(fresh), sanatan.REPRO_TINY, None, 4, (0.5, 1.0), (2,), ("p2", "adapt"),
+                        ("wandb.mode=disabled",), (0,))
+  with pytest.raises(MissingFileError, match=r"^stage 2 at seed 0 .* has none: .* finish in one sitting"):
+    reproduce.check_stage2_sources(plan, reproduce.build_runs(plan))
+  # ... and with every record, the same tables and a plot from the records' curves, without training
+  # or scoring.
+  shutil.copy(workdir / "records" / "s0" / "adapt_2.json", fresh / "records" / "s0" / "adapt_2.json")
+  copied = run_script(f"--workdir={fresh}", *settings, cache=tmp_path / "jax_cache").stdout
+  assert copied.count("(recorded: read back") == 2 * len(names) and "recall on" not in copied
+  assert not list(fresh.glob("s*")) and (fresh / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert (fresh / "results.md").read_text().splitlines()[:-1] == recall_table.splitlines()[:-1]
+  assert json.load(open(fresh / "results.json"))["summary"] == with_recall["summary"]

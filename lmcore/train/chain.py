@@ -1,8 +1,9 @@
 """Checkpoints evaluated, and chains of runs (staged training) that a rerun continues.
 
-``evaluate_checkpoint`` (``eval.py``) evaluates a run's parameters; a finished run or evaluation is
-read back from its ``eval_<step>.json``, its ``metrics.jsonl`` as a loss curve and a training time
-(the pieces of ``scripts/quickstart.py`` and ``scripts/reproduce.py``).
+``evaluate_checkpoint`` (``eval.py``) evaluates a run's parameters, ``evaluate_tasks`` (``eval.py
+--tasks``) scores them on lm-eval tasks; a finished run or evaluation is read back from its
+``eval_<step>.json``, its ``metrics.jsonl`` as a loss curve and a training time (the pieces of
+``scripts/quickstart.py`` and ``scripts/reproduce.py``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from flax import nnx
 from lmcore import data as data_lib
 from lmcore.config import ExperimentConfig
 from lmcore.eval import evaluate
+from lmcore.errors import ConfigError
 from lmcore.eval.generate import Sampling, check_decodable, check_prompts, sample_to_jsonl
 from lmcore.model import with_mixer_overrides
+from lmcore.model_card import card
 from lmcore.train import checkpoint as ckpt_lib
 from lmcore.train import loop as train_lib
 from lmcore.train import sharding
@@ -93,6 +96,30 @@ def evaluate_checkpoint(config: ExperimentConfig, workdir: str, step: int | None
   return record
 
 
+def evaluate_tasks(config: ExperimentConfig, workdir: str, tasks: list[str], *, step: int | None = None,
+                   task_path: str = "", limit: int = 0, batch_size: int = 0, num_fewshot: int = -1,
+                   long_context: str = "truncate", out_dir: str = "") -> dict[str, Any]:
+  """``eval.py --tasks``: the checkpoint (latest unless ``step``) through lm-evaluation-harness
+  (``lmcore.eval.harness``), offline unless HF_DATASETS_OFFLINE / HF_HUB_OFFLINE say otherwise; the
+  record written to ``<out_dir>/eval_<step>_<tasks>.json`` (default: the workdir). Call it inside
+  ``jax.set_mesh``."""
+  os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read when the datasets package is imported
+  os.environ.setdefault("HF_HUB_OFFLINE", "1")
+  try:
+    from lmcore.eval import harness  # noqa: PLC0415 (lm-eval is an optional dependency)
+  except ImportError as e:
+    raise ConfigError(f"--tasks needs lm-evaluation-harness ({e}); install it with "
+                      "pip install -e '.[eval]'") from None
+  tokenizer = data_lib.load_tokenizer(config.data.tokenizer, data_lib.cache_dir(config.data))
+  data_lib.check_vocab(tokenizer, config.model.vocab_size)
+  graphdef, params, rest, step = restore_checkpoint(config, workdir, step)
+  lm = harness.HarnessLM(graphdef, params, rest, tokenizer, window=config.data.seq_len,
+                         batch_size=batch_size or config.eval.batch_size, long_context=long_context)
+  return harness.evaluate_tasks(lm, tasks, out_dir=out_dir or workdir, step=step, name=config.name,
+                                card=card(config.model, config.data.seq_len), task_path=task_path,
+                                limit=limit or None, num_fewshot=None if num_fewshot < 0 else num_fewshot)
+
+
 def evaluate_step(config: ExperimentConfig, workdir: str, step: int, out_dir: str = "") -> dict[str, Any]:
   """The held-out evaluation of checkpoint ``step`` of ``workdir`` under ``config``, written to
   ``<out_dir>/eval_<step>.json`` (default: the workdir) or read back from it."""
@@ -116,6 +143,14 @@ def readout(config: ExperimentConfig, workdir: str, step: int, out_dir: str, **m
 def view_path(workdir: str, step: int) -> str:
   """Where ``step_view(workdir, step)`` puts its folder."""
   return os.path.join(workdir, "views", str(step))
+
+
+def has_checkpoint(workdir: str, step: int | None = None) -> bool:
+  """Whether ``workdir`` keeps the checkpoint of ``step`` (any step when None)."""
+  folder = os.path.join(workdir, "checkpoints")
+  if step is not None:
+    return os.path.isdir(os.path.join(folder, str(step)))
+  return os.path.isdir(folder) and any(n.isdigit() for n in os.listdir(folder))
 
 
 def step_view(workdir: str, step: int) -> str:
@@ -150,6 +185,17 @@ def loss_curve(rows: list[dict[str, Any]], key: str = "loss") -> tuple[np.ndarra
   values = {row["step"]: row[key] for row in rows if key in row}
   steps = np.array(sorted(values), dtype=np.int64)
   return steps, np.array([values[s] for s in steps], dtype=np.float64)
+
+
+def curve_points(rows: list[dict[str, Any]], key: str = "loss", max_points: int = 500) -> list[list[float]]:
+  """``[[step, value], ...]`` of ``loss_curve(rows, key)`` in at most ``max_points`` points: a longer
+  curve is cut into ``max_points`` runs of consecutive points, each given as its last step and its mean."""
+  steps, values = loss_curve(rows, key)
+  if len(steps) > max_points:
+    groups = np.array_split(np.arange(len(steps)), max_points)
+    steps = np.array([steps[g[-1]] for g in groups])
+    values = np.array([values[g].mean() for g in groups])
+  return [[int(s), float(v)] for s, v in zip(steps, values)]
 
 
 def training_seconds(rows: list[dict[str, Any]]) -> float:
