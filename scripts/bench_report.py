@@ -529,6 +529,27 @@ def tpu(runs):
   return header, table
 
 
+def goodput(runs):
+  """One row per run of ``scripts/bench_goodput.py``: wall seconds, goodput and each phase's seconds
+  (the parts of start-up, evaluation and shutdown beside their phase)."""
+  rows = runs[0]
+  phases = ("startup", "compile", "steps", "data_wait", "checkpoint", "eval", "shutdown")
+  header = (["control", "corpus", "steps", "tokens/step", "wall s", "goodput"]
+            + [p.replace("_", " ") + " s" for p in phases])
+  table = []
+  for r in rows:
+    parts = r.get("parts", {})
+    cells = []
+    for phase in phases:
+      cell = f"{r['phases'].get(phase, 0.0):.1f}"
+      if parts.get(phase):
+        cell += " (" + ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in parts[phase].items()) + ")"
+      cells.append(cell)
+    table.append([r["control"], r["corpus"], f"{r['steps']:,}", f"{r['tokens_per_step']:,}",
+                  f"{r['wall_s']:.0f}", f"{100 * r['goodput']:.0f} %"] + cells)
+  return header, table
+
+
 # ---- the current tables, by part of the document
 
 ONE_RUN, PARTS = "2026-12-04-h200-one-run", "2026-12-04-h200-p1-bf16-parts"

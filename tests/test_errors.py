@@ -240,22 +240,18 @@ def test_wandb_offline_without_the_package_falls_back_to_disabled(tmp_path, monk
 
 def test_sigterm_while_compiling_saves_and_sigint_while_evaluating_stops(own_text, tmp_path, monkeypatch):
   workdir = str(tmp_path / "run")
-  make_step = train_lib.make_train_step
+  compile_step = train_lib.compile_train_step
 
-  def step_signalled_while_compiling(*args, **kwargs):
-    step = make_step(*args, **kwargs)
+  def compile_signalled(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)  # arrives while the first step is being compiled
+    return compile_step(*args, **kwargs)
 
-    def first_call(*step_args):
-      os.kill(os.getpid(), signal.SIGTERM)  # arrives while the first step is being compiled
-      return step(*step_args)
-    return first_call
-
-  monkeypatch.setattr(train_lib, "make_train_step", step_signalled_while_compiling)
+  monkeypatch.setattr(train_lib, "compile_train_step", compile_signalled)
   result = train_lib.train_and_evaluate(small_config(own_text, steps=3, checkpoint_every=100), workdir)
   assert result == {"stopped_by": "SIGTERM", "step": 1}
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1"]
 
-  monkeypatch.setattr(train_lib, "make_train_step", make_step)
+  monkeypatch.setattr(train_lib, "compile_train_step", compile_step)
   monkeypatch.setattr(train_lib, "evaluate_run", lambda *_: os.kill(os.getpid(), signal.SIGINT))
   previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (xdist ignores it)
   try:

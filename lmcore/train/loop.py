@@ -8,6 +8,7 @@ resumes; SIGTERM/SIGINT save and return; ``train.init_from`` loads parameters on
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import math
 import os
@@ -172,8 +173,7 @@ def _train_and_evaluate(config: ExperimentConfig, workdir: str, clock: goodput.P
       except KeyboardInterrupt as e:
         raise type(e)(f"The evaluation was interrupted; step {run.step} is saved: evaluate it with "
                       f"eval.py --config=<the same config> --workdir={run.workdir}.") from None
-    _shutdown(run, writer, clock)
-    return record
+    return {**record, "goodput": _shutdown(run, writer, clock)}
   finally:
     if run is not None:
       _close_data(run)
@@ -236,10 +236,13 @@ def _loop(run: Run, writer: metrics.MetricWriter, stop: StopRequested, heldout, 
   tokens_per_step = train.batch_size * config.data.seq_len
   monitor_fn = make_monitor_fn(run.graphdef) if train.monitor_every else None
   profile = perf.ProfileWindow(train.profile_steps, os.path.join(run.workdir, "profile"), run.step + 1)
-  with clock.phase("startup/first_batch"):
-    batch = sharding.global_batch(next(run.data_iterator), run.shardings.mesh)
-  with clock.phase("compile"):
-    train_step = compile_train_step(run, batch)
+  with concurrent.futures.ThreadPoolExecutor(1) as ahead:
+    # The input pipeline starts its workers and makes the first batch while the step compiles.
+    first = ahead.submit(next, run.data_iterator)
+    with clock.phase("compile"):
+      train_step = compile_train_step(run, state_lib.abstract_batch(config, run.shardings))
+    with clock.phase("startup/first_batch"):
+      batch = sharding.global_batch(first.result(), run.shardings.mesh)
   throughput = metrics.Throughput(run.step, flops_per_token, clock)
   pending = None  # (step, device metrics) of the previous step, fetched after the next dispatch
   last_loss = None
@@ -275,11 +278,23 @@ def _loop(run: Run, writer: metrics.MetricWriter, stop: StopRequested, heldout, 
   profile.close()
 
 
+_COMPILED_STEPS: dict[str, Any] = {}  # lowered train step (its text) -> its executable, in this process
+_COMPILED_STEPS_KEPT = 4
+
+
 def compile_train_step(run: Run, batch):
-  """The train step compiled ahead of its first call for ``batch``'s shapes (so that compilation is timed
-  on its own); calling it runs exactly what the jitted step would."""
+  """The train step compiled ahead of its first call for ``batch``'s shapes and shardings (arrays or
+  ShapeDtypeStructs), so that compilation is timed on its own; calling it runs what the jitted step
+  would. Runs of one process whose steps lower to the same program (a chain's runs at one size) share
+  one executable."""
   train_step = make_train_step(run.graphdef, run.tx, run.config, run.shardings)
-  return train_step.lower(run.params, run.opt_state, run.rest, batch, run.step).compile()
+  lowered = train_step.lower(run.params, run.opt_state, run.rest, batch, run.step)
+  key = lowered.as_text()
+  if key not in _COMPILED_STEPS:
+    while len(_COMPILED_STEPS) >= _COMPILED_STEPS_KEPT:
+      _COMPILED_STEPS.pop(next(iter(_COMPILED_STEPS)))
+    _COMPILED_STEPS[key] = lowered.compile()
+  return _COMPILED_STEPS[key]
 
 
 def make_monitor_fn(graphdef):

@@ -18,11 +18,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_progress_line_shows_mfu_and_peak_memory_where_known():
-  line = metrics.progress_line(10, 100, 2.5, 183_000.0, 0.358, mfu=0.2041, peak_bytes=85 * 2 ** 30)
+  interval = metrics.Interval(tokens_per_s=183_000.0, step_s=0.358, wall_per_step_s=0.4, goodput=0.9)
+  line = metrics.progress_line(10, 100, 2.5, interval, mfu=0.2041, peak_bytes=85 * 2 ** 30)
   assert line == ("step 10/100 | loss 2.5000 | 183,000 tok/s | 358.0 ms/step | MFU 20.4% | peak 85.0 GiB | "
-                  "ETA 0:00:32")
-  assert "MFU" not in metrics.progress_line(10, 100, 2.5, 1.0, 0.1) and "peak" not in metrics.progress_line(
-      10, 100, 2.5, 1.0, 0.1)
+                  "goodput 90% | ETA 0:00:36")
+  bare = metrics.progress_line(10, 100, 2.5, interval)
+  assert "MFU" not in bare and "peak" not in bare
 
 
 def test_peak_flops_come_from_the_device_table(monkeypatch):
