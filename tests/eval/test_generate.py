@@ -132,6 +132,23 @@ def test_a_ragged_batch_samples_what_each_prompt_samples_alone():
   assert batch == alone and len(set(map(tuple, batch))) == 3
 
 
+@pytest.mark.parametrize("sampling", [Sampling(temperature=0), Sampling(temperature=1.0)],
+                         ids=["greedy", "temperature_1"])
+def test_a_prompt_token_equal_to_eos_past_the_shortest_prompt_does_not_stop_its_row(sampling):
+  """EOS (id 47 here) sits in the longer prompts after the shortest prompt's length (1), so the batch
+  feeds it inside the loop, and it ends row 0's prompt: a row stops only on an EOS it sampled, and each
+  row samples exactly what its prompt samples alone (seed 5 + b). With this id a row also samples EOS
+  and stops (row 1 greedily, row 2 at temperature 1), so both kinds of EOS meet in one batch."""
+  eos, prompts = 47, [[5, 17, 47, 40, 47], [9], [31, 47, 7]]
+  gen = Generator(make_model(*FAMILIES["sanatan_p1"]))
+  kwargs = dict(max_new_tokens=8, sampling=sampling, eos_id=eos)
+  batch = gen(prompts, seed=5, **kwargs)
+  alone = [gen([p], seed=5 + b, **kwargs)[0] for b, p in enumerate(prompts)]
+  assert batch == alone
+  assert len(batch[0]) == 8 and any(len(row) < 8 and row[-1] == eos for row in batch), batch
+  assert all(eos not in row[:-1] for row in batch)  # a sampled EOS is a row's last token
+
+
 def test_streamed_segments_sample_the_tokens_of_one_call():
   """Decoding in segments of 3 loop steps (state, counts and stops carried between the calls) yields,
   piece by piece, exactly the tokens one call samples with the same seed (the fixed-trip-count loop;
