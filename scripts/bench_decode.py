@@ -53,7 +53,8 @@ _PAPER_PROMPT = flags.DEFINE_integer("paper_prompt", decode.PAPER_PROMPT, "--set
 _PAPER_TOKENS = flags.DEFINE_integer("paper_tokens", decode.PAPER_TOKENS, "--setting=paper: generated tokens "
                                      "per row.")
 _PAPER_PREFILL_CHUNK = flags.DEFINE_integer("paper_prefill_chunk", 0, "--setting=paper: prompt tokens per "
-                                            "prefill call (0: the whole prompt in one call).")
+                                            "prefill call (0: the whole prompt in one call); the calls "
+                                            "after the first attend over the softmax KV cache.")
 _OVERRIDE = flags.DEFINE_multi_string("override", [], "KEY=VALUE set in every model that has KEY (e.g. "
                                       "model.mixers.sanatan.decode_implementation=recurrent); repeatable.")
 _TINY = flags.DEFINE_bool("tiny", False, "The tiny presets under the same model names (CPU).")

@@ -1,16 +1,18 @@
 """Sampling from a trained model through its decode state (MATH §5): prefill once, then a compiled loop.
 
-Prefill (one jitted call) feeds the shortest prompt's ``min_len`` tokens of every row into a fresh
-decode state; decode (jitted, the state donated) loops on the device, each step picking every row's
-next token and feeding it back (T = 1). A row still inside its prompt is fed its next prompt token
-instead of the sample, so all rows stay at one position and no pad enters a state (exact for every
-mixer). Row b's n-th sample draws with its own key folded with n, so a row samples the same tokens in
-any batch. A row stops after ``max_new_tokens`` samples or at ``eos_id``; without an ``eos_id`` the loop
-is a ``fori_loop`` (no predicate read back per token). Streaming runs the same loop in segments of a
-few steps, the carry (logits, state, counts, stops) handed from one call to the next. Softmax attention
-preallocates its KV cache; SANATAN p >= 2 has no decode state and raises before anything runs. Linear
-layers' weights and the head are cast to the compute dtype once (the numbers the layers compute per
-token). ``sample_texts`` runs text prompts (``eval.py --prompt_file``) and streams their text.
+Prefill (one jitted call) makes a new decode state and feeds it the shortest prompt's ``min_len`` tokens
+of every row; the state is made inside that call, so softmax attention knows its cache is empty and runs
+the prompt through the training forward's attention (``lmcore.mixers.softmax``). Decode (jitted, the state
+donated) loops on the device, each step picking every row's next token and feeding it back (T = 1). A row
+still inside its prompt is fed its next prompt token instead of the sample, so all rows stay at one
+position and no pad enters a state (exact for every mixer). Row b's n-th sample draws with its own key
+folded with n, so a row samples the same tokens in any batch. A row stops after ``max_new_tokens`` samples
+or at ``eos_id``; without an ``eos_id`` the loop is a ``fori_loop`` (no predicate read back per token).
+Streaming runs the same loop in segments of a few steps, the carry (logits, state, counts, stops) handed
+from one call to the next. Softmax attention preallocates its KV cache; SANATAN p >= 2 has no decode state
+and raises before anything runs. Linear layers' weights and the head are cast to the compute dtype once
+(the numbers the layers compute per token). ``sample_texts`` runs text prompts (``eval.py --prompt_file``)
+and streams their text.
 """
 
 from __future__ import annotations
@@ -123,6 +125,13 @@ def _forward(graphdef, weights: DecodeWeights, tokens_BxT, state):
 _prefill = jax.jit(_forward, static_argnames=("graphdef",), donate_argnames=("state",))
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len"))
+def _prefill_new(graphdef, weights: DecodeWeights, tokens_BxT, *, max_len: int):
+  """``_forward`` from a new state for ``max_len`` tokens, made inside this call."""
+  state = nnx.merge(graphdef, weights.params, weights.rest).init_state(tokens_BxT.shape[0], max_len)
+  return _forward(graphdef, weights, tokens_BxT, state)
+
+
 class Carry(NamedTuple):
   """What one decode segment hands the next: the logits to sample from, the model state, every row's
   sample count and whether it has stopped."""
@@ -205,14 +214,18 @@ class Generator:
     """The zero decode state for ``batch_size`` rows of up to ``max_len`` tokens."""
     return self._model.init_state(batch_size, max_len)
 
-  def compile(self, batch_size: int, max_len: int, *, prefill_lengths=(), max_new_tokens: int = 0,
-              sampling: Sampling = Sampling(), eos_id: int | None = None, forced_len: int = 0):
-    """Compiles ``prefill`` for ``prefill_lengths`` and, with ``max_new_tokens``, one-call ``decode``
-    ahead of the calls (thread-safe: XLA compiles in parallel); returns the compiled decode (None
-    without ``max_new_tokens``), whose ``as_text()`` shows the ops of the loop."""
+  def compile(self, batch_size: int, max_len: int, *, prefill_lengths=(), continued_lengths=(),
+              max_new_tokens: int = 0, sampling: Sampling = Sampling(), eos_id: int | None = None,
+              forced_len: int = 0):
+    """Compiles ``prefill`` of prompts of ``prefill_lengths`` into a new state, and of pieces of
+    ``continued_lengths`` into a given one, and, with ``max_new_tokens``, one-call ``decode`` ahead of
+    the calls (thread-safe: XLA compiles in parallel); returns the compiled decode (None without
+    ``max_new_tokens``), whose ``as_text()`` shows the ops of the loop."""
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     state = jax.eval_shape(lambda: self.init_state(batch_size, max_len))
     for length in prefill_lengths:
+      _prefill_new.lower(self.graphdef, self.weights, i32(batch_size, length), max_len=max_len).compile()
+    for length in continued_lengths:
       _prefill.lower(self.graphdef, self.weights, i32(batch_size, length), state).compile()
     if max_new_tokens:
       logits = jax.ShapeDtypeStruct((batch_size, self.config.vocab_size), jnp.float32)
@@ -223,10 +236,15 @@ class Generator:
                            max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id).compile()
     return None
 
-  def prefill(self, tokens_BxT, state):
+  def prefill(self, tokens_BxT, state=None, *, max_len: int = 0):
     """Feeds ``tokens_BxT`` (every row the same length) through the model; returns the last
-    position's fp32 logits [B, V] and the new state. ``state`` is donated."""
-    return _prefill(self.graphdef, self.weights, jnp.asarray(tokens_BxT, jnp.int32), state)
+    position's fp32 logits [B, V] and the new state. ``state`` (donated) continues a sequence; None
+    starts one in a new state for ``max_len`` tokens (the prompt's length when 0), made inside the
+    call (see the module docstring)."""
+    tokens_BxT = jnp.asarray(tokens_BxT, jnp.int32)
+    if state is None:
+      return _prefill_new(self.graphdef, self.weights, tokens_BxT, max_len=max_len or tokens_BxT.shape[1])
+    return _prefill(self.graphdef, self.weights, tokens_BxT, state)
 
   def decode(self, logits_BxV, state, *, max_new_tokens: int, sampling: Sampling = Sampling(),
              seed: int | Sequence[int] = 0, eos_id: int | None = None, forced_BxF=None, n_forced_B=None):
@@ -255,8 +273,7 @@ class Generator:
       tokens_BxL[b, :lengths[b]] = prompt
     n_forced_B = np.asarray(lengths, np.int32) - min_len
     forced_BxF = jnp.asarray(tokens_BxL[:, min_len:])
-    state = self.init_state(B, max(lengths) + max_new_tokens)
-    logits_BxV, state = self.prefill(tokens_BxL[:, :min_len], state)
+    logits_BxV, state = self.prefill(tokens_BxL[:, :min_len], max_len=max(lengths) + max_new_tokens)
     carry, keys_B = _start(logits_BxV, state), _row_keys(seed, B)
     total = forced_BxF.shape[1] + max_new_tokens
     segment = segment or total
