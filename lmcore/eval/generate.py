@@ -102,15 +102,27 @@ class DecodeWeights(NamedTuple):
   unembed_DxV: jax.Array  # the head's matrix in the activation dtype
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _decode_weights(graphdef, params, rest) -> DecodeWeights:
+def _decode_form(graphdef, params, rest) -> LanguageModel:
+  """A copy of the model as decoding runs it: Linear kernels and biases in their compute dtype, then
+  every module's ``prepare_decode`` (``lmcore.mixers.base``: a layer's projections of one input as one
+  matmul). Done once before the loop: XLA need not hoist the casts and concatenations out of it."""
   model = nnx.merge(graphdef, params, rest)
-  for _, module in nnx.iter_modules(model):
+  modules = [module for _, module in nnx.iter_modules(model)]
+  for module in modules:
     # nnx.Linear casts kernel and bias to its dtype on every call: casting them once is the same.
     if isinstance(module, nnx.Linear) and module.dtype is not None:
       module.kernel.set_value(module.kernel[...].astype(module.dtype))
       if module.bias is not None:
         module.bias.set_value(module.bias[...].astype(module.dtype))
+  for module in modules:
+    if hasattr(module, "prepare_decode"):
+      module.prepare_decode()
+  return model
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _decode_weights(graphdef, params, rest) -> DecodeWeights:
+  model = _decode_form(graphdef, params, rest)
   _, params, rest = nnx.split(model, nnx.Param, ...)
   return DecodeWeights(params, rest, model.unembed_kernel().astype(jnp.dtype(model.config.dtype)))
 
@@ -151,9 +163,7 @@ def _sample_rows(logits_BxV, keys_B, n_new_B, sampling: Sampling):
   return jax.vmap(draw)(logits_BxV, keys_B, n_new_B)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "feed_last", "max_new_tokens", "sampling",
-                                             "eos_id"), donate_argnames=("state",))
-def _decode(graphdef, weights: DecodeWeights, logits_BxV, state, n_new_B, done_B, forced_BxF, n_forced_B,
+def _decode_loop(graphdef, weights: DecodeWeights, logits_BxV, state, n_new_B, done_B, forced_BxF, n_forced_B,
             keys_B, start, *, steps: int, feed_last: bool, max_new_tokens: int, sampling: Sampling,
             eos_id: int | None):
   """Loop steps ``start … start + steps − 1`` (``Generator.decode``): each records every row's token (its
@@ -198,16 +208,29 @@ def _decode(graphdef, weights: DecodeWeights, logits_BxV, state, n_new_B, done_B
   return out_BxS, carry
 
 
+@functools.cache
+def _decode_jit(compiler_options: tuple[tuple[str, Any], ...] = ()):
+  """``_decode_loop`` jitted with these XLA options (one jit, so one cache of programs, per options)."""
+  static = ("graphdef", "steps", "feed_last", "max_new_tokens", "sampling", "eos_id")
+  return jax.jit(_decode_loop, static_argnames=static, donate_argnames=("state",),
+                 compiler_options=dict(compiler_options) or None)
+
+
 class Generator:
   """Compiled sampling for one model: ``Generator(model)(prompts, max_new_tokens=N)``; ``stream`` gives
   the samples as they come; ``init_state``, ``prefill`` and ``decode`` serve callers that manage the
-  state (``scripts/bench_decode.py``)."""
+  state (``scripts/bench_decode.py``). ``decode_options``: XLA options of the decode loop's program
+  only (e.g. ``{"xla_gpu_enable_command_buffer": "..."}``; names XLA does not know fail when it
+  compiles)."""
 
-  def __init__(self, model: LanguageModel):
+  def __init__(self, model: LanguageModel, *, decode_options: dict[str, Any] | None = None):
     check_can_decode(model)
+    self._decode = _decode_jit(tuple(sorted((decode_options or {}).items())))
     self.config = model.config
-    self.graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    self.weights = _decode_weights(self.graphdef, params, rest)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    self.weights = _decode_weights(graphdef, params, rest)
+    decode_form = nnx.eval_shape(lambda p, r: _decode_form(graphdef, p, r), params, rest)
+    self.graphdef = nnx.split(decode_form, nnx.Param, ...)[0]
     self._model = model
 
   def init_state(self, batch_size: int, max_len: int):
@@ -230,7 +253,7 @@ class Generator:
     if max_new_tokens:
       logits = jax.ShapeDtypeStruct((batch_size, self.config.vocab_size), jnp.float32)
       keys = jax.eval_shape(lambda: _row_keys(0, batch_size))
-      return _decode.lower(self.graphdef, self.weights, logits, state, i32(batch_size),
+      return self._decode.lower(self.graphdef, self.weights, logits, state, i32(batch_size),
                            jax.ShapeDtypeStruct((batch_size,), jnp.bool_), i32(batch_size, forced_len),
                            i32(batch_size), keys, i32(), steps=forced_len + max_new_tokens, feed_last=False,
                            max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id).compile()
@@ -255,9 +278,9 @@ class Generator:
     B = logits_BxV.shape[0]
     forced_BxF, n_forced_B = _forced(B, forced_BxF, n_forced_B)
     steps = forced_BxF.shape[1] + max_new_tokens
-    out_BxS, carry = _decode(self.graphdef, self.weights, *_start(logits_BxV, state), forced_BxF, n_forced_B,
-                             _row_keys(seed, B), jnp.int32(0), steps=steps, feed_last=False,
-                             max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id)
+    out_BxS, carry = self._decode(self.graphdef, self.weights, *_start(logits_BxV, state), forced_BxF,
+                                  n_forced_B, _row_keys(seed, B), jnp.int32(0), steps=steps, feed_last=False,
+                                  max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id)
     return out_BxS, carry.n_new_B, carry.state
 
   def stream(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
@@ -280,9 +303,9 @@ class Generator:
     n_new_B = np.zeros((B,), np.int64)
     for start in range(0, total, segment):
       steps = min(segment, total - start)
-      out_BxS, carry = _decode(self.graphdef, self.weights, *carry, forced_BxF, jnp.asarray(n_forced_B),
-                               keys_B, jnp.int32(start), steps=steps, feed_last=start + steps < total,
-                               max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id)
+      out_BxS, carry = self._decode(self.graphdef, self.weights, *carry, forced_BxF, jnp.asarray(n_forced_B),
+                                    keys_B, jnp.int32(start), steps=steps, feed_last=start + steps < total,
+                                    max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id)
       out_BxS, before_B, n_new_B = np.asarray(out_BxS), n_new_B, np.asarray(carry.n_new_B)
       # Row b's samples sit at loop steps n_forced_B[b] ... n_forced_B[b] + n_new_B[b] - 1.
       first_B = n_forced_B + before_B - start

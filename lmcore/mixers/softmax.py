@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lmcore.mixers.base import InitSpec, dense, float_bytes
+from lmcore.mixers.base import FusedProjection, InitSpec, dense, float_bytes
 from lmcore.mixers import flops
 from lmcore.ops.common.layout import default_positions
 from lmcore.mixers.rotary import rotary
@@ -57,6 +57,12 @@ class SoftmaxAttention(nnx.Module):
     self.wk = dense(d_model, inner, std=init.std, dtype=dtype, rngs=rngs)
     self.wv = dense(d_model, inner, std=init.std, dtype=dtype, rngs=rngs)
     self.wo = dense(inner, d_model, std=init.out_std, dtype=dtype, rngs=rngs)
+    self.qkv: FusedProjection | None = nnx.data(None)  # decoding's form of wq, wk, wv
+
+  def prepare_decode(self) -> None:
+    """Wq, Wk and Wv as one matmul (``lmcore.mixers.base``: ``prepare_decode``)."""
+    self.qkv = FusedProjection.of([self.wq, self.wk, self.wv])
+    self.wq = self.wk = self.wv = None
 
   def init_state(self, batch_size: int, max_len: int) -> KVCache:
     shape = (batch_size, max_len, self.n_heads, self.head_dim)
@@ -78,8 +84,11 @@ class SoftmaxAttention(nnx.Module):
     if positions_BxT is None:
       start = None if state is None else jnp.broadcast_to(state.length, (B,))
       positions_BxT = default_positions(B, T, start)
-    q_BxTxHxd, k_BxTxHxd, v_BxTxHxd = (
-        w(x_BxTxD).reshape(B, T, self.n_heads, self.head_dim) for w in (self.wq, self.wk, self.wv))
+    if self.qkv is not None:
+      projections = self.qkv(x_BxTxD)
+    else:
+      projections = [w(x_BxTxD) for w in (self.wq, self.wk, self.wv)]
+    q_BxTxHxd, k_BxTxHxd, v_BxTxHxd = (u.reshape(B, T, self.n_heads, self.head_dim) for u in projections)
     if self.config.rope:
       q_BxTxHxd = rotary(q_BxTxHxd, positions_BxT, self.config.rope_base)
       k_BxTxHxd = rotary(k_BxTxHxd, positions_BxT, self.config.rope_base)

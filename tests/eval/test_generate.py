@@ -387,3 +387,24 @@ def test_the_generators_prefill_from_a_new_state_equals_prefill_into_a_given_one
   greedy = dict(max_new_tokens=6, sampling=Sampling(temperature=0))
   assert np.array_equal(gen.decode(logits_new, state_new, **greedy)[0],
                         gen.decode(logits_cache, state_cache, **greedy)[0])
+
+
+@pytest.mark.parametrize("family", ["sanatan_p1", "softmax"])
+@pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_decoding_runs_each_layers_projections_as_one_matmul_and_computes_the_same(family, dtype, tolerance):
+  """The decode form (``prepare_decode``): q, k, v and the MLP's gate and up projections are one
+  matmul each (their kernels concatenated, SANATAN's 1/sqrt(d) folded in, once), the separate kernels
+  gone from the decode weights; the prefill's last logits equal the model's own forward to the dtype's
+  rounding (relative L2; bf16: eps 2^-8 through two layers), and the model's parameters are untouched."""
+  model = make_model(*FAMILIES[family], dtype=dtype)
+  before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+  gen = Generator(model)
+  paths = {"/".join(str(getattr(key, "key", key)) for key in path)
+           for path, _ in jax.tree_util.tree_flatten_with_path(gen.weights.params)[0]}
+  assert "blocks/1/mixer/qkv/kernel/.value" in paths and "blocks/1/mlp/gate_up/kernel/.value" in paths, paths
+  assert not any(w in p for p in paths for w in ("/wq/", "/wk/", "/wv/", "/w_gate/", "/w_up/")), paths
+  tokens = np.asarray([PROMPTS[0], [3, 1, 4, 1, 5]], np.int32)
+  logits, _ = gen.prefill(tokens)
+  full, _ = model(jnp.asarray(tokens))
+  assert relative_l2(logits, full[:, -1]) <= tolerance
+  jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, nnx.state(model, nnx.Param)))
