@@ -10,9 +10,10 @@ folded with n, so a row samples the same tokens in any batch. A row stops after 
 or at ``eos_id``; without an ``eos_id`` the loop is a ``fori_loop`` (no predicate read back per token).
 Streaming runs the same loop in segments of a few steps, the carry (logits, state, counts, stops) handed
 from one call to the next. Softmax attention preallocates its KV cache; SANATAN p >= 2 has no decode state
-and raises before anything runs. Linear layers' weights and the head are cast to the compute dtype once
-(the numbers the layers compute per token). ``sample_texts`` runs text prompts (``eval.py --prompt_file``)
-and streams their text.
+and raises before anything runs. Decoding runs a copy of the model prepared once (``_decode_form``):
+Linear layers' weights and the head in the compute dtype (the numbers the layers compute per token), and
+each layer's projections of one input as one matmul (``prepare_decode``). ``sample_texts`` runs text
+prompts (``eval.py --prompt_file``) and streams their text.
 """
 
 from __future__ import annotations
