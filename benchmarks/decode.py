@@ -12,8 +12,9 @@ back through the model), positions C − N … C − 1. A row reports
 * weights MB: the bytes decoding reads per token, the compute-dtype weights and head (the embedding
   tables' rows read by the lookup aside), and floor ms: those bytes plus the state of B sequences read
   once, at the device's memory bandwidth (``HBM_BYTES_PER_S``): a lower bound a step cannot beat;
-* kernels / token: the launching instructions of the compiled loop's body and condition
-  (``kernels_per_token``; on a GPU, kernel launches per generated token);
+* kernels / token: the instructions of the compiled loop's body and condition that launch work, read
+  off the optimised HLO (``loop_kernel_kinds``: fusions, library calls, copies, …, by kind; a command
+  buffer counted by what it holds); on a GPU, kernels per generated token;
 * compile s: the wall time of compiling every prefill and decode call of the model's rows, in parallel
   threads before the first row runs (the same for all of them).
 
@@ -25,10 +26,13 @@ softmax KV cache's grows with C.
 ``run_paper`` is the BASED paper's setting (``--setting=paper``): batch 128, prompts of 4,096 tokens
 whose prefill is timed on its own, 1,024 generated tokens, each model against the Transformer++ of its
 size (``PaperRow``, ``paper_notes``).
+
+Each model can run once per set of XLA options of its decode program (``DECODE_XLA``; rows name it).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import gc
@@ -91,6 +95,19 @@ TINY_PRESETS = {
     "transformer_pp_1p3b": _TINY_TRANSFORMER_PP,
 }
 NO_POSITION_TABLE = (("model.max_positions", 0),)
+# XLA options of the decode loop's program by name (``Generator(decode_options=...)``; rows carry the
+# name): "graph_loop" records the loop itself into the GPU command buffer (WHILE, CONDITIONAL: one CUDA
+# graph per call instead of the host launching each trip's graphs) besides what XLA records by default;
+# "triton_gemm" runs the projections as XLA's Triton GEMM fusions, which can take in the norms, casts
+# and residual adds around them (the entry points keep cuBLAS: ``lmcore/xla_flags.py``).
+_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
+DECODE_XLA = {
+    "default": {},
+    "graph_loop": {"xla_gpu_enable_command_buffer": _COMMAND_BUFFER + ",WHILE,CONDITIONAL"},
+    "triton_gemm": {"xla_gpu_enable_triton_gemm": True},
+    "graph_loop_triton_gemm": {"xla_gpu_enable_command_buffer": _COMMAND_BUFFER + ",WHILE,CONDITIONAL",
+                               "xla_gpu_enable_triton_gemm": True},
+}
 
 
 # A flag a user can fix (the message names it and the fix); one class with the train-step benchmark's.
@@ -113,7 +130,9 @@ class DecodeRow:
   weight_bytes: int | None = None
   floor_ms: float | None = None
   kernels_per_token: int | None = None
+  kernel_kinds: dict[str, int] | None = None  # opcode -> count of the kernels per token
   compile_s: float | None = None
+  xla: str = "default"  # the decode program's XLA options (``DECODE_XLA``)
   note: str = ""
 
 
@@ -171,10 +190,12 @@ def _prefill_lengths(context: int, decode_tokens: int) -> list[int]:
   return [min(decode_tokens, prefill - start) for start in range(0, prefill, decode_tokens)]
 
 
-def compile_grid(gen, grid, decode_tokens: int, workers: int = 0) -> tuple[float, dict[tuple[int, int], int]]:
+def compile_grid(gen, grid, decode_tokens: int, workers: int = 0,
+                 hlo_path=None) -> tuple[float, dict[tuple[int, int], dict[str, int]]]:
   """Compiles prefill and decode for every (batch, context) of ``grid`` (shapes deduplicated) in parallel
   threads before anything runs; returns the wall seconds and each (batch, context)'s kernels per token
-  (``kernels_per_token`` of its compiled decode loop)."""
+  by kind (``loop_kernel_kinds`` of its compiled decode loop). ``hlo_path(batch, context)``: a file each
+  compiled decode's optimised HLO is written to (None: none)."""
   import concurrent.futures
 
   from lmcore.eval.generate import Sampling
@@ -189,11 +210,25 @@ def compile_grid(gen, grid, decode_tokens: int, workers: int = 0) -> tuple[float
   workers = workers or max(1, min(len(jobs), (os.cpu_count() or 2) // 2))
   start = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-    futures = [(rows, pool.submit(gen.compile, batch, context, prefill_lengths=sorted(lengths),
-                                  max_new_tokens=decode_tokens, sampling=Sampling(temperature=0)))
+    compile = lambda batch, context, lengths: gen.compile(
+        batch, context, continued_lengths=sorted(lengths), max_new_tokens=decode_tokens,
+        sampling=Sampling(temperature=0))
+    futures = [(batch, context, rows, pool.submit(compile, batch, context, lengths))
                for batch, context, lengths, rows in jobs.values()]
-    kernels = {row: kernels_per_token(future.result().as_text()) for rows, future in futures for row in rows}
-  return time.perf_counter() - start, kernels
+    kinds = {}
+    for batch, context, rows, future in futures:
+      text = future.result().as_text()
+      if hlo_path:
+        write_text(hlo_path(batch, context), text)
+      kinds.update({row: loop_kernel_kinds(text) for row in rows})
+  return time.perf_counter() - start, kinds
+
+
+def write_text(path: str, text: str) -> None:
+  """``text`` into ``path`` (replaced; its folder created)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    f.write(text)
 
 
 # Instructions of a compiled HLO computation that launch no kernel of their own.
@@ -231,20 +266,54 @@ def _opcode(line: str) -> str:
   return rest.strip().split("(", 1)[0]
 
 
-def kernels_per_token(hlo_text: str) -> int:
-  """Instructions that launch work per token in a compiled decode loop: those of the largest ``while``
-  body of the entry computation and of its condition, less the bookkeeping ones (``_NO_KERNEL``; of an
-  async pair, the start). On GPU each is one kernel (a fusion, a library call, a copy); on CPU the same
-  count measures the step's op granularity."""
+def _called(line: str, key: str) -> list[str]:
+  """The computations an instruction line names under ``key`` (``to_apply=%c`` or ``key={%a, %b}``)."""
+  found = re.search(rf"{key}=(\{{[^}}]*\}}|%?[\w.\-]+)", line)
+  return re.findall(r"[\w.\-]+", found.group(1).replace("%", " ")) if found else []
+
+
+def _kernel_kinds(computations: dict[str, list[str]], name: str) -> collections.Counter:
+  """Opcode -> count of the instructions of computation ``name`` that launch work each time it runs:
+  everything but bookkeeping (``_NO_KERNEL``) and the second half of async pairs; a ``call`` (on a
+  GPU, a command buffer) counts what it calls, a ``conditional`` its largest branch, a nested
+  ``while`` one trip of its body and condition."""
+  kinds = collections.Counter()
+  for line in computations.get(name, []):
+    op = _opcode(line)
+    if op in _NO_KERNEL or op.endswith("-done") or op.endswith("-update"):
+      continue
+    if op == "call":
+      kinds += _kernel_kinds(computations, _called(line, "to_apply")[0])
+    elif op == "conditional":
+      branches = _called(line, "branch_computations") or (
+          _called(line, "true_computation") + _called(line, "false_computation"))
+      kinds += max((_kernel_kinds(computations, b) for b in branches), key=lambda c: sum(c.values()))
+    elif op == "while":
+      kinds += _kernel_kinds(computations, _called(line, "condition")[0])
+      kinds += _kernel_kinds(computations, _called(line, "body")[0])
+    else:
+      kinds[op.removesuffix("-start")] += 1
+  return kinds
+
+
+def loop_kernel_kinds(hlo_text: str) -> dict[str, int]:
+  """Opcode -> instructions launching work per token in a compiled decode loop (``_kernel_kinds`` of
+  the body and condition of the program's largest ``while``, wherever it sits). On a GPU each is one
+  kernel (a fusion, a library call such as a cuBLAS GEMM, a copy), whether it is launched alone or
+  from a command buffer; on a CPU the same count measures the step's op granularity."""
   computations = _computations(hlo_text)
-  loops = [re.search(r"condition=%?([\w.\-]+), body=%?([\w.\-]+)", line)
-           for line in computations.get("ENTRY", []) if _opcode(line) == "while"]
-  loops = [m.groups() for m in loops if m]
+  loops = [(_called(line, "condition")[0], _called(line, "body")[0])
+           for lines in computations.values() for line in lines if _opcode(line) == "while"]
   if not loops:
     raise ValueError("the compiled decode has no while loop")
-  condition, body = max(loops, key=lambda names: len(computations[names[1]]))
-  return sum(1 for line in computations[condition] + computations[body]
-             if (op := _opcode(line)) not in _NO_KERNEL and not op.endswith("-done"))
+  per_loop = [_kernel_kinds(computations, condition) + _kernel_kinds(computations, body)
+              for condition, body in loops]
+  return dict(max(per_loop, key=lambda kinds: sum(kinds.values())).most_common())
+
+
+def kernels_per_token(hlo_text: str) -> int:
+  """The kernels a compiled decode loop launches per token: the sum of ``loop_kernel_kinds``."""
+  return sum(loop_kernel_kinds(hlo_text).values())
 
 
 def measure(gen, row: DecodeRow, *, repeats: int, bandwidth: float | None, seed: int = 0) -> DecodeRow:
@@ -276,18 +345,29 @@ def measure(gen, row: DecodeRow, *, repeats: int, bandwidth: float | None, seed:
   return row
 
 
+def check_xla(xla: list[str]) -> list[str]:
+  """``xla`` (names of ``DECODE_XLA``), or a BenchError naming the unknown one."""
+  for name in xla:
+    if name not in DECODE_XLA:
+      raise BenchError(f"--decode_xla: unknown {name!r}; use some of {', '.join(DECODE_XLA)}.")
+  return list(xla) or ["default"]
+
+
 def run(models: list[str], *, batches: list[int], contexts: list[int], long_contexts: list[int] = (),
         long_batches: list[int] = (1,), decode_tokens: int = 128, repeats: int = 3, tiny: bool = False,
-        overrides: list[str] = (), jsonl: str = "", max_seconds: float = 0.0) -> list[DecodeRow]:
+        overrides: list[str] = (), jsonl: str = "", max_seconds: float = 0.0, xla: list[str] = ("default",),
+        hlo_dir: str = "") -> list[DecodeRow]:
   """Every model at every (batch, context), then at ``long_batches`` × ``long_contexts`` without a
-  position table; one after another in this process. A row that fails (out of memory, say) keeps its
-  error as a note; rows not started within ``max_seconds`` (0: no limit) are noted as skipped. Rows are
-  appended to ``jsonl`` as they are measured."""
+  position table; one after another in this process, each model once per decode program of ``xla``
+  (``DECODE_XLA``). A row that fails (out of memory, say) keeps its error as a note; rows not started
+  within ``max_seconds`` (0: no limit) are noted as skipped. Rows are appended to ``jsonl`` as they are
+  measured; ``hlo_dir``: each compiled decode's optimised HLO goes there ('' = nowhere)."""
   from lmcore.eval.generate import Generator
   from lmcore.model import LanguageModel, count_params
 
   if decode_tokens < 1 or repeats < 1:
     raise BenchError(f"--decode_tokens={decode_tokens} and --repeats={repeats} must both be >= 1.")
+  xla = check_xla(xla)
   parsed = [train_step.parse_override(o) for o in overrides]
   for c in list(contexts) + list(long_contexts):
     if c <= decode_tokens:
@@ -302,30 +382,36 @@ def run(models: list[str], *, batches: list[int], contexts: list[int], long_cont
                 (name, model_config(name, tiny=tiny, overrides=parsed + list(NO_POSITION_TABLE)), long)]
     else:
       plans.append((name, config, main + long))
+  plans = [(name, config, grid, variant) for name, config, grid in plans for variant in xla]
   bandwidth = hbm_bytes_per_s()
   started, rows = time.perf_counter(), []
   out_of_time = lambda: max_seconds and time.perf_counter() - started > max_seconds
-  for name, config, grid in plans:
+  for name, config, grid, variant in plans:
     mixers = "+".join(sorted(set(config.layer_kinds())))
     model = gen = None
     if not out_of_time():
       model = LanguageModel(config, rngs=nnx.Rngs(0))
-      gen = Generator(model)
+      gen = Generator(model, decode_options=DECODE_XLA[variant])
+      stem = f"{name}{'' if config.max_positions else '_no_table'}_{variant}"
+      hlo_path = (lambda b, c: os.path.join(hlo_dir, f"{stem}_b{b}_c{c}.hlo.txt")) if hlo_dir else None
       try:
-        compile_s, kernels = compile_grid(gen, grid, decode_tokens)
-        print(f"{name}: compiled the prefill and decode of {len(grid)} rows in {compile_s:.1f} s", flush=True)
-      except Exception as e:  # each row compiles (and fails) on its own then, with its own note
-        compile_s, kernels = None, {}
-        print(f"{name}: ahead-of-time compilation failed ({type(e).__name__}); rows compile as they run",
+        compile_s, kinds = compile_grid(gen, grid, decode_tokens, hlo_path=hlo_path)
+        print(f"{name} ({variant}): compiled the prefill and decode of {len(grid)} rows in {compile_s:.1f} s",
               flush=True)
+      except Exception as e:  # each row compiles (and fails) on its own then, with its own note
+        compile_s, kinds = None, {}
+        print(f"{name} ({variant}): ahead-of-time compilation failed ({type(e).__name__}: "
+              f"{str(e).splitlines()[0][:200] if str(e) else ''}); rows compile as they run", flush=True)
     for grid_name, batch, context in grid:
-      row = DecodeRow(name, mixers, 0, batch, context, decode_tokens, bool(config.max_positions), grid_name)
+      row = DecodeRow(name, mixers, 0, batch, context, decode_tokens, bool(config.max_positions), grid_name,
+                      xla=variant)
       if gen is None or out_of_time():
         row.note = f"skipped: past --max_seconds={max_seconds:g}"
       else:
         row.params, row.weight_bytes = count_params(model), _weight_bytes(gen.weights)
         row.state_bytes_per_seq, row.compile_s = _state_bytes_per_seq(model, context), compile_s
-        row.kernels_per_token = kernels.get((batch, context))
+        row.kernel_kinds = kinds.get((batch, context))
+        row.kernels_per_token = sum(row.kernel_kinds.values()) if row.kernel_kinds else None
         try:
           measure(gen, row, repeats=repeats, bandwidth=bandwidth)
         except BenchError:
@@ -344,12 +430,19 @@ def run(models: list[str], *, batches: list[int], contexts: list[int], long_cont
   return rows
 
 
+def _label(model: str, xla: str) -> str:
+  """The model's name, with its decode program's XLA options when they are not the default."""
+  return model if xla == "default" else f"{model} [{xla}]"
+
+
 def format_row_line(r: DecodeRow) -> str:
-  head = f"{r.model}{'' if r.position_table else ' (no position table)'} B={r.batch} C={r.context}: "
+  table = "" if r.position_table else " (no position table)"
+  head = f"{_label(r.model, r.xla)}{table} B={r.batch} C={r.context}: "
   if r.ms_per_token is None:
     return head + (r.note or "failed")
   return (head + f"{r.ms_per_token:.3f} ms/token, {r.tokens_per_s:,.0f} tok/s, state "
-          f"{fmt(r.state_bytes_per_seq, ',.0f')} B/seq, floor {fmt(r.floor_ms, '.3f')} ms")
+          f"{fmt(r.state_bytes_per_seq, ',.0f')} B/seq, floor {fmt(r.floor_ms, '.3f')} ms, "
+          f"{r.kernels_per_token} kernels/token {r.kernel_kinds or ''}")
 
 
 def format_table(rows: list[DecodeRow]) -> str:
@@ -358,7 +451,7 @@ def format_table(rows: list[DecodeRow]) -> str:
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     lines.append(
-        f"| {r.model} | {r.mixers} | {fmt(r.params or None, ',.1f', 1e-6)}M | "
+        f"| {_label(r.model, r.xla)} | {r.mixers} | {fmt(r.params or None, ',.1f', 1e-6)}M | "
         f"{'yes' if r.position_table else 'no'} | {r.batch} | {r.context:,} | {fmt(r.ms_per_token, '.3f')} | "
         f"{fmt(r.tokens_per_s, ',.0f')} | {fmt(r.state_bytes_per_seq, ',.0f')} | "
         f"{fmt(r.weight_bytes, ',.1f', 1e-6)} | {fmt(r.floor_ms, '.3f')} | "
@@ -373,9 +466,17 @@ def _timed(rows, model, batch=None, context=None):
 
 def target_lines(rows: list[DecodeRow], *, model: str = "sanatan_p1_184m",
                  references=("softmax_184m", "softmax_184m_bf16_cache")) -> list[str]:
-  """The decode targets read off the rows: ``model`` at batch 1 ≤ 0.3 ms/token, and within ± 10 % of its
-  median over every measured context; at batch 64, context 2048, ≥ 4× the tokens/s of each of
-  ``references``."""
+  """The decode targets read off the rows, per decode program (``DecodeRow.xla``): ``model`` at batch 1
+  ≤ 0.3 ms/token, and within ± 10 % of its median over every measured context; at batch 64, context
+  2048, ≥ 4× the tokens/s of each of ``references``."""
+  lines = []
+  for xla in dict.fromkeys(r.xla for r in rows):
+    lines += [line if xla == "default" else f"- [{xla}] {line[2:]}"
+              for line in _target_lines([r for r in rows if r.xla == xla], model, references)]
+  return lines
+
+
+def _target_lines(rows: list[DecodeRow], model: str, references) -> list[str]:
   lines = []
   batch1 = sorted(_timed(rows, model, batch=1), key=lambda r: r.context)
   if batch1:
@@ -407,8 +508,10 @@ def notes(decode_tokens: int) -> str:
           "bytes: every array of the decode state of one sequence. Weights MB: the compute-dtype weights "
           "and head read per token. Floor: weights plus the state of the batch read once at the device's "
           "memory bandwidth. Compile s: all of a model's prefill and decode calls, compiled in parallel "
-          "threads before its rows. The long-context rows run without a learned position table "
-          "(`model.max_positions=0`; position table: no).")
+          "threads before its rows. Kernels / token: the instructions of the compiled loop's body and "
+          "condition that launch work (`loop_kernel_kinds`). The long-context rows run without a learned "
+          "position table (`model.max_positions=0`; position table: no); a model name in brackets is "
+          "followed by the decode program's XLA options (`DECODE_XLA`).")
 
 
 def plot_tokens_per_s(rows: list[DecodeRow], path: str, title: str = "") -> None:
@@ -504,7 +607,9 @@ class PaperRow:
   weight_bytes: int | None = None
   floor_ms: float | None = None
   kernels_per_token: int | None = None
+  kernel_kinds: dict[str, int] | None = None  # opcode -> count of the kernels per token
   compile_s: float | None = None
+  xla: str = "default"  # the decode program's XLA options (``DECODE_XLA``)
   reference: str = ""  # the Transformer++ of the same size
   decode_ratio: float | None = None  # tokens/s over the reference's
   prefill_ratio: float | None = None  # prefill tokens/ms over the reference's
@@ -527,19 +632,17 @@ def _chunks(prompt: int, chunk: int) -> list[int]:
 
 def measure_paper(gen, row: PaperRow, *, repeats: int, bandwidth: float | None, seed: int = 0) -> PaperRow:
   """Times, ``repeats`` times after a warm-up: a prefill of B prompts of P uniform random tokens into a
-  fresh state (one call, or calls of ``row.prefill_chunk`` tokens), then one ``decode`` call of N greedy
-  tokens per row; medians."""
+  new state made in the first call (one call, or calls of ``row.prefill_chunk`` tokens), then one
+  ``decode`` call of N greedy tokens per row; medians."""
   from lmcore.eval.generate import Sampling
 
   B, P, N = row.batch, row.prompt, row.tokens
   tokens_BxP = np.random.default_rng(seed).integers(0, gen.config.vocab_size, (B, P), dtype=np.int32)
   prefill_s, decode_s = [], []
   for _ in range(repeats + 1):
-    state = gen.init_state(B, P + N)
-    jax.block_until_ready(state)
-    start, fed = time.perf_counter(), 0
+    start, fed, state = time.perf_counter(), 0, None
     for length in _chunks(P, row.prefill_chunk):
-      logits, state = gen.prefill(tokens_BxP[:, fed:fed + length], state)
+      logits, state = gen.prefill(tokens_BxP[:, fed:fed + length], state, max_len=P + N)
       fed += length
     jax.block_until_ready((logits, state))
     middle = time.perf_counter()
@@ -559,39 +662,47 @@ def measure_paper(gen, row: PaperRow, *, repeats: int, bandwidth: float | None, 
 
 def run_paper(models: list[str], *, batch: int = PAPER_BATCH, prompt: int = PAPER_PROMPT,
               tokens: int = PAPER_TOKENS, prefill_chunk: int = 0, repeats: int = 1, tiny: bool = False,
-              overrides: list[str] = (), jsonl: str = "", max_seconds: float = 0.0) -> list[PaperRow]:
-  """Every model in the papers' setting, one after another in this process (``measure_paper``), then
-  each model's ratios to its Transformer++ (``TRANSFORMER_PP``) where both were timed. A row that fails
-  (out of memory, say) keeps its error as a note; rows not started within ``max_seconds`` (0: no limit)
-  are noted as skipped. Rows are appended to ``jsonl`` as they are measured, the ratios filled in the
-  returned rows."""
+              overrides: list[str] = (), jsonl: str = "", max_seconds: float = 0.0,
+              xla: list[str] = ("default",), hlo_dir: str = "") -> list[PaperRow]:
+  """Every model in the papers' setting, one after another in this process (``measure_paper``), each
+  once per decode program of ``xla`` (``DECODE_XLA``), then each model's ratios to its Transformer++
+  (``TRANSFORMER_PP``, the same decode program) where both were timed. A row that fails (out of
+  memory, say) keeps its error as a note; rows not started within ``max_seconds`` (0: no limit) are
+  noted as skipped. Rows are appended to ``jsonl`` as they are measured, the ratios filled in the
+  returned rows; ``hlo_dir``: each compiled decode's optimised HLO goes there ('' = nowhere)."""
   from lmcore.eval.generate import Generator, Sampling
   from lmcore.model import LanguageModel, count_params
 
   if min(batch, prompt, tokens, repeats) < 1 or prefill_chunk < 0:
     raise BenchError(f"--paper_batch={batch}, --paper_prompt={prompt}, --paper_tokens={tokens} and "
                      f"--repeats={repeats} must all be >= 1, --paper_prefill_chunk={prefill_chunk} >= 0.")
+  xla = check_xla(xla)
   parsed = [train_step.parse_override(o) for o in overrides]
-  configs = [(name, paper_config(name, prompt=prompt, tokens=tokens, tiny=tiny, overrides=parsed))
-             for name in models]
+  configs = [(name, paper_config(name, prompt=prompt, tokens=tokens, tiny=tiny, overrides=parsed), variant)
+             for name in models for variant in xla]
   bandwidth, started, rows = hbm_bytes_per_s(), time.perf_counter(), []
-  for name, config in configs:
+  for name, config, variant in configs:
     row = PaperRow(name, "+".join(sorted(set(config.layer_kinds()))), 0, batch, prompt, tokens,
-                   bool(config.max_positions), prefill_chunk)
+                   bool(config.max_positions), prefill_chunk, xla=variant)
     if max_seconds and time.perf_counter() - started > max_seconds:
       row.note = f"skipped: past --max_seconds={max_seconds:g}"
     else:
       try:
         model = LanguageModel(config, rngs=nnx.Rngs(0))
-        gen = Generator(model)
+        gen = Generator(model, decode_options=DECODE_XLA[variant])
         row.params, row.weight_bytes = count_params(model), _weight_bytes(gen.weights)
         row.state_bytes_per_seq = _state_bytes_per_seq(model, prompt + tokens // 2)
         start = time.perf_counter()
-        lengths = sorted(set(_chunks(prompt, prefill_chunk)))
-        compiled = gen.compile(batch, prompt + tokens, prefill_lengths=lengths, max_new_tokens=tokens,
+        first, *rest = _chunks(prompt, prefill_chunk)
+        compiled = gen.compile(batch, prompt + tokens, prefill_lengths=[first],
+                               continued_lengths=sorted(set(rest)), max_new_tokens=tokens,
                                sampling=Sampling(temperature=0))
         row.compile_s = time.perf_counter() - start
-        row.kernels_per_token = kernels_per_token(compiled.as_text())
+        text = compiled.as_text()
+        if hlo_dir:
+          write_text(os.path.join(hlo_dir, f"{name}_{variant}_paper_b{batch}_p{prompt}.hlo.txt"), text)
+        row.kernel_kinds = loop_kernel_kinds(text)
+        row.kernels_per_token = sum(row.kernel_kinds.values())
         measure_paper(gen, row, repeats=repeats, bandwidth=bandwidth)
       except Exception as e:  # out of memory: report it and go on
         row.note = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
@@ -608,10 +719,11 @@ def run_paper(models: list[str], *, batch: int = PAPER_BATCH, prompt: int = PAPE
 
 
 def with_paper_ratios(rows: list[PaperRow]) -> list[PaperRow]:
-  """Fills each row's ratios to its Transformer++ (``TRANSFORMER_PP``) where both rows were timed."""
-  timed = {r.model: r for r in rows if r.ms_per_token is not None}
+  """Fills each row's ratios to its Transformer++ (``TRANSFORMER_PP``, the row of the same decode
+  program) where both rows were timed."""
+  timed = {(r.model, r.xla): r for r in rows if r.ms_per_token is not None}
   for r in rows:
-    ref = timed.get(TRANSFORMER_PP.get(r.model, ""))
+    ref = timed.get((TRANSFORMER_PP.get(r.model, ""), r.xla))
     r.reference = TRANSFORMER_PP.get(r.model, "")
     if ref and r.ms_per_token is not None:
       r.decode_ratio = r.tokens_per_s / ref.tokens_per_s
@@ -620,12 +732,12 @@ def with_paper_ratios(rows: list[PaperRow]) -> list[PaperRow]:
 
 
 def format_paper_line(r: PaperRow) -> str:
-  head = f"{r.model} B={r.batch} prompt={r.prompt} tokens={r.tokens}: "
+  head = f"{_label(r.model, r.xla)} B={r.batch} prompt={r.prompt} tokens={r.tokens}: "
   if r.ms_per_token is None:
     return head + (r.note or "failed")
   return (head + f"prefill {r.prefill_tokens_per_ms:,.1f} tokens/ms, decode {r.ms_per_token:.3f} ms/token "
           f"({r.tokens_per_s:,.0f} tok/s), floor {fmt(r.floor_ms, '.3f')} ms, "
-          f"{r.kernels_per_token} kernels/token")
+          f"{r.kernels_per_token} kernels/token {r.kernel_kinds or ''}")
 
 
 def _paper_cell(model: str) -> str:
@@ -645,7 +757,7 @@ def format_paper_table(rows: list[PaperRow]) -> str:
     ratios = (f"{r.decode_ratio:.2f}×, {r.prefill_ratio:.2f}× ({r.reference})" if r.decode_ratio is not None
               else "")
     lines.append(
-        f"| {r.model} | {r.mixers} | {fmt(r.params or None, ',.1f', 1e-6)}M | "
+        f"| {_label(r.model, r.xla)} | {r.mixers} | {fmt(r.params or None, ',.1f', 1e-6)}M | "
         f"{'yes' if r.position_table else 'no'} | {r.batch} | {r.prompt:,} | {r.tokens:,} | "
         f"{fmt(r.prefill_ms, ',.1f')} | {fmt(r.prefill_tokens_per_ms, ',.1f')} | "
         f"{fmt(r.ms_per_token, '.3f')} | "
@@ -664,11 +776,14 @@ def paper_notes(bandwidth: float | None) -> str:
           "tokens/s = batch / ms/token); medians after a warm-up. State MB: the decode state of one "
           "sequence at the mean context a generated token reads (prompt + generated / 2). Floor: the "
           f"weights read per token plus the batch's state, at {at}; × floor: ms/token over it. Kernels / "
-          "token: the launching instructions of the compiled loop's body and condition "
-          "(`kernels_per_token`). vs Transformer++: tokens/s and prefill tokens/ms over those of the "
+          "token: the instructions of the compiled loop's body and condition that launch work "
+          "(`loop_kernel_kinds`). vs Transformer++: tokens/s and prefill tokens/ms over those of the "
           "Transformer++ of the same size (bf16 KV cache). The paper's ratio is against FlashAttention-2 "
-          "with CUDA graphs; here every model runs through XLA in one process, the Transformer++ attends "
-          "over its preallocated cache, and the weights are random (speed does not depend on them).")
+          "with CUDA graphs; here every model runs through XLA in one process, and the weights are random "
+          "(speed does not depend on them). The first prefill call makes the zero state (its time "
+          "included); in it the Transformer++ runs the prompt through its training forward's attention "
+          "(cuDNN's flash attention on a GPU) and writes the KV cache from its keys and values; later "
+          "calls and the decode attend over the preallocated cache.")
 
 
 def report_paper(rows: list[PaperRow], *, markdown: str, command: str) -> str:

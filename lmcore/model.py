@@ -18,7 +18,7 @@ from flax.core import FrozenDict
 
 from lmcore.config import ModelConfig
 from lmcore.registry import mixer_class
-from lmcore.mixers.base import InitSpec, dense
+from lmcore.mixers.base import FusedProjection, InitSpec, dense
 from lmcore.ops.common.layout import default_positions
 
 ModelState = dict[str, Any]  # {"position": int32 [B], "layers": tuple of per-layer mixer states}
@@ -37,9 +37,18 @@ class SwiGLU(nnx.Module):
     self.w_gate = dense(d_model, hidden, std=init.std, dtype=dtype, rngs=rngs)
     self.w_up = dense(d_model, hidden, std=init.std, dtype=dtype, rngs=rngs)
     self.w_down = dense(hidden, d_model, std=init.out_std, dtype=dtype, rngs=rngs)
+    self.gate_up: FusedProjection | None = nnx.data(None)  # decoding's form of w_gate and w_up
+
+  def prepare_decode(self) -> None:
+    """W_gate and W_up as one matmul (``lmcore.mixers.base``: ``prepare_decode``)."""
+    self.gate_up, self.w_gate, self.w_up = FusedProjection.of([self.w_gate, self.w_up]), None, None
 
   def __call__(self, x_BxTxD):
-    return self.w_down(jax.nn.silu(self.w_gate(x_BxTxD)) * self.w_up(x_BxTxD))
+    if self.gate_up is None:
+      gate_BxTxF, up_BxTxF = self.w_gate(x_BxTxD), self.w_up(x_BxTxD)
+    else:
+      gate_BxTxF, up_BxTxF = self.gate_up(x_BxTxD)
+    return self.w_down(jax.nn.silu(gate_BxTxF) * up_BxTxF)
 
 
 class Block(nnx.Module):

@@ -12,7 +12,7 @@ from flax import nnx
 
 from lmcore.ops.common import pallas_utils
 from lmcore.mixers import flops
-from lmcore.mixers.base import InitSpec, dense, float_bytes, scaled_linear
+from lmcore.mixers.base import FusedProjection, InitSpec, dense, float_bytes, scaled_linear
 from sanatan_jax import features, gate_stats
 from sanatan_jax.ops.sanatan_attention import (REGISTRY, Problem, SanatanState, check_variant,
                                                sanatan_attention)
@@ -81,16 +81,27 @@ class SanatanMixer(nnx.Module):
     self.wo = dense(H * dv, d_model, std=init.out_std, rngs=rngs, dtype=dtype)
     self.omega = nnx.Param(jnp.full((H, d), OMEGA_INIT, jnp.float32))
     self.lam_raw = nnx.Param(jax.random.normal(rngs.params(), (H, d), jnp.float32))
+    self.qkv: FusedProjection | None = nnx.data(None)  # decoding's form of wq, wk, wv
+
+  def prepare_decode(self) -> None:
+    """Wq / sqrt(d), Wk / sqrt(d) and Wv as one matmul (``lmcore.mixers.base``: ``prepare_decode``)."""
+    scale = 1.0 / math.sqrt(self.config.head_dim)
+    self.qkv = FusedProjection.of([self.wq, self.wk, self.wv], scales=(scale, scale, 1.0))
+    self.wq = self.wk = self.wv = None
 
   def _project(self, x_BxTxD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q = x Wq / sqrt(d), k = x Wk / sqrt(d), v = x Wv, split into heads (MATH §1.1 step 1); the
     1 / sqrt(d) scales the kernels (``scaled_linear``)."""
     B, T, _ = x_BxTxD.shape
     H, d = self.config.n_heads, self.config.head_dim
-    scale = 1.0 / math.sqrt(d)
-    q_BxTxHxd = scaled_linear(self.wq, x_BxTxD, scale).reshape(B, T, H, d)
-    k_BxTxHxd = scaled_linear(self.wk, x_BxTxD, scale).reshape(B, T, H, d)
-    return q_BxTxHxd, k_BxTxHxd, self.wv(x_BxTxD).reshape(B, T, H, self.config.dv)
+    if self.qkv is not None:
+      q_BxTxHd, k_BxTxHd, v_BxTxHV = self.qkv(x_BxTxD)
+    else:
+      scale = 1.0 / math.sqrt(d)
+      q_BxTxHd, k_BxTxHd = (scaled_linear(w, x_BxTxD, scale) for w in (self.wq, self.wk))
+      v_BxTxHV = self.wv(x_BxTxD)
+    return (q_BxTxHd.reshape(B, T, H, d), k_BxTxHd.reshape(B, T, H, d),
+            v_BxTxHV.reshape(B, T, H, self.config.dv))
 
   def _omega(self) -> jax.Array:
     # "No omega" ablation: the parameter exists (same count, same checkpoint layout) but gets no

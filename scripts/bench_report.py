@@ -492,7 +492,9 @@ def decode(runs):
   """One row per model: ms per token (and the floor) per batch × context, tokens/s at the largest batch."""
   names = {"sanatan_p1_184m": "SANATAN p = 1 184M", "softmax_184m": "softmax 184M, fp32 cache",
            "softmax_184m_bf16_cache": "softmax 184M, bf16 cache", "gla_182m": "GLA 182M"}
-  rows = runs[0]
+  # A decode program other than the default (``DECODE_XLA``) is a model of its own.
+  rows = [{**r, "model": r["model"] if r.get("xla", "default") == "default" else f"{r['model']} [{r['xla']}]"}
+          for r in runs[0]]
   grid = list(dict.fromkeys((r["batch"], r["context"]) for r in rows))
   by_key = {(r["model"], r["batch"], r["context"]): r for r in rows}
   header = ["model"] + [f"{b} × {c:,}: ms/token (floor)" for b, c in grid] + ["tokens/s, largest batch",

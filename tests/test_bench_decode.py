@@ -38,6 +38,23 @@ def test_tiny_models_are_timed_on_the_main_and_long_grids_and_reported(tmp_path)
   assert plot.stat().st_size > 1000
 
 
+def test_each_decode_program_is_a_row_with_its_kernels_by_kind_and_its_hlo(tmp_path):
+  """--decode_xla=default,graph_loop: the model runs once per set of XLA options (GPU options, which a
+  CPU ignores); each row names its program and carries the kernels per token by kind, whose sum is the
+  column; each compiled loop's HLO is written, and the target lines are given per program."""
+  rows = decode.run(["sanatan_p1_184m"], batches=[1], contexts=[12], decode_tokens=4, repeats=1, tiny=True,
+                    overrides=TINY, xla=["default", "graph_loop"], hlo_dir=str(tmp_path / "hlo"))
+  assert [r.xla for r in rows] == ["default", "graph_loop"]
+  for r in rows:
+    assert not r.note and r.kernels_per_token == sum(r.kernel_kinds.values()) > 10, r
+    assert r.kernel_kinds["fusion"] > 0
+  assert sorted(p.name for p in (tmp_path / "hlo").iterdir()) == [
+      "sanatan_p1_184m_default_b1_c12.hlo.txt", "sanatan_p1_184m_graph_loop_b1_c12.hlo.txt"]
+  lines = decode.target_lines(rows)
+  assert len(lines) == 4 and lines[2].startswith("- [graph_loop] sanatan_p1_184m, batch 1:")
+  assert "| sanatan_p1_184m [graph_loop] | sanatan |" in decode.format_table(rows)
+
+
 HLO = """HloModule jit__decode
 
 %body.1 (arg: (s32[], f32[2,4])) -> (s32[], f32[2,4]) {
@@ -76,8 +93,50 @@ def test_kernels_per_token_counts_the_work_of_the_loop_body_and_condition():
   """The body's add, library call, fusion and copy (the async pair once) and the condition's compare:
   5; parameters, constants, tuples, bitcasts and the work before the loop launch nothing per token."""
   assert decode.kernels_per_token(HLO) == 5
+  assert decode.loop_kernel_kinds(HLO) == {"add": 1, "custom-call": 1, "fusion": 1, "copy": 1, "compare": 1}
   with pytest.raises(ValueError, match="no while loop"):
     decode.kernels_per_token(HLO.replace("while(%init), condition=%cond.1, body=%body.1", "tuple(%init)"))
+
+
+# The loop of HLO run from a command buffer (a call) holding the whole loop; its body calls a command
+# buffer of two fusions and a conditional whose larger branch holds a GEMM and a fusion.
+GRAPHED = HLO.replace("""  %dot = f32[2,4]{1,0} custom-call(%x), custom_call_target="__cublas$gemm"
+  %fused = f32[2,4]{1,0} fusion(%dot), kind=kLoop, calls=%fused_computation""",
+                      """  %graph = f32[2,4]{1,0} call(%x), to_apply=%command_buffer.3
+  %p = pred[] constant(true)
+  %fused = f32[2,4]{1,0} conditional(%p, %graph, %graph), true_computation=%big, false_computation=%small""")
+GRAPHED = GRAPHED.replace("  %loop = (s32[], f32[2,4]{1,0}) while(%init), condition=%cond.1, body=%body.1",
+                          "  %loop = (s32[], f32[2,4]{1,0}) call(%init), to_apply=%command_buffer.9")
+GRAPHED = GRAPHED.replace("ENTRY %main", """%command_buffer.3 (a: f32[2,4]) -> f32[2,4] {
+  %a = f32[2,4]{1,0} parameter(0)
+  %f1 = f32[2,4]{1,0} fusion(%a), kind=kLoop, calls=%fused_computation.4
+  ROOT %f2 = f32[2,4]{1,0} fusion(%f1), kind=kLoop, calls=%fused_computation.5
+}
+
+%big (a: f32[2,4]) -> f32[2,4] {
+  %a = f32[2,4]{1,0} parameter(0)
+  %g = f32[2,4]{1,0} custom-call(%a), custom_call_target="__cublas$gemm"
+  ROOT %f = f32[2,4]{1,0} fusion(%g), kind=kLoop, calls=%fused_computation.6
+}
+
+%small (a: f32[2,4]) -> f32[2,4] {
+  ROOT %a = f32[2,4]{1,0} parameter(0)
+}
+
+%command_buffer.9 (i: (s32[], f32[2,4])) -> (s32[], f32[2,4]) {
+  %i = (s32[], f32[2,4]{1,0}) parameter(0)
+  ROOT %w = (s32[], f32[2,4]{1,0}) while(%i), condition=%cond.1, body=%body.1
+}
+
+ENTRY %main""")
+
+
+def test_kernels_per_token_counts_inside_command_buffers_and_the_branch_that_runs():
+  """A call counts the kernels it calls (two fusions), a conditional its larger branch (a GEMM and a
+  fusion), and the loop is found inside the call that runs it: the add, 2 + 2, the copy and the
+  compare, 7."""
+  assert decode.loop_kernel_kinds(GRAPHED) == {"fusion": 3, "add": 1, "custom-call": 1, "copy": 1,
+                                               "compare": 1}
 
 
 def _row(model, batch, context, ms):
@@ -159,3 +218,5 @@ def test_bad_flags_say_what_to_fix():
     decode.run_paper(["based_1p3b"], batch=0, prompt=8, tokens=4, tiny=True)
   with pytest.raises(decode.BenchError, match="--batches='1,x'"):
     decode.parse_ints("1,x", "batches")
+  with pytest.raises(decode.BenchError, match="--decode_xla: unknown 'graphs'; use some of default"):
+    decode.run(["cyfa"], batches=[1], contexts=[16], decode_tokens=4, xla=["graphs"])

@@ -1,16 +1,19 @@
 """Sampling from a trained model through its decode state (MATH §5): prefill once, then a compiled loop.
 
-Prefill (one jitted call) feeds the shortest prompt's ``min_len`` tokens of every row into a fresh
-decode state; decode (jitted, the state donated) loops on the device, each step picking every row's
-next token and feeding it back (T = 1). A row still inside its prompt is fed its next prompt token
-instead of the sample, so all rows stay at one position and no pad enters a state (exact for every
-mixer). Row b's n-th sample draws with its own key folded with n, so a row samples the same tokens in
-any batch. A row stops after ``max_new_tokens`` samples or at ``eos_id``; without an ``eos_id`` the loop
-is a ``fori_loop`` (no predicate read back per token). Streaming runs the same loop in segments of a
-few steps, the carry (logits, state, counts, stops) handed from one call to the next. Softmax attention
-preallocates its KV cache; SANATAN p >= 2 has no decode state and raises before anything runs. Linear
-layers' weights and the head are cast to the compute dtype once (the numbers the layers compute per
-token). ``sample_texts`` runs text prompts (``eval.py --prompt_file``) and streams their text.
+Prefill (one jitted call) makes a new decode state and feeds it the shortest prompt's ``min_len`` tokens
+of every row; the state is made inside that call, so softmax attention knows its cache is empty and runs
+the prompt through the training forward's attention (``lmcore.mixers.softmax``). Decode (jitted, the state
+donated) loops on the device, each step picking every row's next token and feeding it back (T = 1). A row
+still inside its prompt is fed its next prompt token instead of the sample, so all rows stay at one
+position and no pad enters a state (exact for every mixer). Row b's n-th sample draws with its own key
+folded with n, so a row samples the same tokens in any batch. A row stops after ``max_new_tokens`` samples
+or at ``eos_id``; without an ``eos_id`` the loop is a ``fori_loop`` (no predicate read back per token).
+Streaming runs the same loop in segments of a few steps, the carry (logits, state, counts, stops) handed
+from one call to the next. Softmax attention preallocates its KV cache; SANATAN p >= 2 has no decode state
+and raises before anything runs. Decoding runs a copy of the model prepared once (``_decode_form``):
+Linear layers' weights and the head in the compute dtype (the numbers the layers compute per token), and
+each layer's projections of one input as one matmul (``prepare_decode``). ``sample_texts`` runs text
+prompts (``eval.py --prompt_file``) and streams their text.
 """
 
 from __future__ import annotations
@@ -100,15 +103,27 @@ class DecodeWeights(NamedTuple):
   unembed_DxV: jax.Array  # the head's matrix in the activation dtype
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _decode_weights(graphdef, params, rest) -> DecodeWeights:
+def _decode_form(graphdef, params, rest) -> LanguageModel:
+  """A copy of the model as decoding runs it: Linear kernels and biases in their compute dtype, then
+  every module's ``prepare_decode`` (``lmcore.mixers.base``: a layer's projections of one input as one
+  matmul). Done once before the loop: XLA need not hoist the casts and concatenations out of it."""
   model = nnx.merge(graphdef, params, rest)
-  for _, module in nnx.iter_modules(model):
+  modules = [module for _, module in nnx.iter_modules(model)]
+  for module in modules:
     # nnx.Linear casts kernel and bias to its dtype on every call: casting them once is the same.
     if isinstance(module, nnx.Linear) and module.dtype is not None:
       module.kernel.set_value(module.kernel[...].astype(module.dtype))
       if module.bias is not None:
         module.bias.set_value(module.bias[...].astype(module.dtype))
+  for module in modules:
+    if hasattr(module, "prepare_decode"):
+      module.prepare_decode()
+  return model
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _decode_weights(graphdef, params, rest) -> DecodeWeights:
+  model = _decode_form(graphdef, params, rest)
   _, params, rest = nnx.split(model, nnx.Param, ...)
   return DecodeWeights(params, rest, model.unembed_kernel().astype(jnp.dtype(model.config.dtype)))
 
@@ -121,6 +136,13 @@ def _forward(graphdef, weights: DecodeWeights, tokens_BxT, state):
 
 
 _prefill = jax.jit(_forward, static_argnames=("graphdef",), donate_argnames=("state",))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len"))
+def _prefill_new(graphdef, weights: DecodeWeights, tokens_BxT, *, max_len: int):
+  """``_forward`` from a new state for ``max_len`` tokens, made inside this call."""
+  state = nnx.merge(graphdef, weights.params, weights.rest).init_state(tokens_BxT.shape[0], max_len)
+  return _forward(graphdef, weights, tokens_BxT, state)
 
 
 class Carry(NamedTuple):
@@ -142,9 +164,7 @@ def _sample_rows(logits_BxV, keys_B, n_new_B, sampling: Sampling):
   return jax.vmap(draw)(logits_BxV, keys_B, n_new_B)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "feed_last", "max_new_tokens", "sampling",
-                                             "eos_id"), donate_argnames=("state",))
-def _decode(graphdef, weights: DecodeWeights, logits_BxV, state, n_new_B, done_B, forced_BxF, n_forced_B,
+def _decode_loop(graphdef, weights: DecodeWeights, logits_BxV, state, n_new_B, done_B, forced_BxF, n_forced_B,
             keys_B, start, *, steps: int, feed_last: bool, max_new_tokens: int, sampling: Sampling,
             eos_id: int | None):
   """Loop steps ``start … start + steps − 1`` (``Generator.decode``): each records every row's token (its
@@ -189,44 +209,66 @@ def _decode(graphdef, weights: DecodeWeights, logits_BxV, state, n_new_B, done_B
   return out_BxS, carry
 
 
+@functools.cache
+def _decode_jit(compiler_options: tuple[tuple[str, Any], ...] = ()):
+  """``_decode_loop`` jitted with these XLA options (one jit, so one cache of programs, per options)."""
+  static = ("graphdef", "steps", "feed_last", "max_new_tokens", "sampling", "eos_id")
+  return jax.jit(_decode_loop, static_argnames=static, donate_argnames=("state",),
+                 compiler_options=dict(compiler_options) or None)
+
+
 class Generator:
   """Compiled sampling for one model: ``Generator(model)(prompts, max_new_tokens=N)``; ``stream`` gives
   the samples as they come; ``init_state``, ``prefill`` and ``decode`` serve callers that manage the
-  state (``scripts/bench_decode.py``)."""
+  state (``scripts/bench_decode.py``). ``decode_options``: XLA options of the decode loop's program
+  only (e.g. ``{"xla_gpu_enable_command_buffer": "..."}``; names XLA does not know fail when it
+  compiles)."""
 
-  def __init__(self, model: LanguageModel):
+  def __init__(self, model: LanguageModel, *, decode_options: dict[str, Any] | None = None):
     check_can_decode(model)
+    self._decode = _decode_jit(tuple(sorted((decode_options or {}).items())))
     self.config = model.config
-    self.graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    self.weights = _decode_weights(self.graphdef, params, rest)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    self.weights = _decode_weights(graphdef, params, rest)
+    decode_form = nnx.eval_shape(lambda p, r: _decode_form(graphdef, p, r), params, rest)
+    self.graphdef = nnx.split(decode_form, nnx.Param, ...)[0]
     self._model = model
 
   def init_state(self, batch_size: int, max_len: int):
     """The zero decode state for ``batch_size`` rows of up to ``max_len`` tokens."""
     return self._model.init_state(batch_size, max_len)
 
-  def compile(self, batch_size: int, max_len: int, *, prefill_lengths=(), max_new_tokens: int = 0,
-              sampling: Sampling = Sampling(), eos_id: int | None = None, forced_len: int = 0):
-    """Compiles ``prefill`` for ``prefill_lengths`` and, with ``max_new_tokens``, one-call ``decode``
-    ahead of the calls (thread-safe: XLA compiles in parallel); returns the compiled decode (None
-    without ``max_new_tokens``), whose ``as_text()`` shows the ops of the loop."""
+  def compile(self, batch_size: int, max_len: int, *, prefill_lengths=(), continued_lengths=(),
+              max_new_tokens: int = 0, sampling: Sampling = Sampling(), eos_id: int | None = None,
+              forced_len: int = 0):
+    """Compiles ``prefill`` of prompts of ``prefill_lengths`` into a new state, and of pieces of
+    ``continued_lengths`` into a given one, and, with ``max_new_tokens``, one-call ``decode`` ahead of
+    the calls (thread-safe: XLA compiles in parallel); returns the compiled decode (None without
+    ``max_new_tokens``), whose ``as_text()`` shows the ops of the loop."""
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     state = jax.eval_shape(lambda: self.init_state(batch_size, max_len))
     for length in prefill_lengths:
+      _prefill_new.lower(self.graphdef, self.weights, i32(batch_size, length), max_len=max_len).compile()
+    for length in continued_lengths:
       _prefill.lower(self.graphdef, self.weights, i32(batch_size, length), state).compile()
     if max_new_tokens:
       logits = jax.ShapeDtypeStruct((batch_size, self.config.vocab_size), jnp.float32)
       keys = jax.eval_shape(lambda: _row_keys(0, batch_size))
-      return _decode.lower(self.graphdef, self.weights, logits, state, i32(batch_size),
+      return self._decode.lower(self.graphdef, self.weights, logits, state, i32(batch_size),
                            jax.ShapeDtypeStruct((batch_size,), jnp.bool_), i32(batch_size, forced_len),
                            i32(batch_size), keys, i32(), steps=forced_len + max_new_tokens, feed_last=False,
                            max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id).compile()
     return None
 
-  def prefill(self, tokens_BxT, state):
+  def prefill(self, tokens_BxT, state=None, *, max_len: int = 0):
     """Feeds ``tokens_BxT`` (every row the same length) through the model; returns the last
-    position's fp32 logits [B, V] and the new state. ``state`` is donated."""
-    return _prefill(self.graphdef, self.weights, jnp.asarray(tokens_BxT, jnp.int32), state)
+    position's fp32 logits [B, V] and the new state. ``state`` (donated) continues a sequence; None
+    starts one in a new state for ``max_len`` tokens (the prompt's length when 0), made inside the
+    call (see the module docstring)."""
+    tokens_BxT = jnp.asarray(tokens_BxT, jnp.int32)
+    if state is None:
+      return _prefill_new(self.graphdef, self.weights, tokens_BxT, max_len=max_len or tokens_BxT.shape[1])
+    return _prefill(self.graphdef, self.weights, tokens_BxT, state)
 
   def decode(self, logits_BxV, state, *, max_new_tokens: int, sampling: Sampling = Sampling(),
              seed: int | Sequence[int] = 0, eos_id: int | None = None, forced_BxF=None, n_forced_B=None):
@@ -237,9 +279,9 @@ class Generator:
     B = logits_BxV.shape[0]
     forced_BxF, n_forced_B = _forced(B, forced_BxF, n_forced_B)
     steps = forced_BxF.shape[1] + max_new_tokens
-    out_BxS, carry = _decode(self.graphdef, self.weights, *_start(logits_BxV, state), forced_BxF, n_forced_B,
-                             _row_keys(seed, B), jnp.int32(0), steps=steps, feed_last=False,
-                             max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id)
+    out_BxS, carry = self._decode(self.graphdef, self.weights, *_start(logits_BxV, state), forced_BxF,
+                                  n_forced_B, _row_keys(seed, B), jnp.int32(0), steps=steps, feed_last=False,
+                                  max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id)
     return out_BxS, carry.n_new_B, carry.state
 
   def stream(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
@@ -255,17 +297,16 @@ class Generator:
       tokens_BxL[b, :lengths[b]] = prompt
     n_forced_B = np.asarray(lengths, np.int32) - min_len
     forced_BxF = jnp.asarray(tokens_BxL[:, min_len:])
-    state = self.init_state(B, max(lengths) + max_new_tokens)
-    logits_BxV, state = self.prefill(tokens_BxL[:, :min_len], state)
+    logits_BxV, state = self.prefill(tokens_BxL[:, :min_len], max_len=max(lengths) + max_new_tokens)
     carry, keys_B = _start(logits_BxV, state), _row_keys(seed, B)
     total = forced_BxF.shape[1] + max_new_tokens
     segment = segment or total
     n_new_B = np.zeros((B,), np.int64)
     for start in range(0, total, segment):
       steps = min(segment, total - start)
-      out_BxS, carry = _decode(self.graphdef, self.weights, *carry, forced_BxF, jnp.asarray(n_forced_B),
-                               keys_B, jnp.int32(start), steps=steps, feed_last=start + steps < total,
-                               max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id)
+      out_BxS, carry = self._decode(self.graphdef, self.weights, *carry, forced_BxF, jnp.asarray(n_forced_B),
+                                    keys_B, jnp.int32(start), steps=steps, feed_last=start + steps < total,
+                                    max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id)
       out_BxS, before_B, n_new_B = np.asarray(out_BxS), n_new_B, np.asarray(carry.n_new_B)
       # Row b's samples sit at loop steps n_forced_B[b] ... n_forced_B[b] + n_new_B[b] - 1.
       first_B = n_forced_B + before_B - start

@@ -306,12 +306,12 @@ class HarnessLM(TemplateLM):
       forced_BxF[b, :len(row) - done] = row[done:]
     # Rows that finish early keep being fed until the last one stops: room for every step of the loop.
     max_len = 1 << (done + forced_BxF.shape[1] + max_gen_toks - 1).bit_length()
-    state = self._generator.init_state(self.batch_size, max_len)
+    state = None if prefill else self._generator.init_state(self.batch_size, max_len)
     logits_BxV = jnp.zeros((self.batch_size, self._model.config.vocab_size), jnp.float32)
     offset = 0
     for chunk in prefill:  # without a prefill, the decode loop feeds the first prompt token itself
       chunk_BxC = np.array([row[offset:offset + chunk] for row in rows], np.int32)
-      logits_BxV, state = self._generator.prefill(chunk_BxC, state)
+      logits_BxV, state = self._generator.prefill(chunk_BxC, state, max_len=max_len)
       offset += chunk
     out_BxS, n_new_B, _ = self._generator.decode(
         logits_BxV, state, max_new_tokens=max_gen_toks, sampling=sampling, eos_id=self.eot_token_id,

@@ -17,11 +17,15 @@ and called, for training, prefill and one-token decode alike, as::
 * ``init_state(batch_size, max_len)``: the zero state; ``state_bytes`` its bytes (MATH §6.5).
 * ``flops_per_token(seq_len)``: forward FLOPs per token over a causal sequence (``mixers/flops.py``).
 * A nested frozen dataclass ``Config`` with defaults for every field.
+* ``prepare_decode()`` (optional, any module): turns a copy of the module into the form decoding runs,
+  once, before the decode loop (``lmcore.eval.generate``): e.g. its projections of one input as one
+  ``FusedProjection``. The function it computes does not change; parameters stay as they are saved.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import jax
@@ -62,3 +66,28 @@ def scaled_linear(layer: nnx.Linear, x: jax.Array, scale: float) -> jax.Array:
 def float_bytes(*shapes: tuple[int, ...], itemsize: int = 4) -> int:
   """Bytes of fp32 (by default) arrays of the given shapes."""
   return sum(math.prod(s) for s in shapes) * itemsize
+
+
+class FusedProjection(nnx.Module):
+  """Linear layers of one input (no biases) as one matmul: ``x @ [s_1 W_1 | s_2 W_2 | …]`` split back
+  into each layer's output, the kernels scaled and concatenated once (``of``). Each output column is
+  the same dot over the input as its layer computes (``scaled_linear`` for a scale other than 1)."""
+
+  def __init__(self, kernel_DxN: jax.Array, widths: tuple[int, ...], dtype):
+    self.kernel = nnx.Param(kernel_DxN)
+    self.widths, self.dtype = widths, dtype
+
+  @classmethod
+  def of(cls, layers, scales=None) -> "FusedProjection":
+    if any(layer.bias is not None for layer in layers) or len({layer.dtype for layer in layers}) != 1:
+      raise ValueError("FusedProjection joins bias-free linear layers of one compute dtype")
+    scales = scales or (1.0,) * len(layers)
+    kernels = [layer.kernel[...] if scale == 1.0 else layer.kernel[...] * scale
+               for layer, scale in zip(layers, scales)]
+    return cls(jnp.concatenate(kernels, axis=1), tuple(k.shape[1] for k in kernels), layers[0].dtype)
+
+  def __call__(self, x: jax.Array) -> list[jax.Array]:
+    dtype = self.dtype or jnp.result_type(x, self.kernel[...])
+    x, kernel = x.astype(dtype), self.kernel[...].astype(dtype)
+    y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+    return jnp.split(y, list(itertools.accumulate(self.widths[:-1])), axis=-1)

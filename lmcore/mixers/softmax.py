@@ -1,4 +1,10 @@
-"""Softmax attention (Transformer++ style, MATH §4): causal MHA, RoPE or none, KV-cache decoding."""
+"""Softmax attention (Transformer++ style, MATH §4): causal MHA, RoPE or none, KV-cache decoding.
+
+A prompt fed to a cache that is known to be empty while tracing (``init_state`` called inside the same
+jitted function, as ``lmcore.eval.generate`` prefills a new state) runs through the training forward's
+attention (cuDNN's flash attention on GPUs) and writes its keys and values into the cache: no score
+array of the cache's length, no chunking. Any other call attends over the preallocated cache.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +13,22 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from lmcore.mixers.base import InitSpec, dense, float_bytes
+from lmcore.mixers.base import FusedProjection, InitSpec, dense, float_bytes
 from lmcore.mixers import flops
 from lmcore.ops.common.layout import default_positions
 from lmcore.mixers.rotary import rotary
 
 
 class KVCache(NamedTuple):
-  """Decode state: keys/values of every position so far; ``length`` tokens are filled (scalar int32)."""
+  """Decode state: keys/values of every position so far; ``length`` tokens are filled (scalar int32;
+  a numpy value in a new cache, so that a call tracing it knows the cache is empty)."""
 
   k: jax.Array  # [B, S, H, d]
   v: jax.Array  # [B, S, H, d]
-  length: jax.Array  # []
+  length: jax.Array | np.ndarray  # []
 
 
 class SoftmaxAttention(nnx.Module):
@@ -49,11 +57,17 @@ class SoftmaxAttention(nnx.Module):
     self.wk = dense(d_model, inner, std=init.std, dtype=dtype, rngs=rngs)
     self.wv = dense(d_model, inner, std=init.std, dtype=dtype, rngs=rngs)
     self.wo = dense(inner, d_model, std=init.out_std, dtype=dtype, rngs=rngs)
+    self.qkv: FusedProjection | None = nnx.data(None)  # decoding's form of wq, wk, wv
+
+  def prepare_decode(self) -> None:
+    """Wq, Wk and Wv as one matmul (``lmcore.mixers.base``: ``prepare_decode``)."""
+    self.qkv = FusedProjection.of([self.wq, self.wk, self.wv])
+    self.wq = self.wk = self.wv = None
 
   def init_state(self, batch_size: int, max_len: int) -> KVCache:
     shape = (batch_size, max_len, self.n_heads, self.head_dim)
     dtype = jnp.dtype(self.config.cache_dtype)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), np.zeros((), np.int32))
 
   def state_bytes(self, batch_size: int, max_len: int) -> int:
     return float_bytes((2, batch_size, max_len, self.n_heads, self.head_dim),
@@ -70,8 +84,11 @@ class SoftmaxAttention(nnx.Module):
     if positions_BxT is None:
       start = None if state is None else jnp.broadcast_to(state.length, (B,))
       positions_BxT = default_positions(B, T, start)
-    q_BxTxHxd, k_BxTxHxd, v_BxTxHxd = (
-        w(x_BxTxD).reshape(B, T, self.n_heads, self.head_dim) for w in (self.wq, self.wk, self.wv))
+    if self.qkv is not None:
+      projections = self.qkv(x_BxTxD)
+    else:
+      projections = [w(x_BxTxD) for w in (self.wq, self.wk, self.wv)]
+    q_BxTxHxd, k_BxTxHxd, v_BxTxHxd = (u.reshape(B, T, self.n_heads, self.head_dim) for u in projections)
     if self.config.rope:
       q_BxTxHxd = rotary(q_BxTxHxd, positions_BxT, self.config.rope_base)
       k_BxTxHxd = rotary(k_BxTxHxd, positions_BxT, self.config.rope_base)
@@ -81,7 +98,7 @@ class SoftmaxAttention(nnx.Module):
       if segment_ids_BxT is not None:
         raise NotImplementedError("softmax decoding with segment_ids is not supported; decode one "
                                   "document per row (segment_ids=None).")
-      o_BxTxHxd, new_state = self._attend_cache(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, state)
+      o_BxTxHxd, new_state = self._attend(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, state)
     y_BxTxD = self.wo(o_BxTxHxd.reshape(B, T, -1).astype(x_BxTxD.dtype))
     return y_BxTxD, new_state
 
@@ -97,6 +114,19 @@ class SoftmaxAttention(nnx.Module):
     same_BxTxT = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
     mask_Bx1xTxT = (same_BxTxT & jnp.tril(jnp.ones((T, T), bool)))[:, None]
     return jax.nn.dot_product_attention(q, k, v, mask=mask_Bx1xTxT, implementation="xla")
+
+  def _attend(self, q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, state: KVCache):
+    """A prompt into a cache known to be empty: the training forward's attention over the prompt
+    alone, its keys and values written at 0; else ``_attend_cache``."""
+    if not _known_empty(state):
+      return self._attend_cache(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, state)
+    T, S = q_BxTxHxd.shape[1], state.k.shape[1]
+    if T > S:
+      raise ValueError(f"a prompt of {T} tokens does not fit a KV cache of {S}; make the state with "
+                       f"max_len >= {T}")
+    o_BxTxHxd = self._attend_full(q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, None)
+    write = lambda cache, new: jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), 0, axis=1)
+    return o_BxTxHxd, KVCache(write(state.k, k_BxTxHxd), write(state.v, v_BxTxHxd), jnp.int32(T))
 
   def _attend_cache(self, q_BxTxHxd, k_BxTxHxd, v_BxTxHxd, state: KVCache):
     """Writes the new keys/values at ``length`` and attends causally over the filled cache: operands
@@ -114,3 +144,9 @@ class SoftmaxAttention(nnx.Module):
     o_BxTxHxd = jnp.einsum("bhts,bshd->bthd", probs_BxHxTxS.astype(dtype), v_cache,
                            precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     return o_BxTxHxd, KVCache(k_cache, v_cache, start + T)
+
+
+def _known_empty(state: KVCache) -> bool:
+  """Whether the cache's length is known to be 0 while tracing (a numpy or Python value, not a traced
+  or device array)."""
+  return isinstance(state.length, (int, np.integer, np.ndarray)) and int(state.length) == 0

@@ -132,6 +132,23 @@ def test_a_ragged_batch_samples_what_each_prompt_samples_alone():
   assert batch == alone and len(set(map(tuple, batch))) == 3
 
 
+@pytest.mark.parametrize("sampling", [Sampling(temperature=0), Sampling(temperature=1.0)],
+                         ids=["greedy", "temperature_1"])
+def test_a_prompt_token_equal_to_eos_past_the_shortest_prompt_does_not_stop_its_row(sampling):
+  """EOS (id 47 here) sits in the longer prompts after the shortest prompt's length (1), so the batch
+  feeds it inside the loop, and it ends row 0's prompt: a row stops only on an EOS it sampled, and each
+  row samples exactly what its prompt samples alone (seed 5 + b). With this id a row also samples EOS
+  and stops (row 1 greedily, row 2 at temperature 1), so both kinds of EOS meet in one batch."""
+  eos, prompts = 47, [[5, 17, 47, 40, 47], [9], [31, 47, 7]]
+  gen = Generator(make_model(*FAMILIES["sanatan_p1"]))
+  kwargs = dict(max_new_tokens=8, sampling=sampling, eos_id=eos)
+  batch = gen(prompts, seed=5, **kwargs)
+  alone = [gen([p], seed=5 + b, **kwargs)[0] for b, p in enumerate(prompts)]
+  assert batch == alone
+  assert len(batch[0]) == 8 and any(len(row) < 8 and row[-1] == eos for row in batch), batch
+  assert all(eos not in row[:-1] for row in batch)  # a sampled EOS is a row's last token
+
+
 def test_streamed_segments_sample_the_tokens_of_one_call():
   """Decoding in segments of 3 loop steps (state, counts and stops carried between the calls) yields,
   piece by piece, exactly the tokens one call samples with the same seed (the fixed-trip-count loop;
@@ -303,3 +320,91 @@ def test_a_bf16_kv_cache_holds_half_the_bytes_and_decodes_within_bf16_rounding()
   np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, rtol=2e-2, atol=2e-2)
   with pytest.raises(ValueError, match="cache_dtype must be 'float32' or 'bfloat16'"):
     SoftmaxAttention.Config(cache_dtype="float16")
+
+
+def _dot_shapes(jaxpr) -> list[tuple[int, ...]]:
+  """The output shapes of every dot_general of a jaxpr, nested jaxprs included."""
+  shapes = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      shapes += [tuple(v.aval.shape) for v in eqn.outvars]
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
+          shapes += _dot_shapes(getattr(sub, "jaxpr", sub))
+  return shapes
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,tolerance", [
+    ("float32", "float32", 1e-5),  # two fp32 softmax forms: rounding only
+    ("bfloat16", "bfloat16", 2e-2),  # bf16 operands either way (eps 2^-8), fp32 sums in different orders
+])
+def test_a_prompt_into_a_new_cache_attends_like_training_and_fills_what_the_cache_path_fills(
+    dtype, cache_dtype, tolerance):
+  """A softmax layer with RoPE, 7 prompt tokens into a cache of 40: made inside the call (a cache
+  known to be empty) the prompt runs through the training forward's attention, which computes no
+  score array over the cache's 40 positions; passed in, it attends over the cache. The outputs agree
+  to the dtype's tolerance (relative L2), the written keys and values are identical, both report 7
+  tokens, and a decoded token after each reads the same. A prompt longer than the cache is one line."""
+  config = SoftmaxAttention.Config(n_heads=2, cache_dtype=cache_dtype)
+  layer = SoftmaxAttention(config, d_model=16, init=InitSpec(0.3, 0.3), dtype=jnp.dtype(dtype),
+                           rngs=nnx.Rngs(2))
+  graphdef, params = nnx.split(layer)
+  x_BxTxD = jax.random.normal(jax.random.key(3), (2, 8, 16)).astype(dtype)
+  call = jax.jit(lambda params, x, state: nnx.merge(graphdef, params)(x, state))
+  new = lambda params, x: nnx.merge(graphdef, params)(x, nnx.merge(graphdef, params).init_state(2, 40))
+  y_new, state_new = jax.jit(new)(params, x_BxTxD[:, :7])
+  y_cache, state_cache = call(params, x_BxTxD[:, :7], layer.init_state(2, 40))
+  assert relative_l2(y_new, y_cache) <= tolerance
+  np.testing.assert_array_equal(state_new.k, state_cache.k)
+  np.testing.assert_array_equal(state_new.v, state_cache.v)
+  assert int(state_new.length) == int(state_cache.length) == 7
+  next_new, _ = call(params, x_BxTxD[:, 7:], state_new)
+  next_cache, _ = call(params, x_BxTxD[:, 7:], state_cache)
+  assert relative_l2(next_new, next_cache) <= tolerance
+  assert all(40 not in shape for shape in _dot_shapes(jax.make_jaxpr(new)(params, x_BxTxD[:, :7]).jaxpr))
+  assert any(40 in shape for shape in _dot_shapes(jax.make_jaxpr(call)(params, x_BxTxD[:, :7],
+                                                                        layer.init_state(2, 40)).jaxpr))
+  with pytest.raises(ValueError, match="a prompt of 8 tokens does not fit a KV cache of 6"):
+    nnx.merge(graphdef, params)(x_BxTxD, layer.init_state(2, 6))
+
+
+def test_the_generators_prefill_from_a_new_state_equals_prefill_into_a_given_one():
+  """Transformer++ layers (RoPE) through ``Generator.prefill``: from a new state (made in the call) and
+  into a zero state passed in, the same last-position logits and states (fp32, relative L2 1e-5: the
+  second layer's keys and values carry the first layer's rounding; lengths and positions exact), and
+  greedy decoding goes on with the same tokens."""
+  gen = Generator(make_model(*FAMILIES["softmax"]))
+  prompt = np.asarray([PROMPTS[0], [3, 1, 4, 1, 5]], np.int32)
+  logits_new, state_new = gen.prefill(prompt, max_len=16)
+  logits_cache, state_cache = gen.prefill(prompt, gen.init_state(2, 16))
+  assert relative_l2(logits_new, logits_cache) <= 1e-5
+  for got, want in zip(jax.tree.leaves(state_new), jax.tree.leaves(state_cache)):
+    if jnp.issubdtype(got.dtype, jnp.integer):
+      np.testing.assert_array_equal(got, want)
+    else:
+      assert relative_l2(got, want) <= 1e-5
+  greedy = dict(max_new_tokens=6, sampling=Sampling(temperature=0))
+  assert np.array_equal(gen.decode(logits_new, state_new, **greedy)[0],
+                        gen.decode(logits_cache, state_cache, **greedy)[0])
+
+
+@pytest.mark.parametrize("family", ["sanatan_p1", "softmax"])
+@pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_decoding_runs_each_layers_projections_as_one_matmul_and_computes_the_same(family, dtype, tolerance):
+  """The decode form (``prepare_decode``): q, k, v and the MLP's gate and up projections are one
+  matmul each (their kernels concatenated, SANATAN's 1/sqrt(d) folded in, once), the separate kernels
+  gone from the decode weights; the prefill's last logits equal the model's own forward to the dtype's
+  rounding (relative L2; bf16: eps 2^-8 through two layers), and the model's parameters are untouched."""
+  model = make_model(*FAMILIES[family], dtype=dtype)
+  before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+  gen = Generator(model)
+  paths = {"/".join(str(getattr(key, "key", key)) for key in path)
+           for path, _ in jax.tree_util.tree_flatten_with_path(gen.weights.params)[0]}
+  assert "blocks/1/mixer/qkv/kernel/.value" in paths and "blocks/1/mlp/gate_up/kernel/.value" in paths, paths
+  assert not any(w in p for p in paths for w in ("/wq/", "/wk/", "/wv/", "/w_gate/", "/w_up/")), paths
+  tokens = np.asarray([PROMPTS[0], [3, 1, 4, 1, 5]], np.int32)
+  logits, _ = gen.prefill(tokens)
+  full, _ = model(jnp.asarray(tokens))
+  assert relative_l2(logits, full[:, -1]) <= tolerance
+  jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, nnx.state(model, nnx.Param)))
