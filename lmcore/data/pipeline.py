@@ -12,11 +12,14 @@ document at most).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
+import queue
 import signal
 import sys
+import threading
 from typing import Any
 
 import grain
@@ -184,6 +187,50 @@ class JsonSafeIterator(grain.DatasetIterator):
 
   def set_state(self, state: dict[str, Any]) -> None:
     self._parent.set_state(_slices_as_tuples(state))
+
+  def close(self) -> None:
+    """Stops the worker processes together, then the rest of the pipeline (``stop_workers``)."""
+    stop_workers(getattr(self._parent, "_iterators_in_use", None) or ())
+    super().close()
+
+
+def stop_workers(workers) -> None:
+  """Closes Grain's per-worker iterators (``mp_prefetch``) in parallel, reading each worker's queue
+  until its iterator is closed. A stopped worker exits only once the batch it was sending has left its
+  pipe; Grain reads the queue once and then waits for the process, killing it after 25 s, one worker
+  after another. Nothing here when the iterators are not Grain's (or the interpreter is exiting)."""
+  workers = [w for w in workers if w is not None]
+  if len(workers) < 2:
+    return
+  try:
+    with concurrent.futures.ThreadPoolExecutor(2 * len(workers)) as pool:
+      closed = [threading.Event() for _ in workers]
+      drains = [pool.submit(_drain, worker, event) for worker, event in zip(workers, closed)]
+      list(pool.map(_close_then_set, workers, closed))
+      for drain in drains:
+        drain.result()
+  except RuntimeError:  # no new threads while the interpreter exits: Grain closes them in turn
+    pass
+
+
+def _close_then_set(worker, closed: threading.Event) -> None:
+  try:
+    worker.close()
+  finally:
+    closed.set()
+
+
+def _drain(worker, closed: threading.Event) -> None:
+  """Reads and drops what the worker behind ``worker`` (Grain's thread prefetch over its process
+  prefetch) still sends, until ``closed``."""
+  worker_queue = getattr(getattr(worker, "_maybe_nonnative_parent", None), "_buffer", None)
+  if worker_queue is None:
+    return
+  while not closed.is_set():
+    try:
+      worker_queue.get(timeout=0.05)
+    except (queue.Empty, OSError, EOFError, ValueError):
+      pass
 
 
 def local_batch_size(batch_size: int, process_count: int) -> int:
