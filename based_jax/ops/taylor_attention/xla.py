@@ -90,34 +90,15 @@ def _chunked_core(q, k, v, state, decay, dt, segment_ids, *, eps, feature, chunk
   phi_q_BxNxCxHxF = chunks(taylor_features(q, feature))
   phi_k_BxNxCxHxF = chunks(taylor_features(k, feature))
   docs = None if segment_ids is None else _chunk_docs(segment_ids, B, T, N, C)
-  decay_H = None
+  log_gamma_H = None  # without the decay ablation the form skips every decay factor
   if decay is not None or dt is not None:
-    decay_H = jnp.ones((H,), F32) if decay is None else decay.astype(F32)
-  log_gamma_H = None if decay_H is None else jnp.log(decay_H)
+    log_gamma_H = jnp.zeros((H,), F32) if decay is None else jnp.log(decay.astype(F32))
 
   num_BxNxCxHxV, den_BxNxCxH = _intra_chunk(q_BxNxCxHxK, k_BxNxCxHxK, v_BxNxCxHxV, docs, log_gamma_H)
 
-  # Inter-chunk: each chunk's increments (fp32), summed into the states entering the chunks.
-  k_state_BxNxCxHxF = phi_k_BxNxCxHxF
-  if docs is not None:
-    k_state_BxNxCxHxF = jnp.where(docs.writes[..., None, None], k_state_BxNxCxHxF, 0)
-  dz_BxNxHxF = jnp.sum(k_state_BxNxCxHxF.astype(F32), axis=2)
-  ell_1xNxH = None
-  if log_gamma_H is not None:
-    valid_N = jnp.minimum(T - C * jnp.arange(N), C)  # tokens of each chunk (the last may be partial)
-    age_NxC = jnp.maximum(valid_N[:, None] - 1 - jnp.arange(C), 0)
-    age_decay_1xNxCxHx1 = jnp.exp(age_NxC[..., None] * log_gamma_H)[None, ..., None]
-    k_state_BxNxCxHxF = (k_state_BxNxCxHxF * age_decay_1xNxCxHx1).astype(phi_k_BxNxCxHxF.dtype)
-    ell_1xNxH = (valid_N[:, None] * log_gamma_H)[None]  # the log-decay of a state across each chunk
-  dS_BxNxHxFxV = dot("bnchf,bnchv->bnhfv", k_state_BxNxCxHxF, v_BxNxCxHxV)
-  block = prefix_block(pallas_utils.backend())
-  last_BxN = None if docs is None else docs.last
-  S_in_BxNxHxFxV = chunk_prefix_sum(dS_BxNxHxFxV, last_BxN, block, ell_1xNxH)
-  z_in_BxNxHxF = chunk_prefix_sum(dz_BxNxHxF, last_BxN, block)
-  if state is not None:
-    S_in_BxNxHxFxV, z_in_BxNxHxF = _add_incoming(S_in_BxNxHxFxV, z_in_BxNxHxF, as_state(state, q, v, feature),
-                                                 last_BxN, ell_1xNxH)
-
+  increments, entering = _states_entering(phi_k_BxNxCxHxF, v_BxNxCxHxV, docs, log_gamma_H, T,
+                                          None if state is None else as_state(state, q, v, feature))
+  S_in_BxNxHxFxV, z_in_BxNxHxF = entering
   read_num_BxNxCxHxV = dot("bnchf,bnhfv->bnchv", phi_q_BxNxCxHxF, S_in_BxNxHxFxV.astype(phi_q_BxNxCxHxF.dtype))
   read_den_BxNxCxH = dot("bnchf,bnhf->bnch", phi_q_BxNxCxHxF, z_in_BxNxHxF)
   if log_gamma_H is not None:
@@ -130,9 +111,46 @@ def _chunked_core(q, k, v, state, decay, dt, segment_ids, *, eps, feature, chunk
   o_BxTxHxV = num_BxTxHxV / (den_BxTxH[..., None] + eps)
   if dt is not None:
     o_BxTxHxV = dt.astype(F32)[..., None] * o_BxTxHxV
-  S_BxHxFxV = _state_leaving(S_in_BxNxHxFxV, dS_BxNxHxFxV, last_BxN, ell_1xNxH)
-  z_BxHxF = _state_leaving(z_in_BxNxHxF, dz_BxNxHxF, last_BxN)
+  last_BxN = None if docs is None else docs.last
+  S_BxHxFxV = _state_leaving(S_in_BxNxHxFxV, increments.S, last_BxN, increments.log_decay)
+  z_BxHxF = _state_leaving(z_in_BxNxHxF, increments.z, last_BxN)
   return o_BxTxHxV.astype(v.dtype), TaylorState(S_BxHxFxV, z_BxHxF)
+
+
+class _Increments(NamedTuple):
+  """What each chunk adds to the state: ``S`` [B, N, H, F, dv] (decayed to the chunk's last token) and
+  ``z`` [B, N, H, F] (fp32, its last document's keys), and the log-decay of a state across each chunk
+  ``log_decay`` [1, N, H] (None without decay)."""
+
+  S: jax.Array
+  z: jax.Array
+  log_decay: jax.Array | None
+
+
+def _states_entering(phi_k_BxNxCxHxF, v_BxNxCxHxV, docs: _Docs | None, log_gamma_H, T: int,
+                     state: TaylorState | None) -> tuple[_Increments, TaylorState]:
+  """Each chunk's increments and the states entering the chunks (fp32): the decayed, document-gated
+  prefix sum of the increments (``chunk_prefix_sum``), plus the incoming state while document 0 lasts."""
+  N, C = phi_k_BxNxCxHxF.shape[1:3]
+  k_state_BxNxCxHxF = phi_k_BxNxCxHxF
+  if docs is not None:
+    k_state_BxNxCxHxF = jnp.where(docs.writes[..., None, None], k_state_BxNxCxHxF, 0)
+  dz_BxNxHxF = jnp.sum(k_state_BxNxCxHxF.astype(F32), axis=2)
+  ell_1xNxH = None
+  if log_gamma_H is not None:
+    valid_N = jnp.minimum(T - C * jnp.arange(N), C)  # tokens of each chunk (the last may be partial)
+    age_NxC = jnp.maximum(valid_N[:, None] - 1 - jnp.arange(C), 0)
+    age_decay_1xNxCxHx1 = jnp.exp(age_NxC[..., None] * log_gamma_H)[None, ..., None]
+    k_state_BxNxCxHxF = (k_state_BxNxCxHxF * age_decay_1xNxCxHx1).astype(phi_k_BxNxCxHxF.dtype)
+    ell_1xNxH = (valid_N[:, None] * log_gamma_H)[None]
+  dS_BxNxHxFxV = dot("bnchf,bnchv->bnhfv", k_state_BxNxCxHxF, v_BxNxCxHxV)
+  block = prefix_block(pallas_utils.backend())
+  last_BxN = None if docs is None else docs.last
+  S_in_BxNxHxFxV = chunk_prefix_sum(dS_BxNxHxFxV, last_BxN, block, ell_1xNxH)
+  z_in_BxNxHxF = chunk_prefix_sum(dz_BxNxHxF, last_BxN, block)
+  if state is not None:
+    S_in_BxNxHxFxV, z_in_BxNxHxF = _add_incoming(S_in_BxNxHxFxV, z_in_BxNxHxF, state, last_BxN, ell_1xNxH)
+  return _Increments(dS_BxNxHxFxV, dz_BxNxHxF, ell_1xNxH), TaylorState(S_in_BxNxHxFxV, z_in_BxNxHxF)
 
 
 def _chunk_docs(segment_ids, B, T, N, C) -> _Docs:
