@@ -5,7 +5,7 @@ each beside the form it should keep up with, timed in one process on the same in
     recomputation) at chunks of 64 and 128 against the op's "chunked" at the same chunks, with and
     without ``chunked_remat``; target: the default form (``xla.CHUNK``, ``Options.remat``) <= the faster
     plain form at every length.
-  * Taylor (BASED): "chunked" at chunks of 64, 128 and 256 with its recomputing backward, and at its
+  * Taylor (BASED): "chunked" at chunks of 128 and 256 with its recomputing backward, and at its
     default chunk without it (``xla.chunked``'s ``remat``), against the kernel "auto" picks on this
     platform; target: <= 2x the kernel. Without a kernel (a CPU) the kernel's row says so.
   * GLA at wide heads (``GLA_SHAPES``): "chunked" against flash-linear-attention's ``chunk_gla`` (torch,
@@ -32,7 +32,7 @@ from benchmarks import harness, rows
 LENGTHS = (2048, 32768)
 TOKENS = 16384  # per batch: B = max(1, TOKENS // T)
 SANATAN_CHUNKS = (64, 128)  # the plain and chunked SANATAN forms' chunks
-TAYLOR_CHUNKS = (64, 128, 256)  # Taylor "chunked" with its recomputing backward
+TAYLOR_CHUNKS = (128, 256)  # Taylor "chunked" with its recomputing backward
 FLA_GLA = "FLA chunk_gla"
 
 

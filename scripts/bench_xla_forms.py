@@ -1,6 +1,6 @@
 """The XLA forms TPUs run, each beside what it should keep up with, timed in one process
 (``benchmarks/xla_forms.py``): SANATAN p = 1 "chunked" at chunks of 64 and 128 with and without
-``chunked_remat`` against the plain einsum form, Taylor "chunked" at chunks of 64, 128 and 256 (and
+``chunked_remat`` against the plain einsum form, Taylor "chunked" at chunks of 128 and 256 (and
 without its recomputing backward) against its kernel, GLA "chunked" at wide heads against FLA's
 ``chunk_gla``. Forward+backward is ``benchmarks.harness.time_fwd_bwd``'s (the value and gradient of
 Σ o · do), as in every op benchmark.
