@@ -7,16 +7,17 @@ value and gradient of Σ o · do; CUDA-event medians after warm-up, FLA autotuni
 
 from __future__ import annotations
 
-from benchmarks import harness, rows
+from benchmarks import rows
 
 HEADS, HEAD_DIM, SANATAN_FEATURES = 12, 64, 384
 TAYLOR_HEADS, TAYLOR_DIM = 16, 16
 
 
-def run(log, ops, length, tokens, repeats, lock="", queue=1):
+def run(log, ops, length, tokens, repeats, timer, lock="", queue=1):
   """Times FLA's kernels for ``ops`` (of "sanatan_p1", "gated", "taylor") into ``log``
-  (``benchmarks.rows.RowLog``), ``queue`` calls per timing; rows it already has are skipped before any
-  tensor is made. Warm-up (FLA's autotuning) and timing hold ``lock`` (``benchmarks.rows.exclusive``)."""
+  (``benchmarks.rows.RowLog``) by ``timer`` (``harness.time_fwd_bwd``, which the harness passes: it
+  imports this module), ``queue`` calls per timing; rows it already has are skipped before any tensor is
+  made. Warm-up (FLA's autotuning) and timing hold ``lock`` (``benchmarks.rows.exclusive``)."""
   import torch
   from fla.ops.based import fused_chunk_based, parallel_based
   from fla.ops.gla import chunk_gla
@@ -31,7 +32,7 @@ def run(log, ops, length, tokens, repeats, lock="", queue=1):
   def add(op_name, impl, op, make_tensors, flops):
     if op_name in ops:
       rows.measure(log, op_name, impl, length, batch, op,
-                   lambda op: harness.time_fwd_bwd(op, make_tensors(), repeats, lock, queue), flops,
+                   lambda op: timer(op, make_tensors(), repeats, lock, queue), flops,
                    queue=queue)
 
   # SANATAN p = 1 on precomputed 6d features (K = 384): FLA cannot fuse the feature map.

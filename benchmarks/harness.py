@@ -647,7 +647,7 @@ def fla_rows(log: RowLog, ops: list[str], length: int, tokens: int, repeats: int
   from benchmarks import fla as bench_fla  # torch-side code kept apart from the JAX ops
 
   for queue in queues:
-    bench_fla.run(log, ops, length, tokens, repeats, lock, queue=queue)
+    bench_fla.run(log, ops, length, tokens, repeats, time_fwd_bwd, lock, queue=queue)
 
 
 def _reference_row(by_key: dict, row: Row) -> Row | None:
