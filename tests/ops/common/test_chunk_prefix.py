@@ -2,11 +2,14 @@
 n > m while the state leaving chunk n - 1 is in chunk m's last document, decayed by exp(ℓ) per chunk
 between them; in one level and in several (blocks of 2 chunks, padded blocks)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from lmcore.ops.common.chunk_prefix import chunk_prefix_sum
+
+prefix_sum = jax.jit(chunk_prefix_sum, static_argnames="block")
 
 
 def _written_out(x, last, ell):
@@ -31,6 +34,6 @@ def test_chunk_prefix_sum_equals_the_sum_written_out(N):
   ell = -rng.uniform(0.0, 0.5, size=(1, N, 3)).astype(np.float32)
   for docs in (None, last):
     for decay in (None, ell):
-      got = chunk_prefix_sum(jnp.asarray(x), None if docs is None else jnp.asarray(docs), block=2,
-                             log_decay_BxNxH=None if decay is None else jnp.asarray(decay))
+      got = prefix_sum(jnp.asarray(x), None if docs is None else jnp.asarray(docs), block=2,
+                       log_decay_BxNxH=None if decay is None else jnp.asarray(decay))
       np.testing.assert_allclose(got, _written_out(x, docs, decay), rtol=1e-5, atol=1e-5)
