@@ -4,6 +4,11 @@ markdown.
 Every op is timed at its default head shape (``DEFAULT_SHAPES``) or at named sets of shapes
 (``SHAPE_SETS``: "preset", the heads of the paper presets of configs/; "wide", K and V of 128 to 512).
 
+Every op benchmark (this module, ``benchmarks.xla_forms``, ``benchmarks.fla``) times forward+backward with
+``time_fwd_bwd``: the value and gradient of Σ o · do with respect to every input (``fwd_bwd``), as a
+training step differentiates its loss; ``benchmarks.tpu_aot`` and ``benchmarks.kernel_check`` compile
+and check that same function.
+
 Counted FLOPs per head (forward; forward+backward is counted as 3× forward):
   * chunked linear attention, feature width F, value width V, chunk C:
     T·(2·C·(F + V) + 4·F·V)  (intra-chunk scores and mixing, state read and write);
@@ -19,6 +24,7 @@ import glob
 import json
 import os
 import re
+import statistics
 from typing import Callable
 
 import jax
@@ -110,36 +116,94 @@ def _dims(op_name: str, shape: HeadShape | None) -> tuple[int, int, int]:
   return shape.heads, shape.key, shape.value
 
 
-_LAST_COMPILED: list = []  # [(op, args, forward, backward, do)] of the last case compiled
+def fwd_bwd(fn: Callable, n_args: int) -> Callable:
+  """What every op benchmark runs as forward+backward: ``(do, *args) -> (loss, grads)``, the value and
+  the gradient of loss = Σ o · do (in fp32) with respect to each of the ``n_args`` arguments of
+  ``fn(*args) -> o``, as a training step differentiates its loss. The value keeps the forward live:
+  with the gradient alone, a loss linear in o leaves XLA free to drop the forward of an op whose
+  backward recomputes it (``jax.checkpoint``), which a training step, whose later layers read o,
+  never does."""
+  def loss(do, *args):  # do is an argument, not a closure constant, so XLA does not fold it
+    return jnp.sum(fn(*args).astype(jnp.float32) * do.astype(jnp.float32))
+
+  return jax.value_and_grad(loss, argnums=tuple(range(1, n_args + 1)))
 
 
-def _compiled(op: Callable, args: tuple, lock: str = "") -> tuple[Callable, Callable, jax.Array]:
-  """``op`` and the gradient of sum(o · do) w.r.t. every array argument, compiled holding ``lock``
-  shared (``rows.shared``), and do; the last case's are reused when timed again at another queue
-  depth."""
+def cotangent(fn: Callable, args: tuple) -> jax.Array:
+  """do of ``fwd_bwd``: standard normal, o's shape, the first argument's dtype (fixed key)."""
+  return jax.random.normal(jax.random.key(1), jax.eval_shape(fn, *args).shape, args[0].dtype)
+
+
+_LAST_COMPILED: list = []  # [(op, args, forward, fwd_bwd, do)] of the last case compiled
+
+
+def compile_fwd_bwd(op: Callable, args: tuple, lock: str = "") -> tuple[Callable, Callable, jax.Array]:
+  """``op`` and its ``fwd_bwd``, compiled holding ``lock`` shared (``rows.shared``), and do; the last
+  case's are reused when timed again at another queue depth."""
   if _LAST_COMPILED and _LAST_COMPILED[0][0] is op and _LAST_COMPILED[0][1] is args:
     return _LAST_COMPILED[0][2:]
-  do = jax.random.normal(jax.random.key(1), jax.eval_shape(op, *args).shape, args[0].dtype)
-
-  def loss(do, *a):  # do is an argument, not a closure constant, so XLA does not fold it
-    return jnp.sum(op(*a).astype(jnp.float32) * do.astype(jnp.float32))
-
+  do = cotangent(op, args)
   with shared(lock):
     forward = jax.jit(op).lower(*args).compile()
-    backward = jax.jit(jax.grad(loss, argnums=tuple(range(1, len(args) + 1)))).lower(do, *args).compile()
+    backward = jax.jit(fwd_bwd(op, len(args))).lower(do, *args).compile()
   _LAST_COMPILED[:] = [(op, args, forward, backward, do)]
   return forward, backward, do
 
 
-def _fwd_and_fwdbwd(op: Callable, args: tuple, repeats: int, lock: str = "", queue: int = 1
-                    ) -> tuple[float, float]:
-  """Times ``op(*args) -> o`` and the gradient of sum(o · do) w.r.t. every array argument, ``queue``
-  calls per wait (``time_fn``); both are compiled first, holding ``lock`` shared, then timed holding it
-  exclusively."""
-  forward, backward, do = _compiled(op, args, lock)
+def time_fwd_bwd(op: Callable, args: tuple, repeats: int, lock: str = "", queue: int = 1
+                 ) -> tuple[float, float]:
+  """(forward ms, forward+backward ms) of ``op(*args) -> o``: the one timer of every op benchmark.
+  Forward+backward is ``fwd_bwd`` (the value and gradient of Σ o · do). JAX arrays: both compiled
+  first holding ``lock`` shared, then timed holding it exclusively, ``queue`` calls per wait
+  (``time_fn``). torch tensors (flash-linear-attention on a CUDA GPU): the same loss on CUDA-event
+  timings (``_torch_times``), holding ``lock`` exclusively."""
+  if type(args[0]).__module__.startswith("torch"):
+    with exclusive(lock):
+      return _torch_times(op, args, repeats, queue)
+  forward, backward, do = compile_fwd_bwd(op, args, lock)
   with exclusive(lock):
     return (time_fn(forward, *args, repeats=repeats, queue=queue),
             time_fn(backward, do, *args, repeats=repeats, queue=queue))
+
+
+def _torch_times(op: Callable, tensors: list, repeats: int, queue: int) -> tuple[float, float]:
+  """``time_fwd_bwd`` of a torch op on CUDA tensors: medians of ``repeats`` CUDA-event timings of
+  ``queue`` calls launched back to back (divided by ``queue``), after five warm-up calls (FLA autotunes
+  on its first calls); forward+backward differentiates Σ o · do with respect to every tensor."""
+  import torch
+
+  def forward():
+    with torch.no_grad():
+      op(*tensors)
+
+  leaves = [t.detach().requires_grad_(True) for t in tensors]
+  with torch.no_grad():
+    out = op(*tensors)
+  generator = torch.Generator(device=out.device).manual_seed(1)
+  do = torch.randn(out.shape, generator=generator, device=out.device, dtype=torch.float32)
+
+  def forward_backward():
+    (op(*leaves).float() * do).sum().backward()
+    for leaf in leaves:
+      leaf.grad = None
+
+  return _cuda_ms(torch, forward, repeats, queue), _cuda_ms(torch, forward_backward, repeats, queue)
+
+
+def _cuda_ms(torch, fn: Callable, repeats: int, queue: int) -> float:
+  for _ in range(5):
+    fn()
+  torch.cuda.synchronize()
+  times = []
+  for _ in range(repeats):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(queue):
+      fn()
+    end.record()
+    torch.cuda.synchronize()
+    times.append(start.elapsed_time(end) / queue)
+  return statistics.median(times)
 
 
 def _randn(key, shape, dtype, scale=1.0):
@@ -572,7 +636,7 @@ def run_op(log: RowLog, op_name: str, length: int, tokens: int, dtype: str, repe
   for impl, fn in cases.items():
     for queue in queues:
       measure(log, TUNED_OPS.get(op_name, op_name), impl, length, batch, fn,
-              lambda fn, queue=queue: _fwd_and_fwdbwd(fn, args, repeats, lock, queue=queue), flops[impl],
+              lambda fn, queue=queue: time_fwd_bwd(fn, args, repeats, lock, queue=queue), flops[impl],
               shape=label, queue=queue)
 
 
@@ -583,7 +647,7 @@ def fla_rows(log: RowLog, ops: list[str], length: int, tokens: int, repeats: int
   from benchmarks import fla as bench_fla  # torch-side code kept apart from the JAX ops
 
   for queue in queues:
-    bench_fla.run(log, ops, length, tokens, repeats, lock, queue=queue)
+    bench_fla.run(log, ops, length, tokens, repeats, time_fwd_bwd, lock, queue=queue)
 
 
 def _reference_row(by_key: dict, row: Row) -> Row | None:

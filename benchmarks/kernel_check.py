@@ -60,12 +60,12 @@ class Agreement:
 
 
 def output_and_grads(fn: Callable, args: tuple, precision: str | None = None):
-  """o = fn(*args) and d sum(o · do) / d args (do fixed, standard normal), all as fp32 arrays."""
+  """o = fn(*args) and d sum(o · do) / d args (do fixed, standard normal, fp32) by the benchmarks'
+  ``bench.fwd_bwd``, the function they time."""
   with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
     o = jax.jit(fn)(*args)
     do = jax.random.normal(jax.random.key(7), o.shape, jnp.float32)
-    loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do)
-    grads = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))(*args)
+    _, grads = jax.jit(bench.fwd_bwd(fn, len(args)))(do, *args)
   return o, grads
 
 

@@ -1,8 +1,8 @@
 """What libtpu's compiler says about the attention ops' TPU paths, compiled on any host with libtpu
 (``scripts/bench_tpu_aot.py``).
 
-Each case is one op's forward+backward, the gradient of sum(o · do) with respect to every array
-argument (as ``benchmarks.harness`` times it), lowered with abstract inputs for every chip of a TPU
+Each case is one op's forward+backward, ``benchmarks.harness.fwd_bwd`` (the value and gradient of
+Σ o · do with respect to every array argument, as every op benchmark times it), lowered with abstract inputs for every chip of a TPU
 slice and compiled by libtpu on the CPU; no TPU is needed. The batch is split over the slice's chips
 (a "data" mesh axis, ``batch`` rows per chip), so the Mosaic kernels run under their ``shard_map``
 as in training and every number is per chip. Per case: compile seconds (tracing, lowering and
@@ -37,12 +37,14 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from based_jax.ops.taylor_attention import xla as taylor_xla
 from benchmarks import harness
 from benchmarks.rows import fmt
 from lmcore.errors import UserError
 
 F32 = jnp.float32
 DATA = "data"  # the mesh axis the batch is split over (one of shard_map.BATCH_AXES)
+TAYLOR_XLA = f"chunked (XLA, C={taylor_xla.CHUNK})"  # Taylor's XLA form at its default chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,10 +168,9 @@ def gated_cases(batch: int, length: int, dtype) -> list[Case]:
 
 def taylor_cases(batch: int, length: int, dtype) -> list[Case]:
   """BASED Taylor attention: the Mosaic kernels ("pallas_tpu", chunk 128, compact features 153 → 256
-  lanes) against XLA "chunked" (C = 64, ``lax.scan`` over chunks)."""
+  lanes) against XLA "chunked" (every chunk at once, at its default chunk)."""
   from based_jax import taylor_linear_attention
   from based_jax.ops.taylor_attention.pallas_mosaic_tpu import LANES, MosaicTiles
-  from lmcore.ops.common.backend import ChunkTiles
 
   H, d, dv = harness.TAYLOR_HEADS, harness.TAYLOR_DIM, harness.HEAD_DIM
   args = _shapes(batch, length, H, d, d, dv, dtype=dtype)
@@ -178,7 +179,7 @@ def taylor_cases(batch: int, length: int, dtype) -> list[Case]:
     return lambda q, k, v: taylor_linear_attention(q, k, v, implementation=impl, tiles=tiles)[0]
 
   impls = {"pallas_tpu (Mosaic, C=128)": op("pallas_tpu", MosaicTiles(chunk=LANES)),
-           "chunked (XLA, C=64)": op("chunked", ChunkTiles(harness.CHUNK))}
+           TAYLOR_XLA: op("chunked", None)}
   return [Case("taylor", name, fn, args, (True,) * 3) for name, fn in impls.items()]
 
 
@@ -186,7 +187,7 @@ OPS = {"sanatan_p1": sanatan_p1_cases, "sanatan_p2": sanatan_p2_cases, "gated": 
        "taylor": taylor_cases}
 # Each op's XLA form the table's "vs reference" compares the others with.
 REFERENCE = {"sanatan_p1": "chunked (XLA, C=64)", "sanatan_p2": "parallel (XLA)",
-             "gated": "chunked (XLA, C=64)", "taylor": "chunked (XLA, C=64)"}
+             "gated": "chunked (XLA, C=64)", "taylor": TAYLOR_XLA}
 
 
 DTYPES = ("bfloat16", "float32")
@@ -232,14 +233,10 @@ def _sharded(case: Case, mesh) -> tuple:
 
 
 def compile_fwdbwd(case: Case, mesh):
-  """(compiled executable, seconds to trace, lower and compile) of the gradient of sum(o · do)
-  with respect to every argument of ``case``, the batch split over ``mesh``'s chips."""
+  """(compiled executable, seconds to trace, lower and compile) of ``harness.fwd_bwd`` of ``case``, the
+  batch split over ``mesh``'s chips."""
   args = _sharded(case, mesh)
-
-  def loss(do, *a):
-    return jnp.sum(case.fn(*a).astype(F32) * do.astype(F32))
-
-  step = jax.jit(jax.grad(loss, argnums=tuple(range(1, len(args) + 1))))
+  step = jax.jit(harness.fwd_bwd(case.fn, len(args)))
   start = time.perf_counter()
   # Lowering reads the mesh from the context: the kernels' shard_map needs it, and from a CPU host
   # only the abstract mesh reaches them.

@@ -1,22 +1,25 @@
 """Timing library behind ``scripts/bench_xla_forms.py``: the XLA forms that "auto" runs on TPUs and CPUs,
 each beside the form it should keep up with, timed in one process on the same inputs.
 
-  * SANATAN p = 1: the plain einsum form (``benchmarks.plain_chunked``, C = 64: no documents, no
-    state, no recomputation) against the op's "chunked" at its default chunk (``xla.CHUNK``, the one
-    the mixer runs), with and without ``chunked_remat``; target: "chunked" <= the plain form.
-  * Taylor (BASED): "chunked" at its default chunk against the kernel "auto" picks on this platform;
-    target: <= 2x the kernel. Without a kernel (a CPU) the kernel's row says so.
+  * SANATAN p = 1: the plain einsum form (``benchmarks.plain_chunked``: no documents, no state, no
+    recomputation) at chunks of 64 and 128 against the op's "chunked" at the same chunks, with and
+    without ``chunked_remat``; target: the default form (``xla.CHUNK``, ``Options.remat``) <= the faster
+    plain form at every length.
+  * Taylor (BASED): "chunked" at chunks of 128 and 256 with its recomputing backward, and at its
+    default chunk without it (``xla.chunked``'s ``remat``), against the kernel "auto" picks on this
+    platform; target: <= 2x the kernel. Without a kernel (a CPU) the kernel's row says so.
   * GLA at wide heads (``GLA_SHAPES``): "chunked" against flash-linear-attention's ``chunk_gla`` (torch,
     on a CUDA GPU), whose row says why it is missing where fla is not importable.
 
-Each row is forward and forward+backward (the gradient of sum(o · do) with respect to every array
-argument) in ms, ``rows.time_fn``'s median with ``queue`` calls per wait, and the ratio of its
-forward+backward time to its reference row's. Rows carry the device and the command that made them.
+Each row is forward and forward+backward in ms, timed by ``harness.time_fwd_bwd`` (the value and gradient
+of Σ o · do with respect to every input, ``queue`` calls per wait), and the ratio of its forward+backward
+time to its reference row's. Rows carry the device and the command that made them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -24,11 +27,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from benchmarks import fla, rows
+from benchmarks import harness, rows
 
 LENGTHS = (2048, 32768)
 TOKENS = 16384  # per batch: B = max(1, TOKENS // T)
-PLAIN = "plain einsum (C=64)"
+SANATAN_CHUNKS = (64, 128)  # the plain and chunked SANATAN forms' chunks
+TAYLOR_CHUNKS = (128, 256)  # Taylor "chunked" with its recomputing backward
 FLA_GLA = "FLA chunk_gla"
 
 
@@ -46,10 +50,11 @@ class Heads:
 
 
 SANATAN_HEADS = Heads(12, 64, 64)  # the 184M model's
-TAYLOR_HEADS = Heads(16, 16, 64)  # BASED's feature dim d' = 16
+TAYLOR_HEADS = Heads(16, 16, 64)  # BASED 360M's: feature dim d' = 16, 16 heads of 64 at D = 1024
 # Wide heads, K 192 x V 384 (2 heads at D = 768), and the gla_182m preset's own 4 heads of 96 x 192.
 GLA_SHAPES = (Heads(2, 192, 384), Heads(4, 96, 192))
 TINY = {"sanatan_p1": Heads(2, 8, 8), "taylor": Heads(2, 4, 8), "gla": (Heads(2, 8, 16),)}
+TINY_LENGTH = 128
 
 
 @dataclasses.dataclass
@@ -73,36 +78,29 @@ class FormRow:
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-  """A form of an op: ``fn(*args) -> o``, or a reason it cannot run here; ``timer`` times it (default:
-  ``jax_times``)."""
+  """A form of an op: ``fn(*args) -> o``, or a reason it cannot run here; ``torch``: ``fn`` takes CUDA
+  torch copies of the arguments."""
 
   form: str
   fn: Callable | str
   reference: str = ""
-  timer: Callable | None = None
+  torch: bool = False
 
 
 def _randn(key, shape, dtype, scale=1.0):
   return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
-def jax_times(fn: Callable, args: tuple, repeats: int, queue: int) -> tuple[float, float]:
-  """(forward ms, forward+backward ms) of ``fn(*args)``, both compiled before timing."""
-  do = _randn(jax.random.key(1), jax.eval_shape(fn, *args).shape, args[0].dtype)
-
-  def loss(do, *a):
-    return jnp.sum(fn(*a).astype(jnp.float32) * do.astype(jnp.float32))
-
-  forward = jax.jit(fn).lower(*args).compile()
-  backward = jax.jit(jax.grad(loss, argnums=tuple(range(1, len(args) + 1)))).lower(do, *args).compile()
-  return (rows.time_fn(forward, *args, repeats=repeats, queue=queue),
-          rows.time_fn(backward, do, *args, repeats=repeats, queue=queue))
+def plain_name(chunk: int) -> str:
+  return f"plain einsum (C={chunk})"
 
 
 def sanatan_cases(batch: int, length: int, heads: Heads, dtype) -> tuple[tuple, list[Case]]:
-  """SANATAN p = 1: the plain form, "chunked" with and without its recomputing backward."""
+  """SANATAN p = 1: the plain form and "chunked" with and without its recomputing backward, at each of
+  ``SANATAN_CHUNKS`` up to T; each chunked form is compared with the plain one of its chunk."""
   from benchmarks.plain_chunked import plain_chunked
-  from sanatan_jax.ops.sanatan_attention import sanatan_attention, xla
+  from lmcore.ops.common.backend import ChunkTiles
+  from sanatan_jax.ops.sanatan_attention import sanatan_attention
 
   H, d, V = heads.heads, heads.key, heads.value
   keys = jax.random.split(jax.random.key(0), 5)
@@ -111,19 +109,23 @@ def sanatan_cases(batch: int, length: int, heads: Heads, dtype) -> tuple[tuple, 
           _randn(keys[2], (batch, length, H, V), dtype),
           jnp.full((H, d), jnp.pi / 4, jnp.float32), _randn(keys[4], (H, d), jnp.float32))
 
-  def chunked(remat):
+  def chunked(chunk, remat):
     return lambda q, k, v, omega, lam_raw: sanatan_attention(
-        q, k, v, omega, lam_raw, implementation="chunked", chunked_remat=remat)[0]
+        q, k, v, omega, lam_raw, implementation="chunked", tiles=ChunkTiles(chunk), chunked_remat=remat)[0]
 
-  cases = [Case(PLAIN, plain_chunked if length % min(64, length) == 0 else f"T={length} is not a multiple "
-                "of the plain form's chunk"),
-           Case(f"chunked (C={xla.CHUNK}, remat)", chunked(True), PLAIN),
-           Case(f"chunked (C={xla.CHUNK}, no remat)", chunked(False), PLAIN)]
+  cases = []
+  for chunk in (c for c in SANATAN_CHUNKS if c <= length):
+    plain = (functools.partial(plain_chunked, chunk_size=chunk) if length % chunk == 0
+             else f"T={length} is not a multiple of the plain form's chunk")
+    cases += [Case(plain_name(chunk), plain),
+              Case(f"chunked (C={chunk}, remat)", chunked(chunk, True), plain_name(chunk)),
+              Case(f"chunked (C={chunk}, no remat)", chunked(chunk, False), plain_name(chunk))]
   return args, cases
 
 
 def taylor_cases(batch: int, length: int, heads: Heads, dtype) -> tuple[tuple, list[Case]]:
-  """Taylor: the kernel "auto" picks on this platform, and "chunked"."""
+  """Taylor: the kernel "auto" picks on this platform, "chunked" with its recomputing backward at each
+  of ``TAYLOR_CHUNKS`` up to T, and at its default chunk without it."""
   from based_jax.ops.taylor_attention import REGISTRY, problem, taylor_linear_attention
   from based_jax.ops.taylor_attention import xla
 
@@ -132,15 +134,19 @@ def taylor_cases(batch: int, length: int, heads: Heads, dtype) -> tuple[tuple, l
   args = (_randn(keys[0], (batch, length, H, d), dtype, 0.5),
           _randn(keys[1], (batch, length, H, d), dtype, 0.5), _randn(keys[2], (batch, length, H, V), dtype))
 
-  def op(name):
-    return lambda q, k, v: taylor_linear_attention(q, k, v, implementation=name)[0]
+  def chunked(chunk, remat):
+    return lambda q, k, v: xla.chunked(q, k, v, chunk=chunk, remat=remat)[0]
 
   kernel = REGISTRY.resolve_name("auto", problem(args[0], args[2]))
   if kernel == "chunked":
     kernel_case = Case("kernel", f"no kernel on {jax.default_backend()}: 'auto' runs chunked")
   else:
-    kernel_case = Case(f"kernel ({kernel})", op(kernel))
-  return args, [kernel_case, Case(f"chunked (C={xla.CHUNK})", op("chunked"), kernel_case.form)]
+    kernel_case = Case(f"kernel ({kernel})",
+                       lambda q, k, v: taylor_linear_attention(q, k, v, implementation=kernel)[0])
+  variants = [(chunk, True) for chunk in TAYLOR_CHUNKS if chunk <= length]
+  variants += [(xla.CHUNK, False)] if xla.CHUNK <= length else []
+  return args, [kernel_case] + [Case(f"chunked (C={chunk}, {'remat' if remat else 'no remat'})",
+                                     chunked(chunk, remat), kernel_case.form) for chunk, remat in variants]
 
 
 def gla_cases(batch: int, length: int, heads: Heads, dtype) -> tuple[tuple, list[Case]]:
@@ -166,17 +172,16 @@ def fla_gla_case() -> Case:
     return Case(FLA_GLA, f"skipped: flash-linear-attention is not importable ({e.name})")
   if not torch.cuda.is_available():
     return Case(FLA_GLA, "skipped: no CUDA device for torch")
-  return Case(FLA_GLA, lambda q, k, v, g: chunk_gla(q, k, v, g)[0], timer=_torch_times)
+  return Case(FLA_GLA, lambda q, k, v, g: chunk_gla(q, k, v, g)[0], torch=True)
 
 
-def _torch_times(fn: Callable, args: tuple, repeats: int, queue: int) -> tuple[float, float]:
-  """(forward ms, forward+backward ms) of ``fn`` on CUDA copies of ``args``, CUDA-event timed."""
+def _torch_copies(args: tuple) -> list:
+  """CUDA torch copies of JAX arrays (bf16 stays bf16, the rest fp32)."""
   import numpy as np
   import torch
 
-  tensors = [torch.from_numpy(np.asarray(a.astype(jnp.float32))).cuda().to(
+  return [torch.from_numpy(np.asarray(a.astype(jnp.float32))).cuda().to(
       torch.bfloat16 if a.dtype == jnp.bfloat16 else torch.float32) for a in args]
-  return fla.fwd_bwd_ms(torch, fn, tensors, repeats, queue)
 
 
 OPS = {"sanatan_p1": sanatan_cases, "taylor": taylor_cases, "gla": gla_cases}
@@ -228,7 +233,8 @@ def _measure(case: Case, args: tuple, repeats: int, queue: int, row: FormRow, js
     row.note = case.fn
   else:
     try:
-      row.fwd_ms, row.fwdbwd_ms = (case.timer or jax_times)(case.fn, args, repeats, queue)
+      inputs = _torch_copies(args) if case.torch else args
+      row.fwd_ms, row.fwdbwd_ms = harness.time_fwd_bwd(case.fn, inputs, repeats, queue=queue)
     except Exception as e:  # an out-of-memory error, say: a row with the reason, and on to the next
       row.note = f"{type(e).__name__}: {str(e)[:100]}"
   print(f"  {row.op} {row.form} [{row.heads}] T={row.length}: {row.fwd_ms} / {row.fwdbwd_ms} ms {row.note}",

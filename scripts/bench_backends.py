@@ -6,6 +6,8 @@ T·BH = ``--tokens``, so BH = tokens // T) every backend is compiled ahead of ti
 the fp32 XLA reference (relative L2 of the bf16 output) and timed (median of ``--repeats`` calls after
 warm-up, ``benchmarks.harness.time_fn``). Counted FLOPs: 2·C·(K + V) per token, i.e. 4·BH·T·C·K with K = V
 (both C×C matmuls in full; the masked half is computed too).
+Forward only: the probe kernels have no backward pass (the op benchmarks time forward+backward with
+``benchmarks.harness.time_fwd_bwd``).
 
 Backends: xla (einsums with the kernels' rounding), triton (``pl.pallas_call`` + BlockSpecs),
 mosaic_gpu (``plgpu.kernel``: TMA, wgmma, masked scores via SMEM) and mosaic_gpu_regs (the same with

@@ -1,8 +1,9 @@
 """What libtpu's compiler says about each attention op's TPU paths, compiled on this host (no TPU needed).
 
 For every op and T: the Mosaic kernels (SANATAN p = 1: "pallas_tpu") and the op's XLA forms,
-forward+backward (the gradient of sum(o · do)), compiled for every chip of a TPU slice with ``--batch``
-rows per chip (the batch split over the chips, the kernels under their shard_map, as in training).
+forward+backward (``benchmarks.harness.fwd_bwd``: the value and gradient of Σ o · do), compiled for
+every chip of a TPU slice with ``--batch`` rows per chip (the batch split over the chips, the kernels
+under their shard_map, as in training).
 Prints per chip: compile seconds,
 the compiler's FLOPs and bytes accessed (loop bodies counted once per iteration; the kernels' share from
 their ``pl.CostEstimate``), a roofline time max(FLOPs / peak, bytes / HBM bandwidth) and its ratio to

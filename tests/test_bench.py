@@ -30,7 +30,7 @@ def test_rows_are_logged_as_measured_and_not_measured_again(tmp_path, monkeypatc
   def must_not_run(*args, **kwargs):
     raise AssertionError("a row already in the JSONL was measured again")
 
-  monkeypatch.setattr(bench, "_fwd_and_fwdbwd", must_not_run)
+  monkeypatch.setattr(bench, "time_fwd_bwd", must_not_run)
   again = bench.run_all(ops=["softmax", "gated"], lengths=[64], tokens=128, dtype="float32", repeats=1,
                         fla_ops=[], jsonl=str(jsonl))
   assert [(r.impl, r.fwdbwd_ms) for r in again] == [(r.impl, r.fwdbwd_ms) for r in rows]
@@ -253,7 +253,7 @@ def test_rows_record_their_head_shape_and_compare_within_it(tmp_path, monkeypatc
   """``--shapes=default,preset --auto_only`` on CPU with the timer replaced (a case "takes" K + V ms):
   a row per form and shape, the shape in the row, ratios against the same shape's XLA form, a heads
   column in the table; rows written before shapes existed read as default-shape rows."""
-  monkeypatch.setattr(bench, "_fwd_and_fwdbwd",
+  monkeypatch.setattr(bench, "time_fwd_bwd",
                       lambda fn, args, repeats, lock="", queue=1: (1.0, float(args[0].shape[-1]
                                                                              + args[2].shape[-1])))
   jsonl = tmp_path / "kernels_16.jsonl"
@@ -280,7 +280,7 @@ def test_rows_record_their_head_shape_and_compare_within_it(tmp_path, monkeypatc
 def test_only_the_named_cases_are_timed(tmp_path, monkeypatch):
   """``--case`` keeps the cases of those names (here XLA chunked at C = 64 beside the plain
   baseline), on CPU with the timer replaced."""
-  monkeypatch.setattr(bench, "_fwd_and_fwdbwd", lambda fn, args, repeats, lock="", queue=1: (1.0, 2.0))
+  monkeypatch.setattr(bench, "time_fwd_bwd", lambda fn, args, repeats, lock="", queue=1: (1.0, 2.0))
   only = ("chunked (xla)", "plain chunked (baseline)")
   rows = bench.run_all(ops=["sanatan_p1"], lengths=[16], tokens=16, dtype="float32", repeats=1,
                        fla_ops=[], jsonl=str(tmp_path / "rows.jsonl"), only=only)
@@ -289,13 +289,33 @@ def test_only_the_named_cases_are_timed(tmp_path, monkeypatch):
 
 def test_the_forms_auto_chooses_between_are_timed_first(tmp_path, monkeypatch):
   """Each op's AUTO_CASES, then its REFERENCE, then the rest: a time limit cuts the least needed rows."""
-  monkeypatch.setattr(bench, "_fwd_and_fwdbwd", lambda fn, args, repeats, lock="", queue=1: (1.0, 2.0))
+  monkeypatch.setattr(bench, "time_fwd_bwd", lambda fn, args, repeats, lock="", queue=1: (1.0, 2.0))
   rows = bench.run_all(ops=["sanatan_p2"], lengths=[16], tokens=16, dtype="float32", repeats=1,
                        fla_ops=[], jsonl=str(tmp_path / "rows.jsonl"))
   impls = [r.impl for r in rows]
   first = list(dict.fromkeys([*bench.AUTO_CASES["sanatan_p2"], bench.REFERENCE["sanatan_p2"]]))
   assert impls[:len(first)] == first == ["parallel (xla)", "pallas_flash"], impls
   assert impls[len(first):] == ["parallel (reference)"]  # after the decisive forms
+
+
+def test_fwd_bwd_is_the_loss_and_its_gradient_and_keeps_a_recomputed_forward():
+  """``fwd_bwd`` returns Σ o · do and its gradient with respect to every argument; for an op whose
+  backward recomputes its forward (``jax.checkpoint``) the compiled program still runs the forward (two
+  64³ matmuls more than the gradient alone, which XLA may compute without it)."""
+  x = jax.random.normal(jax.random.key(0), (64, 64))
+  w = jax.random.normal(jax.random.key(1), (64, 64)) / 8
+  op = jax.checkpoint(lambda x, w: jnp.sin(x @ w) @ w)
+  do = bench.cotangent(op, (x, w))
+  loss, grads = jax.jit(bench.fwd_bwd(op, 2))(do, x, w)
+  gradient_alone = jax.grad(lambda do, x, w: jnp.sum(op(x, w) * do), argnums=(1, 2))
+  assert jnp.allclose(loss, jnp.sum(op(x, w) * do), rtol=1e-5)
+  assert all(jnp.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(grads, gradient_alone(do, x, w)))
+
+  def flops(fn):
+    cost = jax.jit(fn).lower(do, x, w).compile().cost_analysis()
+    return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+  assert flops(bench.fwd_bwd(op, 2)) >= flops(gradient_alone) + 2 * 2 * 64 ** 3
 
 
 def test_time_fn_queues_calls_and_divides():
@@ -310,7 +330,7 @@ def test_rows_per_queue_depth_compare_within_their_depth(tmp_path, monkeypatch):
   softmax case "takes" 1 / queue ms, a gated one 4 / queue), a "calls per wait" column in the table;
   the second depth times the first one's compiled functions."""
   fake = lambda fn, args, repeats, lock="", queue=1: (1.0, (1.0 if len(args) == 3 else 4.0) / queue)
-  monkeypatch.setattr(bench, "_fwd_and_fwdbwd", fake)
+  monkeypatch.setattr(bench, "time_fwd_bwd", fake)
   rows = bench.run_all(ops=["softmax", "gated"], lengths=[16], tokens=16, dtype="float32", repeats=1,
                        fla_ops=[], jsonl=str(tmp_path / "rows.jsonl"), queues=(1, 8),
                        only=("softmax (xla)", "chunked (xla)"))
@@ -320,5 +340,5 @@ def test_rows_per_queue_depth_compare_within_their_depth(tmp_path, monkeypatch):
   assert "calls per wait" in table and "| gated | chunked (xla) | 16 | 1 | 8 | 1.000 | 0.500 |" in table
   assert len(bench.load_rows(str(tmp_path))) == 4
   op, args = (lambda x: 2.0 * x), (jnp.ones(4),)
-  first, again = bench._compiled(op, args), bench._compiled(op, args)
+  first, again = bench.compile_fwd_bwd(op, args), bench.compile_fwd_bwd(op, args)
   assert all(a is b for a, b in zip(first, again))

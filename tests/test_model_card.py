@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from based_jax.mixers import BaseConv, SlidingWindowAttention, TaylorLinearAttention, ZoologyBaseConv
+from based_jax.ops.taylor_attention import xla as taylor_xla
 from based_jax.ops.taylor_attention.pallas_triton_fused import FusedTiles
 from lmcore import config as cfg_lib
 from lmcore import model_card
@@ -213,8 +214,9 @@ def test_taylor():
   dense = 2 * 2 * 64 * 32 + 2 * 2 * 64 * 64
   compact, full = 1 + 8 + 36, 1 + 8 + 64
   fields = dict(n_heads=4, feature_dim=8)
+  chunk = taylor_xla.CHUNK  # the XLA form's default chunk
   assert mixer(TaylorLinearAttention, implementation="chunked", **fields).flops_per_token(T) == (
-      dense + 4 * (2 * 64 * (8 + 17) + 4 * compact * 17))
+      dense + 4 * (2 * chunk * (8 + 17) + 4 * compact * 17))
   assert mixer(TaylorLinearAttention, implementation="chunked", tiles={"chunk": 32},
                **fields).flops_per_token(T) == dense + 4 * (2 * 32 * (8 + 17) + 4 * compact * 17)
   assert mixer(TaylorLinearAttention, implementation="recurrent", feature="full",
@@ -224,7 +226,7 @@ def test_taylor():
   fused_chunk = FusedTiles().chunk  # the fused-chunk kernels from 8192, at their default tiles
   assert auto.flops_per_token(8192) == dense + 4 * (2 * fused_chunk * (8 + 17) + 4 * full * 17)
   decay = mixer(TaylorLinearAttention, implementation="auto", decay=True, **fields)
-  assert decay.flops_per_token(T) == dense + 2 * 64 * 4 + 4 * (2 * 64 * (8 + 17)
+  assert decay.flops_per_token(T) == dense + 2 * 64 * 4 + 4 * (2 * chunk * (8 + 17)
                                                                + 4 * compact * 17)  # XLA chunked
 
 

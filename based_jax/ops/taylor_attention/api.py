@@ -22,7 +22,8 @@ starts exactly at a call boundary gets a fresh state instead).
 Backends (``REGISTRY``; all compute the same function, tests/ops/taylor_attention proves it):
   * ``parallel``: the materialised T x T form (reference.py); every option;
   * ``recurrent``: ``lax.scan`` over tokens (reference.py); every option; the decode path;
-  * ``chunked``: ``lax.scan`` over chunks of ``ChunkTiles.chunk`` tokens (xla.py); every option;
+  * ``chunked``: every chunk of ``ChunkTiles.chunk`` tokens at once, the states entering them as a
+    prefix sum over chunks (xla.py); every option;
   * ``pallas_blocked``: the quadratic form block by block (pallas_triton_blocked.py, Triton; GPUs,
     interpreted on CPUs); no decay ablation, dv <= ``pallas_triton_blocked.MAX_VALUE_DIM``;
   * ``pallas_fused``: the fused-chunk kernels (pallas_triton_fused.py, Triton; GPUs, interpreted on

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from lmcore.ops.common import flops, pallas_utils
 from lmcore.ops.common.backend import Backend, ChunkTiles
+from lmcore.ops.common.chunk_prefix import chunk_prefix_sum, prefix_block
 from lmcore.ops.common.segments import chunk_documents
 from sanatan_jax.ops.sanatan_attention import base
 from sanatan_jax.ops.sanatan_attention.base import EPS, F32, Options, Problem, SanatanState
@@ -40,13 +41,6 @@ PARALLEL_MAX_BLOCKS = 16
 # fewer): each block reads every key's 6d-wide features up to its last row again, which a TPU's
 # bandwidth pays for (docs/BENCHMARKS.md, TPU v4 ahead of time).
 PARALLEL_MIN_ROWS = {"tpu": 256}
-# ``chunk_prefix_sum``'s blocks of chunks, by platform: each level is a batched fp32 matmul by a
-# block x block 0/1 mask (2 * block FLOPs per state element). A TPU's MXU contracts 128 as fast as 16,
-# and one level of 128 chunks (T = 8192 at C = 64) needs no layout copies of the state stack; GPUs
-# multiply fp32 at full precision without tensor cores, where the FLOPs count.
-PREFIX_BLOCK = {"tpu": 128}
-DEFAULT_PREFIX_BLOCK = 16
-
 
 def dot(spec: str, *operands: jax.Array) -> jax.Array:
   """``jnp.einsum`` accumulating (and returning) float32: low-precision operands (bf16) multiply as
@@ -113,7 +107,7 @@ def _chunked_core(q, k, v, omega, lam_raw, positions, segment_ids, state, option
   # Inter-chunk: each chunk's increments (fp32), summed into the states entering the chunks.
   dS_BxNxHxFxV = dot("bnkhf,bnkhv->bnhfv", k_state_BxNxCxHxF, v_BxNxCxHxV)
   dz_BxNxHxF = jnp.sum(k_state_BxNxCxHxF.astype(F32), axis=2)
-  block = PREFIX_BLOCK.get(pallas_utils.backend(), DEFAULT_PREFIX_BLOCK)
+  block = prefix_block(pallas_utils.backend())
   S_in_BxNxHxFxV = chunk_prefix_sum(dS_BxNxHxFxV, last_BxN, block)
   z_in_BxNxHxF = chunk_prefix_sum(dz_BxNxHxF, last_BxN, block)
   state_num_BxNxCxHxV = dot("bnqhf,bnhfv->bnqhv", q_BxNxCxHxF, S_in_BxNxHxFxV.astype(q_BxNxCxHxF.dtype))
@@ -133,52 +127,6 @@ def _chunked_core(q, k, v, omega, lam_raw, positions, segment_ids, state, option
     z_BxHxF = z_BxHxF + jnp.where(keep_B[:, None, None], state.z, 0.0)
   o_BxTxHxV = num_BxTxHxV / (den_BxTxH[..., None] + x.c * EPS)
   return o_BxTxHxV.astype(v.dtype), SanatanState(S_BxHxFxV, z_BxHxF, base.next_position(x.positions))
-
-
-def chunk_prefix_sum(x_BxNx: jax.Array, last_BxN: jax.Array | None = None,
-                     block: int = DEFAULT_PREFIX_BLOCK) -> jax.Array:
-  """The states entering the chunks, fp32: y_n = Σ_{m<n} [last_m = last_{n-1}] x_m along axis 1, where
-  ``last`` [B, N] is the (non-decreasing) document of the state leaving each chunk; None (one
-  document): y_n = Σ_{m<n} x_m.
-
-  In blocks of at most ``block`` chunks, y_n = E_n + [last_{n-1} = last_{s-1}] Y_b for chunk n of
-  block b starting at chunk s: E_n sums the block's chunks before n (one batched matmul by a 0/1
-  mask: exact products, fp32 sums), Y_b is this function of the blocks' totals. The work is
-  O(N · block) per state element, with no reduction window along the chunk axis (``jnp.cumsum``
-  lowers to one spanning all N chunks on TPU: O(N²) work).
-  """
-  B, N = x_BxNx.shape[:2]
-  x_BxNx = x_BxNx.astype(F32)
-  if last_BxN is None:
-    last_BxN = jnp.zeros((B, N), jnp.int32)
-  prev_BxN = jnp.concatenate([last_BxN[:, :1], last_BxN[:, :-1]], axis=1)  # last_{n-1}
-  if N <= block:
-    return _masked_prefix(x_BxNx[:, None], last_BxN[:, None], prev_BxN[:, None])[:, 0]
-  n_blocks = -(-N // block)
-  G = -(-N // n_blocks)
-  pad = n_blocks * G - N  # zero chunks after the last one, in its document
-  x_BxJxGx = jnp.pad(x_BxNx, [(0, 0), (0, pad)] + [(0, 0)] * (x_BxNx.ndim - 2)).reshape(
-      B, n_blocks, G, *x_BxNx.shape[2:])
-  last_BxJxG, prev_BxJxG = (jnp.pad(a, [(0, 0), (0, pad)], mode="edge").reshape(B, n_blocks, G)
-                            for a in (last_BxN, prev_BxN))
-  E_BxJxGx = _masked_prefix(x_BxJxGx, last_BxJxG, prev_BxJxG)
-  last_BxJ = last_BxJxG[:, :, -1]
-  # A block's total: the state leaving it, counting only its own chunks.
-  keeps_BxJ = _expand(prev_BxJxG[:, :, -1] == last_BxJ, x_BxNx.ndim)
-  total_BxJx = jnp.where(keeps_BxJ, E_BxJxGx[:, :, -1], 0.0) + x_BxJxGx[:, :, -1]
-  Y_BxJx = chunk_prefix_sum(total_BxJx, last_BxJ, block)
-  entering_BxJ = jnp.concatenate([last_BxJ[:, :1], last_BxJ[:, :-1]], axis=1)  # last_{s-1}
-  carried_BxJxG = _expand(prev_BxJxG == entering_BxJ[:, :, None], x_BxNx.ndim + 1)
-  y_BxJxGx = E_BxJxGx + jnp.where(carried_BxJxG, Y_BxJx[:, :, None], 0.0)
-  return y_BxJxGx.reshape(B, n_blocks * G, *x_BxNx.shape[2:])[:, :N]
-
-
-def _masked_prefix(x_BxJxGx, last_BxJxG, prev_BxJxG) -> jax.Array:
-  """E_g = Σ_{m<g} [last_m = prev_g] x_m within each block (axis 2), as one batched matmul."""
-  G = x_BxJxGx.shape[2]
-  earlier_1x1xGxG = jnp.tril(jnp.ones((G, G), bool), -1)[None, None]
-  mask_BxJxGxG = earlier_1x1xGxG & (prev_BxJxG[..., :, None] == last_BxJxG[..., None, :])
-  return dot("bjgm,bjm...->bjg...", mask_BxJxGxG.astype(F32), x_BxJxGx)
 
 
 def _expand(a_BxJ, ndim: int) -> jax.Array:

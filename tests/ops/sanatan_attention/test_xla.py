@@ -14,7 +14,7 @@ from lmcore.numerics import relative_l2
 from lmcore.ops.common import pallas_utils
 from lmcore.ops.common.backend import ChunkTiles
 from sanatan_jax import SanatanState, sanatan_attention
-from sanatan_jax.ops.sanatan_attention.xla import ParallelTiles, chunk_prefix_sum
+from sanatan_jax.ops.sanatan_attention.xla import ParallelTiles
 
 from .test_base import (GRAD_TOL, OUT_TOL, SanatanAttentionTestBase, attention, inputs, jit,
                         outputs_and_grads, prefix_state)
@@ -120,23 +120,6 @@ class TestChunked(SanatanAttentionTestBase):
       assert relative_l2(a, b) <= OUT_TOL
     for name, a, b in zip(("q", "k", "v", "omega", "lam_raw", "S0", "z0"), got[1], want[1]):
       assert relative_l2(a, b) <= GRAD_TOL, name
-
-
-@pytest.mark.parametrize("N", [1, 5, 17])
-def test_chunk_prefix_sum_equals_a_loop_over_chunks(N):
-  """Blocks of 2 chunks (N = 17: five levels, padded blocks) against the sum written out: chunk m
-  reaches chunk n > m while the state leaving chunk n - 1 is in chunk m's last document."""
-  rng = np.random.default_rng(N)
-  x = rng.normal(size=(2, N, 3, 2)).astype(np.float32)
-  last = np.sort(rng.integers(0, 4, size=(2, N)), axis=1).astype(np.int32)
-  for docs in (None, last):
-    want = np.zeros_like(x)
-    for b, n in np.ndindex(2, N):
-      for m in range(n):
-        if docs is None or docs[b, m] == docs[b, n - 1]:
-          want[b, n] += x[b, m]
-    got = chunk_prefix_sum(jnp.asarray(x), None if docs is None else jnp.asarray(docs), block=2)
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def _kept_for_backward(fn, *args) -> list[jax.ShapeDtypeStruct]:
