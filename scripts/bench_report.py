@@ -402,7 +402,9 @@ TABLES = (
         "`pl.CostEstimate`), the roofline (275 TFLOP/s, 1.2 TB/s) and the op's XLA form's roofline over "
         "the row's, temporaries, compile seconds on the host. Estimates from the compiler's cost model, "
         "not timings.",
-        "python scripts/bench_tpu_aot.py --jsonl=DIR/tpu_aot.jsonl", tpu),
+        "python scripts/bench_tpu_aot.py --jsonl=DIR/tpu_aot.jsonl", tpu,
+        (Source("2026-12-07-tpu-v4-aot", ("tpu_aot.jsonl",),
+                "python scripts/bench_tpu_aot.py --jsonl=docs/bench/2026-12-07-tpu-v4-aot/tpu_aot.jsonl"),)),
 )
 
 # Tables of code since replaced, by part: their rows and records are in git at this commit.
