@@ -184,6 +184,19 @@ def test_xla_forms_and_tpu_rows_compare_with_their_reference():
                    ["Taylor (BASED)", "`broken`", "not supported", "—"]]
 
 
+def test_goodput_shows_each_phase_with_its_parts():
+  row = {"control": "transformer_pp", "corpus": "embedded", "steps": 1272, "tokens_per_step": 65536,
+         "wall_s": 100.0, "goodput": 0.8,
+         "phases": {"startup": 5.0, "compile": 6.0, "steps": 80.0, "eval": 9.0},
+         "parts": {"eval": {"heldout": 7.0, "plot_writes": 2.0}}}
+  header, table = report.goodput([row])
+  assert dict(zip(header, table[0])) == {
+      "control": "transformer_pp", "corpus": "embedded", "steps": "1,272", "tokens/step": "65,536",
+      "wall s": "100", "goodput": "80 %", "startup s": "5.0", "compile s": "6.0", "steps s": "80.0",
+      "data wait s": "0.0", "checkpoint s": "0.0", "eval s": "9.0 (heldout 7.0, plot writes 2.0)",
+      "shutdown s": "0.0"}
+
+
 def test_new_run_directory_prints_its_agreement_and_kernel_tables(tmp_path):
   rows = [{"op": "gated", "impl": impl, "length": 2048, "batch": 8, "fwd_ms": fwd, "fwdbwd_ms": fwdbwd,
            "flops_fwd": 1e9, "note": "", "shape": "", "queue": 8}
