@@ -2,7 +2,7 @@
 
     python scripts/bench_report.py              # rewrites docs/BENCHMARKS.md from docs/bench/
     python scripts/bench_report.py --check      # exit 1 when docs/BENCHMARKS.md is not what it generates
-    python scripts/bench_report.py DIR [--plot=PATH]   # prints the kernel and agreement tables of a new
+    python scripts/bench_report.py DIR [--kernels_plot=PATH]   # prints the kernel and agreement tables of a new
                                                 # run (``bash scripts/bench_gpu.sh DIR``); writes nothing else
 
 ``TABLES`` lists every table: its title, the command that measures it, its renderer (one per kind of row:
@@ -33,7 +33,7 @@ BENCH = os.path.join(REPO, "docs", "bench")
 OUT = os.path.join(REPO, "docs", "BENCHMARKS.md")
 
 _CHECK = flags.DEFINE_bool("check", False, "Exit 1 if docs/BENCHMARKS.md differs from what the records give.")
-_PLOT = flags.DEFINE_string("plot", "", "With DIR: a PNG of fwd+bwd tokens/s against T ('' = none).")
+_PLOT = flags.DEFINE_string("kernels_plot", "", "With DIR: a PNG of fwd+bwd tokens/s against T ('' = none).")
 
 OPS = {"softmax": "softmax", "sanatan_p1": "SANATAN p = 1", "sanatan_p2": "SANATAN p = 2",
        "gated": "gated linear attention", "gla": "gated linear attention", "taylor": "Taylor (BASED)"}
@@ -365,7 +365,14 @@ TABLES = (
         "Training", "Goodput of a reproduction run",
         "One control of `scripts/reproduce.py` trained in a fresh workdir: wall seconds by phase. Rows: "
         "`DIR/goodput.jsonl`.",
-        "python scripts/bench_goodput.py --corpus=runs/linux --stage1_steps=1200 --out=DIR", goodput),
+        "python scripts/bench_goodput.py --corpus=runs/linux --stage1_steps=1200 --out=DIR", goodput,
+        (Source("2026-12-07-cpu-goodput", ("goodput.jsonl",),
+                "python scripts/bench_goodput.py --corpus=runs/linux14 --stage1_steps=302 "
+                "--out=runs/bench_goodput_cpu --override=model.d_model=64 --override=model.n_layers=2 "
+                "--override=model.pattern='softmax*2' --override=model.mlp_hidden=192 "
+                "--override=model.mixers.softmax.n_heads=4 --override=model.mixers.softmax.head_dim=16 "
+                "--override=train.batch_size=8 --override=data.seq_len=256 --override=model.max_positions=256 "
+                "--override=data.heldout.num_sequences=64 --override=wandb.mode=disabled"),)),
     Table(
         "Decode", "Decode grid",
         "Prefill C − 128 random tokens, then one compiled `decode` call samples 128 tokens per row "
@@ -394,7 +401,7 @@ TABLES = (
         "Ops", "XLA forms",
         "The XLA forms TPUs and CPUs run, each beside the form it should keep up with: fwd / **fwd+bwd** "
         "ms, bf16, 16,384 tokens per call. Rows: `DIR/xla_forms.jsonl`.",
-        "python scripts/bench_xla_forms.py --jsonl=DIR/xla_forms.jsonl", xla_forms),
+        "python scripts/bench_xla_forms.py --out=DIR", xla_forms),
     Table(
         "Ops", "TPU v4 ahead of time",
         "Compiled by libtpu for the 4 chips of a v4-8 on a CPU host, forward + backward, 8 rows of T per "
@@ -511,7 +518,7 @@ def print_run(directory: str) -> None:
 def main(argv):
   if len(argv) > 2:
     raise app.UsageError("usage: python scripts/bench_report.py [--check] | "
-                         "python scripts/bench_report.py DIR [--plot=PATH]")
+                         "python scripts/bench_report.py DIR [--kernels_plot=PATH]")
   if len(argv) == 2:
     if not os.path.isdir(argv[1]):
       raise app.UsageError(f"{argv[1]} is not a directory; give the DIR of `bash scripts/bench_gpu.sh DIR`")
