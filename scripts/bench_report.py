@@ -45,7 +45,7 @@ KERNEL_REFERENCE = {"sanatan_p1": ("chunked (xla)", "chunked (xla, C=128)"),
 TPU_REFERENCE = {"sanatan_p1": "chunked (XLA, C=64)", "sanatan_p2": "parallel (XLA)",
                  "gated": "chunked (XLA, C=64)", "taylor": "chunked (XLA, C=64)"}
 # Records cited by other docs (docs/REPRODUCTION.md), not by a table here.
-OTHER_RECORDS = ("2026-12-01-h200-reproduce/results.json",)
+OTHER_RECORDS: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
