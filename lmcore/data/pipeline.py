@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import importlib.util
 import logging
 import os
 import queue
@@ -255,6 +256,15 @@ def leave_signals_to_the_parent(worker_index: int, worker_count: int) -> None:
     signal.signal(signum, handle)
 
 
+def spawn_workers_light() -> None:
+  """Makes spawned processes (Grain's workers) import ``lmcore.data.worker_main`` as their main module
+  instead of this process's: multiprocessing's "spawn" children import ``__main__.__spec__.name`` when
+  it is set. A process without a ``__main__`` module (an embedded interpreter) is left as it is."""
+  main = sys.modules.get("__main__")
+  if main is not None and getattr(main, "__spec__", None) is None:
+    main.__spec__ = importlib.util.find_spec("lmcore.data.worker_main")
+
+
 def make_train_iterator(cfg: DataConfig, tokenizer: Tokenizer, *, batch_size: int, seed: int,
                         process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
   """Endless batches ``{tokens, segment_ids, positions}``: int32 [batch_size / process_count, T + 1].
@@ -267,6 +277,7 @@ def make_train_iterator(cfg: DataConfig, tokenizer: Tokenizer, *, batch_size: in
   tokens = documents.map(TokenizeDocument(tokenizer)).to_iter_dataset(READ_OPTIONS)
   batches = pack(tokens, cfg.seq_len).batch(local, drop_remainder=True).map(FinishWindows(cfg.segment_ids))
   if cfg.worker_count:
+    spawn_workers_light()
     batches = grain.experimental.WithOptionsIterDataset(batches, WORKER_BATCHES_COPIED).mp_prefetch(
         grain.MultiprocessingOptions(num_workers=cfg.worker_count), worker_init_fn=leave_signals_to_the_parent)
   return JsonSafeIterator(iter(batches))
