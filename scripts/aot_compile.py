@@ -8,8 +8,8 @@ fits in device memory.
 
 The step is the one ``train.py`` runs (``lmcore.train.loop.make_train_step`` with the config's mesh,
 shardings, gradient accumulation, remat and loss), lowered with abstract inputs and compiled for the
-target: nothing is allocated. TPU targets need libtpu (``pip install -e '.[tpu]'``) but no TPU: the
-compiler runs on the CPU. GPU targets need a CUDA host (the N GPUs are mocked if fewer are present).
+target: nothing is allocated. TPU targets need libtpu (``make aot``) but no TPU: the compiler runs on
+the CPU. GPU targets need a CUDA host (the N GPUs are mocked if fewer are present).
 
 Prints per-device memory (arguments = parameters, optimizer state and batch; temporaries; total
 against the device's memory), the compiler's FLOPs per device per step, and "fits with N% headroom"
@@ -34,8 +34,8 @@ from absl import flags
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# libtpu takes a machine-wide lock when it loads; other JAX processes on a CPU host (which also load it
-# when it is installed) would otherwise make the compile fail.
+# libtpu takes a machine-wide lock when it loads; another process compiling for a TPU on this host would
+# otherwise make the compile fail.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402

@@ -9,7 +9,10 @@ import sys
 
 import pytest
 
-pytest.importorskip("libtpu", reason="compiling for a TPU needs libtpu: pip install -e '.[tpu]'")
+from lmcore import tpu_slices
+
+if tpu_slices.libtpu_path() is None:
+  pytest.skip(tpu_slices.MISSING_LIBTPU, allow_module_level=True)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
