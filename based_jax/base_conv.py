@@ -38,14 +38,17 @@ def causal_depthwise_conv(u_BxTxC: jax.Array, w_KxC: jax.Array, bias_C: jax.Arra
   taps = w_KxC.shape[0]
   if state is None:
     state = jnp.zeros((batch, taps - 1, channels), u_BxTxC.dtype)
-  ext_BxSxC = jnp.concatenate([state.astype(jnp.float32), u_BxTxC.astype(jnp.float32)], axis=1)
+  # The window in the inputs' own (wider) dtype, each tap widened to fp32 where it is multiplied: the
+  # same values as an fp32 window, which for bf16 inputs would be a second copy of twice their bytes.
+  ext_BxSxC = jnp.concatenate([state, u_BxTxC], axis=1, dtype=jnp.result_type(state, u_BxTxC))
   runs_BxT = document_index(segment_ids, batch, length)
   ext_runs_BxS = jnp.pad(runs_BxT, [(0, 0), (taps - 1, 0)])
   y_BxTxC = jnp.zeros((batch, length, channels), jnp.float32)
   for i in range(taps):
-    same_doc_BxTx1 = (ext_runs_BxS[:, i:i + length] == runs_BxT)[..., None]
-    tap_BxTxC = ext_BxSxC[:, i:i + length] * w_KxC[i].astype(jnp.float32)
-    y_BxTxC += jnp.where(same_doc_BxTx1, tap_BxTxC, 0.0)
+    tap_BxTxC = ext_BxSxC[:, i:i + length].astype(jnp.float32) * w_KxC[i].astype(jnp.float32)
+    if segment_ids is not None:  # taps never reach into another document
+      tap_BxTxC = jnp.where((ext_runs_BxS[:, i:i + length] == runs_BxT)[..., None], tap_BxTxC, 0.0)
+    y_BxTxC += tap_BxTxC
   if bias_C is not None:
     y_BxTxC += bias_C.astype(jnp.float32)
   in_last_doc_BxKx1 = (ext_runs_BxS[:, length:] == runs_BxT[:, -1:])[..., None]

@@ -36,6 +36,19 @@ def test_conv_equals_padded_depthwise_conv1d(taps):
   np.testing.assert_array_equal(state, u[:, 11 - (taps - 1):])
 
 
+def test_bf16_inputs_give_the_fp32_conv_of_their_values_rounded_once():
+  """The window stays in the inputs' dtype and each tap is widened where it is multiplied: output and
+  state are those of the same values in fp32 (output rounded once to bf16), with a bf16 or fp32 state."""
+  rng = np.random.default_rng(12)
+  u, w, state = normal(rng, 2, 9, 5).astype(jnp.bfloat16), normal(rng, 3, 5), normal(rng, 2, 2, 5)
+  state = state.astype(jnp.bfloat16)
+  for dtype in (jnp.bfloat16, jnp.float32):
+    got, got_state = conv(u.astype(dtype), w, state=state)
+    want, want_state = conv(u.astype(dtype).astype(jnp.float32), w, state=state.astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want.astype(dtype), np.float32))
+    np.testing.assert_array_equal(np.asarray(got_state, np.float32), np.asarray(want_state, np.float32))
+
+
 @pytest.mark.parametrize("gate", ["lm", "zoology"])
 def test_decode_token_by_token_equals_full_forward(gate):
   rng = np.random.default_rng(1)
