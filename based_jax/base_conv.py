@@ -39,7 +39,7 @@ def causal_depthwise_conv(u_BxTxC: jax.Array, w_KxC: jax.Array, bias_C: jax.Arra
   if state is None:
     state = jnp.zeros((batch, taps - 1, channels), u_BxTxC.dtype)
   # The window in the inputs' own (wider) dtype, each tap widened to fp32 where it is multiplied: the
-  # same values as an fp32 window, which for bf16 inputs would be a second copy of twice their bytes.
+  # same values as an fp32 window, which for bf16 inputs would be a copy of twice their bytes.
   ext_BxSxC = jnp.concatenate([state, u_BxTxC], axis=1, dtype=jnp.result_type(state, u_BxTxC))
   runs_BxT = document_index(segment_ids, batch, length)
   ext_runs_BxS = jnp.pad(runs_BxT, [(0, 0), (taps - 1, 0)])
@@ -60,7 +60,16 @@ def silu_gated_conv(u1_BxTxC: jax.Array, u2_BxTxC: jax.Array, w_KxC: jax.Array, 
                     state: jax.Array | None = None,
                     segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """LM BaseConv gate ``SiLU(conv(u1)) ⊙ u2``, conv without bias; state as in
-  ``causal_depthwise_conv``."""
+  ``causal_depthwise_conv``.
+
+  The backward recomputes the convolution and the gate from u1, u2 and the taps (``jax.checkpoint``):
+  autodiff keeps those inputs, which the projection before keeps anyway, instead of the fp32 taps, the
+  convolution's output and SiLU's, a few elementwise passes for several times the inputs' bytes."""
+  return _checkpointed_silu_gate(u1_BxTxC, u2_BxTxC, w_KxC, state, segment_ids)
+
+
+@jax.checkpoint
+def _checkpointed_silu_gate(u1_BxTxC, u2_BxTxC, w_KxC, state, segment_ids):
   conv_BxTxC, new_state = causal_depthwise_conv(u1_BxTxC, w_KxC, state=state,
                                                 segment_ids=segment_ids)
   return jax.nn.silu(conv_BxTxC) * u2_BxTxC, new_state

@@ -6,8 +6,8 @@ module, the optimised HLO (``*after_optimizations.txt``) and the live ranges of 
 live at the program point of peak use. ``peak_buffers`` joins the two: each live buffer gets the shape
 of the HLO value it holds and the JAX name of the op that made it (``metadata={op_name=...}``: the
 named scopes ``mixer`` / ``mlp`` and the primitive, e.g. ``jvp(mlp)/dot_general``), and the buffers
-are grouped by (op, shape). Parameters, optimizer state and the batch are program arguments and show
-up under their own names. CPU, GPU and TPU compilers write the same files.
+are grouped by (op, shape). The program's arguments (parameters, optimizer state, batch) are one group.
+CPU, GPU and TPU compilers write the same files.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 import re
 
 _LIVE = re.compile(r"^\s+(\S+?)(?:\{(\d*)\})?: (\d+) bytes")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) [\w-]+\(")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([\w-]+)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _LAYOUT = re.compile(r"\{[^{}]*\}")
 
@@ -52,15 +52,22 @@ def _shape(text: str, index: str | None) -> str:
   return text
 
 
+ARGUMENTS = "(arguments: parameters, optimizer state, batch)"
+
+
 def _instructions(hlo_path: str) -> dict[str, tuple[str, str]]:
-  """Instruction name -> (result type, JAX op name) for every instruction of the optimised HLO."""
-  found = {}
+  """Instruction name -> (result type, JAX op name) for every instruction of the optimised HLO; the
+  entry computation's parameters are ``ARGUMENTS``."""
+  found, entry = {}, False
   with open(hlo_path) as f:
     for line in f:
+      if line.startswith(("ENTRY ", "}")):
+        entry = line.startswith("ENTRY ")
       match = _INSTRUCTION.match(line)
       if match:
         op = _OP_NAME.search(line)
-        found[match.group(1)] = (match.group(2), op.group(1) if op else "")
+        argument = entry and match.group(3) == "parameter"
+        found[match.group(1)] = (match.group(2), ARGUMENTS if argument else op.group(1) if op else "")
   return found
 
 
@@ -88,7 +95,7 @@ def peak_buffers(dump_dir: str, module: str = "train_step") -> tuple[int, list[G
         continue
       name, index, size = _LIVE.match(line).groups()
       result, op = instructions.get(name, ("?", name))
-      key = (_short_op(op) or name if op else "", _shape(result, index))
+      key = (ARGUMENTS, "") if op == ARGUMENTS else (_short_op(op), _shape(result, index))
       groups[key][0] += 1
       groups[key][1] += int(size)
       total += int(size)

@@ -44,8 +44,10 @@ def paper(size: str, budget: str = "10b", window: int | None = None, decay: bool
   swa_window = default_window if window is None else window
   steps, warmup = BUDGETS[budget]
   return lambda: common.experiment(
+      # remat "dots": the backward recomputes norms, gates, convolutions and attention from the kept
+      # projection outputs, so a micro-batch of 32 x 2048 fits one 80 GiB GPU (docs/SCALING.md).
       model=dict(spec, vocab_size=50_264, norm_eps=1e-5, tie_embeddings=True, init_std=0.02,
-                 scale_out_init=True, dtype="bfloat16"),
+                 scale_out_init=True, dtype="bfloat16", remat=True, remat_policy="dots"),
       mixers={"taylor": dict(n_heads=16, feature_dim=16, implementation="auto", decay=decay),
               "swa": dict(n_heads=16, window=swa_window), "base_conv": {}},
       train=dict(steps=steps, warmup_steps=warmup, batch_size=256, grad_accum=8, learning_rate=8e-4,

@@ -208,12 +208,17 @@ def model_flops_per_device(config: cfg_lib.ExperimentConfig, devices: int) -> fl
   return per_token * config.train.batch_size * config.data.seq_len / devices
 
 
+def remat_label(model: cfg_lib.ModelConfig) -> str | bool:
+  """``model.remat_policy`` when ``model.remat`` is on (its default "full" as True), else False."""
+  return (model.remat_policy if model.remat_policy != "full" else True) if model.remat else False
+
+
 def report(name: str, target: str, config: cfg_lib.ExperimentConfig, record: dict) -> str:
   mesh = " ".join(f"{k}={v}" for k, v in record["mesh"].items())
   train = config.train
   lines = [f"{name} on {target}: {record['devices']} x {record['device_kind']} "
            f"({record['device_memory_gib']:.2f} GiB each), mesh {mesh}, batch {train.batch_size} x "
-           f"{config.data.seq_len} in {train.grad_accum} micro-batches, remat {config.model.remat}, "
+           f"{config.data.seq_len} in {train.grad_accum} micro-batches, remat {remat_label(config.model)}, "
            f"implementation {record['implementations'] or 'n/a'}"]
   if "temp_gib" in record and "output_gib" in record:
     lines.append(f"per device: arguments {record['argument_gib']:.2f} GiB (parameters, optimizer state, "
@@ -302,7 +307,7 @@ def main(argv):
       shutil.rmtree(dump_dir, ignore_errors=True)
   record["model_flops_per_device"] = model_flops_per_device(config, len(devices))
   record.update(batch_size=config.train.batch_size, grad_accum=config.train.grad_accum,
-                remat=config.model.remat, seq_len=config.data.seq_len,
+                remat=remat_label(config.model), seq_len=config.data.seq_len,
                 tokens_per_step=config.train.batch_size * config.data.seq_len)
   print(report(name, target, config, record), flush=True)
   if peak:
