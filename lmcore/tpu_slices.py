@@ -91,15 +91,21 @@ def has_tpu_chips(root: str = "/") -> bool:
 
 
 @contextlib.contextmanager
-def _quiet_libtpu_start(environ: MutableMapping[str, str] = os.environ) -> Iterator[None]:
-  """``NO_TPU_HOST`` (where unset) while libtpu starts, on a host without TPU chips; then as before."""
-  added = {} if has_tpu_chips() else {k: v for k, v in NO_TPU_HOST.items() if k not in environ}
+def _libtpu_start(path: str, environ: MutableMapping[str, str] = os.environ) -> Iterator[None]:
+  """While libtpu loads: ``TPU_LIBRARY_PATH`` (where JAX loads it from) and, on a host without TPU
+  chips, ``NO_TPU_HOST`` where unset; then the environment as before, so that processes started later
+  do not load libtpu."""
+  added = {"TPU_LIBRARY_PATH": path} if environ.get("TPU_LIBRARY_PATH") != path else {}
+  if not has_tpu_chips():
+    added |= {k: v for k, v in NO_TPU_HOST.items() if k not in environ}
+  previous = {k: environ[k] for k in added if k in environ}
   environ.update(added)
   try:
     yield
   finally:
     for key in added:
       environ.pop(key, None)
+    environ.update(previous)
 
 
 def tpu_devices(name: str, num_slices: int = 1) -> list:
@@ -108,11 +114,10 @@ def tpu_devices(name: str, num_slices: int = 1) -> list:
   path = libtpu_path()
   if path is None:
     raise UserError(MISSING_LIBTPU)
-  os.environ["TPU_LIBRARY_PATH"] = path  # where JAX loads the TPU compiler from
   from jax.experimental import topologies
 
   target = tpu_slice(name)
-  with _quiet_libtpu_start():
+  with _libtpu_start(path):
     return list(topologies.get_topology_desc(
         topology_name=target.topology, platform="tpu", chip_config_name=target.chip_config,
         chips_per_host_bounds=target.chips_per_host, num_slices=num_slices).devices)

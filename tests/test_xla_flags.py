@@ -81,10 +81,11 @@ def test_a_plain_import_of_jax_prints_nothing_on_a_host_without_accelerators():
 
 
 @pytest.mark.skipif(tpu_slices.has_tpu_chips(), reason="a host without TPU chips")
-def test_loading_libtpu_to_compile_for_a_tpu_prints_nothing():
+def test_loading_libtpu_to_compile_for_a_tpu_prints_nothing_and_leaves_the_environment():
   if tpu_slices.libtpu_path() is None:
     pytest.skip(tpu_slices.MISSING_LIBTPU)
-  proc = _lone_process("import jax; from lmcore import tpu_slices; print(len(tpu_slices.tpu_devices('v4-8')), "
-                       "jax.devices())")
-  assert proc.returncode == 0 and "4 [CpuDevice" in proc.stdout, proc.stderr[-2000:]
+  # Processes started afterwards do not find libtpu through the environment either.
+  proc = _lone_process("import os, jax; from lmcore import tpu_slices; print(len(tpu_slices.tpu_devices('v4-8')), "
+                       "jax.devices(), [k for k in ('TPU_LIBRARY_PATH', *tpu_slices.NO_TPU_HOST) if k in os.environ])")
+  assert proc.returncode == 0 and "4 [CpuDevice(id=0)] []" in proc.stdout, proc.stdout + proc.stderr[-2000:]
   assert proc.stderr == "", proc.stderr[-2000:]
