@@ -57,19 +57,21 @@ def causal_depthwise_conv(u_BxTxC: jax.Array, w_KxC: jax.Array, bias_C: jax.Arra
 
 
 def silu_gated_conv(u1_BxTxC: jax.Array, u2_BxTxC: jax.Array, w_KxC: jax.Array, *,
-                    state: jax.Array | None = None,
-                    segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                    state: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                    remat: bool = True) -> tuple[jax.Array, jax.Array]:
   """LM BaseConv gate ``SiLU(conv(u1)) ⊙ u2``, conv without bias; state as in
   ``causal_depthwise_conv``.
 
-  The backward recomputes the convolution and the gate from u1, u2 and the taps (``jax.checkpoint``):
-  autodiff keeps those inputs, which the projection before keeps anyway, instead of the fp32 taps, the
-  convolution's output and SiLU's, a few elementwise passes for several times the inputs' bytes."""
-  return _checkpointed_silu_gate(u1_BxTxC, u2_BxTxC, w_KxC, state, segment_ids)
+  ``remat``: the backward recomputes the convolution and the gate from u1, u2 and the taps
+  (``jax.checkpoint``), so autodiff keeps those inputs, which the projection before keeps anyway,
+  instead of the fp32 taps, the convolution's output and SiLU's: a few elementwise passes for several
+  times the inputs' bytes. Inside a checkpoint that recomputes the gate anyway (``model.remat``) it
+  would be a third forward."""
+  gate = jax.checkpoint(_silu_gate) if remat else _silu_gate
+  return gate(u1_BxTxC, u2_BxTxC, w_KxC, state, segment_ids)
 
 
-@jax.checkpoint
-def _checkpointed_silu_gate(u1_BxTxC, u2_BxTxC, w_KxC, state, segment_ids):
+def _silu_gate(u1_BxTxC, u2_BxTxC, w_KxC, state, segment_ids):
   conv_BxTxC, new_state = causal_depthwise_conv(u1_BxTxC, w_KxC, state=state,
                                                 segment_ids=segment_ids)
   return jax.nn.silu(conv_BxTxC) * u2_BxTxC, new_state

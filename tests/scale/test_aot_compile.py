@@ -63,8 +63,3 @@ def test_a_step_too_large_for_the_slice_does_not_fit_and_exits_1():
   assert proc.returncode == 1, proc.stderr[-3000:]
   assert re.search(r"does not fit by [\d.]+ GiB", proc.stdout), proc.stdout
 
-
-def test_more_chips_than_the_slice_has_is_one_line():
-  proc = aot("--config=tests/scale/aot_presets.py:kernels", "--topology=v4-8", "--chips=5")
-  assert proc.returncode == 2 and proc.stderr.strip() == "UserError: --chips=5: v4-8 has 4 chips; give 1 to 4.", \
-      proc.stderr[-2000:]
