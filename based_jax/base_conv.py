@@ -38,14 +38,17 @@ def causal_depthwise_conv(u_BxTxC: jax.Array, w_KxC: jax.Array, bias_C: jax.Arra
   taps = w_KxC.shape[0]
   if state is None:
     state = jnp.zeros((batch, taps - 1, channels), u_BxTxC.dtype)
-  ext_BxSxC = jnp.concatenate([state.astype(jnp.float32), u_BxTxC.astype(jnp.float32)], axis=1)
+  # The window in the inputs' own (wider) dtype, each tap widened to fp32 where it is multiplied: the
+  # same values as an fp32 window, which for bf16 inputs would be a copy of twice their bytes.
+  ext_BxSxC = jnp.concatenate([state, u_BxTxC], axis=1, dtype=jnp.result_type(state, u_BxTxC))
   runs_BxT = document_index(segment_ids, batch, length)
   ext_runs_BxS = jnp.pad(runs_BxT, [(0, 0), (taps - 1, 0)])
   y_BxTxC = jnp.zeros((batch, length, channels), jnp.float32)
   for i in range(taps):
-    same_doc_BxTx1 = (ext_runs_BxS[:, i:i + length] == runs_BxT)[..., None]
-    tap_BxTxC = ext_BxSxC[:, i:i + length] * w_KxC[i].astype(jnp.float32)
-    y_BxTxC += jnp.where(same_doc_BxTx1, tap_BxTxC, 0.0)
+    tap_BxTxC = ext_BxSxC[:, i:i + length].astype(jnp.float32) * w_KxC[i].astype(jnp.float32)
+    if segment_ids is not None:  # taps never reach into another document
+      tap_BxTxC = jnp.where((ext_runs_BxS[:, i:i + length] == runs_BxT)[..., None], tap_BxTxC, 0.0)
+    y_BxTxC += tap_BxTxC
   if bias_C is not None:
     y_BxTxC += bias_C.astype(jnp.float32)
   in_last_doc_BxKx1 = (ext_runs_BxS[:, length:] == runs_BxT[:, -1:])[..., None]
@@ -54,10 +57,21 @@ def causal_depthwise_conv(u_BxTxC: jax.Array, w_KxC: jax.Array, bias_C: jax.Arra
 
 
 def silu_gated_conv(u1_BxTxC: jax.Array, u2_BxTxC: jax.Array, w_KxC: jax.Array, *,
-                    state: jax.Array | None = None,
-                    segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                    state: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                    remat: bool = True) -> tuple[jax.Array, jax.Array]:
   """LM BaseConv gate ``SiLU(conv(u1)) ⊙ u2``, conv without bias; state as in
-  ``causal_depthwise_conv``."""
+  ``causal_depthwise_conv``.
+
+  ``remat``: the backward recomputes the convolution and the gate from u1, u2 and the taps
+  (``jax.checkpoint``), so autodiff keeps those inputs, which the projection before keeps anyway,
+  instead of the fp32 taps, the convolution's output and SiLU's: a few elementwise passes for several
+  times the inputs' bytes. Inside a checkpoint that recomputes the gate anyway (``model.remat``) it
+  would be a third forward."""
+  gate = jax.checkpoint(_silu_gate) if remat else _silu_gate
+  return gate(u1_BxTxC, u2_BxTxC, w_KxC, state, segment_ids)
+
+
+def _silu_gate(u1_BxTxC, u2_BxTxC, w_KxC, state, segment_ids):
   conv_BxTxC, new_state = causal_depthwise_conv(u1_BxTxC, w_KxC, state=state,
                                                 segment_ids=segment_ids)
   return jax.nn.silu(conv_BxTxC) * u2_BxTxC, new_state

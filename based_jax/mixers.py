@@ -226,6 +226,9 @@ class BaseConv(_ConvWindow, nnx.Module):
   @dataclasses.dataclass(frozen=True)
   class Config:
     kernel_size: int = 3
+    # The backward recomputes the gated convolution from in_proj's output (far less memory); under
+    # model.remat the block is recomputed anyway, and False saves a third forward.
+    gate_remat: bool = True
 
   def __init__(self, config: Config, *, d_model: int, init: InitSpec = InitSpec(),
                dtype=jnp.float32, rngs: nnx.Rngs):
@@ -244,7 +247,7 @@ class BaseConv(_ConvWindow, nnx.Module):
     del positions_BxT  # A convolution needs no positions.
     u1_BxTxE, u2_BxTxE = jnp.split(self.in_proj(x_BxTxD), 2, axis=-1)
     y_BxTxE, state = silu_gated_conv(u1_BxTxE, u2_BxTxE, self.conv_kernel[...], state=state,
-                                     segment_ids=segment_ids_BxT)
+                                     segment_ids=segment_ids_BxT, remat=self.config.gate_remat)
     return self.out_proj(y_BxTxE), state
 
   def flops_per_token(self, seq_len: int) -> float:

@@ -46,10 +46,13 @@ def paper(size: str, budget: str = "10b", window: int | None = None, decay: bool
   swa_window = default_window if window is None else window
   steps, warmup = BUDGETS[budget]
   return lambda: common.experiment(
+      # remat "dots": the backward recomputes norms, gates, convolutions and attention from the kept
+      # projection outputs, so a micro-batch of 32 x 2048 fits one 80 GiB GPU (docs/SCALING.md); the
+      # conv gate's own recomputation would then be a third forward.
       model=dict(spec, vocab_size=50_264, norm_eps=1e-5, tie_embeddings=True, init_std=0.02,
-                 scale_out_init=True, dtype="bfloat16"),
+                 scale_out_init=True, dtype="bfloat16", remat=True, remat_policy="dots"),
       mixers={"taylor": dict(n_heads=16, feature_dim=16, implementation="auto", decay=decay),
-              "swa": dict(n_heads=16, window=swa_window), "base_conv": {}},
+              "swa": dict(n_heads=16, window=swa_window), "base_conv": dict(gate_remat=False)},
       train=dict(steps=steps, warmup_steps=warmup, batch_size=256, grad_accum=8, learning_rate=8e-4,
                  warmup_init_lr=1e-6, min_lr_ratio=0.1, b1=0.9, b2=0.95, weight_decay=0.1, grad_clip=1.0,
                  seed=1111, log_every=50, checkpoint_every=1000, keep_every=10_000, eval_every=2000,

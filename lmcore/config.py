@@ -16,6 +16,7 @@ from typing import Any
 from flax.core import FrozenDict
 
 from lmcore.data.config import DataConfig, HeldoutConfig, SourceConfig, TokenizerConfig
+from lmcore import remat
 from lmcore.errors import ConfigError
 from lmcore.registry import mixer_class
 
@@ -44,9 +45,18 @@ class ModelConfig:
   scale_out_init: bool = False  # out projections N(0, init_std / sqrt(2 L)) (BASED, MATH §2.4)
   dtype: str = "bfloat16"  # activation dtype; parameters are always fp32
   remat: bool = False  # recompute each block's activations in the backward (memory for compute)
+  # Under remat, what each block keeps for the backward: a name of lmcore/remat.py's POLICIES for every
+  # layer, or one per layer in the syntax of ``pattern``.
+  remat_policy: str = "full"
 
   def layer_kinds(self) -> tuple[str, ...]:
     return parse_pattern(self.pattern, self.n_layers)
+
+  def layer_remat_policies(self) -> tuple[str, ...]:
+    """The remat policy of every layer ("none" everywhere without ``remat``)."""
+    if not self.remat:
+      return ("none",) * self.n_layers
+    return parse_pattern(self.remat_policy, self.n_layers, "model.remat_policy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,22 +130,22 @@ class ExperimentConfig:
   name: str = ""
 
 
-def parse_pattern(pattern: str, n_layers: int) -> tuple[str, ...]:
-  """Expands a mixer pattern (see ``ModelConfig``) into one kind per layer."""
+def parse_pattern(pattern: str, n_layers: int, field: str = "model.pattern") -> tuple[str, ...]:
+  """Expands a per-layer pattern (see ``ModelConfig``) of config ``field`` into one name per layer."""
   head, *overrides = [part.strip() for part in pattern.split(";") if part.strip()]
   kinds: list[str] = []
   for run in head.split(","):
     kind, _, count = run.strip().partition("*")
     kinds += [kind.strip()] * (int(count) if count else (n_layers if head.count(",") == 0 else 1))
   if len(kinds) != n_layers:
-    raise ConfigError(f"model.pattern {pattern!r} gives {len(kinds)} layers but model.n_layers is "
+    raise ConfigError(f"{field} {pattern!r} gives {len(kinds)} layers but model.n_layers is "
                       f"{n_layers}; make the counts add up to n_layers.")
   for override in overrides:
     kind, _, indices = override.partition("@")
     for index in indices.split(","):
       i = int(index)
       if not 0 <= i < n_layers:
-        raise ConfigError(f"model.pattern override {override!r}: layer {i} is outside 0..{n_layers - 1}.")
+        raise ConfigError(f"{field} override {override!r}: layer {i} is outside 0..{n_layers - 1}.")
       kinds[i] = kind.strip()
   return tuple(kinds)
 
@@ -251,6 +261,12 @@ def validate(config: ExperimentConfig) -> None:
                       f"{config.model.max_positions}; raise model.max_positions or shorten data.seq_len.")
   if config.model.mlp not in ("swiglu", "none", "zoology_identity"):
     raise ConfigError(f"model.mlp={config.model.mlp!r}; valid: 'swiglu', 'none', 'zoology_identity'.")
+  policies = parse_pattern(config.model.remat_policy, config.model.n_layers, "model.remat_policy")
+  for name in dict.fromkeys(policies):
+    if name not in remat.POLICIES:
+      raise ConfigError(f"model.remat_policy={config.model.remat_policy!r}: unknown policy {name!r}; valid: "
+                        f"{', '.join(map(repr, remat.POLICIES))} (one for every layer, or per layer as "
+                        f"model.pattern).")
   if config.model.norm not in ("rmsnorm", "layernorm"):
     raise ConfigError(f"model.norm={config.model.norm!r}; valid: 'rmsnorm', 'layernorm'.")
   if train.loss_impl not in ("auto", "fused", "materialized"):

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.core import FrozenDict
 
+from lmcore import remat
 from lmcore.config import ModelConfig
 from lmcore.registry import mixer_class
 from lmcore.mixers.base import FusedProjection, InitSpec, dense
@@ -69,11 +70,19 @@ class Block(nnx.Module):
                 if config.mlp == "swiglu" else None)
 
   def __call__(self, h_BxTxD, state, positions_BxT, segment_ids_BxT):
+    h_BxTxD, new_state = self.mix(h_BxTxD, state, positions_BxT, segment_ids_BxT)
+    return self.feed_forward(h_BxTxD), new_state
+
+  def mix(self, h_BxTxD, state, positions_BxT, segment_ids_BxT):
+    """The first half: h + mixer(norm(h)), and the mixer's new state."""
     # The named scopes label the two halves' ops in the HLO metadata and so in profiles.
     with jax.named_scope("mixer"):
       y_BxTxD, new_state = self.mixer(self.mixer_norm(h_BxTxD).astype(self.dtype), state=state,
                                       positions_BxT=positions_BxT, segment_ids_BxT=segment_ids_BxT)
-    h_BxTxD = h_BxTxD + y_BxTxD.astype(jnp.float32)
+    return h_BxTxD + y_BxTxD.astype(jnp.float32), new_state
+
+  def feed_forward(self, h_BxTxD):
+    """The second half: h + mlp(norm(h)) (or as ``mlp`` says)."""
     if self.mlp_kind == "swiglu":
       with jax.named_scope("mlp"):
         h_BxTxD = h_BxTxD + self.mlp(self.mlp_norm(h_BxTxD).astype(self.dtype)).astype(jnp.float32)
@@ -81,11 +90,31 @@ class Block(nnx.Module):
       # zoology with an Identity state mixer returns LN2(residual), which the next step adds to the
       # residual again (based_zoology.md §7.3): reproduced for faithful MQAR numbers.
       h_BxTxD = h_BxTxD + self.mlp_norm(h_BxTxD)
-    return h_BxTxD, new_state
+    return h_BxTxD
 
 
 def _apply_block(block: Block, h_BxTxD, state, positions_BxT, segment_ids_BxT):
   return block(h_BxTxD, state, positions_BxT, segment_ids_BxT)
+
+
+def _mix(block: Block, h_BxTxD, state, positions_BxT, segment_ids_BxT):
+  return block.mix(h_BxTxD, state, positions_BxT, segment_ids_BxT)
+
+
+def _feed_forward(block: Block, h_BxTxD):
+  return block.feed_forward(h_BxTxD)
+
+
+def _checkpointed(fn, policy):
+  return fn if policy is None else nnx.remat(fn, policy=policy)
+
+
+def _run_block(block: Block, policy: remat.Policy, h_BxTxD, state, positions_BxT, segment_ids_BxT):
+  """``block`` on the residual stream, checkpointed as ``policy`` says (``lmcore.remat``)."""
+  if policy.mlp is None:
+    return _checkpointed(_apply_block, policy.block)(block, h_BxTxD, state, positions_BxT, segment_ids_BxT)
+  h_BxTxD, new_state = _checkpointed(_mix, policy.block)(block, h_BxTxD, state, positions_BxT, segment_ids_BxT)
+  return _checkpointed(_feed_forward, policy.mlp)(block, h_BxTxD), new_state
 
 
 class LanguageModel(nnx.Module):
@@ -129,9 +158,9 @@ class LanguageModel(nnx.Module):
     h_BxTxD = self._embed(tokens_BxT, positions_BxT)
     layer_states = (None,) * len(self.blocks) if state is None else state["layers"]
     new_layer_states = []
-    apply = nnx.remat(_apply_block) if self.config.remat else _apply_block
-    for block, layer_state in zip(self.blocks, layer_states):
-      h_BxTxD, new_layer_state = apply(block, h_BxTxD, layer_state, positions_BxT, segment_ids_BxT)
+    policies = [remat.POLICIES[name] for name in self.config.layer_remat_policies()]
+    for block, layer_state, policy in zip(self.blocks, layer_states, policies):
+      h_BxTxD, new_layer_state = _run_block(block, policy, h_BxTxD, layer_state, positions_BxT, segment_ids_BxT)
       new_layer_states.append(new_layer_state)
     new_state = {"position": positions_BxT[:, -1] + 1, "layers": tuple(new_layer_states)}
     return self.final_norm(h_BxTxD), new_state

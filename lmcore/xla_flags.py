@@ -5,9 +5,9 @@ on cuBLAS instead of its Triton GEMM emitter, which is slower on the tied output
 vocabulary (docs/BENCHMARKS.md, XLA's GEMMs on cuBLAS). The flag only concerns GPUs; other backends
 ignore it. A flag already named in ``XLA_FLAGS`` is left as the user set it.
 
-``JAX_PLATFORMS=cpu`` on a host with no accelerator: libtpu is installed for ahead-of-time TPU
-compilation (``lmcore.tpu_slices``), and JAX would otherwise try a TPU backend at every start and log
-errors. A ``JAX_PLATFORMS`` already set (even empty) is left as it is.
+``JAX_PLATFORMS=cpu`` on a host with no accelerator: JAX tries no GPU or TPU backend there, whatever
+is installed (an importable libtpu, the ``tpu`` extra, would otherwise start one and log errors). A
+``JAX_PLATFORMS`` already set (even empty) is left as it is.
 """
 
 from __future__ import annotations

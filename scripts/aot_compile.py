@@ -8,8 +8,8 @@ fits in device memory.
 
 The step is the one ``train.py`` runs (``lmcore.train.loop.make_train_step`` with the config's mesh,
 shardings, gradient accumulation, remat and loss), lowered with abstract inputs and compiled for the
-target: nothing is allocated. TPU targets need libtpu (``pip install -e '.[tpu]'``) but no TPU: the
-compiler runs on the CPU. GPU targets need a CUDA host (the N GPUs are mocked if fewer are present).
+target: nothing is allocated. TPU targets need libtpu (``make aot``) but no TPU: the compiler runs on
+the CPU. GPU targets need a CUDA host (the N GPUs are mocked if fewer are present).
 
 Prints per-device memory (arguments = parameters, optimizer state and batch; temporaries; total
 against the device's memory), the compiler's FLOPs per device per step, and "fits with N% headroom"
@@ -20,6 +20,14 @@ peak bf16 FLOP/s and HBM bandwidth from ``benchmarks.tpu_aot.CHIPS``: an estimat
 Topology names: docs/SCALING.md.
 
     python scripts/aot_compile.py --table=runs/aot.jsonl   # the records of --json as a Markdown table
+
+Where the memory goes: ``--peak_buffers=N`` also prints the N largest groups of buffers live at the
+step's peak, by the JAX op that made them and their shape, from XLA's own buffer assignment
+(``benchmarks.memory_plan``). ``--chips=1`` compiles for one chip of the slice, e.g. a v5p chip
+(95.73 GiB) as a stand-in for one 80 GiB GPU:
+
+    python scripts/aot_compile.py --config=configs/based.py:360m --topology=v5p-8 --chips=1 \
+        --config.train.batch_size=32 --config.train.grad_accum=1 --peak_buffers=20
 """
 
 from __future__ import annotations
@@ -28,19 +36,21 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
+import tempfile
 
 from absl import flags
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# libtpu takes a machine-wide lock when it loads; other JAX processes on a CPU host (which also load it
-# when it is installed) would otherwise make the compile fail.
+# libtpu takes a machine-wide lock when it loads; another process compiling for a TPU on this host would
+# otherwise make the compile fail.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 
-from benchmarks import tpu_aot  # noqa: E402
+from benchmarks import memory_plan, tpu_aot  # noqa: E402
 from lmcore import cli  # noqa: E402
 from lmcore import config as cfg_lib  # noqa: E402
 from lmcore import model_card  # noqa: E402
@@ -54,11 +64,14 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file and prese
 _TOPOLOGY = flags.DEFINE_string("topology", "", "TPU slice: a name of TPU_SLICES (v4-8, v5p-8, ...) or a "
                                 "topology like v4:2x2x1.")
 _NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "TPU slices (multislice over the data-centre network).")
+_CHIPS = flags.DEFINE_integer("chips", 0, "Compile for the first N chips of the slice only (0: all of them).")
 _GPUS = flags.DEFINE_integer("gpus", 0, "Compile for this many GPUs of one host instead of a TPU slice.")
 _GPU_MEMORY_GIB = flags.DEFINE_float("gpu_memory_gib", 0.0, "Memory of one GPU (default: what the first "
                                      "GPU reports).")
 _JSON = flags.DEFINE_string("json", "", "Also append the result as one JSON line to this file.")
 _HLO = flags.DEFINE_string("hlo", "", "Also write the compiled step's HLO text to this file.")
+_PEAK_BUFFERS = flags.DEFINE_integer("peak_buffers", 0, "Also print the N largest groups of buffers live at "
+                                     "the step's peak (XLA's buffer assignment).")
 _TABLE = flags.DEFINE_string("table", "", "Compile nothing: print the records of this --json file as a "
                              "Markdown table (memory fit and roofline step time).")
 
@@ -195,12 +208,17 @@ def model_flops_per_device(config: cfg_lib.ExperimentConfig, devices: int) -> fl
   return per_token * config.train.batch_size * config.data.seq_len / devices
 
 
+def remat_label(model: cfg_lib.ModelConfig) -> str | bool:
+  """``model.remat_policy`` when ``model.remat`` is on (its default "full" as True), else False."""
+  return (model.remat_policy if model.remat_policy != "full" else True) if model.remat else False
+
+
 def report(name: str, target: str, config: cfg_lib.ExperimentConfig, record: dict) -> str:
   mesh = " ".join(f"{k}={v}" for k, v in record["mesh"].items())
   train = config.train
   lines = [f"{name} on {target}: {record['devices']} x {record['device_kind']} "
            f"({record['device_memory_gib']:.2f} GiB each), mesh {mesh}, batch {train.batch_size} x "
-           f"{config.data.seq_len} in {train.grad_accum} micro-batches, remat {config.model.remat}, "
+           f"{config.data.seq_len} in {train.grad_accum} micro-batches, remat {remat_label(config.model)}, "
            f"implementation {record['implementations'] or 'n/a'}"]
   if "temp_gib" in record and "output_gib" in record:
     lines.append(f"per device: arguments {record['argument_gib']:.2f} GiB (parameters, optimizer state, "
@@ -263,20 +281,37 @@ def main(argv):
     raise UserError("give --config=<file>:<preset> to compile, or --table=<file of --json records>.")
   if bool(_TOPOLOGY.value) == bool(_GPUS.value):
     raise UserError("give exactly one target: --topology=<TPU slice> or --gpus=N.")
+  dump_dir = tempfile.mkdtemp(prefix="aot_compile_") if _PEAK_BUFFERS.value else ""
+  if dump_dir:  # read when the first backend starts, below
+    os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump_dir} "
+                               "--xla_dump_hlo_module_re=.*train_step.*").strip()
   if _GPUS.value:
     jax.config.update("jax_mock_gpu_topology", f"1 x 1 x {_GPUS.value}")
     devices, target = gpu_devices(_GPUS.value), f"{_GPUS.value} GPUs"
   else:
     jax.config.update("jax_platforms", "cpu")  # the host only compiles; its own backend stays CPU
     devices, target = tpu_devices(_TOPOLOGY.value, _NUM_SLICES.value), _TOPOLOGY.value
+    if _CHIPS.value:
+      if not 0 < _CHIPS.value <= len(devices):
+        raise UserError(f"--chips={_CHIPS.value}: {target} has {len(devices)} chips; give 1 to {len(devices)}.")
+      devices, target = devices[:_CHIPS.value], f"{target}, {_CHIPS.value} of its {len(devices)} chips"
   config = cfg_lib.experiment_config(_CONFIG.value)
   name = config.name or "config"
-  record = compile_step(config, devices)
+  peak = ""
+  try:
+    record = compile_step(config, devices)
+    if dump_dir and "output_gib" in record:
+      peak = memory_plan.table(*memory_plan.peak_buffers(dump_dir), top=_PEAK_BUFFERS.value)
+  finally:
+    if dump_dir:
+      shutil.rmtree(dump_dir, ignore_errors=True)
   record["model_flops_per_device"] = model_flops_per_device(config, len(devices))
   record.update(batch_size=config.train.batch_size, grad_accum=config.train.grad_accum,
-                remat=config.model.remat, seq_len=config.data.seq_len,
+                remat=remat_label(config.model), seq_len=config.data.seq_len,
                 tokens_per_step=config.train.batch_size * config.data.seq_len)
   print(report(name, target, config, record), flush=True)
+  if peak:
+    print(f"\nbuffers live at the step's peak, by op and shape (XLA's buffer assignment):\n{peak}")
   if _JSON.value:
     with open(_JSON.value, "a") as f:
       f.write(json.dumps({"name": name, "target": target, **record}) + "\n")

@@ -15,7 +15,7 @@ what each number counts.
         [--batch=8] [--topology=v4-8] [--dtype=bfloat16] [--jsonl=runs/bench/tpu_aot.jsonl] \
         [--out=NOTES.md]
 
-Needs libtpu (``pip install -e '.[tpu]'``). With ``--jsonl``, rows already compiled there are not
+Needs libtpu (``make aot``). With ``--jsonl``, rows already compiled there are not
 compiled again (a stopped run continues).
 """
 
@@ -26,8 +26,8 @@ import sys
 from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# libtpu takes a machine-wide lock when it loads; other JAX processes on this host would otherwise
-# make the compile fail.
+# libtpu takes a machine-wide lock when it loads; another process compiling for a TPU on this host would
+# otherwise make the compile fail.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402

@@ -14,6 +14,7 @@ from jax.experimental import pallas as pl
 
 from benchmarks import tpu_aot
 from lmcore.errors import UserError
+from lmcore import tpu_slices
 from lmcore.ops.common import pallas_utils
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,7 +23,8 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def _needs_libtpu():
-  pytest.importorskip("libtpu", reason="compiling for a TPU needs libtpu: pip install -e '.[tpu]'")
+  if tpu_slices.libtpu_path() is None:
+    pytest.skip(tpu_slices.MISSING_LIBTPU)
 
 
 def test_pipeline_bytes_counts_a_block_each_time_its_index_moves():
@@ -49,9 +51,7 @@ def test_bad_options_are_one_line_user_errors():
 def test_a_scan_of_n_matmuls_is_counted_as_n_matmuls():
   """XLA's cost analysis counts a while body once; ``analyse`` multiplies it by the trip count."""
   _needs_libtpu()
-  from lmcore.tpu_slices import tpu_devices
-
-  mesh = jax.sharding.Mesh(tpu_devices("v4-8")[:1], (tpu_aot.DATA,))
+  mesh = jax.sharding.Mesh(tpu_slices.tpu_devices("v4-8")[:1], (tpu_aot.DATA,))
   x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
 
   def scanned(a, b):

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from lmcore import config as cfg_lib
+from lmcore import remat
 from lmcore.model import LanguageModel, abstract_param_count, count_params
 
 
@@ -61,6 +62,70 @@ def test_remat_gives_the_same_loss_and_gradients_with_one_checkpoint_per_block()
   for a, b in zip(jax.tree.leaves(remat_grads), jax.tree.leaves(plain_grads)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
   assert remat_primitives.count("remat2") == 2 and "remat2" not in plain_primitives  # jax.checkpoint, per block
+
+
+def tiny_based_config(**model_fields):
+  """BASED's three layer kinds, fp32; the Taylor chunks (8) and SWA blocks (8) end in partial ones at
+  T = 21."""
+  mixers = {"taylor": {"n_heads": 2, "feature_dim": 4, "implementation": "chunked", "tiles": {"chunk": 8}},
+            "swa": {"n_heads": 2, "window": 5, "block_size": 8}, "base_conv": {}}
+  return cfg_lib.model_config(dict(vocab_size=97, d_model=32, n_layers=3, pattern="base_conv*3;taylor@1;swa@2",
+                                   mlp_hidden=48, dtype="float32", mixers=mixers, **model_fields))
+
+
+def _based_loss(config, tokens):
+  graphdef, params, rest = nnx.split(make_model(config, seed=6), nnx.Param, ...)
+  return lambda params: nnx.merge(graphdef, params, rest)(tokens)[0].std(), params
+
+
+def test_every_remat_policy_gives_the_same_loss_and_gradients_on_a_tiny_based_model():
+  """Recomputing in the backward changes what is stored, not what is computed: loss and every
+  gradient as without remat, to fp32 rounding (the recomputed forward reruns the same ops)."""
+  tokens = jnp.asarray(np.random.default_rng(7).integers(0, 97, (2, 21)), jnp.int32)
+  plain_loss, params = _based_loss(tiny_based_config(), tokens)
+  plain, plain_grads = jax.jit(jax.value_and_grad(plain_loss))(params)
+  # "dots" (BASED's) on every layer, then the others per layer ("none" is the plain path itself).
+  for policy in ["dots", "full;dots_except_mlp@1,2"]:
+    loss, _ = _based_loss(tiny_based_config(remat=True, remat_policy=policy), tokens)
+    got, got_grads = jax.jit(jax.value_and_grad(loss))(params)
+    np.testing.assert_allclose(got, plain, rtol=1e-6, err_msg=policy)
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(plain_grads)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=policy)
+
+
+def _kept_for_backward(loss, params) -> list[jax.ShapeDtypeStruct]:
+  """The arrays ``jax.vjp`` keeps for the backward pass (the leaves of its VJP function), traced only."""
+  return jax.tree.leaves(jax.eval_shape(lambda p: jax.vjp(loss, p)[1], params))
+
+
+def test_each_remat_policy_keeps_what_it_says():
+  """Under "dots" a BASED block keeps its input and its projections' outputs ([B, T, width]: at most
+  3 dims), a fraction of what plain autodiff keeps (which includes the sliding window's [B, N, H, C, S]
+  scores, the Taylor chunks' stacks and the convolution's fp32 copies); "dots_except_mlp" keeps less
+  (not the MLP's gate and up), "full" the block inputs alone, "none" what plain autodiff keeps."""
+  tokens = jnp.asarray(np.random.default_rng(8).integers(0, 97, (2, 32)), jnp.int32)
+  kept = {}
+  for name, fields in {"plain": {}, **{p: dict(remat=True, remat_policy=p) for p in remat.POLICIES}}.items():
+    kept[name] = _kept_for_backward(*_based_loss(tiny_based_config(**fields), tokens))
+  size = {name: sum(a.size * a.dtype.itemsize for a in arrays) for name, arrays in kept.items()}
+  assert max(a.ndim for a in kept["dots"]) <= 3 < max(a.ndim for a in kept["plain"])
+  assert size["full"] < size["dots_except_mlp"] < size["dots"] < 0.5 * size["plain"]
+  assert size["none"] == size["plain"]
+
+
+def test_a_bad_remat_policy_is_one_line_naming_the_valid_ones():
+  """An unknown policy name, or a per-layer pattern whose counts miss model.n_layers (6 in tiny)."""
+  from configs import based
+
+  cd = based.get_config("tiny")
+  cd.model.remat_policy = "dot"
+  with pytest.raises(cfg_lib.ConfigError) as error:
+    cfg_lib.experiment_config(cd)
+  assert str(error.value) == ("model.remat_policy='dot': unknown policy 'dot'; valid: 'none', 'full', 'dots', "
+                              "'dots_except_mlp' (one for every layer, or per layer as model.pattern).")
+  cd.model.remat_policy = "dots*5;full@1"
+  with pytest.raises(cfg_lib.ConfigError, match=r"^model.remat_policy 'dots\*5;full@1' gives 5 layers but "):
+    cfg_lib.experiment_config(cd)
 
 
 def test_changing_future_tokens_leaves_past_logits_unchanged():

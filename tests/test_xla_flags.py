@@ -1,6 +1,7 @@
 """The entry points' environment defaults: XLA flags added once, never over a user's own setting; on a
-host without accelerators JAX starts on the CPU alone, so libtpu (installed for ahead-of-time TPU
-compilation) logs nothing."""
+host without accelerators JAX starts on the CPU alone. A plain ``import jax`` in the project's
+environment logs nothing (libtpu stays outside it), and neither does loading libtpu to compile for a
+TPU."""
 
 import os
 import subprocess
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from lmcore import xla_flags
+from lmcore import tpu_slices, xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,14 +63,29 @@ def test_the_entry_points_runner_sets_them_before_main():
   assert "FLAGS=--xla_gpu_enable_triton_gemm=false 2.0" in proc.stdout, proc.stderr[-2000:]
 
 
-@pytest.mark.skipif(xla_flags.has_accelerator(), reason="a host without accelerators")
-def test_jax_starts_without_libtpu_messages_on_a_host_without_accelerators():
-  pytest.importorskip("libtpu")
-  code = "import jax; from lmcore import cli; cli.run(lambda argv: print(jax.devices()))"
-  # libtpu takes a machine-wide lock when it loads and says nothing while another process holds it:
-  # without the lock the test sees what a lone process prints.
+def _lone_process(code: str) -> subprocess.CompletedProcess:
+  """``code`` in a fresh interpreter, JAX choosing its own backends. libtpu takes a machine-wide lock
+  when it loads and says nothing while another process holds it: without the lock the process prints
+  what a lone one does."""
   env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+  return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                         env={**env, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})
+
+
+@pytest.mark.skipif(xla_flags.has_accelerator(), reason="a host without accelerators")
+def test_a_plain_import_of_jax_prints_nothing_on_a_host_without_accelerators():
+  proc = _lone_process("import jax; print(jax.devices())")
   assert proc.returncode == 0 and "CpuDevice" in proc.stdout, proc.stderr[-2000:]
+  assert proc.stderr == "", ("libtpu is importable here, so JAX starts a TPU backend from it: install it "
+                             "with `make aot` instead of the tpu extra.\n" + proc.stderr[-2000:])
+
+
+@pytest.mark.skipif(tpu_slices.has_tpu_chips(), reason="a host without TPU chips")
+def test_loading_libtpu_to_compile_for_a_tpu_prints_nothing_and_leaves_the_environment():
+  if tpu_slices.libtpu_path() is None:
+    pytest.skip(tpu_slices.MISSING_LIBTPU)
+  # Processes started afterwards do not find libtpu through the environment either.
+  proc = _lone_process("import os, jax; from lmcore import tpu_slices; print(len(tpu_slices.tpu_devices('v4-8')), "
+                       "jax.devices(), [k for k in ('TPU_LIBRARY_PATH', *tpu_slices.NO_TPU_HOST) if k in os.environ])")
+  assert proc.returncode == 0 and "4 [CpuDevice(id=0)] []" in proc.stdout, proc.stdout + proc.stderr[-2000:]
   assert proc.stderr == "", proc.stderr[-2000:]

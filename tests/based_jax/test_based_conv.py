@@ -36,6 +36,40 @@ def test_conv_equals_padded_depthwise_conv1d(taps):
   np.testing.assert_array_equal(state, u[:, 11 - (taps - 1):])
 
 
+def test_bf16_inputs_give_the_fp32_conv_of_their_values_rounded_once():
+  """The window stays in the inputs' dtype and each tap is widened where it is multiplied: output and
+  state are those of the same values in fp32 (output rounded once to bf16), with a bf16 or fp32 state."""
+  rng = np.random.default_rng(12)
+  u, w, state = normal(rng, 2, 9, 5).astype(jnp.bfloat16), normal(rng, 3, 5), normal(rng, 2, 2, 5)
+  state = state.astype(jnp.bfloat16)
+  for dtype in (jnp.bfloat16, jnp.float32):
+    got, got_state = conv(u.astype(dtype), w, state=state)
+    want, want_state = conv(u.astype(dtype).astype(jnp.float32), w, state=state.astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want.astype(dtype), np.float32))
+    np.testing.assert_array_equal(np.asarray(got_state, np.float32), np.asarray(want_state, np.float32))
+
+
+def test_the_recomputed_gate_keeps_only_its_inputs_and_gives_the_same_gradients():
+  """``remat=True``: autodiff keeps u1, u2 and the taps (and the output, for the square in the loss);
+  the fp32 taps, the convolution's output and SiLU's are recomputed. The gradients are those of
+  ``remat=False`` (the same ops run again, to fp32 rounding: XLA may fuse the recomputation otherwise)."""
+  rng = np.random.default_rng(13)
+  u1, u2, w = normal(rng, 2, 10, 6), normal(rng, 2, 10, 6), normal(rng, 3, 6)
+
+  def loss(remat):
+    return lambda u1, u2, w: (silu_gated_conv(u1, u2, w, remat=remat)[0] ** 2).sum()
+
+  def kept(remat):
+    vjp = jax.eval_shape(lambda *a: jax.vjp(loss(remat), *a)[1], u1, u2, w)
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(vjp))
+
+  inputs_and_output = sum(a.size * a.dtype.itemsize for a in (u1, u2, w, u2))
+  assert kept(True) <= inputs_and_output < kept(False)
+  grads = [jax.jit(jax.grad(loss(remat), argnums=(0, 1, 2)))(u1, u2, w) for remat in (True, False)]
+  for a, b in zip(*grads):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("gate", ["lm", "zoology"])
 def test_decode_token_by_token_equals_full_forward(gate):
   rng = np.random.default_rng(1)

@@ -9,7 +9,10 @@ import sys
 
 import pytest
 
-pytest.importorskip("libtpu", reason="compiling for a TPU needs libtpu: pip install -e '.[tpu]'")
+from lmcore import tpu_slices
+
+if tpu_slices.libtpu_path() is None:
+  pytest.skip(tpu_slices.MISSING_LIBTPU, allow_module_level=True)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -34,11 +37,12 @@ def batch_all_gathers(hlo: str, seq_len: int) -> list[str]:
 def test_every_mosaic_kernel_compiles_for_a_v4_slice_under_shard_map(tmp_path):
   hlo, record = tmp_path / "step.hlo", tmp_path / "aot.jsonl"
   proc = aot("--config=tests/scale/aot_presets.py:kernels", "--topology=v4:2x2x1", f"--hlo={hlo}",
-             f"--json={record}")
+             f"--json={record}", "--peak_buffers=3")
   assert proc.returncode == 0, proc.stderr[-4000:]
   assert re.search(r"4 x TPU v4 \(30.75 GiB each\), mesh data=2 fsdp=2 tensor=1, batch 8 x 384",
                    proc.stdout), proc.stdout
   assert re.search(r"fits with \d+% headroom", proc.stdout) and "FLOPs per device per step" in proc.stdout
+  assert "buffers live at the step's peak" in proc.stdout and "| GiB | share | buffers | shape | op |" in proc.stdout
   # The roofline of the v4 chip's peaks, the grad-accumulation loop's body counted per iteration.
   assert re.search(r"roofline step time: [\d.]+ ms per step \((compute|memory)-bound; .* at 275 TFLOP/s and "
                    r"1.20 TB/s", proc.stdout), proc.stdout
@@ -58,3 +62,4 @@ def test_a_step_too_large_for_the_slice_does_not_fit_and_exits_1():
              "--config.mesh.data=4", "--config.mesh.fsdp=1")
   assert proc.returncode == 1, proc.stderr[-3000:]
   assert re.search(r"does not fit by [\d.]+ GiB", proc.stdout), proc.stdout
+
