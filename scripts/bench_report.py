@@ -363,10 +363,14 @@ TABLES = (
         TRAIN_LONG, train),
     Table(
         "Training", "Goodput of a reproduction run",
-        "One control of `scripts/reproduce.py` trained in a fresh workdir: wall seconds by phase. Rows: "
-        "`DIR/goodput.jsonl`.",
+        "Wall seconds by phase of reproduction-size runs: the runs of a `scripts/reproduce.py` chain in "
+        "the order one process trained them (their records), and single controls of "
+        "`scripts/bench_goodput.py` (rows: `DIR/goodput.jsonl`). Goodput: step seconds over wall seconds.",
         "python scripts/bench_goodput.py --corpus=runs/linux --stage1_steps=1200 --out=DIR", goodput,
-        (Source("2026-12-07-cpu-goodput", ("goodput.jsonl",),
+        (Source("2026-12-07-h200-reproduce", ("goodput.jsonl",),
+                "python scripts/reproduce.py --workdir=runs/reproduce_v2 --stage1_steps=1200 "
+                "--runs=transformer_pp,scratch_no_table,gla,based --seeds=0,1 (each run's record)"),
+         Source("2026-12-07-cpu-goodput", ("goodput.jsonl",),
                 "python scripts/bench_goodput.py --corpus=runs/linux14 --stage1_steps=302 "
                 "--out=runs/bench_goodput_cpu2 --override=model.d_model=64 --override=model.n_layers=2 "
                 "--override=model.pattern='softmax*2' --override=model.mlp_hidden=192 "
@@ -401,7 +405,9 @@ TABLES = (
         "Ops", "XLA forms",
         "The XLA forms TPUs and CPUs run, each beside the form it should keep up with: fwd / **fwd+bwd** "
         "ms, bf16, 16,384 tokens per call. Rows: `DIR/xla_forms.jsonl`.",
-        "python scripts/bench_xla_forms.py --out=DIR", xla_forms),
+        "python scripts/bench_xla_forms.py --out=DIR", xla_forms,
+        (Source("2026-12-07-h200-xla-forms", ("xla_forms.jsonl",),
+                "python scripts/bench_xla_forms.py --ops=taylor --lengths=2048,32768 --out=DIR"),)),
     Table(
         "Ops", "TPU v4 ahead of time",
         "Compiled by libtpu for the 4 chips of a v4-8 on a CPU host, forward + backward, 8 rows of T per "
