@@ -65,7 +65,7 @@ def main(argv):
   prompts = generate.prompts_of(_PROMPT.value, _PROMPT_FILE.value, _STREAM_TOKENS.value)
   with jax.set_mesh(sharding.make_mesh(config.mesh)):  # the kernels' shard_map reads the mesh from here
     if _TASKS.value:
-      chain.evaluate_tasks(config, _WORKDIR.value, _TASKS.value, step=_STEP.value, task_path=_TASK_PATH.value,
+      cli.import_tasks().evaluate_tasks(config, _WORKDIR.value, _TASKS.value, step=_STEP.value, task_path=_TASK_PATH.value,
                            limit=_LIMIT.value, batch_size=_BATCH_SIZE.value, num_fewshot=_NUM_FEWSHOT.value,
                            long_context=_LONG_CONTEXT.value, out_dir=_OUT_DIR.value)
       return

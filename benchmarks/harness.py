@@ -77,7 +77,8 @@ PRESET_SHAPES = {
               HeadShape(4, 64, 128, "channel"),  # repro_gla (D = 512)
               HeadShape(4, 128, 128, "head")),  # cyfa_equal_state, hybrid_cyfa_gdn
     "taylor": (HeadShape(16, 16, 64),  # based.py 360m* (D = 1024)
-               HeadShape(16, 16, 112)),  # based.py 1p3b* (D = 1792)
+               HeadShape(16, 16, 112),  # based.py 1p3b* (D = 1792)
+               HeadShape(16, 16, 32)),  # based.py repro_based (D = 512)
 }
 WIDE = (128, 256, 512)
 WIDE_TOTAL = 1024  # H · V of every wide shape

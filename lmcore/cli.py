@@ -15,6 +15,7 @@ training) are shown; absl's own verbosity stays at WARNING so Orbax does not log
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging as py_logging
 import os
 import re
@@ -172,3 +173,13 @@ def unknown_override(config: Mapping[str, Any], dotted: str) -> ConfigError | No
       return unknown_key_error(walked, part, list(node.keys()))
     node, walked = node[part], f"{walked}.{part}"
   return None
+
+
+def import_tasks():
+  """``lmcore.train.tasks`` (downstream tasks through lm-evaluation-harness, an optional dependency), or
+  one line saying how to install it."""
+  try:
+    return importlib.import_module("lmcore.train.tasks")
+  except ImportError as e:
+    raise ConfigError(f"downstream tasks need lm-evaluation-harness ({e}); install it with "
+                      "pip install -e '.[eval]'") from None

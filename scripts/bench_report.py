@@ -43,9 +43,12 @@ KERNEL_REFERENCE = {"sanatan_p1": ("chunked (xla)", "chunked (xla, C=128)"),
                     "sanatan_p2": ("parallel (xla)", "parallel (xla)"),
                     "gated": ("chunked (xla)", "chunked (xla)"), "taylor": ("chunked (xla)", "chunked (xla)")}
 TPU_REFERENCE = {"sanatan_p1": "chunked (XLA, C=64)", "sanatan_p2": "parallel (XLA)",
-                 "gated": "chunked (XLA, C=64)", "taylor": "chunked (XLA, C=64)"}
+                 "gated": "chunked (XLA, C=64)", "taylor": "chunked (XLA, C=128)"}
 # Records cited by other docs (docs/REPRODUCTION.md), not by a table here.
-OTHER_RECORDS: tuple[str, ...] = ()
+REPRODUCE = "2026-12-07-h200-reproduce"
+OTHER_RECORDS = (f"{REPRODUCE}/results.md", f"{REPRODUCE}/results.json", f"{REPRODUCE}/loss_curves.png",
+                 *(f"{REPRODUCE}/records/s{seed}/{run}.json" for seed in (0, 1)
+                   for run in ("transformer_pp", "gla", "based", "scratch_no_table")))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -474,7 +474,7 @@ def add_recall(run: Run, record: dict, plan: Plan) -> dict:
     return record
   print(f"== seed {run.seed}, {run.label}: recall on {task.name} ==", flush=True)
   with jax.set_mesh(sharding.make_mesh(run.config.mesh)):  # the kernels' shard_map reads the mesh from here
-    scored = chain.evaluate_tasks(run.config, run.workdir, [task.name], step=steps, task_path=task.path,
+    scored = cli.import_tasks().evaluate_tasks(run.config, run.workdir, [task.name], step=steps, task_path=task.path,
                                   limit=task.limit, batch_size=task.batch_size)
   row = next(r for r in scored["results"] if r["task"] == task.name)
   return write_record(plan, run, {**record, "recall": {

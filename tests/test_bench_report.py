@@ -175,11 +175,11 @@ def test_xla_forms_and_tpu_rows_compare_with_their_reference():
   assert table[1][-1] == "1.00 / **4.00** (0.50× `plain einsum (C=64)`)"
   aot = {"op": "taylor", "length": 2048, "batch": 8, "topology": "v4-8", "bound": "memory", "note": "",
          "compile_s": 10.0, "bytes_accessed": 2e9, "temp_bytes": 2 ** 20}
-  header, table = report.tpu([{**aot, "impl": "chunked (XLA, C=64)", "roofline_s": 4e-3},
+  header, table = report.tpu([{**aot, "impl": "chunked (XLA, C=128)", "roofline_s": 4e-3},
                               {**aot, "impl": "pallas_tpu (Mosaic, C=128)", "roofline_s": 1e-3},
                               {**aot, "impl": "broken", "roofline_s": None, "compile_s": None,
                                "note": "ValueError: no"}])
-  assert table == [["Taylor (BASED)", "`chunked (XLA, C=64)`", "4.0 (memory), 2.0, –, 1", "10"],
+  assert table == [["Taylor (BASED)", "`chunked (XLA, C=128)`", "4.0 (memory), 2.0, –, 1", "10"],
                    ["Taylor (BASED)", "`pallas_tpu (Mosaic, C=128)`", "1.0 (memory), 2.0, 4.00×, 1", "10"],
                    ["Taylor (BASED)", "`broken`", "not supported", "—"]]
 

@@ -6,6 +6,7 @@ later test loads its compiled programs from a cache that these runs switched on.
 import dataclasses
 import importlib
 import json
+import time
 
 import numpy as np
 import pytest
@@ -34,8 +35,17 @@ def short(config: cfg_lib.ExperimentConfig) -> cfg_lib.ExperimentConfig:
 @pytest.mark.parametrize("file,preset", PRESETS)
 def test_tiny_preset_trains_with_falling_loss(file, preset, tmp_path):
   config = short(cfg_lib.experiment_config(importlib.import_module(f"configs.{file}").get_config(preset)))
+  start = time.perf_counter()
   record = train_lib.train_and_evaluate(config, str(tmp_path))
+  wall_s = time.perf_counter() - start
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  # Where the wall time went: the phases add up to the run's wall time, which is the caller's.
+  breakdown = record["goodput"]
+  assert sum(breakdown["phases"].values()) == pytest.approx(breakdown["wall_s"], rel=0.02)
+  assert breakdown["wall_s"] == pytest.approx(wall_s, rel=0.02)
+  assert 0 < breakdown["goodput"] < 1 and breakdown["phases"]["compile"] > 0
+  assert [r["goodput"] for r in rows if "goodput" in r and isinstance(r["goodput"], dict)] == [breakdown]
+  assert json.load(open(tmp_path / "eval_30.json"))["goodput"] == breakdown
   loss = {r["step"]: r["loss"] for r in rows if "loss" in r}
   assert np.mean([loss[s] for s in range(26, 31)]) < loss[1] - 1.0, loss
   assert np.isfinite(record["loss"]) and record["loss"] < np.log(config.model.vocab_size)

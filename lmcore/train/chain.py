@@ -21,10 +21,8 @@ from flax import nnx
 from lmcore import data as data_lib
 from lmcore.config import ExperimentConfig
 from lmcore.eval import evaluate
-from lmcore.errors import ConfigError
 from lmcore.eval.generate import Sampling, check_decodable, check_prompts, sample_to_jsonl
 from lmcore.model import with_mixer_overrides
-from lmcore.model_card import card
 from lmcore.train import checkpoint as ckpt_lib
 from lmcore.train import loop as train_lib
 from lmcore.train import sharding
@@ -94,30 +92,6 @@ def evaluate_checkpoint(config: ExperimentConfig, workdir: str, step: int | None
                               segment=stream_tokens)
     record["sample"] = samples[0]["completion"]
   return record
-
-
-def evaluate_tasks(config: ExperimentConfig, workdir: str, tasks: list[str], *, step: int | None = None,
-                   task_path: str = "", limit: int = 0, batch_size: int = 0, num_fewshot: int = -1,
-                   long_context: str = "truncate", out_dir: str = "") -> dict[str, Any]:
-  """``eval.py --tasks``: the checkpoint (latest unless ``step``) through lm-evaluation-harness
-  (``lmcore.eval.harness``), offline unless HF_DATASETS_OFFLINE / HF_HUB_OFFLINE say otherwise; the
-  record written to ``<out_dir>/eval_<step>_<tasks>.json`` (default: the workdir). Call it inside
-  ``jax.set_mesh``."""
-  os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read when the datasets package is imported
-  os.environ.setdefault("HF_HUB_OFFLINE", "1")
-  try:
-    from lmcore.eval import harness  # noqa: PLC0415 (lm-eval is an optional dependency)
-  except ImportError as e:
-    raise ConfigError(f"--tasks needs lm-evaluation-harness ({e}); install it with "
-                      "pip install -e '.[eval]'") from None
-  tokenizer = data_lib.load_tokenizer(config.data.tokenizer, data_lib.cache_dir(config.data))
-  data_lib.check_vocab(tokenizer, config.model.vocab_size)
-  graphdef, params, rest, step = restore_checkpoint(config, workdir, step)
-  lm = harness.HarnessLM(graphdef, params, rest, tokenizer, window=config.data.seq_len,
-                         batch_size=batch_size or config.eval.batch_size, long_context=long_context)
-  return harness.evaluate_tasks(lm, tasks, out_dir=out_dir or workdir, step=step, name=config.name,
-                                card=card(config.model, config.data.seq_len), task_path=task_path,
-                                limit=limit or None, num_fewshot=None if num_fewshot < 0 else num_fewshot)
 
 
 def evaluate_step(config: ExperimentConfig, workdir: str, step: int, out_dir: str = "") -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """A checkpoint through lm-evaluation-harness end to end, offline: a tiny model trained on the bigram
 language of ``fixtures/bigram.py`` scores above chance on the fixture multiple-choice task and completes
-the containment-scored generation task, through ``eval.py --tasks``'s function (``chain.evaluate_tasks``,
+the containment-scored generation task, through ``eval.py --tasks``'s function (``lmcore.train.tasks.evaluate_tasks``,
 which calls ``lm_eval.simple_evaluate`` with the project's model object); the record and table are written; a
 task whose dataset is missing offline is one line naming the task."""
 
@@ -19,7 +19,7 @@ from lmcore import data as data_lib  # noqa: E402
 from lmcore import sweep  # noqa: E402
 from lmcore.errors import ConfigError, MissingFileError  # noqa: E402
 from lmcore.eval import harness  # noqa: E402
-from lmcore.train import chain  # noqa: E402
+from lmcore.train import tasks  # noqa: E402
 from lmcore.train import loop as train_lib  # noqa: E402
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
@@ -54,7 +54,7 @@ def trained(tmp_path_factory):
 
 def test_eval_tasks_scores_a_trained_checkpoint_on_local_tasks(trained, capsys):
   config, workdir = trained
-  record = chain.evaluate_tasks(config, workdir, ["bigram_mc", "bigram_recall"], task_path=TASKS)
+  record = tasks.evaluate_tasks(config, workdir, ["bigram_mc", "bigram_recall"], task_path=TASKS)
   values = {(r["task"], r["metric"]): r for r in record["results"]}
   mc, recall = values[("bigram_mc", "acc")], values[("bigram_recall", "contains")]
   assert (mc["n"], recall["n"]) == (32, 24)

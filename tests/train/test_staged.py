@@ -124,7 +124,7 @@ def stage1(own_text, tmp_path_factory):
   final = {}
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(train_lib, "evaluate_run",
-                  lambda run, heldout, writer=None, clock=None: final.update(params=leaves(run.params)))
+                  lambda run, heldout, writer=None, clock=None: final.update(params=leaves(run.params)) or {})
     patch.setattr(train_lib, "make_train_step", shared_train_step)
     train_lib.train_and_evaluate(config, str(workdir))
   return workdir, config, final["params"]
