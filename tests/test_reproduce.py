@@ -12,8 +12,10 @@ import os
 import shutil
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
+from absl import flags
 
 from configs import baselines, sanatan
 import numpy as np
@@ -171,11 +173,19 @@ FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expe
 
 
 def load_script():
-  """scripts/reproduce.py as a module (its flags are defined once per process)."""
+  """scripts/reproduce.py as a module, once per process. Its flags go to a FlagValues of their own: a
+  test process loads other scripts whose flags have the same names, and the functions used here read
+  no flag."""
   if "reproduce" not in sys.modules:
     spec = importlib.util.spec_from_file_location("reproduce", SCRIPT)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    own, register = flags.FlagValues(), flags.FlagValues.__setitem__
+
+    def register_apart(flag_values, name, flag):
+      register(own if flag_values is flags.FLAGS else flag_values, name, flag)
+
+    with mock.patch.object(flags.FlagValues, "__setitem__", register_apart):
+      spec.loader.exec_module(module)
     sys.modules["reproduce"] = module
   return sys.modules["reproduce"]
 

@@ -37,8 +37,8 @@ def test_closing_stops_workers_blocked_on_a_full_pipe_at_once(tmp_path):
   cfg = DataConfig(sources=(SourceConfig(name="docs", kind="jsonl", path=str(path)),), seq_len=1023,
                    worker_count=2)
   iterator = pipeline.make_train_iterator(cfg, CharTokenizer(), batch_size=16, seed=0)
-  first = next(iterator)
-  assert first["tokens"].shape == (16, 1024)
+  batches = [next(iterator) for _ in range(4)]  # every worker's iterator in use, as after a few steps
+  assert all(b["tokens"].shape == (16, 1024) for b in batches)
   time.sleep(2.0)  # the workers fill their queues and block sending the next batch
   start = time.monotonic()
   iterator.close()
