@@ -1,12 +1,15 @@
 """Orbax checkpoints of {params, non-trainable model state, optimizer state, step, data iterator, meta}.
 
 Saves are asynchronous and atomic (a temporary folder renamed when complete); old steps go by the
-keep-last-N / keep-every-K policy only after a newer save commits. The metadata holds a checksum of
+keep-last-N / keep-every-K policy only after a newer save commits. A save costs the training loop the
+dispatch of an on-device copy of the state: a background thread hands the copy to Orbax, which moves it
+to the host and writes it. The metadata holds a checksum of
 each parameter: a restore checks it and finiteness, and names the latest earlier step that passes.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
@@ -48,16 +51,20 @@ def _checks(params):
   return jax.tree.map(_leaf_checksum, params), jax.tree.map(finite, params)
 
 
+def _named_ints(sums) -> dict[str, int]:
+  """{"path/to/param": value} of a pytree of device scalars, fetched in one transfer."""
+  return {_path_name(p): int(v) for p, v in jax.tree_util.tree_flatten_with_path(jax.device_get(sums))[0]}
+
+
 def param_checksums(params) -> dict[str, int]:
   """{"path/to/param": checksum} of a parameter pytree, computed on its devices."""
-  sums, _ = _checks(params)
-  return {_path_name(p): int(np.asarray(v)) for p, v in jax.tree_util.tree_flatten_with_path(sums)[0]}
+  return _named_ints(_checks(params)[0])
 
 
 def param_problem(params, stored: dict[str, int] | None) -> str | None:
   """Why restored ``params`` are not what was saved (checksum or non-finite values), or None."""
   sums, finite = _checks(params)
-  sums = {_path_name(p): int(np.asarray(v)) for p, v in jax.tree_util.tree_flatten_with_path(sums)[0]}
+  sums = _named_ints(sums)
   for path, ok in jax.tree_util.tree_flatten_with_path(finite)[0]:
     if not bool(np.asarray(ok)):
       return f"parameter '{_path_name(path)}' holds NaN or inf"
@@ -77,6 +84,40 @@ def resolve_checkpoint_dir(path: str) -> str:
   """Accepts a run's workdir or its ``checkpoints`` folder."""
   candidate = os.path.join(path, "checkpoints")
   return candidate if os.path.isdir(candidate) else path
+
+
+class _Position:
+  """A data iterator's position when a save starts, in the form Grain's Orbax handler writes (the
+  iterator may move on, or stop, before the save is written)."""
+
+  def __init__(self, iterator):
+    state = iterator.get_state()
+    self._state = json.dumps(state, indent=4).encode() if isinstance(iterator, grain.DatasetIterator) else state
+
+  def get_state(self) -> bytes:
+    return self._state
+
+
+def _bytes_per_device(tree) -> int:
+  """Bytes of ``tree``'s arrays that the most loaded device holds (each leaf's shard on every device of
+  its sharding)."""
+  per_device: dict[Any, int] = {}
+  for x in jax.tree.leaves(tree):
+    nbytes = int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+    for device in x.sharding.device_set:
+      per_device[device] = per_device.get(device, 0) + nbytes
+  return max(per_device.values(), default=0)
+
+
+def room_for_copy(tree, margin: float = 1.1) -> bool:
+  """Whether every local device can hold another copy of its part of ``tree`` (with ``margin``); True
+  on devices that report no memory limit (CPU)."""
+  need = _bytes_per_device(tree) * margin
+  for device in jax.local_devices():
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats and stats["bytes_limit"] - stats.get("bytes_in_use", 0) < need:
+      return False
+  return True
 
 
 class _ReadOnlyNotice(logging.Filter):
@@ -112,21 +153,50 @@ class Checkpointer:
       options = ocp.CheckpointManagerOptions(
           create=True, preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies))
     self.manager = _manager(self.directory, options)
+    self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+    self._pending: concurrent.futures.Future | None = None
 
   def latest_step(self) -> int | None:
+    self._settle()
     return self.manager.latest_step()
 
   def all_steps(self) -> list[int]:
+    self._settle()
     return list(self.manager.all_steps())
 
   def save(self, step: int, state: dict[str, Any], data_iterator, meta: dict[str, Any]) -> None:
-    """Starts an async save of ``state`` (pytree), the data iterator position and ``meta`` (JSON, with
-    the checksums of ``state["params"]`` added)."""
-    meta = {**meta, "param_checksums": param_checksums(state["params"])}
+    """Starts an async save of ``state`` (pytree), the data iterator's current position and ``meta``
+    (JSON, with the checksums of ``state["params"]`` added); the caller may then change or donate
+    ``state`` and advance or close the iterator. Where the devices have room, the state is copied on
+    them and a background thread starts the Orbax save of the copy; otherwise Orbax copies it to the
+    host before this returns. A save waits for the previous one to be started; errors of a background
+    save are raised by the next ``save``, ``wait`` or ``close``."""
+    self._raise_pending()
+    sums, _ = _checks(state["params"])  # dispatched from this thread, in the order of its other programs
+    position = _Position(data_iterator) if data_iterator is not None else None
+    if room_for_copy(state):
+      copy = jax.device_put(state, may_alias=False)
+      self._pending = self._writer.submit(self._write, step, copy, sums, position, meta)
+    else:
+      self._write(step, state, sums, position, meta)
+
+  def _write(self, step: int, state: dict[str, Any], sums, position: _Position | None,
+             meta: dict[str, Any]) -> None:
+    meta = {**meta, "param_checksums": _named_ints(sums)}
     items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
-    if data_iterator is not None:
-      items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
+    if position is not None:
+      items["data"] = grain.checkpoint.CheckpointSave(position)
     self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+  def _settle(self) -> None:
+    """Waits until the background save, if any, has been handed to Orbax (its errors left to raise)."""
+    if self._pending is not None:
+      concurrent.futures.wait([self._pending])
+
+  def _raise_pending(self) -> None:
+    pending, self._pending = self._pending, None
+    if pending is not None:
+      pending.result()
 
   def read_meta(self, step: int) -> dict[str, Any]:
     try:
@@ -212,11 +282,17 @@ class Checkpointer:
                             f"restored ({type(e).__name__}: {e}); the data config must match that run's.") from e
 
   def wait(self) -> None:
+    """Returns once every save started is committed."""
+    self._raise_pending()
     self.manager.wait_until_finished()
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    try:
+      self._raise_pending()
+    finally:
+      self._writer.shutdown()
+      self.manager.wait_until_finished()
+      self.manager.close()
 
 
 def open_latest(path: str, key: str) -> tuple[Checkpointer, int]:

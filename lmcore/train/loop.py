@@ -161,7 +161,7 @@ def _train_and_evaluate(config: ExperimentConfig, workdir: str, clock: goodput.P
       heldout = data_lib.load_or_build_heldout(config.data, run.tokenizer, heldout_path(config, workdir))
     with jax.set_mesh(run.shardings.mesh):  # the Pallas kernels' shard_map reads the mesh from here
       _loop(run, writer, stop, heldout, clock, card["flops_per_token_train"])
-      _close_data(run, clock)  # the evaluation reads the held-out set, not the training stream
+      _close_data(run, clock)  # the evaluation reads the held-out set; the last save commits meanwhile
       if stop.signal_name:
         _shutdown(run, writer, clock)
         writer.console(_stopped_line(run, stop.signal_name))
@@ -184,9 +184,11 @@ def _train_and_evaluate(config: ExperimentConfig, workdir: str, clock: goodput.P
 
 
 def _shutdown(run: Run, writer: metrics.MetricWriter, clock: goodput.PhaseClock) -> dict[str, Any]:
-  """Closes the checkpointer (its last commit) and the writers, then reports where the wall time went:
-  a ``goodput`` row in ``metrics.jsonl``, the same record added to the final ``eval_<step>.json``, and
-  one console line."""
+  """Waits for the last save's commit, closes the checkpointer and the writers, then reports where the
+  wall time went: a ``goodput`` row in ``metrics.jsonl``, the same record added to the final
+  ``eval_<step>.json``, and one console line."""
+  with clock.phase("shutdown/checkpoint_commit"):
+    run.checkpointer.wait()
   _close_data(run, clock)
   with clock.phase("shutdown/writers"):
     run.checkpointer.close()
@@ -199,10 +201,9 @@ def _shutdown(run: Run, writer: metrics.MetricWriter, clock: goodput.PhaseClock)
 
 
 def _close_data(run: Run, clock: goodput.PhaseClock | None = None) -> None:
-  """Stops the data iterator's worker processes once the saves that record its position are written
-  (idempotent; otherwise they would only be stopped at interpreter exit, by Grain's finalizers)."""
-  with clock.phase("shutdown/checkpoint_commit") if clock else contextlib.nullcontext():
-    run.checkpointer.wait()
+  """Stops the data iterator's worker processes (idempotent; otherwise they would only be stopped at
+  interpreter exit, by Grain's finalizers). A save records the position when it starts, so the
+  iterator may stop before the saves are written."""
   with clock.phase("shutdown/data_workers") if clock else contextlib.nullcontext():
     run.data_iterator.close()
 

@@ -6,6 +6,7 @@ parameters, and resumes with the seed that built it: a checkpoint that lost the 
 features. Here the restoring model is built from another seed, so everything must come from disk.
 """
 
+import json
 import logging
 
 import jax
@@ -108,3 +109,40 @@ def test_keep_last_and_keep_every_decide_which_steps_survive(tmp_path):
     checkpointer.wait()
   assert sorted(checkpointer.all_steps()) == [3, 6, 7]  # every third, and the last two
   checkpointer.close()
+
+
+class CountingIterator:
+  """A data iterator whose position is how many batches it has given (Grain's byte-state form)."""
+
+  def __init__(self, position: int = 0):
+    self.position = position
+
+  def get_state(self) -> bytes:
+    return json.dumps({"position": self.position}).encode()
+
+  def set_state(self, state: bytes) -> None:
+    self.position = json.loads(state)["position"]
+
+  def start_prefetch(self) -> None:
+    pass
+
+
+def test_a_save_holds_the_state_and_position_it_was_given_though_both_move_on(tmp_path):
+  """The loop donates the parameters to the next step and advances the iterator as soon as ``save``
+  returns, before the save is written: the checkpoint holds the values and the position of the call."""
+  w = jnp.arange(6.0).reshape(2, 3)
+  state = {"params": {"w": w}, "rest": {}, "step": jnp.asarray(1, jnp.int32)}
+  want = jax.tree.map(lambda x: np.array(x, copy=True), state)
+  iterator = CountingIterator(5)
+  checkpointer = ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"), cfg_lib.TrainConfig())
+  checkpointer.save(1, state, iterator, {"version": ckpt_lib.META_VERSION})
+  jax.jit(lambda x: x * 2, donate_argnums=0)(w)
+  iterator.position = 6
+  checkpointer.close()
+  assert w.is_deleted()
+  reader = ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"), read_only=True)
+  restored_iterator = CountingIterator()
+  restored = reader.restore(1, abstract(want), restored_iterator)
+  assert_trees_equal(restored, want)
+  assert restored_iterator.position == 5
+  reader.close()
