@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import math
 import os
 import signal
@@ -17,13 +18,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
+from jax._src import config as jax_config
 
 from lmcore import data as data_lib
 from lmcore import loss as loss_lib
 from lmcore import model_card
-from lmcore.config import ExperimentConfig, to_jsonable
+from lmcore.config import ExperimentConfig, TrainConfig, to_jsonable
 from lmcore.errors import Diverged
 from lmcore.eval import evaluate
 from lmcore.train import goodput
@@ -279,23 +282,54 @@ def _loop(run: Run, writer: metrics.MetricWriter, stop: StopRequested, heldout, 
   profile.close()
 
 
+# TrainConfig fields that only the loop reads: runs that differ in nothing else share one train step.
+LOOP_ONLY_FIELDS = ("seed", "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_last",
+                    "keep_every", "init_from", "init_data_from", "monitor_every", "compilation_cache",
+                    "profile_steps")
+_DEFAULT_TRAIN = TrainConfig()
+
+
+def step_key(graphdef, config: ExperimentConfig, shardings: sharding.TrainShardings, inputs) -> tuple:
+  """Everything the compiled train step depends on, hashable: the step builder, the model (graph and
+  config), the train config but for ``LOOP_ONLY_FIELDS`` (the optimizer is built from it), whether
+  batches carry segments, the shardings, the inputs' shapes, dtypes and shardings, and JAX's tracing
+  settings. Equal keys lower to the same program."""
+  train = dataclasses.replace(config.train, **{f: getattr(_DEFAULT_TRAIN, f) for f in LOOP_ONLY_FIELDS})
+  placements = jax.tree.flatten([getattr(shardings, f.name) for f in dataclasses.fields(shardings)])
+  leaves, treedef = jax.tree.flatten(inputs)
+  signature = tuple((np.shape(x), getattr(x, "dtype", type(x)), getattr(x, "sharding", None)) for x in leaves)
+  return (make_train_step, graphdef, config.model, train, config.data.segment_ids,
+          tuple(placements[0]), placements[1], treedef, signature, jax_config.trace_context())
+
+
 _COMPILED_STEPS: dict[str, Any] = {}  # lowered train step (its text) -> its executable, in this process
 _COMPILED_STEPS_KEPT = 4
+_STEP_TEXTS: dict[tuple, str] = {}  # step_key -> the text its step lowered to
 
 
 def compile_train_step(run: Run, batch):
   """The train step compiled ahead of its first call for ``batch``'s shapes and shardings (arrays or
   ShapeDtypeStructs), so that compilation is timed on its own; calling it runs what the jitted step
-  would. Runs of one process whose steps lower to the same program (a chain's runs at one size) share
-  one executable."""
-  train_step = make_train_step(run.graphdef, run.tx, run.config, run.shardings)
-  lowered = train_step.lower(run.params, run.opt_state, run.rest, batch, run.step)
-  key = lowered.as_text()
-  if key not in _COMPILED_STEPS:
+  would. Runs of one process share one executable when their ``step_key``s are equal (nothing is
+  traced then) or their steps lower to the same program."""
+  inputs = (run.params, run.opt_state, run.rest, batch, run.step)
+  key = step_key(run.graphdef, run.config, run.shardings, inputs)
+  if _STEP_TEXTS.get(key) in _COMPILED_STEPS:
+    return _COMPILED_STEPS[_STEP_TEXTS[key]]
+  lowered = make_train_step(run.graphdef, run.tx, run.config, run.shardings).lower(*inputs)
+  text = lowered.as_text()
+  if text not in _COMPILED_STEPS:
     while len(_COMPILED_STEPS) >= _COMPILED_STEPS_KEPT:
-      _COMPILED_STEPS.pop(next(iter(_COMPILED_STEPS)))
-    _COMPILED_STEPS[key] = lowered.compile()
-  return _COMPILED_STEPS[key]
+      _forget_step(next(iter(_COMPILED_STEPS)))
+    _COMPILED_STEPS[text] = lowered.compile()
+  _STEP_TEXTS[key] = text
+  return _COMPILED_STEPS[text]
+
+
+def _forget_step(text: str) -> None:
+  del _COMPILED_STEPS[text]
+  for key in [k for k, t in _STEP_TEXTS.items() if t == text]:
+    del _STEP_TEXTS[key]
 
 
 def make_monitor_fn(graphdef):
