@@ -115,7 +115,8 @@ MAX_KEPT_CHECKPOINTS = 20  # stage-1 steps kept for the readouts, at most
 class ReproScale:
   """What the GPU chain and its CPU test form set differently. ``p1_implementation`` and
   ``gla_implementation``: SANATAN p = 1's and GLA's forms; ``saves``: checkpoints per run; ``evals``:
-  held-out evaluations during a run as long as stage 1 (0: only at the end)."""
+  held-out evaluations during a run as long as stage 1 (0: only at the end); ``token_cache``: the corpus
+  tokenized once for every run of the chain (``data.token_cache``)."""
 
   model: dict
   n_heads: int
@@ -126,6 +127,7 @@ class ReproScale:
   stage1_steps: int
   heldout_sequences: int
   worker_count: int
+  token_cache: bool
   p1_implementation: str
   gla_implementation: str
   log_every: int
@@ -138,12 +140,12 @@ REPRO_GPU = ReproScale(
     model=dict(vocab_size=REPRO_CORPUS_VOCAB, d_model=512, n_layers=8, mlp_hidden=1408, max_positions=1024,
                tie_embeddings=True, dtype="bfloat16"),
     n_heads=8, head_dim=64, seq_len=1024, batch_size=32, learning_rate=6e-4, stage1_steps=4_000,  # 131M tokens
-    heldout_sequences=256, worker_count=8, p1_implementation="auto", gla_implementation="auto",
+    heldout_sequences=256, worker_count=8, token_cache=True, p1_implementation="auto", gla_implementation="auto",
     log_every=50, saves=8, evals=4)
 REPRO_TINY = ReproScale(
     model=dict(vocab_size=8192, d_model=64, n_layers=1, mlp_hidden=192, max_positions=64, dtype="float32"),
     n_heads=4, head_dim=16, seq_len=64, batch_size=4, learning_rate=3e-3, stage1_steps=4,
-    heldout_sequences=8, worker_count=0, p1_implementation="parallel",
+    heldout_sequences=8, worker_count=0, token_cache=False, p1_implementation="parallel",
     gla_implementation="parallel", log_every=4, saves=1, evals=0)
 
 
@@ -209,8 +211,9 @@ def repro_experiment(mixers: dict[str, dict], train: dict, scale: ReproScale, co
     model["vocab_size"] = REPRO_CORPUS_VOCAB
     sources = {"linux": dict(kind="array_record", path=f"{corpus}/shards/*.array_record", heldout_fraction=0.01)}
     tokenizer = dict(kind="sentencepiece", path=f"{corpus}/tokenizer.model")
+  data = dict(seq_len=scale.seq_len, worker_count=scale.worker_count, token_cache=scale.token_cache)
   return common.experiment(
-      model=model, mixers=mixers, train=train, data=dict(seq_len=scale.seq_len, worker_count=scale.worker_count),
+      model=model, mixers=mixers, train=train, data=data,
       sources=sources, tokenizer=tokenizer, heldout=dict(paper_heldout(), num_sequences=scale.heldout_sequences),
       eval=eval, name=name)
 

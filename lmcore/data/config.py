@@ -108,7 +108,11 @@ class DataConfig:
   shuffle_seed: int = 0  # combined with the run seed
   segment_ids: bool = False
   worker_count: int = 0  # Grain worker processes (0: in the training process)
-  cache_dir: str = ""  # tokenizer cache; "": $FSLM_CACHE or ~/.cache/fixed_state_lm
+  cache_dir: str = ""  # tokenizers and token caches; "": $FSLM_CACHE or ~/.cache/fixed_state_lm
+  # Tokenize each source once into cache_dir and read ids from there (same batches, no tokenizing while
+  # training; the first run pays the whole corpus once). token_cache_processes: its builders (0: one per core).
+  token_cache: bool = False
+  token_cache_processes: int = 0
 
   def __post_init__(self):
     if not self.sources:
@@ -119,5 +123,6 @@ class DataConfig:
       raise ConfigError(f"data.sources names must be unique (got {names}).")
     if self.seq_len < 1:
       raise ConfigError(f"data.seq_len must be >= 1 (got {self.seq_len}).")
-    if self.worker_count < 0:
-      raise ConfigError(f"data.worker_count must be >= 0 (got {self.worker_count}).")
+    if self.worker_count < 0 or self.token_cache_processes < 0:
+      raise ConfigError(f"data.worker_count and data.token_cache_processes must be >= 0 (got "
+                        f"{self.worker_count}, {self.token_cache_processes}).")

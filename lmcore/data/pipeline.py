@@ -2,7 +2,8 @@
 
 Per source: documents ``[skip, stop)`` (or the complement of a hashed ``heldout_fraction``) -> a
 seeded shuffle per epoch -> repeat. Sources are mixed by Grain's deterministic weighted interleave;
-process ``p`` of ``n`` takes documents ``p::n``, tokenizes them with EOS appended, packs and batches.
+process ``p`` of ``n`` takes documents ``p::n``, tokenizes them with EOS appended (or reads the same ids
+from the token cache, ``token_cache.py``), packs and batches.
 ``stop`` is ``heldout_skip`` when the held-out set shares the training split (``heldout.py``).
 
 Packing (Grain's ``ConcatThenSplitIterDataset``) cuts the concatenated documents into consecutive
@@ -14,11 +15,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import importlib.util
 import logging
 import os
 import queue
-import signal
 import sys
 import threading
 from typing import Any
@@ -26,7 +25,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from lmcore.data import embedded
+from lmcore.data import embedded, processes, token_cache
 from lmcore.data.config import DataConfig, SourceConfig
 from lmcore.data.sources import Subset, make_source, source_files
 from lmcore.data.tokenizers import Tokenizer
@@ -90,11 +89,16 @@ def _hashed_indices(cfg: SourceConfig, source, start: int, stop: int, *, heldout
   return indices
 
 
-def source_documents(cfg: DataConfig, index: int, *, heldout: bool) -> grain.MapDataset:
-  """The documents (str) of ``cfg.sources[index]`` that training or the held-out set reads, in order."""
+def source_documents(cfg: DataConfig, index: int, *, heldout: bool,
+                     tokenizer: Tokenizer | None = None) -> grain.MapDataset:
+  """The documents (str) of ``cfg.sources[index]`` that training or the held-out set reads, in order;
+  given ``tokenizer``, the same documents as ``{"tokens": ids + [EOS]}`` from the token cache."""
   source_cfg = cfg.sources[index]
   split = heldout_split(source_cfg) if heldout else source_cfg.split
   source = make_source(source_cfg, split)
+  if tokenizer is not None:
+    source = token_cache.cached_tokens(source_cfg, split, source, tokenizer, cache_dir(cfg),
+                                       cfg.token_cache_processes or os.cpu_count() or 1)
   start, stop = document_range(source_cfg, len(source), heldout=heldout)
   if source_cfg.effective_heldout_fraction():
     return grain.MapDataset.source(Subset(source, _hashed_indices(source_cfg, source, start, stop,
@@ -118,11 +122,12 @@ def mix(datasets: list[grain.MapDataset], cfg: DataConfig) -> grain.MapDataset:
   return grain.MapDataset.mix(datasets, [s.weight for s in cfg.sources])
 
 
-def training_documents(cfg: DataConfig, *, seed: int, process_index: int = 0,
-                       process_count: int = 1) -> grain.MapDataset:
-  """The endless mixed document stream (str) of one process."""
+def training_documents(cfg: DataConfig, *, seed: int, process_index: int = 0, process_count: int = 1,
+                       tokenizer: Tokenizer | None = None) -> grain.MapDataset:
+  """The endless mixed document stream (str; token ids given ``tokenizer``) of one process."""
   per_source = [
-      source_documents(cfg, i, heldout=False).shuffle(seed=derive_seed(seed, cfg.shuffle_seed, i)).repeat()
+      source_documents(cfg, i, heldout=False, tokenizer=tokenizer)
+      .shuffle(seed=derive_seed(seed, cfg.shuffle_seed, i)).repeat()
       for i in range(len(cfg.sources))]
   return mix(per_source, cfg)[process_index::process_count]
 
@@ -241,30 +246,6 @@ def local_batch_size(batch_size: int, process_count: int) -> int:
   return batch_size // process_count
 
 
-def leave_signals_to_the_parent(worker_index: int, worker_count: int) -> None:
-  """Grain worker start-up: SIGINT and SIGTERM, sent to the whole process group, are for the training
-  process (which saves, then stops its workers); a worker whose parent is gone exits on them."""
-  del worker_index, worker_count
-  parent = os.getppid()
-
-  def handle(signum, frame):
-    del frame
-    if os.getppid() != parent:
-      os._exit(128 + signum)
-
-  for signum in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(signum, handle)
-
-
-def spawn_workers_light() -> None:
-  """Makes spawned processes (Grain's workers) import ``lmcore.data.worker_main`` as their main module
-  instead of this process's: multiprocessing's "spawn" children import ``__main__.__spec__.name`` when
-  it is set. A process without a ``__main__`` module (an embedded interpreter) is left as it is."""
-  main = sys.modules.get("__main__")
-  if main is not None and getattr(main, "__spec__", None) is None:
-    main.__spec__ = importlib.util.find_spec("lmcore.data.worker_main")
-
-
 def make_train_iterator(cfg: DataConfig, tokenizer: Tokenizer, *, batch_size: int, seed: int,
                         process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
   """Endless batches ``{tokens, segment_ids, positions}``: int32 [batch_size / process_count, T + 1].
@@ -273,13 +254,19 @@ def make_train_iterator(cfg: DataConfig, tokenizer: Tokenizer, *, batch_size: in
   iterator in any process (a later stage continues the stream). ``close()`` stops its workers.
   """
   local = local_batch_size(batch_size, process_count)
-  documents = training_documents(cfg, seed=seed, process_index=process_index, process_count=process_count)
-  tokens = documents.map(TokenizeDocument(tokenizer)).to_iter_dataset(READ_OPTIONS)
+  if cfg.token_cache:
+    documents = training_documents(cfg, seed=seed, process_index=process_index, process_count=process_count,
+                                   tokenizer=tokenizer)
+  else:
+    documents = training_documents(cfg, seed=seed, process_index=process_index,
+                                   process_count=process_count).map(TokenizeDocument(tokenizer))
+  tokens = documents.to_iter_dataset(READ_OPTIONS)
   batches = pack(tokens, cfg.seq_len).batch(local, drop_remainder=True).map(FinishWindows(cfg.segment_ids))
   if cfg.worker_count:
-    spawn_workers_light()
+    processes.spawn_workers_light()
     batches = grain.experimental.WithOptionsIterDataset(batches, WORKER_BATCHES_COPIED).mp_prefetch(
-        grain.MultiprocessingOptions(num_workers=cfg.worker_count), worker_init_fn=leave_signals_to_the_parent)
+        grain.MultiprocessingOptions(num_workers=cfg.worker_count),
+        worker_init_fn=processes.leave_signals_to_the_parent)
   return JsonSafeIterator(iter(batches))
 
 
@@ -298,5 +285,5 @@ def fingerprint(cfg: DataConfig) -> dict[str, Any]:
 
 
 def cache_dir(cfg: DataConfig) -> str:
-  """Where tokenizers are cached: ``data.cache_dir``, else $FSLM_CACHE, else ~/.cache/fixed_state_lm."""
+  """Where tokenizers and token caches live: ``data.cache_dir``, else $FSLM_CACHE, else ~/.cache/fixed_state_lm."""
   return str(embedded.resolve_cache_dir(cfg.cache_dir))

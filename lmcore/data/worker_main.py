@@ -1,4 +1,4 @@
-"""The main module of the input pipeline's worker processes (``pipeline.spawn_workers_light``).
+"""The main module of the input pipeline's worker processes (``processes.spawn_workers_light``).
 
 Grain starts its workers with multiprocessing's "spawn" method, whose children import the parent's
 ``__main__`` first. Named here instead of the entry point, a worker imports the data layer alone, not
