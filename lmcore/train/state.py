@@ -91,6 +91,10 @@ def init_params(config: ExperimentConfig, shardings: sharding.TrainShardings):
 
 
 def init_opt_state(run: Run):
+  """``tx.init`` of the run's parameters in the optimizer state's shardings; op by op on one device (as
+  ``init_params``: a run compiles nothing for it)."""
+  if jax.device_count() == 1:
+    return jax.device_put(run.tx.init(run.params), run.shardings.opt_state)
   return jax.jit(run.tx.init, out_shardings=run.shardings.opt_state)(run.params)
 
 
