@@ -98,7 +98,7 @@ def source_documents(cfg: DataConfig, index: int, *, heldout: bool,
   source = make_source(source_cfg, split)
   if tokenizer is not None:
     source = token_cache.cached_tokens(source_cfg, split, source, tokenizer, cache_dir(cfg),
-                                       cfg.token_cache_processes or os.cpu_count() or 1)
+                                       cfg.token_cache_processes or processes.usable_cores())
   start, stop = document_range(source_cfg, len(source), heldout=heldout)
   if source_cfg.effective_heldout_fraction():
     return grain.MapDataset.source(Subset(source, _hashed_indices(source_cfg, source, start, stop,

@@ -9,6 +9,11 @@ import signal
 import sys
 
 
+def usable_cores() -> int:
+  """The cores this process may run on (its affinity: a container's share, not the host's count)."""
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def spawn_workers_light() -> None:
   """Makes spawned processes import ``lmcore.data.worker_main`` as their main module instead of this
   process's: multiprocessing's "spawn" children import ``__main__.__spec__.name`` when it is set. A
