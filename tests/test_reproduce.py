@@ -172,17 +172,25 @@ def test_a_record_counts_in_another_workdir_and_one_of_a_changed_config_is_refus
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
+def defined_in_script() -> bool:
+  """Whether the flag being registered is defined by the script's own code (not by a module it imports)."""
+  frame = sys._getframe(2)
+  while frame is not None and frame.f_globals.get("__name__", "").startswith("absl."):
+    frame = frame.f_back
+  return frame is not None and frame.f_code.co_filename == str(SCRIPT)
+
+
 def load_script():
-  """scripts/reproduce.py as a module, once per process. Its flags go to a FlagValues of their own: a
-  test process loads other scripts whose flags have the same names, and the functions used here read
-  no flag."""
+  """scripts/reproduce.py as a module, once per process. Its own flags go to a FlagValues of their own:
+  a test process loads other scripts whose flags have the same names, and the functions used here read
+  no flag. Flags of the modules it imports go where they always go."""
   if "reproduce" not in sys.modules:
     spec = importlib.util.spec_from_file_location("reproduce", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     own, register = flags.FlagValues(), flags.FlagValues.__setitem__
 
     def register_apart(flag_values, name, flag):
-      register(own if flag_values is flags.FLAGS else flag_values, name, flag)
+      register(own if flag_values is flags.FLAGS and defined_in_script() else flag_values, name, flag)
 
     with mock.patch.object(flags.FlagValues, "__setitem__", register_apart):
       spec.loader.exec_module(module)
