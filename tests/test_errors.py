@@ -168,14 +168,14 @@ def save_steps(workdir: pathlib.Path, steps: list[tuple[str, int]]) -> None:
       value = np.float32("nan") if kind == "nan" else np.float32(0.5)
       saved = jax.tree.map(lambda x: x, params)
       saved["final_norm"]["scale"] = saved["final_norm"]["scale"].at[3].set(value)
-    original = ckpt_lib.param_checksums
+    original = ckpt_lib.start_checksums
     if kind == "stale":
-      ckpt_lib.param_checksums = lambda _: original(params)
+      ckpt_lib.start_checksums = lambda _: original(params)
     try:
       checkpointer.save(step, {"params": saved, "rest": rest, "step": np.int32(step)}, None, meta)
       checkpointer.wait()
     finally:
-      ckpt_lib.param_checksums = original
+      ckpt_lib.start_checksums = original
   checkpointer.close()
 
 

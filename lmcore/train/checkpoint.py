@@ -56,9 +56,14 @@ def _named_ints(sums) -> dict[str, int]:
   return {_path_name(p): int(v) for p, v in jax.tree_util.tree_flatten_with_path(jax.device_get(sums))[0]}
 
 
+def start_checksums(params):
+  """The checksums of a parameter pytree, dispatched on its devices (device scalars, fetched later)."""
+  return _checks(params)[0]
+
+
 def param_checksums(params) -> dict[str, int]:
   """{"path/to/param": checksum} of a parameter pytree, computed on its devices."""
-  return _named_ints(_checks(params)[0])
+  return _named_ints(start_checksums(params))
 
 
 def param_problem(params, stored: dict[str, int] | None) -> str | None:
@@ -92,7 +97,7 @@ class _Position:
 
   def __init__(self, iterator):
     state = iterator.get_state()
-    self._state = json.dumps(state, indent=4).encode() if isinstance(iterator, grain.DatasetIterator) else state
+    self._state = json.dumps(state, indent=4).encode() if isinstance(state, dict) else state
 
   def get_state(self) -> bytes:
     return self._state
@@ -100,9 +105,11 @@ class _Position:
 
 def _bytes_per_device(tree) -> int:
   """Bytes of ``tree``'s arrays that the most loaded device holds (each leaf's shard on every device of
-  its sharding)."""
+  its sharding); host values (numpy, Python numbers) take none."""
   per_device: dict[Any, int] = {}
   for x in jax.tree.leaves(tree):
+    if not isinstance(x, jax.Array):
+      continue
     nbytes = int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
     for device in x.sharding.device_set:
       per_device[device] = per_device.get(device, 0) + nbytes
@@ -172,7 +179,7 @@ class Checkpointer:
     host before this returns. A save waits for the previous one to be started; errors of a background
     save are raised by the next ``save``, ``wait`` or ``close``."""
     self._raise_pending()
-    sums, _ = _checks(state["params"])  # dispatched from this thread, in the order of its other programs
+    sums = start_checksums(state["params"])  # dispatched from this thread, in the order of its other programs
     position = _Position(data_iterator) if data_iterator is not None else None
     if room_for_copy(state):
       copy = jax.device_put(state, may_alias=False)

@@ -8,12 +8,11 @@ resumes; SIGTERM/SIGINT save and return; ``train.init_from`` loads parameters on
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import dataclasses
 import math
 import os
 import signal
+import threading
 from typing import Any
 
 import jax
@@ -32,6 +31,7 @@ from lmcore.eval import evaluate
 from lmcore.train import goodput
 from lmcore.train import metrics
 from lmcore.train import perf
+from lmcore.train import prefetch
 from lmcore.train import sharding
 from lmcore.train import state as state_lib
 from lmcore.train import workdir as workdir_lib
@@ -117,12 +117,13 @@ def make_train_step(graphdef, tx, config: ExperimentConfig, shardings: sharding.
                  out_shardings=(s.params, s.opt_state, s.replicated), donate_argnums=(0, 1))
 
 
-def _save(run: Run, last_loss: float | None) -> None:
+def _save(run: Run, last_loss: float | None, data=None) -> None:
+  """Saves the train state and ``data``'s position (``run.data_iterator``'s when None)."""
   if last_loss is not None and not math.isfinite(last_loss):
     raise Diverged(
         f"loss is {last_loss} at step {run.step}; not saving. The last good checkpoint "
         f"(step {run.checkpointer.latest_step()}) is kept. Lower train.learning_rate or check the data.")
-  run.checkpointer.save(run.step, state_lib.train_state(run), run.data_iterator, run.meta)
+  run.checkpointer.save(run.step, state_lib.train_state(run), data or run.data_iterator, run.meta)
 
 
 def write_run_info(run: Run, writer: metrics.MetricWriter) -> dict[str, Any]:
@@ -154,7 +155,7 @@ def train_and_evaluate(config: ExperimentConfig, workdir: str,
 def _train_and_evaluate(config: ExperimentConfig, workdir: str, clock: goodput.PhaseClock) -> dict[str, Any]:
   stop = StopRequested()
   previous_handlers = stop.install()
-  run = writer = None
+  run = writer = closing = None
   try:
     setup_compilation_cache(config)
     run = build_run(config, workdir, phase=lambda part: clock.phase(f"startup/{part}"))
@@ -164,9 +165,11 @@ def _train_and_evaluate(config: ExperimentConfig, workdir: str, clock: goodput.P
       heldout = data_lib.load_or_build_heldout(config.data, run.tokenizer, heldout_path(config, workdir))
     with jax.set_mesh(run.shardings.mesh):  # the Pallas kernels' shard_map reads the mesh from here
       _loop(run, writer, stop, heldout, clock, card["flops_per_token_train"])
-      _close_data(run, clock)  # the evaluation reads the held-out set; the last save commits meanwhile
+      # The workers stop and the last save commits while the evaluation reads the held-out set.
+      closing = threading.Thread(target=run.data_iterator.close, name="close-data")
+      closing.start()
       if stop.signal_name:
-        _shutdown(run, writer, clock)
+        _shutdown(run, writer, clock, closing)
         writer.console(_stopped_line(run, stop.signal_name))
         return {"stopped_by": stop.signal_name, "step": run.step}
       # Training is saved; from here SIGINT / SIGTERM interrupt the evaluation instead of waiting for it.
@@ -176,23 +179,27 @@ def _train_and_evaluate(config: ExperimentConfig, workdir: str, clock: goodput.P
       except KeyboardInterrupt as e:
         raise type(e)(f"The evaluation was interrupted; step {run.step} is saved: evaluate it with "
                       f"eval.py --config=<the same config> --workdir={run.workdir}.") from None
-    return {**record, "goodput": _shutdown(run, writer, clock)}
+    return {**record, "goodput": _shutdown(run, writer, clock, closing)}
   finally:
+    if closing is not None:
+      closing.join()
     if run is not None:
-      _close_data(run)
+      run.data_iterator.close()
       run.checkpointer.close()
     if writer is not None:
       writer.close()
     StopRequested.restore(previous_handlers)
 
 
-def _shutdown(run: Run, writer: metrics.MetricWriter, clock: goodput.PhaseClock) -> dict[str, Any]:
-  """Waits for the last save's commit, closes the checkpointer and the writers, then reports where the
-  wall time went: a ``goodput`` row in ``metrics.jsonl``, the same record added to the final
-  ``eval_<step>.json``, and one console line."""
+def _shutdown(run: Run, writer: metrics.MetricWriter, clock: goodput.PhaseClock,
+              closing: threading.Thread) -> dict[str, Any]:
+  """Waits for the last save's commit and the data workers' stop (``closing``), closes the checkpointer
+  and the writers, then reports where the wall time went: a ``goodput`` row in ``metrics.jsonl``, the
+  same record added to the final ``eval_<step>.json``, and one console line."""
   with clock.phase("shutdown/checkpoint_commit"):
     run.checkpointer.wait()
-  _close_data(run, clock)
+  with clock.phase("shutdown/data_workers"):
+    closing.join()
   with clock.phase("shutdown/writers"):
     run.checkpointer.close()
     writer.close()
@@ -201,14 +208,6 @@ def _shutdown(run: Run, writer: metrics.MetricWriter, clock: goodput.PhaseClock)
   evaluate.add_to_record(run.workdir, run.step, {"goodput": record})
   writer.console(goodput.summary_line(record))
   return record
-
-
-def _close_data(run: Run, clock: goodput.PhaseClock | None = None) -> None:
-  """Stops the data iterator's worker processes (idempotent; otherwise they would only be stopped at
-  interpreter exit, by Grain's finalizers). A save records the position when it starts, so the
-  iterator may stop before the saves are written."""
-  with clock.phase("shutdown/data_workers") if clock else contextlib.nullcontext():
-    run.data_iterator.close()
 
 
 def _stopped_line(run: Run, signal_name: str) -> str:
@@ -233,20 +232,26 @@ def _loop(run: Run, writer: metrics.MetricWriter, stop: StopRequested, heldout, 
           flops_per_token: float | None = None) -> None:
   """Steps to ``train.steps``; every second of it charged to one phase of ``clock`` (start-up until the
   first batch is in hand, then compile, steps, data wait, checkpoint, eval)."""
-  config = run.config
-  train = config.train
-  if run.step >= train.steps:
+  if run.step >= run.config.train.steps:
     return
+  # The input pipeline starts its workers and places the first batches while the step compiles.
+  data = prefetch.DevicePrefetch(run.data_iterator, run.shardings.mesh)
+  try:
+    _steps(run, writer, stop, heldout, data, clock, flops_per_token)
+  finally:
+    data.close()
+
+
+def _steps(run: Run, writer: metrics.MetricWriter, stop: StopRequested, heldout, data: prefetch.DevicePrefetch,
+           clock: goodput.PhaseClock, flops_per_token: float | None) -> None:
+  config, train = run.config, run.config.train
   tokens_per_step = train.batch_size * config.data.seq_len
   monitor_fn = make_monitor_fn(run.graphdef) if train.monitor_every else None
   profile = perf.ProfileWindow(train.profile_steps, os.path.join(run.workdir, "profile"), run.step + 1)
-  with concurrent.futures.ThreadPoolExecutor(1) as ahead:
-    # The input pipeline starts its workers and makes the first batch while the step compiles.
-    first = ahead.submit(next, run.data_iterator)
-    with clock.phase("compile"):
-      train_step = compile_train_step(run, state_lib.abstract_batch(config, run.shardings))
-    with clock.phase("startup/first_batch"):
-      batch = sharding.global_batch(first.result(), run.shardings.mesh)
+  with clock.phase("compile"):
+    train_step = compile_train_step(run, state_lib.abstract_batch(config, run.shardings))
+  with clock.phase("startup/first_batch"):
+    batch = next(data)
   throughput = metrics.Throughput(run.step, flops_per_token, clock)
   pending = None  # (step, device metrics) of the previous step, fetched after the next dispatch
   last_loss = None
@@ -264,7 +269,7 @@ def _loop(run: Run, writer: metrics.MetricWriter, stop: StopRequested, heldout, 
       last_loss = _log(pending, writer, throughput, tokens_per_step, train)
       pending = None
       with clock.phase("checkpoint"):
-        _save(run, last_loss)
+        _save(run, last_loss, data)
     if train.eval_every and run.step % train.eval_every == 0 and run.step < train.steps:
       with clock.phase("eval/heldout"):
         _periodic_eval(run, heldout, writer)
@@ -275,7 +280,7 @@ def _loop(run: Run, writer: metrics.MetricWriter, stop: StopRequested, heldout, 
     if run.step >= train.steps or stop.signal_name:
       break
     with clock.phase("data_wait"):
-      batch = sharding.global_batch(next(run.data_iterator), run.shardings.mesh)
+      batch = next(data)
   if pending is not None:
     _log(pending, writer, throughput, tokens_per_step, train)
   clock.switch("shutdown")
