@@ -8,6 +8,7 @@ resumes; SIGTERM/SIGINT save and return; ``train.init_from`` loads parameters on
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import os
@@ -31,7 +32,6 @@ from lmcore.eval import evaluate
 from lmcore.train import goodput
 from lmcore.train import metrics
 from lmcore.train import perf
-from lmcore.train import prefetch
 from lmcore.train import sharding
 from lmcore.train import state as state_lib
 from lmcore.train import workdir as workdir_lib
@@ -117,13 +117,12 @@ def make_train_step(graphdef, tx, config: ExperimentConfig, shardings: sharding.
                  out_shardings=(s.params, s.opt_state, s.replicated), donate_argnums=(0, 1))
 
 
-def _save(run: Run, last_loss: float | None, data=None) -> None:
-  """Saves the train state and ``data``'s position (``run.data_iterator``'s when None)."""
+def _save(run: Run, last_loss: float | None) -> None:
   if last_loss is not None and not math.isfinite(last_loss):
     raise Diverged(
         f"loss is {last_loss} at step {run.step}; not saving. The last good checkpoint "
         f"(step {run.checkpointer.latest_step()}) is kept. Lower train.learning_rate or check the data.")
-  run.checkpointer.save(run.step, state_lib.train_state(run), data or run.data_iterator, run.meta)
+  run.checkpointer.save(run.step, state_lib.train_state(run), run.data_iterator, run.meta)
 
 
 def write_run_info(run: Run, writer: metrics.MetricWriter) -> dict[str, Any]:
@@ -232,26 +231,19 @@ def _loop(run: Run, writer: metrics.MetricWriter, stop: StopRequested, heldout, 
           flops_per_token: float | None = None) -> None:
   """Steps to ``train.steps``; every second of it charged to one phase of ``clock`` (start-up until the
   first batch is in hand, then compile, steps, data wait, checkpoint, eval)."""
-  if run.step >= run.config.train.steps:
-    return
-  # The input pipeline starts its workers and places the first batches while the step compiles.
-  data = prefetch.DevicePrefetch(run.data_iterator, run.shardings.mesh)
-  try:
-    _steps(run, writer, stop, heldout, data, clock, flops_per_token)
-  finally:
-    data.close()
-
-
-def _steps(run: Run, writer: metrics.MetricWriter, stop: StopRequested, heldout, data: prefetch.DevicePrefetch,
-           clock: goodput.PhaseClock, flops_per_token: float | None) -> None:
   config, train = run.config, run.config.train
+  if run.step >= train.steps:
+    return
   tokens_per_step = train.batch_size * config.data.seq_len
   monitor_fn = make_monitor_fn(run.graphdef) if train.monitor_every else None
   profile = perf.ProfileWindow(train.profile_steps, os.path.join(run.workdir, "profile"), run.step + 1)
-  with clock.phase("compile"):
-    train_step = compile_train_step(run, state_lib.abstract_batch(config, run.shardings))
-  with clock.phase("startup/first_batch"):
-    batch = next(data)
+  with concurrent.futures.ThreadPoolExecutor(1) as ahead:
+    # The input pipeline starts its workers and makes the first batch while the step compiles.
+    first = ahead.submit(next, run.data_iterator)
+    with clock.phase("compile"):
+      train_step = compile_train_step(run, state_lib.abstract_batch(config, run.shardings))
+    with clock.phase("startup/first_batch"):
+      batch = sharding.global_batch(first.result(), run.shardings.mesh)
   throughput = metrics.Throughput(run.step, flops_per_token, clock)
   pending = None  # (step, device metrics) of the previous step, fetched after the next dispatch
   last_loss = None
@@ -269,7 +261,7 @@ def _steps(run: Run, writer: metrics.MetricWriter, stop: StopRequested, heldout,
       last_loss = _log(pending, writer, throughput, tokens_per_step, train)
       pending = None
       with clock.phase("checkpoint"):
-        _save(run, last_loss, data)
+        _save(run, last_loss)
     if train.eval_every and run.step % train.eval_every == 0 and run.step < train.steps:
       with clock.phase("eval/heldout"):
         _periodic_eval(run, heldout, writer)
@@ -280,7 +272,7 @@ def _steps(run: Run, writer: metrics.MetricWriter, stop: StopRequested, heldout,
     if run.step >= train.steps or stop.signal_name:
       break
     with clock.phase("data_wait"):
-      batch = next(data)
+      batch = sharding.global_batch(next(run.data_iterator), run.shardings.mesh)
   if pending is not None:
     _log(pending, writer, throughput, tokens_per_step, train)
   clock.switch("shutdown")
