@@ -139,17 +139,28 @@ def test_changing_future_tokens_leaves_past_logits_unchanged():
   assert np.abs(np.asarray(a[:, 7:] - b[:, 7:])).max() > 0
 
 
+@nnx.jit
+def _step(model, tokens, state):
+  """One call of the model on ``tokens`` from ``state``, compiled once per length (prefill, then T = 1)."""
+  return model(tokens, state=state)
+
+
+def _decode_logits(model, tokens, prefill, max_len):
+  state = model.init_state(tokens.shape[0], max_len)
+  logits, state = _step(model, tokens[:, :prefill], state)
+  steps = [logits]
+  for i in range(prefill, tokens.shape[1]):
+    logits, state = _step(model, tokens[:, i:i + 1], state)
+    steps.append(logits)
+  return np.concatenate(steps, axis=1)
+
+
 def test_decode_token_by_token_equals_full_forward():
   model = make_model(tiny_model_config(max_positions=32))
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 97, (2, 10)), jnp.int32)
   full, _ = model(tokens)
-  state = model.init_state(2, 16)
-  logits, state = model(tokens[:, :3], state=state)  # prefill
-  steps = [logits]
-  for i in range(3, 10):
-    logits, state = model(tokens[:, i:i + 1], state=state)
-    steps.append(logits)
-  np.testing.assert_allclose(np.concatenate(steps, axis=1), np.asarray(full), atol=1e-4, rtol=1e-4)
+  decoded = _decode_logits(model, tokens, prefill=3, max_len=16)
+  np.testing.assert_allclose(decoded, np.asarray(full), atol=1e-4, rtol=1e-4)
 
 
 def test_untied_head_and_layernorm_and_no_mlp():
@@ -183,16 +194,6 @@ def test_with_mixer_overrides_changes_only_matching_fields():
   changed = with_mixer_overrides(config, rope=False, not_a_field=3)
   assert changed.mixers["softmax"].rope is False
   assert dataclasses.replace(changed.mixers["softmax"], rope=True) == config.mixers["softmax"]
-
-
-def _decode_logits(model, tokens, prefill, max_len):
-  state = model.init_state(tokens.shape[0], max_len)
-  logits, state = model(tokens[:, :prefill], state=state)
-  steps = [logits]
-  for i in range(prefill, tokens.shape[1]):
-    logits, state = model(tokens[:, i:i + 1], state=state)
-    steps.append(logits)
-  return np.concatenate(steps, axis=1)
 
 
 @pytest.mark.parametrize("pattern,n_layers,mixers", [

@@ -13,7 +13,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 from lmcore import config as cfg_lib
 from lmcore.errors import ConfigError
 from lmcore.train import sharding
-from process_cases import compilation_cache_env
+from process_cases import compilation_cache_env, fast_compile_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
@@ -119,9 +119,10 @@ def test_train_py_on_a_data_fsdp_mesh_resumes_bitwise_and_restores_onto_another_
   restores onto (4, 2, 1) with every parameter and
   optimizer array bitwise equal, each sharded for that mesh. The processes share a persistent
   compilation cache of their own (every program, however quick to compile): the later ones load the
-  programs the first compiled, as train.py's compilation cache does when a run restarts."""
+  programs the first compiled, as train.py's compilation cache does when a run restarts. They compile
+  without most of XLA's optimisations, as mesh_worker.py does."""
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  env = {**EIGHT_DEVICES, **compilation_cache_env(tmp_path / "jax_cache")}
+  env = {**EIGHT_DEVICES, **compilation_cache_env(tmp_path / "jax_cache"), **fast_compile_env()}
   _run(_train_cmd(straight), env=env)
   killed = _run(_train_cmd(resumed, "tests/fault_train.py"), env={**env, "KILL_AFTER_STEP": "2"}, check=False)
   assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]

@@ -81,6 +81,7 @@ def test_training_fills_the_compilation_cache_and_traces_the_chosen_steps(tmp_pa
   """train.py with the defaults: compiled executables land in <cache dir>/jax_compilation_cache; steps
   2..3 of profile_steps=1,3 are traced into <workdir>/profile (step 1 compiles)."""
   from lmcore.data import embedded
+  from tests.process_cases import fast_compile_env
   from tests.test_train import SMALL
 
   cache = tmp_path / "cache"
@@ -92,8 +93,9 @@ def test_training_fills_the_compilation_cache_and_traces_the_chosen_steps(tmp_pa
          f"--workdir={workdir}", *SMALL, "--config.train.steps=4", "--config.train.checkpoint_every=4",
          "--config.train.profile_steps=1,3", f"--config.data.cache_dir={cache}", "--config.eval.paired=False"]
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  # Fast compilation (what is compiled, and where it is cached, are the same).
   proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                        env={**env, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"})
+                        env={**env, **fast_compile_env(), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"})
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f"profile: steps 2..3 traced into {workdir / 'profile'}" in proc.stdout
   assert any(f.endswith(".xplane.pb") for _, _, files in os.walk(workdir / "profile") for f in files)
