@@ -118,6 +118,9 @@ _OVERRIDE = flags.DEFINE_multi_string("override", [], "KEY=VALUE set in every ru
 _PLOT = flags.DEFINE_string("plot", "", "The loss-curve PNG (default: <workdir>/loss_curves.png).")
 _ACCEPT = flags.DEFINE_list("accept_config_changes", [], "Config fields a resumed run may change (as "
                             "train.py's flag); each change is recorded in that run's config_history.jsonl.")
+_FROM_RECORDS = flags.DEFINE_bool("from_records", False, "Build the tables and plot from the portable records "
+                                  "in <workdir>/records only: runs without one are left out (and named), "
+                                  "nothing trains or is scored.")
 _RECALL_TASK = flags.DEFINE_string("recall_task", "", "A recall task folder of scripts/make_recall_task.py: "
                                    f"the final checkpoints of {', '.join(RECALL_RUNS)} are scored on it.")
 _RECALL_LIMIT = flags.DEFINE_integer("recall_limit", 0, "Recall examples scored per run at most (0: all).")
@@ -848,11 +851,26 @@ def write_results(plan: Plan, runs: list[Run], records: dict) -> None:
   print(f"\n{table}\n\nwrote {plan.workdir}/results.md, results.json and {plot_path}", flush=True)
 
 
+def recorded_runs(plan: Plan, runs: list[Run]) -> list[Run]:
+  """The runs of ``runs`` that have a portable record; the others are named on the console (a
+  ``ConfigError`` when none has)."""
+  recorded = [r for r in runs if os.path.isfile(record_path(plan.workdir, r.seed, run_key(r)))]
+  left_out = [f"{run_key(r)} (seed {r.seed})" for r in runs if r not in recorded]
+  if not recorded:
+    raise ConfigError(f"--from_records: {plan.workdir}/records holds no record of these runs; copy the records "
+                      "there, or leave out --from_records to train them.")
+  if left_out:
+    print(f"Not in the tables (no record): {', '.join(left_out)}", flush=True)
+  return recorded
+
+
 def main(argv):
   del argv
   cli.show_library_logs()
   plan = make_plan()
   runs = build_runs(plan)
+  if _FROM_RECORDS.value:
+    runs = recorded_runs(plan, runs)
   if not all(os.path.isfile(record_path(plan.workdir, r.seed, run_key(r))) for r in runs):
     check_inputs(plan, runs[0].config)  # only training reads the corpus: recorded runs build the table anywhere
   with workdir_lib.WorkdirLock(plan.workdir):

@@ -334,3 +334,9 @@ def test_tiny_chain_writes_table_readouts_recall_and_plot_and_its_records_rebuil
   assert not list(fresh.glob("s*")) and (fresh / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert (fresh / "results.md").read_text().splitlines()[:-1] == recall_table.splitlines()[:-1]
   assert json.load(open(fresh / "results.json"))["summary"] == with_recall["summary"]
+  # A record missing (a run not made yet): --from_records builds the tables from the others and names it.
+  (fresh / "records" / "s1" / "p2_no_table.json").unlink()
+  partial = run_script(f"--workdir={fresh}", *settings, "--from_records", cache=tmp_path / "jax_cache").stdout
+  assert "Not in the tables (no record): p2_no_table (seed 1)" in partial and not list(fresh.glob("s*"))
+  row = json.load(open(fresh / "results.json"))["summary"]["runs"]["p2_no_table"]
+  assert row["n"] == 1 and list(row["losses"]) == ["0"] and row["beyond_spreads"] is None
