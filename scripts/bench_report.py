@@ -44,11 +44,10 @@ KERNEL_REFERENCE = {"sanatan_p1": ("chunked (xla)", "chunked (xla, C=128)"),
                     "gated": ("chunked (xla)", "chunked (xla)"), "taylor": ("chunked (xla)", "chunked (xla)")}
 TPU_REFERENCE = {"sanatan_p1": "chunked (XLA, C=64)", "sanatan_p2": "parallel (XLA)",
                  "gated": "chunked (XLA, C=64)", "taylor": "chunked (XLA, C=128)"}
-# Records cited by other docs (docs/REPRODUCTION.md), not by a table here.
-REPRODUCE = "2026-12-07-h200-reproduce"
+# Records (globs) cited by other docs (docs/REPRODUCTION.md), not by a table here.
+REPRODUCE = "2026-12-07-reproduce"
 OTHER_RECORDS = (f"{REPRODUCE}/results.md", f"{REPRODUCE}/results.json", f"{REPRODUCE}/loss_curves.png",
-                 *(f"{REPRODUCE}/records/s{seed}/{run}.json" for seed in (0, 1)
-                   for run in ("transformer_pp", "gla", "based", "scratch_no_table")))
+                 f"{REPRODUCE}/records/s*/*.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,9 +369,10 @@ TABLES = (
         "the order one process trained them (their records), and single controls of "
         "`scripts/bench_goodput.py` (rows: `DIR/goodput.jsonl`). Goodput: step seconds over wall seconds.",
         "python scripts/bench_goodput.py --corpus=runs/linux --stage1_steps=1200 --out=DIR", goodput,
-        (Source("2026-12-07-h200-reproduce", ("goodput.jsonl",),
-                "python scripts/reproduce.py --workdir=runs/reproduce_v2 --stage1_steps=1200 "
-                "--runs=transformer_pp,scratch_no_table,gla,based --seeds=0,1 (each run's record)"),
+        (Source(REPRODUCE, ("goodput.jsonl",),
+                "python scripts/reproduce.py --workdir=runs/reproduce_v2 --stage1_steps=1200 --runs=scratch,"
+                "transformer_pp,gla,based,softmax_table,softmax_nope,p2_no_table,scratch_no_table --seeds=0,1 "
+                "(each run's record)"),
          Source("2026-12-07-cpu-goodput", ("goodput.jsonl",),
                 "python scripts/bench_goodput.py --corpus=runs/linux14 --stage1_steps=302 "
                 "--out=runs/bench_goodput_cpu2 --override=model.d_model=64 --override=model.n_layers=2 "
