@@ -264,7 +264,7 @@ def test_a_changed_step_count_or_bookkeeping_resumes_silently(trained, tmp_path,
   workdir = copy_of(trained, tmp_path)
   run_info = open(os.path.join(workdir, "run_info.json")).read()
   longer = {**trained[1], "train.steps": STEPS + 1, "train.checkpoint_every": 1, "train.log_every": 3,
-            "train.eval_every": 5, "eval.batch_size": 1, "data.worker_count": 0, "wandb.name": "renamed"}
+            "train.eval_every": 5, "eval.batch_size": 1, "data.token_cache": True, "wandb.name": "renamed"}
   record = train_lib.train_and_evaluate(experiment(longer), workdir)
   out = capsys.readouterr().out
   assert f"Resumed from step {STEPS}" in out and "Accepted config changes" not in out
