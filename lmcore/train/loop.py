@@ -300,7 +300,9 @@ def step_key(graphdef, config: ExperimentConfig, shardings: sharding.TrainShardi
 
 
 _COMPILED_STEPS: dict[str, Any] = {}  # lowered train step (its text) -> its executable, in this process
-_COMPILED_STEPS_KEPT = 4
+# Executables kept (the oldest goes first): one per distinct step of a reproduction chain's seed (its
+# 13 runs), so that the next seed's runs find theirs.
+_COMPILED_STEPS_KEPT = 16
 _STEP_TEXTS: dict[tuple, str] = {}  # step_key -> the text its step lowered to
 
 
