@@ -47,7 +47,7 @@ def paper(size: str, budget: str = "10b", window: int | None = None, decay: bool
   steps, warmup = BUDGETS[budget]
   return lambda: common.experiment(
       # remat "dots": the backward recomputes norms, gates, convolutions and attention from the kept
-      # projection outputs, so a micro-batch of 32 x 2048 fits one 80 GiB GPU (docs/SCALING.md); the
+      # projection outputs, so the 32 x 2048 micro-batch fits one GPU (memory plan: docs/SCALING.md); the
       # conv gate's own recomputation would then be a third forward.
       model=dict(spec, vocab_size=50_264, norm_eps=1e-5, tie_embeddings=True, init_std=0.02,
                  scale_out_init=True, dtype="bfloat16", remat=True, remat_policy="dots"),

@@ -24,7 +24,7 @@ Topology names: docs/SCALING.md.
 Where the memory goes: ``--peak_buffers=N`` also prints the N largest groups of buffers live at the
 step's peak, by the JAX op that made them and their shape, from XLA's own buffer assignment
 (``benchmarks.memory_plan``). ``--chips=1`` compiles for one chip of the slice, e.g. a v5p chip
-(95.73 GiB) as a stand-in for one 80 GiB GPU:
+as a stand-in for one GPU of similar memory (docs/SCALING.md):
 
     python scripts/aot_compile.py --config=configs/based.py:360m --topology=v5p-8 --chips=1 \
         --config.train.batch_size=32 --config.train.grad_accum=1 --peak_buffers=20

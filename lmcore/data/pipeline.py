@@ -202,8 +202,8 @@ class JsonSafeIterator(grain.DatasetIterator):
 def stop_workers(workers) -> None:
   """Closes Grain's per-worker iterators (``mp_prefetch``) in parallel, reading each worker's queue
   until its iterator is closed. A stopped worker exits only once the batch it was sending has left its
-  pipe; Grain reads the queue once and then waits for the process, killing it after 25 s, one worker
-  after another. Nothing here when the iterators are not Grain's (or the interpreter is exiting)."""
+  pipe; Grain reads the queue once and then waits for the process until its kill timeout, one worker
+  after another (docs/DECISIONS.md, Data). Nothing here when the iterators are not Grain's (or the interpreter is exiting)."""
   workers = [w for w in workers if w is not None]
   if len(workers) < 2:
     return

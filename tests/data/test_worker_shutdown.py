@@ -1,6 +1,6 @@
 """Closing an input pipeline with worker processes stops them together and at once, also when each
 worker is in the middle of sending a batch larger than its pipe holds (Grain, left alone, waits for
-such a worker until it kills it 25 s later, one worker after another)."""
+such a worker until its kill timeout, one worker after another)."""
 
 import json
 import multiprocessing
@@ -11,20 +11,9 @@ from absl import flags
 
 from lmcore.data import pipeline
 from lmcore.data.config import DataConfig, SourceConfig
+from data_cases import CharTokenizer
 
 GRAIN_KILL_TIMEOUT_S = 25  # what Grain waits for a worker that does not exit
-
-
-class CharTokenizer:
-  """One id per character, EOS = 0."""
-
-  name, vocab_size, eos_id = "chars", 128, 0
-
-  def encode(self, text):
-    return [ord(c) for c in text]
-
-  def decode(self, ids):
-    return "".join(chr(i) for i in ids)
 
 
 def test_closing_stops_workers_blocked_on_a_full_pipe_at_once(tmp_path):
