@@ -24,6 +24,7 @@ from lmcore.model import LanguageModel
 from lmcore.numerics import relative_l2
 from lmcore.registry import mixer_kinds
 from lmcore import loss as loss_lib
+from data_cases import CharTokenizer
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 SEQ = 24
@@ -41,18 +42,6 @@ SMALL = {"softmax": {"n_heads": 2}, "gla": {"n_heads": 2, **CHUNK},
          "taylor": {"n_heads": 2, "feature_dim": 4, "implementation": "auto"},
          "swa": {"n_heads": 2, "window": 4, "block_size": 8}}
 TEXTS = ["abcdefg", "h", "ijklmnopqrstuvwxyzABCDEFGHIJKLM", "NO", "PQRSTUVWXY", "Z0123", "456789abcdefghij"]
-
-
-class CharTokenizer:
-  """One id per character, EOS = 0."""
-
-  name, vocab_size, eos_id = "chars", 128, 0
-
-  def encode(self, text):
-    return [ord(c) for c in text]
-
-  def decode(self, ids):
-    return "".join(chr(i) for i in ids)
 
 
 @pytest.fixture(scope="module")

@@ -43,15 +43,7 @@ class _Docs(NamedTuple):
   last: jax.Array
 
 
-def dot(spec: str, *operands: jax.Array) -> jax.Array:
-  """``jnp.einsum`` accumulating (and returning) float32: low-precision operands (bf16) multiply as
-  they are, float32 ones at full precision. On a CPU every operand is widened to float32 first (its
-  dot has no bf16 x bf16 -> fp32 kernel for every layout)."""
-  if pallas_utils.backend() == "cpu":
-    operands = tuple(x.astype(F32) for x in operands)
-  full = any(x.dtype == F32 for x in operands)
-  return jnp.einsum(spec, *operands, preferred_element_type=F32,
-                    precision=jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT)
+dot = pallas_utils.einsum_f32  # float32 accumulation, full precision for float32 operands
 
 
 def chunked(q: jax.Array, k: jax.Array, v: jax.Array, *, state: TaylorState | None = None,

@@ -171,6 +171,17 @@ def pipeline_bytes(grid: tuple[int, ...], specs, arrays) -> int:
   return total
 
 
+def einsum_f32(spec: str, *operands: jax.Array) -> jax.Array:
+  """``jnp.einsum`` accumulating (and returning) float32, for the XLA forms: low-precision operands
+  (bf16) multiply as they are, float32 ones at full precision. On a CPU every operand is widened to
+  float32 first (its dot has no bf16 x bf16 -> fp32 kernel for every layout)."""
+  if backend() == "cpu":
+    operands = tuple(x.astype(jnp.float32) for x in operands)
+  full = any(x.dtype == jnp.float32 for x in operands)
+  return jnp.einsum(spec, *operands, preferred_element_type=jnp.float32,
+                    precision=jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT)
+
+
 def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False) -> jax.Array:
   """``a @ b`` (optionally transposing a 2-D operand) accumulated in fp32 inside a kernel; fp32
   operands in IEEE precision unless the kernel runs at "tf32" (``Precision.DEFAULT`` in Triton)."""
