@@ -6,8 +6,10 @@ a ``with`` block and back to the enclosing phase after it, so the phases partiti
     start-up    imports (the first run of a process), config, data sources, held-out set, model
                 initialisation or restore, the data iterator's first batch
     compile     compiling the train step (ahead of its first call)
-    steps       dispatching steps and waiting for the device to finish them
-    data_wait   waiting for the next batch from the input pipeline
+    steps       dispatching steps and waiting for the device to finish them; also getting the next
+                batch while the previous step still runs on the device (part ``steps/data_overlapped``),
+                which costs the device nothing
+    data_wait   waiting for the next batch from the input pipeline with no step left on the device
     checkpoint  starting saves, and waiting for them where the loop must
     eval        periodic and final evaluations, by part: held-out loss, paired implementations, gate
                 statistics, the unigram yardstick
@@ -22,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 PHASES = ("startup", "compile", "steps", "data_wait", "checkpoint", "eval", "shutdown")
 
@@ -75,10 +77,12 @@ class PhaseClock:
   def current(self) -> str:
     return self._current
 
-  def switch(self, name: str) -> str:
-    """Charges the time since the last switch to the current phase, enters ``name``; returns the phase left."""
+  def switch(self, name: str, *, charge_as: str | None = None) -> str:
+    """Charges the time since the last switch to the current phase (to ``charge_as`` instead, when the
+    current phase turned out to be another), enters ``name``; returns the phase left."""
     now = self._clock()
-    self._seconds[self._current] = self._seconds.get(self._current, 0.0) + now - self._since
+    charged = charge_as or self._current
+    self._seconds[charged] = self._seconds.get(charged, 0.0) + now - self._since
     previous, self._current, self._since = self._current, name, now
     return previous
 
@@ -97,12 +101,16 @@ class PhaseClock:
     totals[self._current] = totals.get(self._current, 0.0) + now - self._since
     return totals
 
+  def phase_s(self, phase: str) -> float:
+    """Seconds in ``phase`` so far, its parts included."""
+    return sum(s for name, s in self.seconds().items() if name.partition("/")[0] == phase)
+
   def wall_s(self) -> float:
     return self._clock() - self._start
 
   def goodput(self) -> float:
     wall = self.wall_s()
-    return self.seconds().get("steps", 0.0) / wall if wall > 0 else 0.0
+    return self.phase_s("steps") / wall if wall > 0 else 0.0
 
   def record(self) -> dict[str, Any]:
     """``{"wall_s", "goodput", "phases": {phase: s}, "parts": {phase: {part: s}}}``: the JSON of a run's
@@ -121,16 +129,34 @@ class PhaseClock:
             "parts": parts}
 
 
+def fetch_beside(clock: PhaseClock, fetch: Callable[[], Any], running: Sequence[Any]) -> Any:
+  """``fetch()`` (the next batch), charged to ``data_wait`` unless the computation that writes
+  ``running`` (arrays with ``is_ready()``: the outputs of the step just dispatched) is still running
+  when it returns; the device then had work throughout and the time counts as ``steps/data_overlapped``.
+  Returns to ``steps``."""
+  clock.switch("data_wait")
+  value = fetch()
+  busy = not all(x.is_ready() for x in running)
+  clock.switch("steps", charge_as="steps/data_overlapped" if busy else None)
+  return value
+
+
 def summary_line(record: dict[str, Any]) -> str:
   """``wall 253.0 s: steps 41.0 s (16 %), start-up 9.1 s (imports 4.2, ...), compile 9.0 s, ...``: each
   phase's seconds, and its parts' where it has them."""
   phases, parts = record["phases"], record["parts"]
-  texts = [f"steps {phases['steps']:.1f} s ({100 * record['goodput']:.0f} %)"]
+
+  def parts_text(name: str) -> str:
+    return ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in parts.get(name, {}).items())
+
+  steps_parts = parts_text("steps")
+  texts = [f"steps {phases['steps']:.1f} s ({100 * record['goodput']:.0f} %"
+           + (f"; {steps_parts})" if steps_parts else ")")]
   for name, seconds in phases.items():
     if name == "steps" or (name == "other" and not seconds):
       continue
     text = f"{name.replace('_', ' ')} {seconds:.1f} s"
     if parts.get(name):
-      text += " (" + ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in parts[name].items()) + ")"
+      text += f" ({parts_text(name)})"
     texts.append(text)
   return f"wall {record['wall_s']:.1f} s: " + ", ".join(texts)

@@ -271,8 +271,8 @@ def _loop(run: Run, writer: metrics.MetricWriter, stop: StopRequested, heldout, 
         writer.write(run.step, {f"monitor/layer{i}/{k}": v for i, m in monitors.items() for k, v in m.items()})
     if run.step >= train.steps or stop.signal_name:
       break
-    with clock.phase("data_wait"):
-      batch = sharding.global_batch(next(run.data_iterator), run.shardings.mesh)
+    batch = goodput.fetch_beside(clock, lambda: sharding.global_batch(next(run.data_iterator), run.shardings.mesh),
+                                 running=jax.tree.leaves(step_metrics))
   if pending is not None:
     _log(pending, writer, throughput, tokens_per_step, train)
   clock.switch("shutdown")

@@ -115,7 +115,7 @@ class Interval:
 
 class Throughput:
   """Step rates over the interval since the last ``update``, read off the run's phase clock (an object
-  with ``seconds() -> {phase: s}``, ``wall_s()`` and ``goodput()``); ``flops_per_token`` (the model
+  with ``phase_s(phase)``, ``wall_s()`` and ``goodput()``); ``flops_per_token`` (the model
   card's training FLOPs, None when unknown) turns tokens/s into MFU."""
 
   def __init__(self, start_step: int, flops_per_token: float | None, clock):
@@ -125,7 +125,7 @@ class Throughput:
     self.flops_per_token = flops_per_token
 
   def _readings(self) -> tuple[float, float]:
-    return self._clock.seconds().get("steps", 0.0), self._clock.wall_s()
+    return self._clock.phase_s("steps"), self._clock.wall_s()
 
   def update(self, step: int, tokens_per_step: int) -> Interval:
     steps_s, wall_s = self._readings()

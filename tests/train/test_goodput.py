@@ -91,3 +91,37 @@ def test_throughput_counts_step_time_only_and_the_eta_counts_everything():
   assert interval.goodput == pytest.approx(0.8)
   line = metrics.progress_line(10, 20, 2.5, interval)
   assert line == "step 10/20 | loss 2.5000 | 1,250 tok/s | 800.0 ms/step | goodput 80% | ETA 0:00:10"
+
+
+class Output:
+  """An array a dispatched computation writes: ready or not."""
+
+  def __init__(self, ready: bool):
+    self.ready = ready
+
+  def is_ready(self) -> bool:
+    return self.ready
+
+
+@pytest.mark.parametrize("device_busy", [True, False])
+def test_a_batch_fetched_while_the_step_runs_counts_as_step_time(device_busy):
+  time = FakeClock()
+  clock = goodput.PhaseClock(clock=time)
+  clock.switch("steps")
+  throughput = metrics.Throughput(0, None, clock)
+  time.tick(3.0)
+
+  def fetch():
+    time.tick(1.0)
+    return "batch"
+
+  assert goodput.fetch_beside(clock, fetch, running=[Output(True), Output(not device_busy)]) == "batch"
+  assert clock.current == "steps"
+  record = clock.record()
+  assert record["phases"]["steps"] == pytest.approx(4.0 if device_busy else 3.0)
+  assert record["phases"]["data_wait"] == pytest.approx(0.0 if device_busy else 1.0)
+  assert record["parts"].get("steps") == ({"data_overlapped": 1.0} if device_busy else None)
+  assert clock.goodput() == pytest.approx(1.0 if device_busy else 0.75)
+  assert throughput.update(1, tokens_per_step=1).step_s == pytest.approx(4.0 if device_busy else 3.0)
+  if device_busy:
+    assert goodput.summary_line(record).startswith("wall 4.0 s: steps 4.0 s (100 %; data overlapped 1.0), ")
