@@ -357,7 +357,7 @@ RECORD_FORMAT = 1
 WORKDIR = "<workdir>"  # how a record writes the paths inside --workdir (a copy may live elsewhere)
 # Config keys that do not change what a run measures: a record of another machine's setting still counts.
 UNMEASURED_KEYS = ("wandb", "data.cache_dir", "data.token_cache", "data.token_cache_processes",
-                   "train.compilation_cache", "train.profile_steps")
+                   "data.worker_kind", "train.compilation_cache", "train.profile_steps")
 
 
 def record_path(workdir: str, seed: int, key: str) -> str:

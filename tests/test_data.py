@@ -454,6 +454,36 @@ def test_worker_processes_give_the_same_resumable_stream(tmp_path):
   restored.close()
 
 
+def test_worker_threads_and_processes_give_one_stream_and_take_each_others_states(tmp_path):
+  from absl import flags
+  flags.FLAGS.mark_as_parsed()
+  cfg = char_config(tmp_path, [f"document {i} " * (i % 5 + 1) for i in range(30)], seq_len=8, worker_count=2)
+  kinds = {kind: dataclasses.replace(cfg, worker_kind=kind) for kind in ("threads", "processes")}
+  assert kinds["threads"].worker_threads and not kinds["processes"].worker_threads
+  assert not cfg.worker_threads and dataclasses.replace(cfg, token_cache=True).worker_threads  # "auto"
+  with pytest.raises(errors.ConfigError, match="data.worker_kind='fork': give one of auto, threads, processes"):
+    dataclasses.replace(cfg, worker_kind="fork")
+  make = lambda kind: pipeline.make_train_iterator(kinds[kind], CharTokenizer(), batch_size=2, seed=0)  # noqa: E731
+  streams, states = {}, {}
+  for kind in kinds:
+    it = make(kind)
+    first = pipeline.take_batches(it, 3)
+    states[kind] = json.loads(json.dumps(it.get_state()))
+    streams[kind] = first + pipeline.take_batches(it, 4)
+    it.close()
+  assert_same_batches(streams["threads"], streams["processes"])
+  assert states["threads"] == states["processes"]
+  restored = make("threads")
+  restored.set_state(states["processes"])
+  assert_same_batches(pipeline.take_batches(restored, 4), streams["processes"][3:])
+  restored.close()
+  # two shards pack their own documents: not the stream of one
+  inline = pipeline.make_train_iterator(dataclasses.replace(cfg, worker_count=0), CharTokenizer(),
+                                        batch_size=2, seed=0)
+  assert any(not np.array_equal(a["tokens"], b["tokens"])
+             for a, b in zip(pipeline.take_batches(inline, 7), streams["threads"]))
+
+
 def test_state_restores_in_another_process(stdlib_tokenizer, cache_dir):
   # What stage chaining relies on: a saved state continues the same stream in a new process.
   program = f"""

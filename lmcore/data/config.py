@@ -96,6 +96,9 @@ class HeldoutConfig:
       raise ConfigError(f"data.heldout.num_sequences must be >= 1 (got {self.num_sequences}).")
 
 
+WORKER_KINDS = ("auto", "threads", "processes")
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   """Everything the data layer needs. ``segment_ids`` (MATH §6.4): positions restart at document
@@ -107,7 +110,12 @@ class DataConfig:
   seq_len: int = 128  # T: windows hold T + 1 tokens (inputs and shifted targets)
   shuffle_seed: int = 0  # combined with the run seed
   segment_ids: bool = False
-  worker_count: int = 0  # Grain worker processes (0: in the training process)
+  # worker_count: parallel shards of the pipeline, interleaved (0: one, in the training loop's thread); the
+  # stream depends on it. worker_kind: what runs a shard, "threads" or "processes" (the same batches);
+  # "auto": threads when token_cache is on (a shard only reads ids and packs), else processes (tokenizing
+  # needs cores).
+  worker_count: int = 0
+  worker_kind: str = "auto"
   cache_dir: str = ""  # tokenizers and token caches; "": $FSLM_CACHE or ~/.cache/fixed_state_lm
   # Tokenize each source once into cache_dir and read ids from there (same batches, no tokenizing while
   # training; the first run pays the whole corpus once). token_cache_processes: its builders (0: one per core).
@@ -123,6 +131,13 @@ class DataConfig:
       raise ConfigError(f"data.sources names must be unique (got {names}).")
     if self.seq_len < 1:
       raise ConfigError(f"data.seq_len must be >= 1 (got {self.seq_len}).")
+    if self.worker_kind not in WORKER_KINDS:
+      raise ConfigError(f"data.worker_kind={self.worker_kind!r}: give one of {', '.join(WORKER_KINDS)}.")
     if self.worker_count < 0 or self.token_cache_processes < 0:
       raise ConfigError(f"data.worker_count and data.token_cache_processes must be >= 0 (got "
                         f"{self.worker_count}, {self.token_cache_processes}).")
+
+  @property
+  def worker_threads(self) -> bool:
+    """Whether the pipeline's ``worker_count`` shards run in threads of the training process."""
+    return self.worker_kind == "threads" or (self.worker_kind == "auto" and self.token_cache)

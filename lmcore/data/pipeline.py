@@ -183,6 +183,7 @@ class JsonSafeIterator(grain.DatasetIterator):
 
   def __init__(self, parent: grain.DatasetIterator):
     super().__init__(parent)
+    self._closed = False
 
   def __next__(self):
     return next(self._parent)
@@ -194,7 +195,11 @@ class JsonSafeIterator(grain.DatasetIterator):
     self._parent.set_state(_slices_as_tuples(state))
 
   def close(self) -> None:
-    """Stops the worker processes together, then the rest of the pipeline (``stop_workers``)."""
+    """Stops the worker processes together, then the rest of the pipeline (``stop_workers``); once (Grain
+    closes an iterator again when it is collected, maybe while the interpreter exits)."""
+    if self._closed:
+      return
+    self._closed = True
     stop_workers(getattr(self._parent, "_iterators_in_use", None) or ())
     super().close()
 
@@ -261,12 +266,21 @@ def make_train_iterator(cfg: DataConfig, tokenizer: Tokenizer, *, batch_size: in
                                    process_count=process_count).map(TokenizeDocument(tokenizer))
   tokens = documents.to_iter_dataset(READ_OPTIONS)
   batches = pack(tokens, cfg.seq_len).batch(local, drop_remainder=True).map(FinishWindows(cfg.segment_ids))
-  if cfg.worker_count:
-    processes.spawn_workers_light()
-    batches = grain.experimental.WithOptionsIterDataset(batches, WORKER_BATCHES_COPIED).mp_prefetch(
-        grain.MultiprocessingOptions(num_workers=cfg.worker_count),
-        worker_init_fn=processes.leave_signals_to_the_parent)
-  return JsonSafeIterator(iter(batches))
+  return JsonSafeIterator(iter(in_workers(batches, cfg)))
+
+
+def in_workers(batches: grain.IterDataset, cfg: DataConfig) -> grain.IterDataset:
+  """``batches`` as ``cfg.worker_count`` shards (every ``worker_count``-th document of the shuffled
+  order), each packed and batched on its own and read in turn: the same stream, and iterator states of
+  the same form, whether the shards run in threads or in processes (``cfg.worker_threads``)."""
+  if not cfg.worker_count:
+    return batches
+  if cfg.worker_threads:
+    return grain.experimental.multithread_prefetch(batches, num_threads=cfg.worker_count, buffer_size=1)
+  processes.spawn_workers_light()
+  return grain.experimental.WithOptionsIterDataset(batches, WORKER_BATCHES_COPIED).mp_prefetch(
+      grain.MultiprocessingOptions(num_workers=cfg.worker_count),
+      worker_init_fn=processes.leave_signals_to_the_parent)
 
 
 def take_batches(iterator, n: int) -> list[dict[str, np.ndarray]]:

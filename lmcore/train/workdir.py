@@ -54,7 +54,8 @@ FREE_ON_RESUME: tuple[str, ...] = (
     # Read only by a start without checkpoints.
     "train.init_from", "train.init_data_from",
     # Where files are, and how the same computation is spread and scheduled.
-    "data.cache_dir", "data.token_cache", "data.token_cache_processes", "data.heldout.path",
+    "data.cache_dir", "data.token_cache", "data.token_cache_processes", "data.worker_kind",
+    "data.heldout.path",
     "train.compilation_cache", "mesh",
     "model.remat", "train.grad_accum", "train.loss_impl", "train.loss_block_tokens",
 )
