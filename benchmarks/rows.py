@@ -54,6 +54,21 @@ def device_name() -> str:
   return f"{device.platform}: {getattr(device, 'device_kind', str(device))}"
 
 
+def goodput_row(config, evaluation: dict, *, control: str, corpus: str, command: str) -> dict:
+  """The goodput table's row (docs/BENCHMARKS.md) of a finished run: its config (an ExperimentConfig)
+  and final ``evaluation``, which holds the run's ``goodput`` breakdown."""
+  return {"device": device_name(), "command": command, "control": control, "corpus": corpus,
+          "steps": config.train.steps, "tokens_per_step": config.train.batch_size * config.data.seq_len,
+          "worker_count": config.data.worker_count, "loss": evaluation["loss"], **evaluation["goodput"]}
+
+
+def append_row(path: str, row: dict) -> None:
+  """Appends ``row`` to the JSON-lines file ``path``."""
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(path, "a") as f:
+    f.write(json.dumps(row) + "\n")
+
+
 @contextlib.contextmanager
 def _flock(lock_path: str, operation: int):
   if not lock_path:

@@ -68,14 +68,6 @@ def fresh_workdir(path: str) -> str:
   return path
 
 
-def row(config: cfg_lib.ExperimentConfig, record: dict, command: str) -> dict:
-  breakdown = record["goodput"]
-  return {"device": rows_lib.device_name(), "command": command, "control": _CONTROL.value,
-          "corpus": _CORPUS.value or "embedded", "steps": config.train.steps,
-          "tokens_per_step": config.train.batch_size * config.data.seq_len,
-          "worker_count": config.data.worker_count, "loss": record["loss"], **breakdown}
-
-
 def main(argv):
   del argv
   cli.show_library_logs()
@@ -86,9 +78,8 @@ def main(argv):
   if "goodput" not in record:  # stopped by a signal
     return
   command = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
-  result = row(config, record, command)
-  with open(os.path.join(_OUT.value, "goodput.jsonl"), "a") as f:
-    f.write(json.dumps(result) + "\n")
+  rows_lib.append_row(os.path.join(_OUT.value, "goodput.jsonl"), rows_lib.goodput_row(
+      config, record, control=_CONTROL.value, corpus=_CORPUS.value or "embedded", command=command))
   print(f"{_CONTROL.value}, {config.train.steps:,} steps: {goodput.summary_line(record['goodput'])}\n"
         f"wrote {os.path.join(_OUT.value, 'goodput.jsonl')}", flush=True)
 

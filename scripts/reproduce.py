@@ -62,7 +62,8 @@ decayed), not runs trained to that length. Every run is a folder ``--workdir/s<s
 runs are read back from their record, or from their ``eval_<step>.json``, never trained or computed
 again. Output: ``results.md`` (per row the mean over seeds and the spread, max − min; a difference
 between two rows counts only when it exceeds both rows' spreads; recall beside the held-out loss) and
-``results.json`` in ``--workdir``, and the loss curves (``--plot``).
+``results.json`` in ``--workdir``, and the loss curves (``--plot``); ``goodput.jsonl`` there gets one row
+per run trained (where its wall time went: the goodput table's rows of docs/BENCHMARKS.md).
 """
 
 import collections
@@ -82,6 +83,7 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import plots  # noqa: E402
+from benchmarks import rows as rows_lib  # noqa: E402
 from benchmarks.train_step import BenchError, apply_overrides, parse_override  # noqa: E402
 from configs import based, baselines, sanatan  # noqa: E402
 from lmcore import cli  # noqa: E402
@@ -354,6 +356,7 @@ def run_key(run: Run) -> str:
 # -- portable records: what a finished run leaves for a rerun on any machine ---------------------------
 
 RECORD_FORMAT = 1
+GOODPUT_ROWS = "goodput.jsonl"  # in --workdir: each run this workdir trained, where its wall time went
 WORKDIR = "<workdir>"  # how a record writes the paths inside --workdir (a copy may live elsewhere)
 # Config keys that do not change what a run measures: a record of another machine's setting still counts.
 UNMEASURED_KEYS = ("wandb", "data.cache_dir", "data.token_cache", "data.token_cache_processes",
@@ -494,6 +497,9 @@ def finish(run: Run, record: dict | None, plan: Plan, index: int, total: int) ->
     if evaluation is None:
       return None
     record = write_record(plan, run, new_record(run, evaluation, plan))
+    rows_lib.append_row(os.path.join(plan.workdir, GOODPUT_ROWS), rows_lib.goodput_row(
+        run.config, evaluation, control=f"{run_key(run)}, seed {run.seed}", corpus=plan.corpus or "embedded",
+        command=invocation()))
   else:
     print(f"== [{index}/{total}] seed {run.seed}, {run.label}: {run.config.train.steps:,} steps (recorded: read "
           f"back from {record_path(plan.workdir, run.seed, run_key(run))}) ==\n"
@@ -836,11 +842,16 @@ def to_json(value):
   return value
 
 
+def invocation() -> str:
+  """This process's command line, as a shell would take it."""
+  return " ".join(shlex.quote(a) for a in ["python", *sys.argv])
+
+
 def write_results(plan: Plan, runs: list[Run], records: dict) -> None:
   """``results.md``, ``results.json`` and the loss curves in ``--workdir``, from the runs' records."""
   results = results_from_records(plan, runs, records)
   device = ", ".join(sorted({record.get("device", "unknown") for record in records.values()}))  # that trained them
-  command = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
+  command = invocation()
   table = results_markdown(results, device, command)
   plot_path = _PLOT.value or os.path.join(plan.workdir, "loss_curves.png")
   plot_curves(runs, records, results, plot_path, plan.stage1_steps)

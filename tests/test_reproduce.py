@@ -294,6 +294,11 @@ def test_tiny_chain_writes_table_readouts_recall_and_plot_and_its_records_rebuil
   assert results["summary"]["recall"] == {} and "Recall on" not in table
   assert (workdir / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert first.count("Initialised parameters from step 2") == 2
+  # Where each trained run's wall time went, a row per run in the order the process trained them.
+  goodput_rows = [json.loads(line) for line in (workdir / "goodput.jsonl").read_text().splitlines()]
+  assert [r["control"] for r in goodput_rows[:len(names)]] == [f"{name}, seed 0" for name in names]
+  assert len(goodput_rows) == 2 * len(names) and goodput_rows[0]["corpus"] == "embedded"
+  assert all(sum(r["phases"].values()) == pytest.approx(r["wall_s"], rel=0.02) for r in goodput_rows)
 
   # The same command with a recall task: every run is read back from its record (nothing trains), and
   # the recalled runs, whose checkpoints are here, are scored on two examples beside their held-out loss.
