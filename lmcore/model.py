@@ -158,7 +158,10 @@ class LanguageModel(nnx.Module):
     h_BxTxD = self._embed(tokens_BxT, positions_BxT)
     layer_states = (None,) * len(self.blocks) if state is None else state["layers"]
     new_layer_states = []
-    policies = [remat.POLICIES[name] for name in self.config.layer_remat_policies()]
+    # Recomputation serves training's backward pass, which starts every row without a state; a call
+    # that carries a decode state (prefill, decoding, chunked scoring) runs each block as it is.
+    names = self.config.layer_remat_policies() if state is None else ("none",) * len(self.blocks)
+    policies = [remat.POLICIES[name] for name in names]
     for block, layer_state, policy in zip(self.blocks, layer_states, policies):
       h_BxTxD, new_layer_state = _run_block(block, policy, h_BxTxD, layer_state, positions_BxT, segment_ids_BxT)
       new_layer_states.append(new_layer_state)

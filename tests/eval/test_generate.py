@@ -76,6 +76,18 @@ def test_greedy_generation_equals_argmax_of_the_full_forward(family):
   assert len({t for row in out for t in row}) > 4, out  # the check compares varied tokens
 
 
+def test_a_model_trained_with_recomputation_samples_as_without_it():
+  """``model.remat`` (BASED's presets train with "dots") changes nothing a forward computes: a prefill
+  and decode through the generator (they carry a state) sample the tokens of the same weights without
+  it, where the full forward (no state) recomputes."""
+  model = make_model(*FAMILIES["based"], remat=True, remat_policy="dots")
+  out = generate(model, PROMPTS, max_new_tokens=6, sampling=Sampling(temperature=0))
+  plain = make_model(*FAMILIES["based"])
+  nnx.update(plain, nnx.state(model))
+  assert out == generate(plain, PROMPTS, max_new_tokens=6, sampling=Sampling(temperature=0))
+  assert out == argmax_of_full_forward(model, PROMPTS, out)
+
+
 def _primitives(jaxpr) -> set[str]:
   """Every primitive of a jaxpr, nested jaxprs (jit, custom_jvp, scan bodies) included."""
   found = set()
