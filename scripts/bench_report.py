@@ -100,6 +100,8 @@ class Table:
   command: str
   render: Render
   sources: tuple[Source, ...] = ()
+  # Rows its records lack, each "what: `command`", listed under "Not run on the current code".
+  rows_missing: tuple[str, ...] = ()
 
 
 # ---- cells
@@ -348,6 +350,11 @@ TRAIN_LONG = ("python scripts/bench_train.py --steps=6 --out=DIR --presets=trans
               "sanatan_p1_184m_8k,gla_182m_8k,transformer_pp_184m_32k,sanatan_p1_184m_32k,gla_182m_32k")
 DECODE = ("python scripts/bench_decode.py --setting=grid,paper --out=DIR --models=sanatan_p1_184m,"
           "transformer_pp_184m,softmax_184m,softmax_184m_bf16_cache,gla_182m,cyfa,based_360m,transformer_pp_360m")
+# What the published decode rows ran: the grid of the 184M pair, and the papers' setting.
+DECODE_RUN = ("python scripts/bench_decode.py --setting=grid,paper --out=DIR --models=sanatan_p1_184m,"
+              "transformer_pp_184m --batches=1,64 --contexts=2048 --long_contexts=32768 --long_batches=1 "
+              "--decode_tokens=128 --decode_xla=default,graph_loop --repeats=2 --paper_models=sanatan_p1_184m,"
+              "transformer_pp_184m,based_360m,transformer_pp_360m --paper_tokens=256 --max_seconds=110")
 GPU_KERNELS = "bash scripts/bench_gpu.sh DIR"
 
 TABLES = (
@@ -357,22 +364,28 @@ TABLES = (
         "default, on synthetic tokens, batch 32 × 2048, each at its own micro-batch and `implementation=\"auto\"`; "
         "\"vs Transformer++\": tok/s over the Transformer++ row's of the same size. Rows: "
         "`DIR/train_step.jsonl`.",
-        TRAIN_2K, train),
+        TRAIN_2K, train,
+        (Source("2026-12-07-h100-train/2k", ("train_step.jsonl",),
+                "python scripts/bench_train.py --steps=8 --presets=transformer_pp_184m,softmax_184m,"
+                "sanatan_p1_184m,sanatan_p2_184m,gla_182m,cyfa,transformer_pp_360m,based_360m --out=DIR"),),
+        ("the 1.3B presets: `python scripts/bench_train.py --steps=8 --out=DIR "
+         "--presets=transformer_pp_1p3b,based_1p3b`",)),
     Table(
         "Training", "Train step at 8K and 32K tokens",
         "The 184M models without a position table at 8 × 8192 and 2 × 32768 tokens per step, one "
         "micro-batch; \"vs Transformer++\" at the same length. Rows: `DIR/train_step.jsonl`.",
-        TRAIN_LONG, train),
+        TRAIN_LONG, train, (Source("2026-12-07-h100-train/long", ("train_step.jsonl",), TRAIN_LONG),)),
     Table(
         "Training", "Goodput of a reproduction run",
         "Wall seconds by phase of reproduction-size runs: the runs of a `scripts/reproduce.py` chain in "
-        "the order one process trained them (their records), and single controls of "
-        "`scripts/bench_goodput.py` (rows: `DIR/goodput.jsonl`). Goodput: step seconds over wall seconds.",
+        "the order one process trained them (the chain's `--workdir/goodput.jsonl`), and single controls "
+        "of `scripts/bench_goodput.py` (rows: `DIR/goodput.jsonl`). Goodput: step seconds over wall "
+        "seconds; steps include fetching the next batch while the device still runs a step (\"data "
+        "overlapped\"); data wait is a fetch the device waited for.",
         "python scripts/bench_goodput.py --corpus=runs/linux --stage1_steps=1200 --out=DIR", goodput,
         (Source(REPRODUCE, ("goodput.jsonl",),
-                "python scripts/reproduce.py --workdir=runs/reproduce_v2 --stage1_steps=1200 --runs=scratch,"
-                "transformer_pp,gla,based,softmax_table,softmax_nope,p2_no_table,scratch_no_table --seeds=0,1 "
-                "(each run's record)"),
+                "python scripts/reproduce.py --workdir=runs/reproduce_v2 --stage1_steps=1200 "
+                "--runs=softmax_table,softmax_nope --seeds=0,1"),
          Source("2026-12-07-cpu-goodput", ("goodput.jsonl",),
                 "python scripts/bench_goodput.py --corpus=runs/linux14 --stage1_steps=302 "
                 "--out=runs/bench_goodput_cpu2 --override=model.d_model=64 --override=model.n_layers=2 "
@@ -386,13 +399,19 @@ TABLES = (
         "(`lmcore/eval/generate.py`); ms/token is that call's median; floor: the weights and the batch's "
         "state read once at the HBM bandwidth; contexts past 2,048 run without a position table. Rows: "
         "`DIR/decode.jsonl`.",
-        DECODE, decode),
+        DECODE, decode, (Source("2026-12-07-h100-decode", ("decode.jsonl",), DECODE_RUN),),
+        ("the other models (the 184M softmax with a table, in fp32 and bf16 caches, GLA, CyFA, BASED 360M) "
+         "beside Transformer++: `python scripts/bench_decode.py --setting=grid --out=DIR --models=transformer_pp_184m,"
+         "softmax_184m,softmax_184m_bf16_cache,gla_182m,cyfa,based_360m,transformer_pp_360m`",)),
     Table(
         "Decode", "Decode in the BASED paper's setting",
-        "Batch 128, prompts of 4,096 tokens prefilled in one timed call, 1,024 generated tokens; each "
-        "model against the Transformer++ of its size. Rows: `DIR/decode_paper.jsonl` (the same process "
-        "as the grid).",
-        DECODE, decode),
+        "Batch 128, prompts of 4,096 tokens prefilled in one timed call, then the generated tokens "
+        "(1,024 unless the row says otherwise); each model against the Transformer++ of its size. Rows: "
+        "`DIR/decode_paper.jsonl` (the same process as the grid).",
+        DECODE, decode, (Source("2026-12-07-h100-decode", ("decode_paper.jsonl",), DECODE_RUN),),
+        ("BASED 360M beside Transformer++ 360M, whose 53 GB cache needs most of an 80 GB card: "
+         "`XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python scripts/bench_decode.py --setting=paper --out=DIR "
+         "--paper_models=based_360m,transformer_pp_360m`",)),
     Table(
         "Ops", "Kernels against XLA, FLA and cuDNN",
         "fwd / **fwd+bwd** ms, bf16, 16,384 tokens per call, 8 calls per wait; in brackets the op's XLA "
@@ -409,8 +428,8 @@ TABLES = (
         "The XLA forms TPUs and CPUs run, each beside the form it should keep up with: fwd / **fwd+bwd** "
         "ms, bf16, 16,384 tokens per call. Rows: `DIR/xla_forms.jsonl`.",
         "python scripts/bench_xla_forms.py --out=DIR", xla_forms,
-        (Source("2026-12-07-h200-xla-forms", ("xla_forms.jsonl",),
-                "python scripts/bench_xla_forms.py --ops=taylor --lengths=2048,32768 --out=DIR"),)),
+        (Source("2026-12-07-h100-xla-forms", ("xla_forms.jsonl",),
+                "python scripts/bench_xla_forms.py --ops=taylor,sanatan_p1 --lengths=2048,32768 --out=DIR"),)),
     Table(
         "Ops", "TPU v4 ahead of time",
         "Compiled by libtpu for the 4 chips of a v4-8 on a CPU host, forward + backward, 8 rows of T per "
@@ -474,15 +493,17 @@ def render_table(table: Table, root: str) -> list[str]:
 def not_run() -> list[str]:
   """The tables without a record, with the commands that measure them."""
   missing = [t for t in TABLES if not t.sources]
-  if not missing:
+  partial = [t for t in TABLES if t.sources and t.rows_missing]
+  if not missing and not partial:
     return []
   lines = ["## Not run on the current code", "",
-           "No record of these tables has been measured on the current code (GPU rows: one GPU, "
-           "`DIR` a fresh folder). Each command writes the rows its table reads; publish them as \"How to "
-           "measure\" says.", ""]
+           "No record of these tables, or of these rows, has been measured on the current code (GPU rows: "
+           "one GPU, `DIR` a fresh folder). Each command writes the rows its table reads; publish them as "
+           "\"How to measure\" says.", ""]
   for command in dict.fromkeys(t.command for t in missing):
     titles = " and ".join(f"**{t.title}**" for t in missing if t.command == command)
     lines.append(f"- {titles}: `{command}`")
+  lines += [f"- **{t.title}**, {what}" for t in partial for what in t.rows_missing]
   return lines + [""]
 
 
