@@ -388,7 +388,7 @@ TABLES = (
                 "--runs=softmax_table,softmax_nope --seeds=0,1"),
          Source("2026-12-07-cpu-goodput", ("goodput.jsonl",),
                 "python scripts/bench_goodput.py --corpus=runs/linux14 --stage1_steps=302 "
-                "--out=runs/bench_goodput_cpu2 --override=model.d_model=64 --override=model.n_layers=2 "
+                "--out=runs/bench_goodput_cpu4 --override=model.d_model=64 --override=model.n_layers=2 "
                 "--override=model.pattern='softmax*2' --override=model.mlp_hidden=192 "
                 "--override=model.mixers.softmax.n_heads=4 --override=model.mixers.softmax.head_dim=16 "
                 "--override=train.batch_size=8 --override=data.seq_len=256 --override=model.max_positions=256 "
