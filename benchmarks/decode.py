@@ -36,7 +36,6 @@ import collections
 import dataclasses
 import datetime
 import gc
-import json
 import os
 import re
 import statistics
@@ -49,7 +48,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks import plots, train_step
-from benchmarks.rows import fmt
+from benchmarks.rows import append_row, fmt
 
 # Memory bandwidth per chip (vendors' data sheets), matched against ``device_kind`` (first match wins).
 HBM_BYTES_PER_S = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100", 2.0e12))
@@ -421,9 +420,7 @@ def run(models: list[str], *, batches: list[int], contexts: list[int], long_cont
       print(f"  {format_row_line(row)}", flush=True)
       rows.append(row)
       if jsonl:
-        os.makedirs(os.path.dirname(os.path.abspath(jsonl)), exist_ok=True)
-        with open(jsonl, "a") as f:
-          f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+        append_row(jsonl, row)
     del model, gen
     gc.collect()
     jax.clear_caches()
@@ -712,9 +709,7 @@ def run_paper(models: list[str], *, batch: int = PAPER_BATCH, prompt: int = PAPE
     print(f"  {format_paper_line(row)}", flush=True)
     rows.append(row)
     if jsonl:
-      os.makedirs(os.path.dirname(os.path.abspath(jsonl)), exist_ok=True)
-      with open(jsonl, "a") as f:
-        f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+      append_row(jsonl, row)
   return with_paper_ratios(rows)
 
 

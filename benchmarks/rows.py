@@ -62,11 +62,12 @@ def goodput_row(config, evaluation: dict, *, control: str, corpus: str, command:
           "worker_count": config.data.worker_count, "loss": evaluation["loss"], **evaluation["goodput"]}
 
 
-def append_row(path: str, row: dict) -> None:
-  """Appends ``row`` to the JSON-lines file ``path``."""
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+def append_row(path: str, row) -> None:
+  """Appends ``row`` (a dict, or a dataclass written as its dict) as one line of the JSON-lines file
+  ``path``, making its folder first."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "a") as f:
-    f.write(json.dumps(row) + "\n")
+    f.write(json.dumps(row if isinstance(row, dict) else dataclasses.asdict(row)) + "\n")
 
 
 @contextlib.contextmanager
@@ -154,9 +155,7 @@ class RowLog:
     print(f"  {row.op} {row.impl}{heads} T={row.length}: {row.fwd_ms} / {row.fwdbwd_ms} ms{queued} "
           f"{row.note}", flush=True)
     if self.path:
-      os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-      with open(self.path, "a") as f:
-        f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+      append_row(self.path, row)
 
 
 def measure(log: RowLog, op_name: str, impl: str, length: int, batch: int, fn: Callable | str,

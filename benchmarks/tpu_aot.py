@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from based_jax.ops.taylor_attention import xla as taylor_xla
 from benchmarks import harness
-from benchmarks.rows import fmt
+from benchmarks.rows import append_row, fmt
 from lmcore.errors import UserError
 
 F32 = jnp.float32
@@ -424,12 +424,6 @@ def load(path: str) -> dict[tuple, Result]:
   return rows
 
 
-def _append(path: str, row: Result) -> None:
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "a") as f:
-    f.write(json.dumps(dataclasses.asdict(row)) + "\n")
-
-
 def run(*, ops: list[str], lengths: list[int], batch: int, devices: list, topology: str,
         dtype: str = "bfloat16", jsonl: str = "") -> list[Result]:
   """Every case of ``ops`` at every length, compiled for ``devices`` (one TPU slice); rows already
@@ -451,7 +445,7 @@ def run(*, ops: list[str], lengths: list[int], batch: int, devices: list, topolo
         print(f"  {row.op} {row.impl} T={length}: {fmt(row.compile_s, '.1f')} s compile, "
               f"{fmt(row.flops, '.3g')} FLOPs, {fmt(row.bytes_accessed, '.3g')} bytes {row.note}", flush=True)
         if jsonl:
-          _append(jsonl, row)
+          append_row(jsonl, row)
         rows.append(row)
   return rows
 

@@ -18,7 +18,6 @@ import datetime
 import gc
 import importlib
 import gzip
-import json
 import os
 import time
 from typing import Any
@@ -28,7 +27,7 @@ import ml_collections
 import numpy as np
 
 from benchmarks import profile_summary
-from benchmarks.rows import fmt
+from benchmarks.rows import append_row, fmt
 
 GIB = 2 ** 30
 
@@ -359,9 +358,7 @@ def run(presets: list[str], *, batch: int | None, seq_len: int | None, steps: in
     print(f"  {format_row_line(row)}", flush=True)
     rows.append(row)
     if jsonl:
-      os.makedirs(os.path.dirname(os.path.abspath(jsonl)), exist_ok=True)
-      with open(jsonl, "a") as f:
-        f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+      append_row(jsonl, row)
     gc.collect()
     jax.clear_caches()
   return with_ratios(rows)

@@ -240,9 +240,7 @@ def _measure(case: Case, args: tuple, repeats: int, queue: int, row: FormRow, js
   print(f"  {row.op} {row.form} [{row.heads}] T={row.length}: {row.fwd_ms} / {row.fwdbwd_ms} ms {row.note}",
         flush=True)
   if jsonl:
-    os.makedirs(os.path.dirname(os.path.abspath(jsonl)), exist_ok=True)
-    with open(jsonl, "a") as f:
-      f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+    rows.append_row(jsonl, row)
   return row
 
 

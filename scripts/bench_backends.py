@@ -39,6 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from benchmarks import harness as bench  # noqa: E402
 from benchmarks import backend_probe as probe  # noqa: E402
+from benchmarks import rows as rows_lib  # noqa: E402
 
 GPU_LENGTHS, GPU_TOKENS = [2048, 8192], 96 * 8192
 HOST_LENGTHS, HOST_TOKENS = [128], 3 * 128  # --interpret: an odd BH of 3, two chunks
@@ -139,9 +140,7 @@ def measure(name: str, op, args, ref, length: int, bh: int, repeats: int, lock: 
 
 def append(path: str, row: Row) -> None:
   if path:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "a") as f:
-      f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+    rows_lib.append_row(path, row)
 
 
 def load(path: str) -> list[Row]:
