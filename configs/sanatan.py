@@ -98,7 +98,7 @@ def sanatan_184m_p1_scratch():
 
 
 # The reproduction chain (scripts/reproduce.py): the 184M recipe at 8 layers of 512 (34,619,904
-# parameters) for minutes on one GPU, on a corpus of C sources in REPRO_CORPUS (ArrayRecord shards with
+# parameters) on one GPU, on a corpus of C sources in REPRO_CORPUS (ArrayRecord shards with
 # one source file per document, a SentencePiece tokenizer of 16,384 pieces). Stage 1's steps are the one
 # knob (``repro_steps``); ``REPRO_TINY`` is the same chain at the scale of a CPU test.
 REPRO_CORPUS = "runs/linux"

@@ -409,7 +409,8 @@ TABLES = (
         "(1,024 unless the row says otherwise); each model against the Transformer++ of its size. Rows: "
         "`DIR/decode_paper.jsonl` (the same process as the grid).",
         DECODE, decode, (Source("2026-12-07-h100-decode", ("decode_paper.jsonl",), DECODE_RUN),),
-        ("BASED 360M beside Transformer++ 360M, whose 53 GB cache needs most of an 80 GB card: "
+        ("BASED 360M beside Transformer++ 360M, whose cache needs more than JAX's default share of the "
+         "card (the record's README): "
          "`XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python scripts/bench_decode.py --setting=paper --out=DIR "
          "--paper_models=based_360m,transformer_pp_360m`",)),
     Table(

@@ -142,8 +142,8 @@ def fetch_beside(clock: PhaseClock, fetch: Callable[[], Any], running: Sequence[
 
 
 def summary_line(record: dict[str, Any]) -> str:
-  """``wall 253.0 s: steps 41.0 s (16 %), start-up 9.1 s (imports 4.2, ...), compile 9.0 s, ...``: each
-  phase's seconds, and its parts' where it has them."""
+  """``wall W s: steps S s (G %; data overlapped ...), startup ... s (imports ..., ...), compile ... s, ...``:
+  each phase's seconds, and its parts' where it has them."""
   phases, parts = record["phases"], record["parts"]
 
   def parts_text(name: str) -> str:
